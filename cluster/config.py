@@ -1,0 +1,253 @@
+"""The one typed config that drives the cluster, the planner, the manifests and the load tests.
+
+Every model here is pydantic v2 with ``extra="forbid"`` so that a misspelt key is an error that
+names the field, caught when the file is loaded rather than when the first request arrives.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class KVGeometry(Strict):
+    layers: int = Field(gt=0, description="Transformer layers that hold a KV cache.")
+    kv_heads: int = Field(gt=0, description="Key/value heads per layer (GQA groups).")
+    head_dim: int = Field(gt=0, description="Dimension of one attention head.")
+    dtype_bytes: int = Field(2, gt=0, description="Bytes per KV element (2 for bf16/fp16, 1 for fp8).")
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class ModelConfig(Strict):
+    name: str = Field(min_length=1, description="Model id served at /v1/models and asked for in requests.")
+    tokenizer: str = Field(
+        description=(
+            "How to count this model's tokens: a HF tokenizer folder, '@tiny' for the local model, "
+            "'tiktoken:<encoding or model>' for OpenAI models, or 'estimate:<chars per token>'."
+        )
+    )
+    path: str | None = Field(None, description="Weights for self-hosted engines: a folder, or '@tiny'.")
+    context_window: int = Field(gt=0, description="Maximum prompt + completion tokens.")
+    params_b: float | None = Field(None, gt=0, description="Parameters in billions (planner, sim).")
+    kv: KVGeometry | None = Field(None, description="KV-cache geometry (planner, sim).")
+    overflow_to: str | None = Field(
+        None, description="A bigger-window model to route to when a request does not fit; else 400."
+    )
+    default_max_tokens: int = Field(256, gt=0, description="max_tokens when the request gives none.")
+
+
+class EngineArgs(Strict):
+    """The vLLM engine arguments we set; anything else goes through ``extra``."""
+
+    block_size: int | None = Field(None, gt=0, description="KV block size in tokens (CPU: a multiple of 32).")
+    max_num_seqs: int | None = Field(None, gt=0, description="Maximum sequences in one batch.")
+    max_model_len: int | None = Field(None, gt=0, description="Engine context length (defaults to the model's).")
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; overrides the GPU share.")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU memory share for vLLM.")
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per replica.")
+    enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start, slower run).")
+    enable_prefix_caching: bool = Field(True, description="Keep the prefix cache on: routing depends on it.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
+
+
+class ProviderConfig(Strict):
+    api: Literal["openai", "anthropic"] = Field(description="Wire protocol the provider speaks.")
+    base_url: str = Field(description="Base URL, e.g. https://api.openai.com/v1 .")
+    upstream_model: str | None = Field(None, description="Model name the provider expects (default: ours).")
+    api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout.")
+    first_token_timeout_s: float = Field(30.0, gt=0, description="Time allowed until the first content token.")
+    between_tokens_timeout_s: float = Field(30.0, gt=0, description="Longest silence allowed mid-stream.")
+    total_timeout_s: float = Field(600.0, gt=0, description="Whole-request limit.")
+    rpm: int | None = Field(None, gt=0, description="Requests per minute budget (None: unlimited).")
+    tpm: int | None = Field(None, gt=0, description="Tokens per minute budget, input + max output.")
+    max_in_flight: int | None = Field(None, gt=0, description="Concurrent requests allowed upstream.")
+    cost_per_mtok_input: float = Field(0.0, ge=0, description="USD per 1M uncached input tokens.")
+    cost_per_mtok_cached_input: float = Field(0.0, ge=0, description="USD per 1M cached input tokens.")
+    cost_per_mtok_output: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
+
+
+class Resources(Strict):
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per replica (bookkeeping on CPU hosts).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica.")
+    memory_bytes: int | None = Field(None, gt=0, description="Ray memory reservation per replica.")
+
+
+class Autoscaling(Strict):
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas kept up.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas started.")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Target in-flight requests per replica (default: derived from max_num_seqs)."
+    )
+
+
+class BackendConfig(Strict):
+    name: str = Field(min_length=1, description="Backend id, used in routes and metrics.")
+    kind: Literal["vllm", "sim", "provider"] = Field(description="What serves the requests.")
+    model: str = Field(description="The model (from `models`) this backend serves.")
+    replicas: int = Field(1, ge=1, description="Replicas when not autoscaling.")
+    autoscaling: Autoscaling | None = Field(None, description="Serve autoscaling instead of fixed replicas.")
+    resources: Resources = Field(default_factory=Resources, description="Ray resources per replica.")
+    max_in_flight_per_replica: int = Field(64, gt=0, description="Router-side cap on requests per replica.")
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments (kind vllm).")
+    sim_profile: str | None = Field(None, description="Engine-model profile name (kind sim).")
+    sim_options: dict[str, Any] = Field(default_factory=dict, description="Sim knobs: speedup, faults (kind sim).")
+    provider: ProviderConfig | None = Field(None, description="Provider endpoint (kind provider).")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replicas.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> BackendConfig:
+        if self.kind == "provider" and self.provider is None:
+            raise ValueError("a backend of kind 'provider' needs a 'provider' section")
+        if self.kind != "provider" and self.provider is not None:
+            raise ValueError(f"'provider' is only for kind 'provider', not '{self.kind}'")
+        return self
+
+
+class SurfaceConfig(Strict):
+    name: str = Field(min_length=1, description="Product surface id (tab, chat, agent …).")
+    priority: int = Field(0, description="Lower is served first when requests queue.")
+    ttft_slo_ms: float = Field(1000.0, gt=0, description="Time-to-first-token objective.")
+    max_concurrency: int = Field(64, gt=0, description="Requests of this surface in flight at once.")
+    max_queue: int = Field(256, ge=0, description="Requests allowed to wait for a slot.")
+    queue_deadline_ms: float = Field(2000.0, gt=0, description="Longest queue wait before a 429.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for the whole request.")
+    hedging: bool = Field(False, description="Race a second backend when the first token is late.")
+
+
+class RouteConfig(Strict):
+    model: str = Field(description="Model id the route serves.")
+    surface: str | None = Field(None, description="Only for this surface (None: every surface).")
+    candidates: list[str] = Field(min_length=1, description="Backends in the order they are tried.")
+
+
+class ApiKey(Strict):
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key (never the key).")
+    surface: str = Field(description="Surface the key's requests belong to.")
+
+
+class ServerConfig(Strict):
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, gt=0, lt=65536, description="HTTP port.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Request bodies above this get a 413.")
+    auth: bool = Field(False, description="Require API keys (maps keys to surfaces).")
+    api_keys: list[ApiKey] = Field(default_factory=list, description="Accepted keys, hashed.")
+    default_surface: str = Field("chat", description="Surface for requests that name none.")
+    router_replicas: int = Field(1, ge=1, description="Router deployment replicas.")
+    ingress_replicas: int = Field(1, ge=1, description="Ingress deployment replicas.")
+
+
+class ClusterConfig(Strict):
+    name: str = Field("llm-cluster", description="Serve application name.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP ingress settings.")
+    models: list[ModelConfig] = Field(min_length=1, description="Models served.")
+    backends: list[BackendConfig] = Field(min_length=1, description="Engines and providers.")
+    surfaces: list[SurfaceConfig] = Field(min_length=1, description="Product surfaces and their limits.")
+    routes: list[RouteConfig] = Field(default_factory=list, description="Candidate backends per model.")
+
+    @model_validator(mode="after")
+    def _references(self) -> ClusterConfig:
+        models = _by_name("models", self.models)
+        backends = _by_name("backends", self.backends)
+        surfaces = _by_name("surfaces", self.surfaces)
+        for i, b in enumerate(self.backends):
+            if b.model not in models:
+                raise ValueError(f"backends[{i}].model: unknown model '{b.model}'")
+        for i, m in enumerate(self.models):
+            if m.overflow_to is not None and m.overflow_to not in models:
+                raise ValueError(f"models[{i}].overflow_to: unknown model '{m.overflow_to}'")
+        for i, r in enumerate(self.routes):
+            if r.model not in models:
+                raise ValueError(f"routes[{i}].model: unknown model '{r.model}'")
+            if r.surface is not None and r.surface not in surfaces:
+                raise ValueError(f"routes[{i}].surface: unknown surface '{r.surface}'")
+            for c in r.candidates:
+                if c not in backends:
+                    raise ValueError(f"routes[{i}].candidates: unknown backend '{c}'")
+                if backends[c].model != r.model:
+                    raise ValueError(
+                        f"routes[{i}].candidates: backend '{c}' serves '{backends[c].model}', not '{r.model}'"
+                    )
+        if self.server.default_surface not in surfaces:
+            raise ValueError(f"server.default_surface: unknown surface '{self.server.default_surface}'")
+        for i, k in enumerate(self.server.api_keys):
+            if k.surface not in surfaces:
+                raise ValueError(f"server.api_keys[{i}].surface: unknown surface '{k.surface}'")
+        return self
+
+    # Lookups -------------------------------------------------------------------------------
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def backend(self, name: str) -> BackendConfig:
+        return next(b for b in self.backends if b.name == name)
+
+    def surface(self, name: str) -> SurfaceConfig | None:
+        return next((s for s in self.surfaces if s.name == name), None)
+
+    def candidates(self, model: str, surface: str) -> list[str]:
+        """Backends to try for a model and surface: a surface-specific route wins over a general one;
+        with no route at all, every backend serving the model, in config order."""
+        specific = [r for r in self.routes if r.model == model and r.surface == surface]
+        general = [r for r in self.routes if r.model == model and r.surface is None]
+        for group in (specific, general):
+            if group:
+                return list(group[0].candidates)
+        return [b.name for b in self.backends if b.model == model]
+
+
+def _by_name(what: str, items: list[Any]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for item in items:
+        if item.name in seen:
+            raise ValueError(f"{what}: duplicate name '{item.name}'")
+        seen[item.name] = item
+    return seen
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names the file and the field."""
+
+
+def _expand_env(text: str) -> str:
+    return os.path.expandvars(text)
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(_expand_env(p.read_text()))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{p}: no such file") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    return parse_config(raw, source=str(p))
+
+
+def parse_config(raw: Any, source: str = "<config>") -> ClusterConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: invalid config:\n{format_validation_error(exc)}") from exc
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
