@@ -53,11 +53,17 @@ class EngineArgs(Strict):
 
     block_size: int | None = Field(None, gt=0, description="KV block size in tokens (CPU: a multiple of 32).")
     max_num_seqs: int | None = Field(None, gt=0, description="Maximum sequences in one batch.")
-    max_model_len: int | None = Field(None, gt=0, description="Engine context length (defaults to the model's).")
-    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size; overrides the GPU share.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Engine context length (defaults to the model's)."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV cache size; overrides the GPU share."
+    )
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="GPU memory share for vLLM.")
     tensor_parallel_size: int = Field(1, gt=0, description="GPUs per replica.")
-    enforce_eager: bool = Field(False, description="Skip graph capture/compilation (faster start, slower run).")
+    enforce_eager: bool = Field(
+        False, description="Skip graph capture/compilation (faster start, slower run)."
+    )
     enable_prefix_caching: bool = Field(True, description="Keep the prefix cache on: routing depends on it.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 
@@ -66,9 +72,13 @@ class ProviderConfig(Strict):
     api: Literal["openai", "anthropic"] = Field(description="Wire protocol the provider speaks.")
     base_url: str = Field(description="Base URL, e.g. https://api.openai.com/v1 .")
     upstream_model: str | None = Field(None, description="Model name the provider expects (default: ours).")
-    api_key_env: str | None = Field(None, description="Environment variable holding the API key (never the key).")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the API key (never the key)."
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP/TLS connect timeout.")
-    first_token_timeout_s: float = Field(30.0, gt=0, description="Time allowed until the first content token.")
+    first_token_timeout_s: float = Field(
+        30.0, gt=0, description="Time allowed until the first content token."
+    )
     between_tokens_timeout_s: float = Field(30.0, gt=0, description="Longest silence allowed mid-stream.")
     total_timeout_s: float = Field(600.0, gt=0, description="Whole-request limit.")
     rpm: int | None = Field(None, gt=0, description="Requests per minute budget (None: unlimited).")
@@ -103,7 +113,9 @@ class BackendConfig(Strict):
     max_in_flight_per_replica: int = Field(64, gt=0, description="Router-side cap on requests per replica.")
     engine: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments (kind vllm).")
     sim_profile: str | None = Field(None, description="Engine-model profile name (kind sim).")
-    sim_options: dict[str, Any] = Field(default_factory=dict, description="Sim knobs: speedup, faults (kind sim).")
+    sim_options: dict[str, Any] = Field(
+        default_factory=dict, description="Sim knobs: speedup, faults (kind sim)."
+    )
     provider: ProviderConfig | None = Field(None, description="Provider endpoint (kind provider).")
     env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replicas.")
 

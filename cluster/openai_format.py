@@ -1,0 +1,79 @@
+"""OpenAI response shapes for our chunks: streaming chunk objects, whole responses, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cluster.protocol import Usage
+
+
+@dataclass
+class ResponseMeta:
+    kind: Literal["chat", "completion"]
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+    }
+    d["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    return d
+
+
+def stream_chunk(
+    meta: ResponseMeta, text: str, finish_reason: str | None, first: bool = False
+) -> dict[str, Any]:
+    base = {"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model}
+    if meta.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if finish_reason is not None and not text and not first:
+            delta = {}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**base, "choices": [choice]}
+
+
+def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": meta.object,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [],
+        "usage": usage_dict(usage),
+    }
+
+
+def full_response(meta: ResponseMeta, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    base = {"id": meta.id, "created": meta.created, "model": meta.model, "usage": usage_dict(usage)}
+    if meta.kind == "chat":
+        msg = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish_reason}
+        return {**base, "object": "chat.completion", "choices": [choice]}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**base, "object": "text_completion", "choices": [choice]}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

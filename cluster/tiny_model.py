@@ -1,0 +1,145 @@
+"""Build the tiny local model: a random-weight Llama with a byte-level BPE tokenizer trained offline.
+
+Nothing comes from a model hub. The tokenizer is trained on local text (this Python's standard
+library sources), has special tokens and a ChatML chat template; the model is a 2-layer Llama
+(hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048 positions) in bf16 with seeded random weights.
+Its output is gibberish; it exercises the real engine, scheduler, KV cache and prefix caching.
+
+    python -m cluster.tiny_model            # builds once into the cache folder, prints the path
+
+Idempotent: a finished build leaves a marker file and is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+VERSION = "v1"
+VOCAB = 2048
+CONTEXT = 2048
+SPECIAL = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The geometry the config's `kv:` section for this model must match.
+GEOMETRY = {"layers": 2, "kv_heads": 2, "head_dim": 32, "dtype_bytes": 2}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llm-cluster"))
+
+
+def tiny_model_path() -> Path:
+    return cache_root() / f"tiny-llama-{VERSION}"
+
+
+def _corpus(limit_bytes: int = 3_000_000) -> list[str]:
+    """Deterministic local training text: the standard library's own sources, sorted."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for f in sorted(lib.glob("*.py")):
+        try:
+            t = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(t)
+        total += len(t)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        unk_token=None,
+        model_max_length=CONTEXT,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=GEOMETRY["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=GEOMETRY["kv_heads"],
+        head_dim=GEOMETRY["head_dim"],
+        max_position_embeddings=CONTEXT,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def build(force: bool = False) -> Path:
+    out = tiny_model_path()
+    marker = out / ".complete"
+    if marker.exists() and not force:
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(tmp)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp))
+    _build_model(tmp, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)
+    (tmp / ".complete").write_text(VERSION)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)  # atomic: a concurrent reader sees either no model or a whole one
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if a build exists")
+    ap.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    args = ap.parse_args(argv)
+    path = build(force=args.force)
+    if not args.quiet:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

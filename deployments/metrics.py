@@ -1,0 +1,95 @@
+"""Prometheus metrics through Ray's metrics agent, so they aggregate across replicas and nodes.
+
+Ray exports them with a ``ray_`` prefix (``ray_llmc_ttft_seconds`` …) on each node's metrics port.
+Names and tags are the contract with the Grafana dashboard in ``k8s/``.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from cluster.protocol import BackendStats, Usage
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60, 120]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5]
+
+TTFT = Histogram(
+    "llmc_ttft_seconds",
+    description="Time from the router receiving a request to its first content token.",
+    boundaries=_LATENCY_BUCKETS,
+    tag_keys=("surface", "backend"),
+)
+ITL = Histogram(
+    "llmc_itl_seconds",
+    description="Time between consecutive streamed chunks of one request.",
+    boundaries=_ITL_BUCKETS,
+    tag_keys=("surface",),
+)
+LATENCY = Histogram(
+    "llmc_request_latency_seconds",
+    description="Whole-request latency at the router.",
+    boundaries=_LATENCY_BUCKETS,
+    tag_keys=("surface", "outcome"),
+)
+TOKENS = Counter(
+    "llmc_tokens_total",
+    description="Tokens processed, by kind (prompt, completion, cached).",
+    tag_keys=("surface", "backend", "kind"),
+)
+ENDINGS = Counter(
+    "llmc_requests_ended_total",
+    description="Requests ended at the router, by outcome (completed, errored, cancelled).",
+    tag_keys=("surface", "outcome"),
+)
+FAILOVERS = Counter(
+    "llmc_failovers_total",
+    description="Attempts abandoned before the first token for the next candidate.",
+    tag_keys=("backend", "code"),
+)
+COST = Counter(
+    "llmc_cost_usd_total",
+    description="Estimated spend in USD, from configured per-token prices.",
+    tag_keys=("surface", "backend"),
+)
+PREFIX_QUERIES = Gauge(
+    "llmc_prefix_cache_queries",
+    description="Prompt tokens looked up in the engine's prefix cache (engine counter, per replica).",
+    tag_keys=("backend", "replica"),
+)
+PREFIX_HITS = Gauge(
+    "llmc_prefix_cache_hits",
+    description="Prompt tokens found in the engine's prefix cache (engine counter, per replica).",
+    tag_keys=("backend", "replica"),
+)
+KV_USAGE = Gauge(
+    "llmc_kv_cache_usage",
+    description="Share of the replica's KV cache in use (0..1).",
+    tag_keys=("backend", "replica"),
+)
+RUNNING = Gauge(
+    "llmc_replica_running", description="Requests running in the engine.", tag_keys=("backend", "replica")
+)
+WAITING = Gauge(
+    "llmc_replica_waiting", description="Requests waiting in the engine.", tag_keys=("backend", "replica")
+)
+
+
+def record_usage(surface: str, backend: str, usage: Usage) -> None:
+    tags = {"surface": surface, "backend": backend}
+    for kind, n in (
+        ("prompt", usage.prompt_tokens),
+        ("completion", usage.completion_tokens),
+        ("cached", usage.cached_tokens),
+    ):
+        if n > 0:  # Ray's counters refuse increments of zero
+            TOKENS.inc(n, tags={**tags, "kind": kind})
+
+
+def record_backend_stats(stats: dict[str, BackendStats]) -> None:
+    for rid, s in stats.items():
+        tags = {"backend": s.backend, "replica": rid}
+        PREFIX_QUERIES.set(s.prefix_cache_queries, tags=tags)
+        PREFIX_HITS.set(s.prefix_cache_hits, tags=tags)
+        KV_USAGE.set(s.kv_usage, tags=tags)
+        RUNNING.set(s.running, tags=tags)
+        WAITING.set(s.waiting, tags=tags)

@@ -1,0 +1,175 @@
+"""A vLLM v1 engine (``AsyncLLM``) behind the backend interface: token ids in, typed chunks out.
+
+One engine per replica, prefix caching on. Cancelling the consumer aborts the engine request
+(closing vLLM's generator aborts it; we also call ``abort`` explicitly so the engine frees the
+request's KV blocks at once). ``stats()`` reads a snapshot that a custom stat logger keeps from
+vLLM's own scheduler stats, so it costs nothing and never awaits the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import BackendConfig, ModelConfig
+from cluster.errors import BackendUnavailable, StreamInterrupted
+from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.tokens import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _EngineCounters:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+def _stat_logger_factory(counters: _EngineCounters) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SnapshotLogger(StatLoggerBase):
+        """Keeps the latest scheduler stats and running prefix-cache totals (vLLM's units: tokens)."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.counters = counters
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if scheduler_stats is None:
+                return
+            c = self.counters
+            c.running = scheduler_stats.num_running_reqs
+            c.waiting = scheduler_stats.num_waiting_reqs
+            c.kv_usage = scheduler_stats.kv_cache_usage
+            pcs = scheduler_stats.prefix_cache_stats
+            if pcs is not None:
+                c.prefix_queries += pcs.queries
+                c.prefix_hits += pcs.hits
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SnapshotLogger
+
+
+def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, Any]:
+    e = backend.engine
+    kw: dict[str, Any] = {
+        "model": resolve_model_path(model.path or model.name),
+        "served_model_name": model.name,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "enforce_eager": e.enforce_eager,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "max_model_len": e.max_model_len or model.context_window,
+        "disable_log_stats": False,
+    }
+    optional = {
+        "block_size": e.block_size,
+        "max_num_seqs": e.max_num_seqs,
+        "kv_cache_memory_bytes": e.kv_cache_memory_bytes,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+    }
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    kw.update(e.extra)
+    return kw
+
+
+class VLLMBackend:
+    """Implements :class:`cluster.backend.Backend` over an in-process vLLM ``AsyncLLM``."""
+
+    def __init__(self, backend: BackendConfig, model: ModelConfig, replica: str) -> None:
+        for k, v in backend.env.items():
+            os.environ.setdefault(k, v)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.backend = backend.name
+        self.replica = replica
+        self._counters = _EngineCounters()
+        self._started = self._finished = self._aborted = 0
+        args = AsyncEngineArgs(**engine_kwargs(backend, model))
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = req.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            stop=s.stop or None,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self._started += 1
+        completion_tokens = 0
+        cached = 0
+        finished = False
+        try:
+            stream = self.engine.generate(
+                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id=req.request_id
+            )
+            async for out in stream:
+                if out.num_cached_tokens is not None:
+                    cached = out.num_cached_tokens
+                o = out.outputs[0]
+                completion_tokens += len(o.token_ids)
+                chunk = Chunk(
+                    text=o.text, token_ids=list(o.token_ids), replica=self.replica, backend=self.backend
+                )
+                if out.finished:
+                    finished = True
+                    chunk.finish_reason = o.finish_reason or "stop"
+                    chunk.usage = Usage(len(req.prompt_token_ids), completion_tokens, cached)
+                yield chunk
+        except Exception as exc:
+            if completion_tokens:
+                raise StreamInterrupted(f"vLLM replica {self.replica} failed mid-stream: {exc}") from exc
+            raise BackendUnavailable(
+                f"vLLM replica {self.replica} failed: {exc}", backend=self.backend
+            ) from exc
+        finally:
+            if finished:
+                self._finished += 1
+            else:
+                # Cancelled or failed: make sure the engine stops generating and frees the blocks.
+                self._aborted += 1
+                await self.abort(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # the engine may already have dropped it
+            log.debug("abort of %s failed", request_id, exc_info=True)
+
+    def stats(self) -> BackendStats:
+        c = self._counters
+        return BackendStats(
+            replica=self.replica,
+            backend=self.backend,
+            kind="vllm",
+            running=c.running,
+            waiting=c.waiting,
+            kv_usage=c.kv_usage,
+            prefix_cache_queries=c.prefix_queries,
+            prefix_cache_hits=c.prefix_hits,
+            requests_started=self._started,
+            requests_finished=self._finished,
+            requests_aborted=self._aborted,
+            extra={"unfinished": self.engine.get_num_unfinished_requests(), "ts": time.time()},
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
