@@ -116,7 +116,7 @@ class SimBackend:
 
     @classmethod
     def from_config(
-        cls, backend: BackendConfig, model: ModelConfig | None = None, *, replica: str | None = None
+        cls, backend: BackendConfig, model: ModelConfig | None = None, replica: str | None = None
     ) -> SimBackend:
         """Profile ``backend.sim_profile`` (default cpu-tiny) with the backend's engine arguments that
         are set laid over it (block_size, max_num_seqs, max_model_len, kv_cache_memory_bytes,
@@ -241,14 +241,20 @@ class SimBackend:
         """No stream open and no driver task alive."""
         return not self._streams and self._driver is None
 
-    async def close(self) -> None:
-        """Abort every open stream and stop the driver."""
-        for rid in list(self._streams):
+    def shutdown(self) -> None:
+        """Abort every open stream (each ends with finish_reason "abort") and stop the driver."""
+        for rid, stream in self._streams.items():
             self.engine.abort(rid)
-            self._streams[rid].queue.put_nowait(_ABORT)
+            stream.queue.put_nowait(_ABORT)
         if self._driver is not None:
             self._driver.cancel()
-            await asyncio.gather(self._driver, return_exceptions=True)
+
+    async def close(self) -> None:
+        """``shutdown``, then wait for the driver to end."""
+        driver = self._driver
+        self.shutdown()
+        if driver is not None:
+            await asyncio.gather(driver, return_exceptions=True)
 
     # --- internals ------------------------------------------------------------------------
     def _check_alive(self) -> None:

@@ -186,6 +186,18 @@ async def test_request_errors() -> None:
     assert await settled(b)
 
 
+async def test_close_ends_open_streams() -> None:
+    b = make()
+    gen = b.generate(greq("a", toks(0, 8), 1000))
+    await anext(gen)
+    await b.close()
+    rest = [c async for c in gen]
+    assert rest[-1].finish_reason == "abort"
+    s = b.stats()
+    assert (s.running, s.kv_usage, s.requests_aborted) == (0, 0.0, 1)
+    assert await settled(b)
+
+
 # --- fault knobs ------------------------------------------------------------------------------
 
 
@@ -303,7 +315,7 @@ def test_from_config_lays_engine_args_and_options_over_the_profile() -> None:
     assert not e.kv.enable_caching
     assert b.options == SimOptions(speedup=5, seed=3, error_rate=0.1)
     assert (b.replica, b.backend) == ("sim-a-0", "sim-a")
-    assert SimBackend.from_config(cfg, model, replica="x").replica == "x"
+    assert SimBackend.from_config(cfg, model, "x").replica == "x"  # as deployments/ calls it
 
     default = SimBackend.from_config(BackendConfig(name="d", kind="sim", model="tiny"))
     assert default.engine.profile.name == "cpu-tiny" and default.options == SimOptions()
