@@ -1,0 +1,511 @@
+"""Cache-aware replica choice: prefix block hashes, a bounded replica index, a bounded-load decision.
+
+One :class:`AffinityRouter` per self-hosted backend. The router deployment tokenizes once, calls
+:meth:`AffinityRouter.hash` on the prompt's token ids, :meth:`AffinityRouter.decide` with a load
+snapshot of the backend's replicas, dispatches, then :meth:`AffinityRouter.record` the blocks on the
+replica that took the request. Engine KV events (vLLM ``BlockStored``/``BlockRemoved``/
+``AllBlocksCleared``) fed to ``apply_kv_*`` make the index exact; without them it is an optimistic
+guess that forgets in LRU order.
+
+Hashing. Like vLLM's ``hash_block_tokens``: only full blocks, each block's hash chains its parent's
+hash, its tokens and the extra keys (the model name and a salt, folded into one 64-bit integer).
+The default hash is CPython's tuple hash over ints: ints hash to themselves modulo 2**61-1 and the
+tuple hash is a fixed xxHash-style mix, so unlike ``hash(str)`` it does *not* depend on
+``PYTHONHASHSEED`` — the same tokens give the same hashes in every process of one CPython build
+(checked by a test that runs two interpreters with different seeds). It is 64-bit, not
+cryptographic: a collision or a crafted prompt can only mislead a routing hint, never the engine,
+which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any Python version),
+measured about 3x slower (see loadtest/bench_affinity_micro.py).
+
+The index. ``block hash -> bitmask of replicas`` in an ``OrderedDict`` kept in LRU order and bounded
+in blocks. :meth:`PrefixIndex.record` inserts a request's blocks tail first so the head ends up most
+recent and eviction takes tails first — the index stays prefix-closed (a replica holding block k
+holds blocks 0..k-1), as vLLM's own free queue does, which lets the longest match be found by a
+binary search (O(log n) lookups instead of n). Removing a replica retires its bit at once (lookups
+never see it again) and the stale bits are purged in one pass only after many removals, so a dying
+replica never costs a full scan of a million-entry index on the event loop.
+
+The decision, in order (reason in brackets):
+
+1. A replica is *available* when healthy and below its ``max_in_flight``; *eligible* when also
+   within the bound. The bound is consistent hashing with bounded loads (Mirrokni, Thorup,
+   Zadimoghaddam 2018) with an absolute slack in SGLang's manner: a replica may take a request
+   while ``in_flight + 1 <= max(ceil(c * (total_in_flight + 1) / n), min_in_flight + slack)``.
+   ``c = load_factor = 1.25``: under load nobody exceeds 1.25x the average, while a hot prefix keeps
+   its replica up to that point (1.25 is the paper's and Vimeo's production value: most of the
+   locality, a tight balance; lower spreads more, c -> inf is pure affinity). ``slack = 8``: at low
+   load the relative bound alone is 1 or 2 requests per replica, which would spray a burst of one
+   shared prompt over every replica and pay its prefill n times, although an idle engine batches
+   8 requests at almost no cost; the slack only matters while the average is below ~32. Also
+   excluded (SGLang's imbalance test on the engine's own queue): ``waiting > max(min_waiting + 16,
+   1.5 * min_waiting)``, and ``kv_usage >= 0.95`` (it would evict or preempt). The least loaded
+   healthy replica is always within the bound.
+2. [session] the session's replica, when it is eligible.
+3. [prefix] the eligible replica holding the longest cached prefix, if at least ``min_match_tokens``
+   (64) match — shorter matches are chat-template boilerplate every replica holds; ties -> least
+   loaded, then the random generator.
+4. [new_prefix] otherwise rendezvous hashing of a home key (the session id, else the hash of the
+   first ``home_key_tokens`` = 64 tokens): the eligible replica with the highest score, so
+   concurrent requests that share a prefix converge on one replica instead of spraying, and when it
+   is full they spill to the *next* replica in that key's order (still one place, not many).
+   Replicas joining or leaving move only the keys they win or held (minimal churn).
+5. [load] no full block and no session, or nothing eligible: the least loaded available replica.
+6. [saturated] no available replica: ``replica`` is None; the caller tries another backend.
+
+``diverted`` says the bound overrode the preferred replica (session, deeper prefix or home), and
+``best_blocks`` what the longest match would have been: the cache hits given up to balance load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
+REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
+HashAlgo = Literal["tuple", "blake2b"]
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
+
+
+def stable_hash64(*parts: str) -> int:
+    """A 64-bit hash of strings that is the same in every process (``hash(str)`` is seeded)."""
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class BlockHasher:
+    """Chained hashes of full token blocks: ``h_i = H(h_{i-1}, extra, tokens of block i)``."""
+
+    def __init__(self, block_size: int, model: str, salt: str = "", algo: HashAlgo = "tuple") -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if algo not in ("tuple", "blake2b"):
+            raise ValueError(f"unknown hash algo {algo!r}")
+        self.block_size = block_size
+        self.algo = algo
+        self.extra = stable_hash64("extra", model, salt)  # vLLM's extra_keys: model + cache salt
+        self.root = stable_hash64("root", str(block_size), algo)  # vLLM's NONE_HASH, but fixed
+
+    def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
+        """Hashes of the full blocks of ``token_ids``; ``parent`` continues an existing chain."""
+        bs = self.block_size
+        n = len(token_ids) - len(token_ids) % bs
+        h = self.root if parent is None else parent
+        out: list[int] = []
+        if self.algo == "tuple":
+            toks = tuple(token_ids)
+            extra = self.extra
+            for i in range(0, n, bs):
+                h = hash((h, extra, toks[i : i + bs]))
+                out.append(h)
+            return out
+        arr = array("i", token_ids[:n])
+        if sys.byteorder == "big":
+            arr.byteswap()
+        packed = arr.tobytes()
+        extra_b = self.extra.to_bytes(8, "little")
+        step = 4 * bs
+        for i in range(0, 4 * n, step):
+            digest = hashlib.blake2b(
+                h.to_bytes(8, "little") + extra_b + packed[i : i + step], digest_size=8
+            ).digest()
+            h = int.from_bytes(digest, "little")
+            out.append(h)
+        return out
+
+
+class PrefixIndex:
+    """Bounded LRU map ``block hash -> replicas believed to hold it`` (a bitmask of replica slots)."""
+
+    def __init__(self, capacity_blocks: int, purge_after: int = 64) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError("capacity_blocks must be positive")
+        self.capacity = capacity_blocks
+        self._purge_after = purge_after
+        self._map: OrderedDict[int, int] = OrderedDict()
+        self._bits: dict[str, int] = {}  # live replica -> its bit
+        self._names: dict[int, str] = {}  # slot number -> live replica
+        self._free: list[int] = []  # slot numbers whose stale bits are purged
+        self._next_slot = 0
+        self._retired = 0  # bits of removed replicas still present in some entries
+        self._retired_count = 0
+        self.evictions = 0
+        self.purges = 0
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def bit(self, replica: str) -> int:
+        """The replica's bit, giving it a slot on first sight."""
+        b = self._bits.get(replica)
+        if b is None:
+            slot = self._free.pop() if self._free else self._next_slot
+            if slot == self._next_slot:
+                self._next_slot += 1
+            b = self._bits[replica] = 1 << slot
+            self._names[slot] = replica
+        return b
+
+    def bit_of(self, replica: str) -> int:
+        """The replica's bit, 0 if it has none (never allocates: safe for names that may be dead)."""
+        return self._bits.get(replica, 0)
+
+    def mask(self, replicas: Iterable[str]) -> int:
+        m = 0
+        for r in replicas:
+            m |= self.bit(r)
+        return m
+
+    def replicas(self, mask: int) -> list[str]:
+        """The live replicas in ``mask``, in slot order."""
+        mask &= ~self._retired
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self._names[low.bit_length() - 1])
+            mask ^= low
+        return out
+
+    def holders(self, block_hash: int) -> list[str]:
+        return self.replicas(self._map.get(block_hash, 0))
+
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        """``replica`` now holds these blocks (a routed request, or the engine said so)."""
+        bit = self.bit(replica)
+        m = self._map
+        pop = m.pop
+        for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
+            m[h] = pop(h, 0) | bit
+        over = len(m) - self.capacity
+        for _ in range(max(0, over)):
+            m.popitem(last=False)
+        if over > 0:
+            self.evictions += over
+
+    on_block_stored = record
+
+    def on_block_removed(self, replica: str, hashes: Iterable[int]) -> None:
+        """The engine evicted these blocks from ``replica``."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            return
+        m = self._map
+        for h in hashes:
+            v = m.get(h)
+            if v is None:
+                continue
+            v &= ~bit
+            if v & ~self._retired:
+                m[h] = v  # keeps its LRU position: other replicas still hold it
+            else:
+                del m[h]
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget the replica and every block it held (effective at once; stale bits purged later)."""
+        bit = self._bits.pop(replica, None)
+        if bit is None:
+            return
+        del self._names[bit.bit_length() - 1]
+        self._retired |= bit
+        self._retired_count += 1
+        if self._retired_count >= max(self._purge_after, len(self._bits)):
+            self.purge()
+
+    def purge(self) -> None:
+        """Drop retired bits from every entry and free their slots: one O(entries) pass."""
+        if not self._retired:
+            return
+        live = ~self._retired
+        self._map = OrderedDict((h, v & live) for h, v in self._map.items() if v & live)
+        retired, slot = self._retired, 0
+        while retired:
+            if retired & 1:
+                self._free.append(slot)
+            retired >>= 1
+            slot += 1
+        self._free.sort(reverse=True)  # reuse low slots first: masks stay small
+        self._retired = 0
+        self._retired_count = 0
+        self.purges += 1
+
+    def longest_match(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
+        """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
+        the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries."""
+        get = self._map.get
+        lo, hi, best = 0, len(hashes), 0
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            held = get(hashes[mid - 1], 0) & mask
+            if held:
+                lo, best = mid, held
+            else:
+                hi = mid - 1
+        return lo, best
+
+
+class SessionTable:
+    """Bounded LRU ``session id -> replica`` with an idle time-to-live."""
+
+    def __init__(self, capacity: int, ttl_s: float) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def get(self, session_id: str, now: float) -> str | None:
+        entry = self._map.get(session_id)
+        if entry is None:
+            return None
+        if now - entry[1] > self.ttl_s:
+            del self._map[session_id]
+            return None
+        return entry[0]
+
+    def bind(self, session_id: str, replica: str, now: float) -> None:
+        self._map[session_id] = (replica, now)
+        self._map.move_to_end(session_id)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """One replica in the load snapshot handed to :meth:`AffinityRouter.decide`."""
+
+    replica: str
+    in_flight: int = 0  # this router's requests on it (exact, updated at dispatch)
+    waiting: int = 0  # the engine's queue (all routers; from its stats, may lag)
+    kv_usage: float = 0.0  # 0..1, from the engine's stats
+    healthy: bool = True
+    max_in_flight: int = sys.maxsize  # router-side cap (BackendConfig.max_in_flight_per_replica)
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityParams:
+    """The decision's knobs; the module docstring says why these defaults."""
+
+    load_factor: float = 1.25  # c in CHWBL: nobody above ceil(c x average in-flight) ...
+    load_slack: int = 8  # ... unless within this many requests of the least loaded (low load)
+    waiting_abs_threshold: int = 16  # SGLang-style: engine queue this much above the shortest ...
+    waiting_rel_threshold: float = 1.5  # ... and this many times it -> not eligible
+    kv_usage_max: float = 0.95  # a replica this full would evict or preempt: not eligible
+    min_match_tokens: int = 64  # shorter matches are template boilerplate, not worth a detour
+    min_match_ratio: float = 0.0  # optionally also require this share of the prompt's blocks
+    home_key_tokens: int = 64  # the prefix whose hash picks a new prefix's home replica
+    index_capacity_blocks: int = 1_000_000
+    session_capacity: int = 100_000
+    session_ttl_s: float = 1800.0
+    kv_map_capacity: int = 262_144  # engine hash -> our hash, per replica (KV events)
+
+    def __post_init__(self) -> None:
+        if self.load_factor < 1.0:
+            raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
+        if self.load_slack < 0:
+            raise ValueError("load_slack must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    replica: str | None  # None only when the reason is "saturated"
+    reason: Reason
+    matched_blocks: int  # blocks of the prompt the chosen replica is believed to hold
+    best_blocks: int  # the longest match among available replicas (> matched: hits given up)
+    total_blocks: int
+    diverted: bool = False  # the bound overrode the preferred replica (session, prefix or home)
+
+
+def _least_loaded(loads: Sequence[tuple[ReplicaLoad, int]], rng: random.Random) -> tuple[ReplicaLoad, int]:
+    """The least loaded by ``in_flight + waiting``, then ``kv_usage``; remaining ties broken by
+    ``rng`` (deterministic for a seeded generator). in_flight is exact for this router; waiting
+    adds what other routers queued on the engine."""
+    best = min([xb[0].in_flight + xb[0].waiting for xb in loads])
+    ties = [xb for xb in loads if xb[0].in_flight + xb[0].waiting == best]
+    if len(ties) > 1:
+        low_kv = min([xb[0].kv_usage for xb in ties])
+        ties = [xb for xb in ties if xb[0].kv_usage == low_kv]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+class AffinityRouter:
+    """Per-backend affinity state (index, sessions, KV-event maps) and the decision."""
+
+    def __init__(
+        self,
+        block_size: int,
+        model: str,
+        params: AffinityParams | None = None,
+        *,
+        salt: str = "",
+        algo: HashAlgo = "tuple",
+    ) -> None:
+        self.params = p = params or AffinityParams()
+        self.hasher = BlockHasher(block_size, model, salt, algo)
+        self.index = PrefixIndex(p.index_capacity_blocks)
+        self.sessions = SessionTable(p.session_capacity, p.session_ttl_s)
+        self._min_blocks = max(1, math.ceil(p.min_match_tokens / block_size))
+        self._home_block = max(1, math.ceil(p.home_key_tokens / block_size))
+        self._seeds: dict[str, int] = {}
+        self._kv_maps: dict[str, OrderedDict[Hashable, int]] = {}
+        self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
+
+    def hash(self, token_ids: Sequence[int]) -> list[int]:
+        return self.hasher.hash_blocks(token_ids)
+
+    # The decision ------------------------------------------------------------------------------
+    def decide(
+        self,
+        hashes: Sequence[int],
+        loads: Sequence[ReplicaLoad],
+        rng: random.Random,
+        now: float,
+        session_id: str | None = None,
+    ) -> RouteDecision:
+        """Pick a replica for a request with these block hashes (see the module docstring)."""
+        if not loads:
+            raise ValueError("decide() needs at least one candidate replica")
+        p, index, n_blocks = self.params, self.index, len(hashes)
+        bits, bit = index._bits, index.bit
+        n_healthy = total = healthy_mask = 0
+        min_in_flight = sys.maxsize
+        avail: list[tuple[ReplicaLoad, int]] = []
+        for x in loads:
+            if x.healthy:
+                b = bits.get(x.replica) or bit(x.replica)
+                n_healthy += 1
+                total += x.in_flight
+                healthy_mask |= b
+                if x.in_flight < min_in_flight:
+                    min_in_flight = x.in_flight
+                if x.in_flight < x.max_in_flight:
+                    avail.append((x, b))
+        if not avail:
+            return RouteDecision(None, "saturated", 0, 0, n_blocks)
+        bound = max(math.ceil(p.load_factor * (total + 1) / n_healthy), min_in_flight + p.load_slack)
+        min_wait = min(x.waiting for x, _ in avail)
+        wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
+        kv_max = p.kv_usage_max
+        avail_mask = elig_mask = 0
+        eligible: list[tuple[ReplicaLoad, int]] = []
+        for x, b in avail:
+            avail_mask |= b
+            if x.in_flight < bound and x.waiting <= wait_cap and x.kv_usage < kv_max:
+                elig_mask |= b
+                eligible.append((x, b))
+        best_all = index.longest_match(hashes, avail_mask)[0] if n_blocks else 0
+
+        diverted = False
+        if session_id is not None:
+            r = self.sessions.get(session_id, now)
+            if r is not None:
+                rbit = index.bit_of(r)
+                if rbit & elig_mask:
+                    return RouteDecision(r, "session", self._matched(hashes, rbit), best_all, n_blocks)
+                diverted = bool(rbit & healthy_mask)  # overloaded, not gone: the bound moved it
+        if not eligible:
+            chosen, b = _least_loaded(avail, rng)
+            return RouteDecision(chosen.replica, "load", self._matched(hashes, b), best_all, n_blocks, True)
+
+        if n_blocks:
+            matched, holders = index.longest_match(hashes, elig_mask)
+            if matched >= max(self._min_blocks, math.ceil(p.min_match_ratio * n_blocks)):
+                chosen, _ = _least_loaded([xb for xb in eligible if xb[1] & holders], rng)
+                diverted = diverted or best_all > matched
+                return RouteDecision(chosen.replica, "prefix", matched, best_all, n_blocks, diverted)
+        if session_id is not None or n_blocks:
+            if session_id is not None:
+                key = stable_hash64("session", session_id)
+            else:
+                key = hashes[min(self._home_block, n_blocks) - 1]
+            home, chosen, b = self._rendezvous(key, avail, elig_mask)
+            diverted = diverted or home is not chosen
+            matched = self._matched(hashes, b)
+            return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted)
+        chosen, _ = _least_loaded(eligible, rng)
+        return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
+
+    def _matched(self, hashes: Sequence[int], replica_bit: int) -> int:
+        return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0
+
+    def _rendezvous(
+        self, key: int, avail: Sequence[tuple[ReplicaLoad, int]], elig_mask: int
+    ) -> tuple[ReplicaLoad, ReplicaLoad, int]:
+        """(home, chosen, chosen's bit): the top-scoring available replica for ``key``, and the
+        top-scoring eligible one — CHWBL's walk down the key's order, skipping the full ones."""
+        seeds = self._seeds
+        home: ReplicaLoad | None = None
+        chosen: ReplicaLoad | None = None
+        home_s = chosen_s = -(1 << 64)
+        chosen_b = 0
+        for x, b in avail:
+            seed = seeds.get(x.replica)
+            if seed is None:
+                seed = seeds[x.replica] = stable_hash64("replica", x.replica)
+            s = ((key ^ seed) * _GOLDEN) & _M64
+            if s > home_s:
+                home, home_s = x, s
+            if s > chosen_s and b & elig_mask:
+                chosen, chosen_s, chosen_b = x, s, b
+        assert home is not None and chosen is not None  # callers pass >= 1 eligible replica
+        return home, chosen, chosen_b
+
+    # Updates ---------------------------------------------------------------------------------
+    def record(self, replica: str, hashes: Sequence[int], now: float, session_id: str | None = None) -> None:
+        """After dispatch: ``replica`` will hold these blocks; the session now lives there."""
+        self.index.record(replica, hashes)
+        if session_id is not None:
+            self.sessions.bind(session_id, replica, now)
+
+    def remove_replica(self, replica: str) -> None:
+        """A replica left or died: its blocks go; its sessions move on their next request."""
+        self.index.remove_replica(replica)
+        self._seeds.pop(replica, None)
+        self._kv_maps.pop(replica, None)
+
+    # Engine KV events (vLLM BlockStored / BlockRemoved / AllBlocksCleared) ---------------------
+    def apply_kv_stored(
+        self,
+        replica: str,
+        block_hashes: Sequence[Hashable],
+        parent_block_hash: Hashable | None,
+        token_ids: Sequence[int],
+    ) -> int:
+        """The engine stored these blocks. Its hashes are not ours (vLLM seeds its own), so ours are
+        recomputed from the event's tokens, chained from the parent's; returns blocks indexed."""
+        kv = self._kv_maps.get(replica)
+        if kv is None:
+            kv = self._kv_maps[replica] = OrderedDict()
+        parent = None
+        if parent_block_hash is not None:
+            parent = kv.get(parent_block_hash)
+            if parent is None:
+                self.kv_unmapped += 1
+                return 0
+        ours = self.hasher.hash_blocks(token_ids, parent)
+        for engine_h, our_h in zip(block_hashes, ours, strict=False):
+            kv[engine_h] = our_h
+            kv.move_to_end(engine_h)
+        while len(kv) > self.params.kv_map_capacity:
+            kv.popitem(last=False)
+        self.index.on_block_stored(replica, ours[: len(block_hashes)])
+        return min(len(ours), len(block_hashes))
+
+    def apply_kv_removed(self, replica: str, block_hashes: Iterable[Hashable]) -> None:
+        kv = self._kv_maps.get(replica)
+        if kv is None:
+            return
+        ours = [h for h in (kv.pop(e, None) for e in block_hashes) if h is not None]
+        self.index.on_block_removed(replica, ours)
+
+    def apply_kv_cleared(self, replica: str) -> None:
+        """The engine reset its prefix cache: same as forgetting the replica (it gets a new slot)."""
+        self.remove_replica(replica)
