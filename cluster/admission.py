@@ -1,0 +1,639 @@
+"""Admission: per-surface concurrency and bounded priority queues, per-backend caps, provider budgets.
+
+A request needs a slot of its surface (``SurfaceConfig.max_concurrency``) and, when it names
+candidate backends, a slot of the first candidate with room (per-backend in-flight caps). With no
+slot it waits in its surface's bounded queue (``max_queue``) for at most ``queue_deadline_ms``; when
+a slot frees, the waiter with the lowest ``priority`` number goes first (Tab before Chat before
+Agent), the oldest first within one priority. Waiters past their deadline are never admitted:
+:meth:`AdmissionController.expire` rejects them. So nothing hangs: a waiter gets a slot or a
+rejection by its deadline (the asyncio wrapper arms a timer on the earliest deadline). Lower
+priorities can starve under a sustained higher-priority load; their deadline bounds the starvation.
+
+Invariant: after every call, no queued entry could be admitted (every capacity-freeing call drains
+the queues), so a new arrival is admitted at once only with capacity that no waiter can use.
+
+Rejections carry the errors of :mod:`cluster.errors`:
+
+* ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
+  ``retry_after_s = (waiting in that surface + 1) / recent completion rate of that surface``
+  (completions over the last ``rate_window_s``), the surface's queue deadline when nothing completed
+  lately, at most ``max_retry_after_s``.
+* ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface has a full
+  queue (``waiting >= max_queue``) and is blocked — at its own concurrency limit, or every capped
+  backend is at its cap. Then no surface can take work, and clients should back off rather than
+  retry with another key or surface.
+
+Accounting is exactly-once: each admitted ticket is released once as completed, errored or
+cancelled; a second release (or a foreign ticket) changes nothing and is counted in
+``double_release``. :meth:`Counters.balanced` checks ``admitted == completed + errored + cancelled
++ in_flight`` and ``queued == admitted_after_wait + rejected_deadline + abandoned + waiting``.
+
+Several router replicas: each router enforces ``ceil(limit / router_replicas)`` of every limit
+(surface concurrency and queue, backend caps, provider RPM/TPM), which is exact when the ingress
+spreads requests evenly and errs by less than one request per router otherwise (the ceiling keeps a
+small limit from rounding to zero). A shared counter actor for exact global limits is future work:
+it costs a round trip per request.
+
+Provider budgets: :class:`TokenBucket` is the reusable refill-per-second bucket;
+:class:`ProviderBudget` reserves one request and ``input estimate + max_tokens`` tokens up front and
+settles with the actual usage afterwards (giving back the unused part, or taking the overrun as debt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from typing import Literal
+
+from cluster.config import ClusterConfig, SurfaceConfig
+from cluster.errors import ClusterError, Overloaded, RateLimited
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    ERRORED = "errored"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """An admitted request: it holds a surface slot and, when ``backend`` is set, a backend slot."""
+
+    id: int
+    surface: str
+    backend: str | None
+    enqueued_at: float
+    admitted_at: float
+
+    @property
+    def waited_s(self) -> float:
+        return self.admitted_at - self.enqueued_at
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A waiter: admitted later by a release (returned from it), or rejected by :meth:`expire`."""
+
+    id: int
+    surface: str
+    enqueued_at: float
+    deadline: float
+    ahead: int  # waiters of its surface already queued when it arrived
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    error: ClusterError  # RateLimited (429) or Overloaded (503), with retry_after_s
+    surface: str
+    reason: Literal["queue_full", "deadline"]
+    entry_id: int | None = None  # the Queued id for deadline rejections
+
+
+@dataclass(slots=True)
+class Counters:
+    admitted: int = 0  # immediately or after waiting
+    admitted_after_wait: int = 0
+    queued: int = 0
+    completed: int = 0
+    errored: int = 0
+    cancelled: int = 0  # admitted, then cancelled (client gone)
+    rejected_queue_full: int = 0
+    rejected_deadline: int = 0
+    rejected_overloaded: int = 0  # of the two above, those answered 503 (cluster saturated)
+    abandoned: int = 0  # waiters that left before admission
+    double_release: int = 0
+    in_flight: int = 0
+    waiting: int = 0
+
+    def balanced(self) -> bool:
+        ended = self.completed + self.errored + self.cancelled
+        left_queue = self.admitted_after_wait + self.rejected_deadline + self.abandoned
+        return self.admitted == ended + self.in_flight and self.queued == left_queue + self.waiting
+
+    def add(self, other: Counters) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass(slots=True)
+class _Entry:
+    id: int
+    surface: str
+    enqueued_at: float
+    deadline: float
+    candidates: tuple[str, ...]
+
+
+class _Surface:
+    def __init__(self, cfg: SurfaceConfig, router_replicas: int, rate_window_s: float) -> None:
+        self.name = cfg.name
+        self.priority = cfg.priority
+        self.limit = _share(cfg.max_concurrency, router_replicas)
+        self.max_queue = _share(cfg.max_queue, router_replicas)
+        self.deadline_s = cfg.queue_deadline_ms / 1000.0
+        self.in_flight = 0
+        self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
+        self.counters = Counters()
+        self.done_times: deque[float] = deque()
+        self.rate_window_s = rate_window_s
+
+    def completion_rate(self, now: float) -> float:
+        cutoff = now - self.rate_window_s
+        while self.done_times and self.done_times[0] <= cutoff:
+            self.done_times.popleft()
+        return len(self.done_times) / self.rate_window_s
+
+
+def _share(limit: int, router_replicas: int) -> int:
+    return math.ceil(limit / router_replicas)
+
+
+class AdmissionController:
+    """The synchronous core: explicit ``now``, no I/O; :class:`AsyncAdmission` wraps it."""
+
+    def __init__(
+        self,
+        surfaces: Iterable[SurfaceConfig],
+        backend_caps: Mapping[str, int | None] | None = None,
+        *,
+        router_replicas: int = 1,
+        rate_window_s: float = 30.0,
+        max_retry_after_s: float = 60.0,
+    ) -> None:
+        if router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
+        self.router_replicas = router_replicas
+        self.max_retry_after_s = max_retry_after_s
+        self._surfaces = {s.name: _Surface(s, router_replicas, rate_window_s) for s in surfaces}
+        if not self._surfaces:
+            raise ValueError("at least one surface is needed")
+        self._order = sorted(self._surfaces.values(), key=lambda s: s.priority)
+        self._caps: dict[str, int] = {}
+        self._backend_in_flight: dict[str, int] = {}
+        for name, cap in (backend_caps or {}).items():
+            self._set_cap(name, cap)
+        self._active: dict[int, Ticket] = {}
+        self._next_id = 1
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, **kwargs: float) -> AdmissionController:
+        """Backend caps: replicas (autoscaling: max_replicas, so demand can reach the autoscaler)
+        x ``max_in_flight_per_replica``; providers: ``provider.max_in_flight`` (None: uncapped)."""
+        caps: dict[str, int | None] = {}
+        for b in cfg.backends:
+            if b.kind == "provider":
+                caps[b.name] = b.provider.max_in_flight if b.provider else None
+            else:
+                replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas
+                caps[b.name] = replicas * b.max_in_flight_per_replica
+        return cls(cfg.surfaces, caps, router_replicas=cfg.server.router_replicas, **kwargs)  # type: ignore[arg-type]
+
+    # Admission ---------------------------------------------------------------------------------
+    def try_admit(
+        self, surface: str, now: float, candidates: Sequence[str] = ()
+    ) -> Ticket | Queued | Rejection:
+        """Admit now, queue, or reject. ``candidates``: backends that could serve it, in order."""
+        s = self._surface(surface)
+        cands = tuple(candidates)
+        if s.in_flight < s.limit:
+            found, backend = self._pick_backend(cands)
+            if found:
+                return self._admit(s, backend, self._new_id(), now, now)
+        if len(s.queue) < s.max_queue:
+            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands)
+            ahead = len(s.queue)
+            s.queue[entry.id] = entry
+            s.counters.queued += 1
+            s.counters.waiting += 1
+            return Queued(entry.id, s.name, now, entry.deadline, ahead)
+        s.counters.rejected_queue_full += 1
+        return self._reject(s, "queue_full", now, None)
+
+    def release(self, ticket: Ticket, outcome: Outcome | str, now: float) -> list[Ticket]:
+        """End an admitted request exactly once; returns the waiters admitted into the freed room."""
+        outcome = Outcome(outcome)
+        held = self._active.pop(ticket.id, None)
+        if held is None:
+            s = self._surfaces.get(ticket.surface)
+            (s.counters if s else self._order[0].counters).double_release += 1
+            return []
+        s = self._surfaces[held.surface]
+        s.in_flight -= 1
+        s.counters.in_flight -= 1
+        setattr(s.counters, outcome.value, getattr(s.counters, outcome.value) + 1)
+        s.done_times.append(now)
+        if held.backend is not None and held.backend in self._caps:
+            self._backend_in_flight[held.backend] -= 1
+        return self._drain(now)
+
+    def transfer(self, ticket: Ticket, backend: str, now: float) -> tuple[Ticket | None, list[Ticket]]:
+        """Move an admitted request's backend slot (failover to another candidate). Returns the new
+        ticket (None when ``backend`` has no room or the ticket is not active) and waiters admitted
+        into the slot it left."""
+        held = self._active.get(ticket.id)
+        if held is None or not self._has_room(backend):
+            return None, []
+        if backend in self._caps:
+            self._backend_in_flight[backend] += 1
+        if held.backend is not None and held.backend in self._caps:
+            self._backend_in_flight[held.backend] -= 1
+        moved = Ticket(held.id, held.surface, backend, held.enqueued_at, held.admitted_at)
+        self._active[held.id] = moved
+        return moved, self._drain(now)
+
+    def cancel(self, entry: Queued | int, now: float) -> bool:
+        """A waiter left before admission (client gone). False if it is no longer waiting."""
+        entry_id = entry if isinstance(entry, int) else entry.id
+        for s in self._order:
+            e = s.queue.pop(entry_id, None)
+            if e is not None:
+                s.counters.waiting -= 1
+                s.counters.abandoned += 1
+                return True
+        return False
+
+    def expire(self, now: float) -> list[Rejection]:
+        """Reject every waiter whose deadline is ``<= now``."""
+        out = []
+        for s in self._order:
+            while s.queue:
+                entry = next(iter(s.queue.values()))
+                if entry.deadline > now:
+                    break
+                del s.queue[entry.id]
+                s.counters.waiting -= 1
+                s.counters.rejected_deadline += 1
+                out.append(self._reject(s, "deadline", now, entry.id))
+        return out
+
+    def next_deadline(self) -> float | None:
+        heads = [next(iter(s.queue.values())).deadline for s in self._order if s.queue]
+        return min(heads) if heads else None
+
+    def set_backend_cap(self, backend: str, cap: int | None, now: float) -> list[Ticket]:
+        """Replicas came or went: the backend's cap (global, divided by router replicas) changes."""
+        self._set_cap(backend, cap)
+        return self._drain(now)
+
+    # Introspection -----------------------------------------------------------------------------
+    def saturated(self) -> bool:
+        """Every surface has a full queue and is blocked (at its limit, or all capped backends full)."""
+        backends_full = bool(self._caps) and all(
+            self._backend_in_flight[b] >= cap for b, cap in self._caps.items()
+        )
+        return all(
+            len(s.queue) >= s.max_queue and (s.in_flight >= s.limit or backends_full) for s in self._order
+        )
+
+    def counters(self, surface: str | None = None) -> Counters:
+        """A snapshot: one surface's counters, or the sum over all surfaces."""
+        if surface is not None:
+            snap = Counters()
+            snap.add(self._surface(surface).counters)
+            return snap
+        total = Counters()
+        for s in self._order:
+            total.add(s.counters)
+        return total
+
+    def in_flight(self, surface: str | None = None, backend: str | None = None) -> int:
+        if backend is not None:
+            return self._backend_in_flight.get(backend, 0)
+        if surface is not None:
+            return self._surface(surface).in_flight
+        return len(self._active)
+
+    def waiting(self, surface: str) -> int:
+        return len(self._surface(surface).queue)
+
+    def limits(self, surface: str) -> tuple[int, int]:
+        """This router's share: (concurrency limit, queue bound)."""
+        s = self._surface(surface)
+        return s.limit, s.max_queue
+
+    # Internals ---------------------------------------------------------------------------------
+    def _surface(self, name: str) -> _Surface:
+        s = self._surfaces.get(name)
+        if s is None:
+            raise ValueError(f"unknown surface '{name}'")
+        return s
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _set_cap(self, backend: str, cap: int | None) -> None:
+        if cap is None:
+            self._caps.pop(backend, None)
+        else:
+            self._caps[backend] = _share(cap, self.router_replicas)
+            self._backend_in_flight.setdefault(backend, 0)
+
+    def _has_room(self, backend: str) -> bool:
+        cap = self._caps.get(backend)
+        return cap is None or self._backend_in_flight[backend] < cap
+
+    def _pick_backend(self, candidates: tuple[str, ...]) -> tuple[bool, str | None]:
+        """(found, backend): the first candidate with room; (True, None) with no candidates, as no
+        backend cap applies then."""
+        if not candidates:
+            return True, None
+        for b in candidates:
+            if self._has_room(b):
+                return True, b
+        return False, None
+
+    def _admit(
+        self, s: _Surface, backend: str | None, ticket_id: int, enqueued_at: float, now: float
+    ) -> Ticket:
+        s.in_flight += 1
+        s.counters.in_flight += 1
+        s.counters.admitted += 1
+        if backend is not None and backend in self._caps:
+            self._backend_in_flight[backend] += 1
+        ticket = Ticket(ticket_id, s.name, backend, enqueued_at, now)
+        self._active[ticket_id] = ticket
+        return ticket
+
+    def _drain(self, now: float) -> list[Ticket]:
+        """Admit waiters while any fits: lowest priority number first, then the oldest."""
+        admitted = []
+        while True:
+            best: tuple[tuple[int, int], _Surface, _Entry, str | None] | None = None
+            for s in self._order:
+                if best is not None and s.priority > best[0][0]:
+                    break
+                if not s.queue or s.in_flight >= s.limit:
+                    continue
+                for e in s.queue.values():
+                    if e.deadline <= now:
+                        continue  # never admitted past its deadline: expire() rejects it
+                    found, backend = self._pick_backend(e.candidates)
+                    if found:
+                        if best is None or (s.priority, e.id) < best[0]:
+                            best = ((s.priority, e.id), s, e, backend)
+                        break
+            if best is None:
+                return admitted
+            _, s, e, backend = best
+            del s.queue[e.id]
+            s.counters.waiting -= 1
+            s.counters.admitted_after_wait += 1
+            admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now))
+
+    def _reject(
+        self, s: _Surface, reason: Literal["queue_full", "deadline"], now: float, entry_id: int | None
+    ) -> Rejection:
+        rate = s.completion_rate(now)
+        if rate > 0:
+            retry = min(self.max_retry_after_s, (len(s.queue) + 1) / rate)
+        else:
+            retry = min(self.max_retry_after_s, s.deadline_s)
+        if self.saturated():
+            s.counters.rejected_overloaded += 1
+            err: ClusterError = Overloaded(
+                "the cluster is saturated: every surface is blocked with a full queue",
+                retry_after_s=retry,
+            )
+        elif reason == "queue_full":
+            err = RateLimited(
+                f"surface '{s.name}' is at its limit of {s.limit} requests with {len(s.queue)} waiting",
+                retry_after_s=retry,
+            )
+        else:
+            err = RateLimited(
+                f"surface '{s.name}': no slot within the queue deadline of {s.deadline_s * 1000:.0f} ms",
+                retry_after_s=retry,
+            )
+        return Rejection(err, s.name, reason, entry_id)
+
+
+# --------------------------------------------------------------------------------------------
+# asyncio wrapper
+# --------------------------------------------------------------------------------------------
+
+
+class AsyncAdmission:
+    """Awaitable slots over an :class:`AdmissionController`: ``async with adm.slot(surface): ...``.
+
+    Waiters are futures resolved by releases and by a timer armed on the earliest deadline, so a
+    waiter always ends by its deadline. A waiter cancelled while queued is abandoned; one cancelled
+    just after being admitted releases its ticket as cancelled (exactly once).
+    """
+
+    def __init__(self, controller: AdmissionController, clock: Callable[[], float] = time.monotonic) -> None:
+        self.controller = controller
+        self.clock = clock
+        self._waiters: dict[int, asyncio.Future[Ticket]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+
+    async def acquire(self, surface: str, candidates: Sequence[str] = ()) -> Ticket:
+        """A ticket, or raises ``RateLimited``/``Overloaded``."""
+        now = self.clock()
+        self._settle(self.controller.expire(now), [])
+        result = self.controller.try_admit(surface, now, candidates)
+        if isinstance(result, Ticket):
+            return result
+        if isinstance(result, Rejection):
+            raise result.error
+        fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._waiters[result.id] = fut
+        self._arm()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._waiters.pop(result.id, None)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result(), Outcome.CANCELLED)  # admitted, but nobody will use it
+            elif self.controller.cancel(result.id, self.clock()):
+                self._arm()
+            raise
+
+    def release(self, ticket: Ticket, outcome: Outcome | str) -> None:
+        now = self.clock()
+        admitted = self.controller.release(ticket, outcome, now)
+        self._settle(self.controller.expire(now), admitted)
+
+    def transfer(self, ticket: Ticket, backend: str) -> Ticket | None:
+        moved, admitted = self.controller.transfer(ticket, backend, self.clock())
+        self._settle([], admitted)
+        return moved
+
+    @asynccontextmanager
+    async def slot(self, surface: str, candidates: Sequence[str] = ()) -> AsyncIterator[Ticket]:
+        """Holds a slot for the block; its outcome is completed, errored (an exception) or
+        cancelled (``CancelledError``, e.g. the client went away)."""
+        ticket = await self.acquire(surface, candidates)
+        outcome = Outcome.COMPLETED
+        try:
+            yield ticket
+        except asyncio.CancelledError:
+            outcome = Outcome.CANCELLED
+            raise
+        except BaseException:
+            outcome = Outcome.ERRORED
+            raise
+        finally:
+            self.release(ticket, outcome)
+
+    def pending(self) -> int:
+        return len(self._waiters)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
+
+    def _settle(self, rejected: list[Rejection], admitted: list[Ticket]) -> None:
+        for rej in rejected:
+            fut = self._waiters.pop(rej.entry_id, None) if rej.entry_id is not None else None
+            if fut is not None and not fut.done():
+                fut.set_exception(rej.error)
+        for ticket in admitted:
+            fut = self._waiters.pop(ticket.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(ticket)
+            else:  # the waiter was cancelled in the meantime: give the slot back at once
+                more = self.controller.release(ticket, Outcome.CANCELLED, self.clock())
+                self._settle([], more)
+        self._arm()
+
+    def _arm(self) -> None:
+        deadline = self.controller.next_deadline()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
+        if deadline is not None:
+            delay = max(0.0, deadline - self.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+            self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._settle(self.controller.expire(self.clock()), [])
+
+
+# --------------------------------------------------------------------------------------------
+# Token buckets and provider budgets
+# --------------------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """``capacity`` tokens, refilled at ``refill_per_s``; the level may go below zero (debt) when a
+    settlement takes more than was reserved. Pure: every call passes ``now``."""
+
+    def __init__(self, capacity: float, refill_per_s: float, now: float, level: float | None = None) -> None:
+        if capacity <= 0 or refill_per_s < 0:
+            raise ValueError("capacity must be > 0 and refill_per_s >= 0")
+        self.capacity = float(capacity)
+        self.refill_per_s = float(refill_per_s)
+        self._level = self.capacity if level is None else float(level)
+        self._t = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:  # a clock that steps back refills nothing
+            self._level = min(self.capacity, self._level + (now - self._t) * self.refill_per_s)
+            self._t = now
+
+    def level(self, now: float) -> float:
+        self._refill(now)
+        return self._level
+
+    def try_take(self, n: float, now: float) -> bool:
+        self._refill(now)
+        if n <= self._level:
+            self._level -= n
+            return True
+        return False
+
+    def take(self, n: float, now: float) -> None:
+        """Take unconditionally (an overrun found when settling): the level may go negative."""
+        self._refill(now)
+        self._level -= n
+
+    def give_back(self, n: float, now: float) -> None:
+        self._refill(now)
+        self._level = min(self.capacity, self._level + n)
+
+    def time_until(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are there (0: now; inf: never, ``n`` exceeds the capacity)."""
+        self._refill(now)
+        if n <= self._level:
+            return 0.0
+        if n > self.capacity or self.refill_per_s == 0:
+            return math.inf
+        return (n - self._level) / self.refill_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    tokens: int  # input estimate + max_tokens, taken from the TPM bucket
+
+
+class ProviderBudget:
+    """A provider's RPM and TPM budgets (this router's share). ``burst_s`` sizes the buckets: 60 s
+    is the provider's own minute; lower it where a provider enforces the limit on shorter windows
+    (OpenAI documents that 60,000 RPM may be enforced as 1,000 per second)."""
+
+    def __init__(
+        self,
+        rpm: int | None,
+        tpm: int | None,
+        now: float,
+        *,
+        router_replicas: int = 1,
+        burst_s: float = 60.0,
+    ) -> None:
+        self.rpm = self._bucket(rpm, router_replicas, burst_s, now)
+        self.tpm = self._bucket(tpm, router_replicas, burst_s, now)
+
+    @staticmethod
+    def _bucket(per_min: int | None, routers: int, burst_s: float, now: float) -> TokenBucket | None:
+        if per_min is None:
+            return None
+        rate = per_min / routers / 60.0
+        return TokenBucket(max(1.0, rate * burst_s), rate, now)
+
+    def try_reserve(self, input_tokens: int, max_tokens: int, now: float) -> Reservation | RateLimited:
+        """Both budgets or neither: one request and ``input_tokens + max_tokens`` tokens."""
+        tokens = input_tokens + max_tokens
+        waits = [b.time_until(n, now) for b, n in ((self.rpm, 1), (self.tpm, tokens)) if b is not None]
+        wait = max(waits, default=0.0)
+        if wait == math.inf:
+            return RateLimited(
+                f"request of {tokens} tokens exceeds the provider's token budget per window",
+                retry_after_s=None,
+            )
+        if wait > 0:
+            return RateLimited("provider rate budget exhausted", retry_after_s=wait)
+        if self.rpm is not None:
+            self.rpm.take(1, now)
+        if self.tpm is not None:
+            self.tpm.take(tokens, now)
+        return Reservation(tokens)
+
+    def settle(self, reservation: Reservation, actual_tokens: int, now: float) -> None:
+        """The request ended: give back what it did not use, or take its overrun as debt."""
+        if self.tpm is None:
+            return
+        diff = reservation.tokens - actual_tokens
+        if diff > 0:
+            self.tpm.give_back(diff, now)
+        elif diff < 0:
+            self.tpm.take(-diff, now)
+
+    def cancel(self, reservation: Reservation, now: float) -> None:
+        """Never sent upstream: both budgets get their share back."""
+        if self.rpm is not None:
+            self.rpm.give_back(1, now)
+        if self.tpm is not None:
+            self.tpm.give_back(reservation.tokens, now)
