@@ -35,8 +35,10 @@ small limit from rounding to zero). A shared counter actor for exact global limi
 it costs a round trip per request.
 
 Provider budgets: :class:`TokenBucket` is the reusable refill-per-second bucket;
-:class:`ProviderBudget` reserves one request and ``input estimate + max_tokens`` tokens up front and
+:class:`BucketBudget` reserves one request and ``input estimate + max_tokens`` tokens up front and
 settles with the actual usage afterwards (giving back the unused part, or taking the overrun as debt).
+(``cluster.providers.budget.ProviderBudget`` is the provider adapters' sliding-window variant with
+in-flight counting; this one is the token-bucket form, smooth refill instead of a window edge.)
 """
 
 from __future__ import annotations
@@ -579,7 +581,7 @@ class Reservation:
     tokens: int  # input estimate + max_tokens, taken from the TPM bucket
 
 
-class ProviderBudget:
+class BucketBudget:
     """A provider's RPM and TPM budgets (this router's share). ``burst_s`` sizes the buckets: 60 s
     is the provider's own minute; lower it where a provider enforces the limit on shorter windows
     (OpenAI documents that 60,000 RPM may be enforced as 1,000 per second)."""

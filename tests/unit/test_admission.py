@@ -11,9 +11,9 @@ import pytest
 from cluster.admission import (
     AdmissionController,
     AsyncAdmission,
+    BucketBudget,
     Counters,
     Outcome,
-    ProviderBudget,
     Queued,
     Rejection,
     Reservation,
@@ -394,7 +394,7 @@ def test_token_bucket_refill_math():
 
 
 def test_provider_budget_reserves_both_or_neither_and_settles():
-    pb = ProviderBudget(rpm=60, tpm=1000, now=0.0)
+    pb = BucketBudget(rpm=60, tpm=1000, now=0.0)
     r = pb.try_reserve(400, 200, 0.0)
     assert r == Reservation(600)
     denied = pb.try_reserve(400, 200, 0.0)
@@ -413,14 +413,14 @@ def test_provider_budget_reserves_both_or_neither_and_settles():
 
 
 def test_provider_budget_rpm_and_sharing():
-    pb = ProviderBudget(rpm=6, tpm=None, now=0.0, router_replicas=2)  # 3 per minute here
+    pb = BucketBudget(rpm=6, tpm=None, now=0.0, router_replicas=2)  # 3 per minute here
     assert [isinstance(pb.try_reserve(1, 1, 0.0), Reservation) for _ in range(4)] == [True, True, True, False]
     assert pb.try_reserve(1, 1, 0.0).retry_after_s == pytest.approx(20.0)
     assert isinstance(pb.try_reserve(1, 1, 20.0), Reservation)
     pb.settle(Reservation(10), 1, 20.0)  # no TPM budget: nothing to settle
-    free = ProviderBudget(rpm=None, tpm=None, now=0.0)
+    free = BucketBudget(rpm=None, tpm=None, now=0.0)
     assert free.try_reserve(10**9, 10**9, 0.0) == Reservation(2 * 10**9)
-    burst = ProviderBudget(rpm=60_000, tpm=None, now=0.0, burst_s=1.0)
+    burst = BucketBudget(rpm=60_000, tpm=None, now=0.0, burst_s=1.0)
     assert burst.rpm.capacity == 1000
 
 
