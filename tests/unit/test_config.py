@@ -1,0 +1,98 @@
+"""Config validation: the shipped configs load; bad files fail with a message naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    cfg = load_config(path)
+    for m in cfg.models:
+        for s in cfg.surfaces:
+            assert cfg.candidates(m.name, s.name), f"{path.name}: no backend for {m.name}/{s.name}"
+
+
+def _base() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda c: c["models"][0].update(context_window=0), "models.0.context_window"),
+        (lambda c: c["models"][0].update(contxt_window=5), "models.0.contxt_window"),
+        (lambda c: c["backends"][0].update(kind="tpu"), "backends.0.kind"),
+        (lambda c: c["backends"][0].update(model="nope"), "backends[0].model"),
+        (lambda c: c["routes"][0].update(candidates=["ghost"]), "routes[0].candidates"),
+        (lambda c: c["surfaces"].append(dict(c["surfaces"][0])), "surfaces: duplicate name 'tab'"),
+        (lambda c: c["server"].update(default_surface="nope"), "server.default_surface"),
+        (lambda c: c["server"].update(port="eighty"), "server.port"),
+        (lambda c: c.update(extra_section=1), "extra_section"),
+        (lambda c: c["backends"][0].update(kind="provider"), "provider"),
+    ],
+)
+def test_bad_config_names_the_field(mutate, field: str) -> None:
+    raw = _base()
+    mutate(raw)
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw, source="bad.yaml")
+    assert field in str(info.value)
+    assert "bad.yaml" in str(info.value)
+
+
+def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        parse_config([1, 2])
+    p = tmp_path / "broken.yaml"
+    p.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_check_exits_nonzero_naming_the_field(tmp_path: Path) -> None:
+    raw = _base()
+    raw["surfaces"][0]["ttft_slo_ms"] = -1
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    r = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "check", "--config", str(p)], capture_output=True, text=True
+    )
+    assert r.returncode == 2
+    assert "surfaces.0.ttft_slo_ms" in r.stderr
+    ok = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "check", "--config", str(ROOT / "configs/local.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_candidates_prefer_surface_specific_routes() -> None:
+    raw = _base()
+    raw["backends"].append({"name": "vllm-b", "kind": "vllm", "model": "tiny-llama"})
+    raw["routes"] = [
+        {"model": "tiny-llama", "candidates": ["vllm-tiny", "vllm-b"]},
+        {"model": "tiny-llama", "surface": "tab", "candidates": ["vllm-b"]},
+    ]
+    cfg = parse_config(raw)
+    assert cfg.candidates("tiny-llama", "tab") == ["vllm-b"]
+    assert cfg.candidates("tiny-llama", "chat") == ["vllm-tiny", "vllm-b"]
+
+
+def test_kv_bytes_per_token_llama_8b() -> None:
+    from cluster.config import KVGeometry
+
+    # Llama-3.1-8B bf16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB.
+    assert KVGeometry(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2).bytes_per_token() == 128 * 1024
