@@ -1,0 +1,26 @@
+"""Provider adapters' pure parts: wire translation, SSE parsing, error mapping and budgets.
+
+Nothing here does I/O; ``deployments/providers.py`` holds the httpx adapters that use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.protocol import Usage
+
+
+@dataclass(slots=True)
+class StreamDelta:
+    """What one provider stream event means for us, whatever the provider's wire format.
+
+    ``done`` marks the provider's explicit end of stream (``[DONE]``, ``message_stop``): a stream
+    that ends without it was cut. ``error`` holds a mid-stream error object, in the provider's shape.
+    """
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    done: bool = False
+    error: dict[str, Any] | None = None

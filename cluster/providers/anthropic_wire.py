@@ -1,0 +1,184 @@
+"""OpenAI chat <-> Anthropic Messages translation.
+
+Requests: system and developer messages become the top-level ``system`` prompt; ``tool`` messages
+are sent as user text; consecutive messages of one role are merged (the Messages API wants user and
+assistant turns to alternate); ``max_tokens`` is always sent (Anthropic requires it); ``stop``
+becomes ``stop_sequences``; temperature is clamped to Anthropic's 0..1 range (OpenAI allows up to
+2); ``temperature`` and ``top_p`` are only sent when they differ from the neutral 1.0, since recent
+models refuse both at once. Seed and penalties have no Anthropic counterpart and are dropped.
+
+Responses: ``usage.input_tokens`` counts only uncached input, so OpenAI's ``prompt_tokens`` is the
+sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cluster.protocol import GenerateRequest, Usage
+from cluster.providers import StreamDelta
+
+API_VERSION = "2023-06-01"
+
+FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+
+def finish_reason(stop_reason: str | None) -> str | None:
+    if stop_reason is None:
+        return None
+    return FINISH_REASONS.get(stop_reason, "stop")
+
+
+def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> dict[str, Any]:
+    s = req.sampling
+    if req.kind == "chat":
+        system, messages = _translate_messages(req.messages or [])
+    else:
+        system, messages = "", [{"role": "user", "content": req.prompt_text or ""}]
+    body: dict[str, Any] = {"model": upstream_model, "max_tokens": s.max_tokens, "messages": messages}
+    if system:
+        body["system"] = system
+    if s.stop:
+        body["stop_sequences"] = list(s.stop)
+    if s.temperature != 1.0:
+        body["temperature"] = min(max(s.temperature, 0.0), 1.0)
+    if s.top_p != 1.0:
+        body["top_p"] = s.top_p
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _translate_messages(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    system_parts: list[str] = []
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = m.get("role")
+        text = content_text(m.get("content"))
+        if role in ("system", "developer"):
+            if text:
+                system_parts.append(text)
+            continue
+        role = "assistant" if role == "assistant" else "user"
+        if out and out[-1]["role"] == role:
+            out[-1]["content"][0]["text"] += "\n\n" + text
+        else:
+            out.append({"role": role, "content": [{"type": "text", "text": text}]})
+    return "\n\n".join(system_parts), out
+
+
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return str(content)
+
+
+def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
+    """Anthropic usage -> ours. ``base`` carries message_start's numbers: message_delta's usage is
+    cumulative but may hold only ``output_tokens``."""
+    if not isinstance(obj, dict):
+        return base
+    u = Usage(**vars(base)) if base is not None else Usage()
+    if any(k in obj for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")):
+        read = int(obj.get("cache_read_input_tokens") or 0)
+        created = int(obj.get("cache_creation_input_tokens") or 0)
+        u.prompt_tokens = int(obj.get("input_tokens") or 0) + read + created
+        u.cached_tokens = read
+    if "output_tokens" in obj:
+        u.completion_tokens = int(obj.get("output_tokens") or 0)
+    return u
+
+
+class StreamState:
+    """Turns Messages stream events into deltas; holds the usage seen so far."""
+
+    def __init__(self) -> None:
+        self.usage: Usage | None = None
+        self.stop_reason: str | None = None
+
+    def on_event(self, event: str, data: str) -> StreamDelta:
+        """One SSE event (name, data). Raises ValueError when the payload is malformed."""
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("stream event is not a JSON object")
+        kind = obj.get("type", event)
+        if kind == "error" or event == "error":
+            err = obj.get("error")
+            return StreamDelta(error=err if isinstance(err, dict) else {"message": str(obj)})
+        if kind == "message_start":
+            message = obj.get("message")
+            if not isinstance(message, dict):
+                raise ValueError("message_start without a message")
+            self.usage = parse_usage(message.get("usage"), self.usage)
+            return StreamDelta()
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if not isinstance(delta, dict):
+                raise ValueError("content_block_delta without a delta")
+            if delta.get("type") == "text_delta":
+                text = delta.get("text")
+                if not isinstance(text, str):
+                    raise ValueError("text_delta without text")
+                return StreamDelta(text=text)
+            return StreamDelta()  # thinking, signatures, tool input: not surfaced as text
+        if kind == "message_delta":
+            delta = obj.get("delta") or {}
+            self.stop_reason = delta.get("stop_reason") or self.stop_reason
+            self.usage = parse_usage(obj.get("usage"), self.usage)
+            return StreamDelta()
+        if kind == "message_stop":
+            return StreamDelta(done=True, finish_reason=finish_reason(self.stop_reason), usage=self.usage)
+        return StreamDelta()  # ping, content_block_start/stop, and event types added later
+
+
+def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """A non-streaming Messages response as an OpenAI chat completion object."""
+    text = "".join(b.get("text", "") for b in msg.get("content") or [] if b.get("type") == "text")
+    usage = parse_usage(msg.get("usage")) or Usage()
+    return {
+        "id": msg.get("id", ""),
+        "object": "chat.completion",
+        "created": 0,
+        "model": model or msg.get("model", ""),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason(msg.get("stop_reason")),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        },
+    }
+
+
+def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
+    """The ``error`` object of an Anthropic error body ``{"type": "error", "error": {...}}``."""
+    obj: Any = body
+    if isinstance(body, bytes | bytearray):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err if isinstance(err, dict) else {}

@@ -1,0 +1,118 @@
+"""The OpenAI chat/completions wire format: request bodies from a GenerateRequest, stream chunks back.
+
+Works for OpenAI itself and for OpenAI-compatible servers (vLLM, TGI, Together, ...). We always ask
+for ``stream_options.include_usage`` so that the provider's own count, which is what it bills,
+arrives in the last chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cluster.protocol import GenerateRequest, Usage
+from cluster.providers import StreamDelta
+
+# Reasoning models refuse ``max_tokens`` and want ``max_completion_tokens`` (same meaning for us).
+_MAX_COMPLETION_TOKENS_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+
+
+def endpoint(req: GenerateRequest) -> str:
+    """Path below the provider's base URL."""
+    return "/chat/completions" if req.kind == "chat" else "/completions"
+
+
+def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> dict[str, Any]:
+    s = req.sampling
+    body: dict[str, Any] = {"model": upstream_model}
+    if req.kind == "chat":
+        body["messages"] = [_message(m) for m in req.messages or []]
+        key = (
+            "max_completion_tokens"
+            if upstream_model.startswith(_MAX_COMPLETION_TOKENS_PREFIXES)
+            else "max_tokens"
+        )
+    else:
+        body["prompt"] = req.prompt_text or ""
+        key = "max_tokens"
+    body[key] = s.max_tokens
+    body["temperature"] = s.temperature
+    body["top_p"] = s.top_p
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.seed is not None:
+        body["seed"] = s.seed
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _message(m: dict[str, Any]) -> dict[str, Any]:
+    # Pass the client's message through, minus fields some compatible servers reject when null.
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def parse_usage(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    details = obj.get("prompt_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(obj.get("prompt_tokens") or 0),
+        completion_tokens=int(obj.get("completion_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
+    )
+
+
+def parse_stream_data(data: str) -> StreamDelta:
+    """One SSE ``data`` payload of a chat or text completion stream. Raises ValueError when malformed."""
+    if data.strip() == "[DONE]":
+        return StreamDelta(done=True)
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError("stream chunk is not a JSON object")
+    if obj.get("error") is not None:
+        err = obj["error"]
+        return StreamDelta(error=err if isinstance(err, dict) else {"message": str(err)})
+    out = StreamDelta(usage=parse_usage(obj.get("usage")))
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        raise ValueError("stream chunk has no 'choices' list")
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            continue
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+        if text is not None and not isinstance(text, str):
+            raise ValueError("stream chunk content is not a string")
+        out.text = text or ""
+        out.finish_reason = choice.get("finish_reason")
+    return out
+
+
+def parse_response(obj: dict[str, Any]) -> tuple[str, str | None, Usage | None]:
+    """A non-streaming chat or text completion: (text, finish_reason, usage)."""
+    choice = (obj.get("choices") or [{}])[0]
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return text or "", choice.get("finish_reason"), parse_usage(obj.get("usage"))
+
+
+def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI-style error body, or {} when the body is not one."""
+    obj: Any = body
+    if isinstance(body, bytes | bytearray):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return {}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        return err
+    if isinstance(err, str):
+        return {"message": err}
+    return {}

@@ -1,0 +1,218 @@
+"""Where a provider's RPM / TPM / in-flight budget lives: one place per backend, whatever the replicas.
+
+With Ray up, the budget is a named async actor per backend (``provider-budget:<backend>``), so
+that every replica of the adapter deployment draws from one budget, as the provider counts it.
+Without Ray (unit and adapter tests, a single process) it is an in-process object, one per
+backend per process. Both speak the same async interface: ``reserve`` (optionally waiting a
+bounded time for room), ``settle`` with the provider's usage, ``release`` without it.
+
+The pure accounting is :class:`cluster.providers.budget.ProviderBudget`; this module only adds
+the clock, the waiting and the place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from cluster.config import BackendConfig, ProviderConfig
+from cluster.errors import BackendUnavailable
+from cluster.protocol import Usage
+from cluster.providers.budget import Admission, Prices, ProviderBudget
+
+log = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "provider-budget:"
+RAY_NAMESPACE = "llm-cluster-budgets"  # one namespace, so replicas of every Serve app find the actor
+
+
+class Budget(Protocol):
+    async def reserve(
+        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
+    ) -> Admission: ...
+
+    async def settle(self, request_id: str, usage: Usage) -> float: ...
+
+    async def release(self, request_id: str, tokens_used: int = 0) -> None: ...
+
+
+class LocalBudget:
+    """The budget in this process. Waiters wake when a request ends or when the window frees room."""
+
+    def __init__(self, budget: ProviderBudget, clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget = budget
+        self._clock = clock
+        self._changed: asyncio.Event | None = None
+        self.waiting = 0
+
+    @classmethod
+    def from_config(cls, cfg: ProviderConfig, *, window_s: float = 60.0) -> LocalBudget:
+        return cls(ProviderBudget.from_config(cfg, window_s=window_s))
+
+    async def reserve(
+        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
+    ) -> Admission:
+        give_up = self._clock() + max(0.0, wait_s)
+        while True:
+            adm = self.budget.try_reserve(request_id, input_tokens, max_tokens, self._clock())
+            remaining = give_up - self._clock()
+            if adm.ok or adm.retry_after_s is None or remaining <= 0:
+                return adm
+            changed = self._event()
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(changed.wait(), timeout=min(remaining, max(adm.retry_after_s, 0.001)))
+            except TimeoutError:
+                pass
+            finally:
+                self.waiting -= 1
+
+    async def settle(self, request_id: str, usage: Usage) -> float:
+        cost = self.budget.settle(request_id, usage, self._clock())
+        self._wake()
+        return cost
+
+    async def release(self, request_id: str, tokens_used: int = 0) -> None:
+        self.budget.release(request_id, self._clock(), tokens_used)
+        self._wake()
+
+    def configure(self, cfg: ProviderConfig) -> None:
+        b = self.budget
+        b.rpm, b.tpm, b.max_in_flight = cfg.rpm, cfg.tpm, cfg.max_in_flight
+        b.prices = Prices.from_config(cfg)
+        self._wake()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.budget.snapshot(self._clock()), "waiting": self.waiting}
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _wake(self) -> None:
+        # One event per generation: everyone waiting now retries; later waiters get a fresh one.
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+
+class BudgetActor:
+    """The Ray actor body: a LocalBudget behind async methods (waits happen inside the actor)."""
+
+    def __init__(self, cfg: dict[str, Any], window_s: float = 60.0) -> None:
+        self._local = LocalBudget.from_config(ProviderConfig.model_validate(cfg), window_s=window_s)
+
+    async def reserve(
+        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
+    ) -> Admission:
+        return await self._local.reserve(request_id, input_tokens, max_tokens, wait_s)
+
+    async def settle(self, request_id: str, usage: Usage) -> float:
+        return await self._local.settle(request_id, usage)
+
+    async def release(self, request_id: str, tokens_used: int = 0) -> None:
+        await self._local.release(request_id, tokens_used)
+
+    async def configure(self, cfg: dict[str, Any]) -> None:
+        self._local.configure(ProviderConfig.model_validate(cfg))
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self._local.snapshot()
+
+
+class RemoteBudget:
+    """A handle to the backend's budget actor; refs are awaited, never ``ray.get`` on the loop."""
+
+    def __init__(self, backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -> None:
+        self.backend = backend
+        self._cfg = cfg
+        self._window_s = window_s
+        self._actor: Any = None
+
+    def _handle(self) -> Any:
+        if self._actor is None:
+            self._actor = budget_actor(self.backend, self._cfg, window_s=self._window_s)
+        return self._actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        for attempt in range(2):
+            try:
+                return await getattr(self._handle(), method).remote(*args)
+            except RayActorError as exc:
+                self._actor = None  # died (node lost): get or create it again, once
+                if attempt:
+                    raise BackendUnavailable(
+                        f"provider backend '{self.backend}': its budget actor is unavailable",
+                        backend=self.backend,
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    async def reserve(
+        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
+    ) -> Admission:
+        return await self._call("reserve", request_id, input_tokens, max_tokens, wait_s)
+
+    async def settle(self, request_id: str, usage: Usage) -> float:
+        return await self._call("settle", request_id, usage)
+
+    async def release(self, request_id: str, tokens_used: int = 0) -> None:
+        await self._call("release", request_id, tokens_used)
+
+    async def snapshot(self) -> dict[str, Any]:
+        return await self._call("snapshot")
+
+
+def budget_actor(backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -> Any:
+    """Get (or create) the named budget actor of ``backend`` and bring its limits up to date."""
+    import ray
+
+    cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=10_000)(BudgetActor)
+    actor = cls.options(
+        name=ACTOR_PREFIX + backend,
+        namespace=RAY_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",  # outlives any one replica; removed with the cluster or kill_budget_actor
+    ).remote(cfg.model_dump(), window_s)
+    actor.configure.remote(cfg.model_dump())  # a redeploy may have changed the limits
+    return actor
+
+
+def kill_budget_actor(backend: str) -> None:
+    import ray
+
+    with contextlib.suppress(ValueError):
+        ray.kill(ray.get_actor(ACTOR_PREFIX + backend, namespace=RAY_NAMESPACE))
+
+
+_LOCAL: dict[str, LocalBudget] = {}
+
+
+def local_budget(backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -> LocalBudget:
+    """This process's budget for ``backend`` (shared by every adapter instance in the process)."""
+    b = _LOCAL.get(backend)
+    if b is None:
+        b = _LOCAL[backend] = LocalBudget.from_config(cfg, window_s=window_s)
+    else:
+        b.configure(cfg)
+    return b
+
+
+def get_budget(backend: BackendConfig) -> Budget:
+    """The Ray actor budget when Ray is up (every replica shares it), else the in-process one."""
+    if backend.provider is None:
+        raise ValueError(f"backend '{backend.name}' has no provider section")
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return RemoteBudget(backend.name, backend.provider)
+    except ImportError:
+        pass
+    return local_budget(backend.name, backend.provider)

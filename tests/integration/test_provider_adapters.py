@@ -1,0 +1,519 @@
+"""The provider adapters against the loopback servers: real HTTP, real wire formats, real faults.
+
+No Ray Serve: the adapters are plain objects (only the last test starts Ray, for the actor budget).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from cluster import errors as E
+from cluster.config import BackendConfig, ModelConfig
+from cluster.protocol import Chunk, GenerateRequest, Sampling
+from cluster.providers.budget import ProviderBudget
+from deployments.provider_budget import LocalBudget
+from deployments.providers import (
+    AnthropicProviderBackend,
+    OpenAIProviderBackend,
+    ProviderBackend,
+    aclose_shared_client,
+    build_provider_backend,
+)
+from tests.servers import AnthropicServer, LoopbackServer, OpenAIServer
+
+KEY = "sk-test-Zx9vQ2mL7pK4nR8sT1uW"
+KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
+
+
+@pytest.fixture(autouse=True)
+async def _close_pool() -> AsyncIterator[None]:
+    yield
+    await aclose_shared_client()  # each test has its own loop: leave no connections behind
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _key_env() -> Iterator[None]:
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = KEY
+    yield
+    if old is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = old
+
+
+@pytest.fixture(scope="module")
+def openai_srv() -> Iterator[OpenAIServer]:
+    with OpenAIServer(api_key=KEY, output_tokens=5) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def anthropic_srv() -> Iterator[AnthropicServer]:
+    with AnthropicServer(api_key=KEY, output_tokens=5) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["openai", "anthropic"])
+def srv(
+    request: pytest.FixtureRequest, openai_srv: OpenAIServer, anthropic_srv: AnthropicServer
+) -> LoopbackServer:
+    s = openai_srv if request.param == "openai" else anthropic_srv
+    s.reset()
+    s.default_fault = None
+    return s
+
+
+def make(
+    srv: LoopbackServer, *, tokenizer: str | None = None, wait_s: float = 0.0, **provider: Any
+) -> ProviderBackend:
+    api = "anthropic" if isinstance(srv, AnthropicServer) else "openai"
+    cfg = {
+        "api": api,
+        "base_url": srv.base_url,
+        "api_key_env": KEY_ENV,
+        "connect_timeout_s": 2.0,
+        "first_token_timeout_s": 2.0,
+        "between_tokens_timeout_s": 2.0,
+        **provider,
+    }
+    backend = BackendConfig(name=f"{api}-test", kind="provider", model="m", provider=cfg)
+    tok = tokenizer or ("tiktoken:gpt-4o" if api == "openai" else "estimate:3.5")
+    model = ModelConfig(name="m", tokenizer=tok, context_window=8192)
+    budget = LocalBudget(ProviderBudget.from_config(backend.provider))  # type: ignore[arg-type]
+    return build_provider_backend(backend, model, "replica-0", budget=budget, admission_wait_s=wait_s)
+
+
+def req(rid: str = "req-1", max_tokens: int = 8, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="m",
+        kind=kw.pop("kind", "chat"),
+        prompt_token_ids=kw.pop("prompt_token_ids", []),
+        sampling=Sampling(max_tokens=max_tokens, **kw),
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say hello to the tests."},
+        ],
+        prompt_text="Once upon a time",
+    )
+
+
+async def collect(backend: ProviderBackend, r: GenerateRequest) -> tuple[list[Chunk], BaseException | None]:
+    """Everything the adapter produced: its chunks and the one error it ended with, if any."""
+    chunks: list[Chunk] = []
+    try:
+        async for c in backend.generate(r):
+            chunks.append(c)
+    except E.ClusterError as exc:
+        return chunks, exc
+    return chunks, None
+
+
+async def wait_for(pred: Any, timeout: float = 1.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(pred())
+
+
+# ------------------------------------------------------------------------------------------------
+# The happy paths
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_stream_and_usage(srv: LoopbackServer) -> None:
+    be = make(srv)
+    chunks, err = await collect(be, req(max_tokens=5))
+    assert err is None
+    assert "".join(c.text for c in chunks) == "Hello alpha beta gamma delta"
+    final = chunks[-1]
+    assert final.finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    rec = srv.stats().records[-1]
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (
+        rec.prompt_tokens,
+        rec.completion_tokens,
+    )
+    assert all(c.replica == "replica-0" and c.backend == be.backend_name for c in chunks)
+    st = be.stats()
+    assert (st.requests_started, st.requests_finished, st.running, st.kind) == (1, 1, 0, "provider")
+
+
+async def test_stop_sequence_and_natural_end(srv: LoopbackServer) -> None:
+    be = make(srv)
+    chunks, err = await collect(be, req(max_tokens=50, stop=["gamma"]))
+    assert err is None and chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == "Hello alpha beta "
+    chunks, err = await collect(be, req(max_tokens=50))  # the server's answer (5 tokens) ends first
+    assert err is None and chunks[-1].finish_reason == "stop"
+
+
+async def test_openai_text_completion(openai_srv: OpenAIServer) -> None:
+    be = make(openai_srv)
+    chunks, err = await collect(be, req(kind="completion", max_tokens=3))
+    assert err is None and "".join(c.text for c in chunks) == "Hello alpha beta"
+    assert openai_srv.stats().records[-1].path == "/v1/completions"
+
+
+async def test_usage_estimated_when_the_provider_reports_none(openai_srv: OpenAIServer) -> None:
+    be = make(openai_srv)
+    openai_srv.push_faults("no_usage")
+    chunks, err = await collect(be, req(max_tokens=5))
+    assert err is None and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert be.stats().extra["usage_estimated"] == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults: the right error, and always a clean end (a final chunk or exactly one error)
+# ------------------------------------------------------------------------------------------------
+
+FAULTS = [
+    # fault,           error type,             status, content chunks before the error
+    ("429:3", E.RateLimited, 429, 0),
+    ("529", E.Overloaded, 503, 0),
+    ("500", E.BackendUnavailable, 502, 0),
+    ("503", E.BackendUnavailable, 502, 0),
+    ("400", E.InvalidRequest, 400, 0),
+    ("422", E.InvalidRequest, 422, 0),
+    ("404", E.NotFound, 404, 0),
+    ("401", E.ProviderAuthError, 502, 0),
+    ("403", E.ProviderAuthError, 502, 0),
+    ("hang", E.UpstreamTimeout, 504, 0),
+    ("slow_first:3", E.UpstreamTimeout, 504, 0),
+    ("malformed:0", E.BackendUnavailable, 502, 0),
+    ("error_event:0", None, None, 0),  # mapped by the event's type: see below
+    ("drop:0", E.BackendUnavailable, 502, 0),
+    ("stall:2", E.StreamInterrupted, 502, 2),
+    ("malformed:2", E.StreamInterrupted, 502, 2),
+    ("error_event:2", E.StreamInterrupted, 502, 2),
+    ("drop:2", E.StreamInterrupted, 502, 2),
+]
+
+
+@pytest.mark.parametrize(("fault", "cls", "status", "before"), FAULTS, ids=[f[0] for f in FAULTS])
+async def test_fault_maps_to_error(
+    srv: LoopbackServer, fault: str, cls: type[E.ClusterError] | None, status: int | None, before: int
+) -> None:
+    # Short clocks only where the fault is a timeout: elsewhere a busy machine must not turn into one.
+    clock = 0.5 if fault.split(":")[0] in ("hang", "slow_first", "stall") else 5.0
+    be = make(srv, first_token_timeout_s=clock, between_tokens_timeout_s=clock)
+    srv.push_faults(fault)
+    t0 = time.monotonic()
+    chunks, err = await collect(be, req())
+    if cls is None:  # a provider error event before content: OpenAI's server_error, Anthropic's overloaded
+        cls, status = (E.Overloaded, 503) if isinstance(srv, AnthropicServer) else (E.BackendUnavailable, 502)
+    assert type(err) is cls and err.status_code == status, srv.stats().records
+    assert len(chunks) == before and all(c.text and c.finish_reason is None for c in chunks)
+    assert time.monotonic() - t0 < 2.0
+    assert err.backend == be.backend_name
+    assert pickle.loads(pickle.dumps(err)).status_code == status
+    if fault == "429:3":
+        assert err.retry_after_s == 3.0
+    if cls in (E.InvalidRequest, E.NotFound):
+        assert "refused on purpose" in err.message or "m" in err.message  # the provider's own message
+    st = be.stats()
+    assert st.running == 0 and st.extra["budget_in_flight"] == 0  # nothing leaked
+    assert st.extra[f"errors_{cls.__name__}"] == 1
+    if cls is E.ProviderAuthError:
+        assert st.extra["auth_failures"] == 1
+
+
+async def test_wrong_key_is_a_provider_auth_error(
+    srv: LoopbackServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-wrong-key")
+    be = make(srv)
+    chunks, err = await collect(be, req())
+    assert isinstance(err, E.ProviderAuthError) and err.status_code == 502 and not chunks
+    assert be.stats().extra["auth_failures"] == 1
+
+
+async def test_anthropic_truncated_stream(anthropic_srv: AnthropicServer) -> None:
+    anthropic_srv.push_faults("no_done")
+    chunks, err = await collect(make(anthropic_srv), req())
+    assert isinstance(err, E.StreamInterrupted) and len(chunks) == 5
+
+
+async def test_connect_refused() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = OpenAIServer(port=port)  # never started: only its URL is used
+    chunks, err = await collect(make(dead), req())
+    assert isinstance(err, E.BackendUnavailable) and err.action == E.Action.RETRY_ELSEWHERE and not chunks
+
+
+async def test_total_timeout_and_request_deadline(openai_srv: OpenAIServer) -> None:
+    openai_srv.push_faults("delay:0.2")
+    be = make(openai_srv, total_timeout_s=0.5)
+    chunks, err = await collect(be, req(max_tokens=8))
+    assert isinstance(err, E.StreamInterrupted) and 1 <= len(chunks) <= 4
+    r = req()
+    r.deadline = time.time() + 0.3
+    openai_srv.push_faults("hang")
+    t0 = time.monotonic()
+    _, err = await collect(make(openai_srv), r)
+    assert isinstance(err, E.UpstreamTimeout) and time.monotonic() - t0 < 1.0
+
+
+async def test_first_token_clock_ignores_bytes_that_are_not_content(srv: LoopbackServer) -> None:
+    # slow_first sends the opening event (OpenAI's role chunk; message_start, ping) at once, then waits.
+    srv.push_faults("slow_first:0.6")
+    _, err = await collect(make(srv, first_token_timeout_s=0.3, between_tokens_timeout_s=5.0), req())
+    assert isinstance(err, E.UpstreamTimeout)
+    srv.push_faults("slow_first:0.3")
+    chunks, err = await collect(make(srv, first_token_timeout_s=1.0, between_tokens_timeout_s=0.1), req())
+    assert err is None and chunks[-1].finish_reason is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Cancellation closes the upstream
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["delay:0.2", "hang", "stall:1"])
+async def test_cancelling_the_consumer_closes_the_upstream(srv: LoopbackServer, fault: str) -> None:
+    be = make(srv, first_token_timeout_s=30, between_tokens_timeout_s=30)
+    srv.push_faults(fault)
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in be.generate(req(max_tokens=100)):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    if fault == "hang":
+        assert await wait_for(lambda: srv.stats().in_flight == 1)
+    else:
+        await asyncio.wait_for(first.wait(), 2.0)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await wait_for(lambda: srv.stats().disconnects == 1, timeout=1.0), srv.stats()
+    assert time.monotonic() - t0 < 1.0
+    assert srv.stats().in_flight == 0
+    st = be.stats()
+    assert st.running == 0 and st.extra["budget_in_flight"] == 0
+
+
+async def test_closing_the_iterator_closes_the_upstream(srv: LoopbackServer) -> None:
+    be = make(srv)
+    srv.push_faults("delay:0.2")
+    gen = be.generate(req(max_tokens=100))
+    assert (await anext(gen)).text
+    await gen.aclose()  # the router stops reading (a hedge lost)
+    assert await wait_for(lambda: srv.stats().disconnects == 1)
+    assert be.stats().extra["budget_in_flight"] == 0
+
+
+@pytest.mark.parametrize("fault", ["delay:0.2", "hang"])
+async def test_abort_ends_the_stream_and_the_upstream(srv: LoopbackServer, fault: str) -> None:
+    be = make(srv, first_token_timeout_s=30)
+    srv.push_faults(fault)
+    got: list[Chunk] = []
+
+    async def consume() -> None:
+        async for c in be.generate(req("to-abort", max_tokens=100)):
+            got.append(c)
+
+    task = asyncio.create_task(consume())
+    assert await wait_for(lambda: srv.stats().in_flight == 1 and (fault == "hang" or len(got) >= 1))
+    await be.abort("to-abort")
+    await asyncio.wait_for(task, 2.0)
+    assert got[-1].finish_reason == "abort" and got[-1].usage is not None
+    assert await wait_for(lambda: srv.stats().disconnects == 1)
+    assert be.stats().requests_aborted == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Budgets under load
+# ------------------------------------------------------------------------------------------------
+
+
+def _max_in_window(times_tokens: list[tuple[float, int]], width: float) -> tuple[int, int]:
+    """The most requests, and the most tokens, that arrived within any interval of ``width``."""
+    items = sorted(times_tokens)
+    best_n = best_t = 0
+    j = 0
+    tokens = 0
+    for i, (t, tok) in enumerate(items):
+        tokens += tok
+        while items[j][0] <= t - width:
+            tokens -= items[j][1]
+            j += 1
+        best_n, best_t = max(best_n, i - j + 1), max(best_t, tokens)
+    return best_n, best_t
+
+
+class _RecordingBudget(LocalBudget):
+    """The in-process budget, noting when each request was admitted."""
+
+    def __init__(self, budget: ProviderBudget) -> None:
+        super().__init__(budget)
+        self.admitted_at: dict[str, float] = {}
+
+    async def reserve(self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0) -> Any:
+        adm = await super().reserve(request_id, input_tokens, max_tokens, wait_s)
+        if adm.ok:
+            self.admitted_at[request_id] = time.monotonic()
+        return adm
+
+
+async def test_200_concurrent_calls_respect_rpm_tpm_and_in_flight(openai_srv: OpenAIServer) -> None:
+    openai_srv.reset()
+    openai_srv.default_fault = "delay:0.005,tokens:4"
+    window, rpm, tpm, cap = 0.5, 50, 1000, 8
+    be = make(
+        openai_srv, tokenizer="estimate:4", wait_s=60.0, first_token_timeout_s=30, between_tokens_timeout_s=30
+    )
+    budget = be.budget = _RecordingBudget(
+        ProviderBudget(rpm=rpm, tpm=tpm, max_in_flight=cap, window_s=window)
+    )
+    calls = (collect(be, req(f"c{i}", max_tokens=16)) for i in range(200))
+    results = await asyncio.wait_for(asyncio.gather(*calls), 60)
+    openai_srv.default_fault = None
+    assert all(err is None and chunks[-1].finish_reason for chunks, err in results), (
+        "no call may fail or hang"
+    )
+    stats = openai_srv.stats()
+    assert stats.requests == 200 and stats.in_flight == 0
+    assert stats.max_in_flight <= cap
+    # The server sees a request a little after its admission; any window shorter than the budget's
+    # by that lag holds only admissions from one budget window.
+    lag = max(r.t_start - budget.admitted_at[r.client_request_id or ""] for r in stats.records)
+    assert 0 <= lag < window / 2, lag
+    arrivals = [(r.t_start, r.prompt_tokens + r.completion_tokens) for r in stats.records]
+    n, toks = _max_in_window(arrivals, window - lag)
+    assert n <= rpm and toks <= tpm, (n, toks, lag)
+    # The budget did bind: 200 calls could not all go at once.
+    assert max(budget.admitted_at.values()) - min(budget.admitted_at.values()) >= 200 / rpm * window - window
+    snap = be.stats()
+    assert snap.running == 0 and snap.extra["budget_in_flight"] == 0 and snap.requests_finished == 200
+
+
+async def test_over_budget_is_an_immediate_429(openai_srv: OpenAIServer) -> None:
+    openai_srv.reset()
+    openai_srv.default_fault = "delay:0.05"
+    be = make(openai_srv, max_in_flight=4)
+    results = await asyncio.gather(*(collect(be, req(f"d{i}")) for i in range(20)))
+    openai_srv.default_fault = None
+    errors = [err for _, err in results if err is not None]
+    assert len(errors) == 16 and all(isinstance(e, E.RateLimited) and e.retry_after_s for e in errors)
+    assert openai_srv.stats().max_in_flight == 4 and be.stats().extra["budget_denied"] == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# The key never leaks
+# ------------------------------------------------------------------------------------------------
+
+
+def _everything_said(err: BaseException | None) -> str:
+    parts = []
+    while err is not None:
+        parts += [str(err), repr(err), repr(getattr(err, "__dict__", {}))]
+        if isinstance(err, E.ClusterError):  # what crosses processes (the cause stays behind)
+            parts.append(repr(pickle.dumps(err)))
+        err = err.__cause__ or err.__context__
+    return "\n".join(parts)
+
+
+async def test_the_key_is_nowhere(srv: LoopbackServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # every logger: ours, httpx, httpcore, asyncio
+    be = make(srv, first_token_timeout_s=0.3, between_tokens_timeout_s=0.3)
+    said = [repr(be), str(vars(be))]
+    for fault in [None, "echo_key", "401", "429", "500", "error_event:1", "stall:1", "malformed:0", "drop:1"]:
+        if fault:
+            srv.push_faults(fault)
+        chunks, err = await collect(be, req())
+        said += [repr(chunks), _everything_said(err)]
+        if err is not None:
+            said.append(repr(err.to_openai()))
+    said += [repr(be.stats())]
+    echoed = [r for r in srv.stats().records if r.fault == "echo_key"]
+    assert [r.outcome for r in echoed] == ["status:400"], srv.stats().records  # the server echoed the key
+    text = "\n".join(said) + "\n".join(
+        r.getMessage() + repr(r.args) + str(r.exc_text) for r in caplog.records
+    )
+    assert caplog.records, "the calls should have logged something"
+    assert KEY not in text
+    assert KEY[-12:] not in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Token counting: the estimate's error is a number on the backend
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_estimate_error_exposed(srv: LoopbackServer) -> None:
+    be = make(srv)
+    r = req()
+    estimate = be.counter.count_chat(r.messages or [])
+    _, err = await collect(be, r)
+    assert err is None
+    reported = srv.stats().records[-1].prompt_tokens
+    extra = be.stats().extra
+    assert extra["prompt_estimate_error_last"] == pytest.approx((estimate - reported) / reported)
+    assert extra["prompt_estimate_samples"] == 1 and extra["tokenizer_exact"] == (srv.name == "openai")
+    # The router's own count, when it sent one, is the reservation.
+    _, err = await collect(be, req("r2", prompt_token_ids=list(range(40))))
+    assert err is None
+    assert be.stats().extra["prompt_estimate_error_last"] == pytest.approx((40 - reported) / reported)
+
+
+def test_adapter_classes_by_api(openai_srv: OpenAIServer, anthropic_srv: AnthropicServer) -> None:
+    assert isinstance(make(openai_srv), OpenAIProviderBackend)
+    assert isinstance(make(anthropic_srv), AnthropicProviderBackend)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Ray actor budget: one budget for every replica
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+async def test_ray_actor_budget_is_shared() -> None:
+    ray = pytest.importorskip("ray")
+    from cluster.protocol import Usage
+    from deployments.provider_budget import RemoteBudget, get_budget, kill_budget_actor
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        backend = BackendConfig(
+            name="ray-budget-test",
+            kind="provider",
+            model="m",
+            provider={"api": "openai", "base_url": "http://127.0.0.1:9/v1", "max_in_flight": 3, "rpm": 100},
+        )
+        a, b = get_budget(backend), RemoteBudget("ray-budget-test", backend.provider)  # type: ignore[arg-type]
+        assert isinstance(a, RemoteBudget)
+        admitted = await asyncio.gather(*(x.reserve(f"r{i}", 10, 10) for i, x in enumerate([a, b] * 5)))
+        assert sum(adm.ok for adm in admitted) == 3  # two handles (replicas), one budget
+        ok_ids = [f"r{i}" for i, adm in enumerate(admitted) if adm.ok]
+        waiter = asyncio.ensure_future(b.reserve("late", 10, 10, 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await a.settle(ok_ids[0], Usage(10, 5))
+        assert (await asyncio.wait_for(waiter, 5.0)).ok
+        snap = await a.snapshot()
+        assert snap["in_flight"] == 3 and snap["admitted"] == 4
+    finally:
+        kill_budget_actor("ray-budget-test")
+        if started_here:
+            ray.shutdown()

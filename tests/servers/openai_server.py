@@ -1,0 +1,332 @@
+"""A loopback server speaking OpenAI's /v1/chat/completions, /v1/completions and /v1/models.
+
+Streams are ``data: {chunk}\\n\\n`` lines ending in ``data: [DONE]``; with
+``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
+``choices`` carries the usage, as the real API does. Errors are ``{"error": {message, type, param,
+code}}`` with the real statuses and headers. Faults: see :mod:`tests.servers.common`.
+
+Standalone: ``python -m tests.servers.openai_server --port 8101 [--api-key-env VAR] [--fault SPEC]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from tests.servers.common import (
+    FOREVER_S,
+    Fault,
+    LoopbackServer,
+    RequestRecord,
+    answer_tokens,
+    count_prompt_tokens,
+    main,
+    sse,
+)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "requests",
+}
+FINGERPRINT = "fp_loopback01"
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+
+
+class OpenAIServer(LoopbackServer):
+    name = "openai"
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": "gpt-test", "object": "model", "created": 0, "owned_by": "loopback"}],
+            }
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.run_handler(request, "/v1/chat/completions", self._chat_body)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.run_handler(request, "/v1/completions", self._completion_body)
+
+    # ------------------------------------------------------------------------------------------
+    def _error(
+        self, rec: RequestRecord, status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+    ):
+        rec.outcome = f"status:{status}"
+        h = {"x-request-id": f"req_{rec.id}", **(headers or {})}
+        return web.json_response(body, status=status, headers=h)
+
+    async def _common(
+        self, request: web.Request, rec: RequestRecord
+    ) -> tuple[dict[str, Any], Fault] | web.Response:
+        if self.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {self.api_key}":
+                given = auth.removeprefix("Bearer ")
+                # Like the real API: the message echoes a masked key.
+                masked = f"{given[:3]}{'*' * max(0, len(given) - 7)}{given[-4:]}" if given else ""
+                msg = f"Incorrect API key provided: {masked}. You can find your API key at the dashboard."
+                return self._error(rec, 401, error_body(msg, "invalid_request_error", "invalid_api_key"))
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._error(
+                rec,
+                400,
+                error_body("We could not parse the JSON body of your request.", "invalid_request_error"),
+            )
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return self._error(
+                rec, 400, error_body("you must provide a model parameter", "invalid_request_error")
+            )
+        model, fault = self.select_fault(request, body["model"])
+        rec.model, rec.fault, rec.stream = model, fault.spec, bool(body.get("stream"))
+        if fault.hang:
+            rec.outcome = "stalled"
+            await asyncio.sleep(FOREVER_S)
+        if fault.echo_key:
+            msg = f"Invalid header value: {request.headers.get('authorization', '')!r}"
+            return self._error(rec, 400, error_body(msg, "invalid_request_error"))
+        if fault.status is not None:
+            return self._fault_status(rec, fault)
+        return body, fault
+
+    def _fault_status(self, rec: RequestRecord, fault: Fault) -> web.Response:
+        s = fault.status or 500
+        if s == 429:
+            msg = (
+                f"Rate limit reached for {rec.model} in organization org-loopback on requests per min (RPM): "
+                f"Limit 3, Used 3, Requested 1. Please try again in {fault.retry_after:g}s."
+            )
+            headers = {
+                "retry-after": f"{fault.retry_after:g}",
+                "retry-after-ms": str(int(fault.retry_after * 1000)),
+                "x-ratelimit-limit-requests": "3",
+                "x-ratelimit-remaining-requests": "0",
+                "x-ratelimit-reset-requests": f"{fault.retry_after:g}s",
+            }
+            return self._error(rec, 429, error_body(msg, "requests", "rate_limit_exceeded"), headers)
+        if s == 404:
+            msg = f"The model `{rec.model}` does not exist or you do not have access to it."
+            return self._error(rec, 404, error_body(msg, "invalid_request_error", "model_not_found"))
+        if s >= 500:
+            msg = "The server had an error while processing your request. Sorry about that!"
+            return self._error(rec, s, error_body(msg, "server_error"))
+        if s == 401:
+            msg = "Incorrect API key provided: sk-****. You can find your API key at the dashboard."
+            return self._error(rec, 401, error_body(msg, "invalid_request_error", "invalid_api_key"))
+        msg = f"Loopback fault {s}: this request was refused on purpose."
+        return self._error(
+            rec, s, error_body(msg, ERROR_TYPES.get(s, "invalid_request_error"), param="messages")
+        )
+
+    async def _chat_body(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+        got = await self._common(request, rec)
+        if isinstance(got, web.StreamResponse):
+            return got
+        body, fault = got
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._error(
+                rec,
+                400,
+                error_body("'messages' must be a non-empty array", "invalid_request_error", param="messages"),
+            )
+        rec.prompt_tokens = count_prompt_tokens([_content_text(m.get("content")) for m in messages])
+        return await self._answer(request, rec, body, fault, chat=True)
+
+    async def _completion_body(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+        got = await self._common(request, rec)
+        if isinstance(got, web.StreamResponse):
+            return got
+        body, fault = got
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return self._error(
+                rec, 400, error_body("'prompt' must be a string", "invalid_request_error", param="prompt")
+            )
+        rec.prompt_tokens = count_prompt_tokens([prompt]) - 6
+        return await self._answer(request, rec, body, fault, chat=False)
+
+    async def _answer(
+        self, request: web.Request, rec: RequestRecord, body: dict[str, Any], fault: Fault, *, chat: bool
+    ) -> web.StreamResponse:
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        n = min(int(max_tokens), fault.tokens if fault.tokens is not None else self.output_tokens)
+        tokens, matched = answer_tokens(n, stop)
+        finish = "stop" if matched or len(tokens) < int(max_tokens) else "length"
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if not body.get("stream"):
+            if fault.slow_first_s:
+                await asyncio.sleep(fault.slow_first_s)
+            rec.completion_tokens = len(tokens)
+            return web.json_response(self._full(ident, created, rec, "".join(tokens), finish, chat))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = web.StreamResponse(
+            headers={
+                "content-type": "text/event-stream; charset=utf-8",
+                "cache-control": "no-cache",
+                "x-request-id": f"req_{rec.id}",
+                "openai-processing-ms": "1",
+            }
+        )
+        await resp.prepare(request)
+
+        def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta = {"role": "assistant", "content": "", "refusal": None}
+                elif delta_text is not None:
+                    delta = {"content": delta_text}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                obj: dict[str, Any] = {
+                    "id": ident,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": rec.model,
+                    "service_tier": "default",
+                    "system_fingerprint": FINGERPRINT,
+                    "choices": [choice],
+                }
+            else:
+                choice = {
+                    "text": delta_text or "",
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+                obj = {
+                    "id": ident,
+                    "object": "text_completion",
+                    "created": created,
+                    "choices": [choice],
+                    "model": rec.model,
+                    "system_fingerprint": FINGERPRINT,
+                }
+            if include_usage:
+                obj["usage"] = None
+            return obj
+
+        if chat:
+            await resp.write(sse(chunk(None, None, role=True)))
+        if fault.slow_first_s:
+            await asyncio.sleep(fault.slow_first_s)
+        for i, tok in enumerate(tokens):
+            mid = fault.mid_stream(i)
+            if mid is not None:
+                return await self._mid_stream_fault(request, resp, rec, mid)
+            await resp.write(sse(chunk(tok, None)))
+            rec.completion_tokens += 1
+            await self.pace(fault)
+        if fault.mid_stream(len(tokens)) is not None:
+            return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
+        await resp.write(sse(chunk(None if chat else "", finish)))
+        if include_usage and not fault.no_usage:
+            last = chunk(None, None)
+            last["choices"] = []
+            last["usage"] = _usage(rec.prompt_tokens, rec.completion_tokens)
+            await resp.write(sse(last))
+        if not fault.no_done:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _mid_stream_fault(
+        self, request: web.Request, resp: web.StreamResponse, rec: RequestRecord, kind: str
+    ) -> web.StreamResponse:
+        if kind == "stall":
+            rec.outcome = "stalled"
+            await asyncio.sleep(FOREVER_S)
+        elif kind == "malformed":
+            rec.outcome = "malformed"
+            await resp.write(b'data: {"id": "chatcmpl-broken", "choices": [{"delta": {"content": "oops\n\n')
+        elif kind == "error":
+            rec.outcome = "error_event"
+            err = error_body(
+                "The server had an error while processing your request. Sorry about that!", "server_error"
+            )
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        elif kind == "drop":
+            rec.outcome = "dropped"
+            await asyncio.sleep(0.05)  # let the tokens already written reach the client first
+            self.drop(request)
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _full(
+        self, ident: str, created: int, rec: RequestRecord, text: str, finish: str, chat: bool
+    ) -> dict[str, Any]:
+        usage = _usage(rec.prompt_tokens, rec.completion_tokens)
+        if chat:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
+            return {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": rec.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": usage,
+                "service_tier": "default",
+                "system_fingerprint": FINGERPRINT,
+            }
+        return {
+            "id": ident,
+            "object": "text_completion",
+            "created": created,
+            "model": rec.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "usage": usage,
+            "system_fingerprint": FINGERPRINT,
+        }
+
+
+if __name__ == "__main__":
+    main(OpenAIServer)
