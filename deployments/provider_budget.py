@@ -132,7 +132,8 @@ class RemoteBudget:
         self.backend = backend
         self._cfg = cfg
         self._window_s = window_s
-        self._actor: Any = None
+        # Looked up now, in the replica's constructor, not on the event loop of the first request.
+        self._actor: Any = budget_actor(backend, cfg, window_s=window_s)
 
     def _handle(self) -> Any:
         if self._actor is None:

@@ -257,8 +257,8 @@ async def test_connect_refused() -> None:
 
 
 async def test_total_timeout_and_request_deadline(openai_srv: OpenAIServer) -> None:
-    openai_srv.push_faults("delay:0.2")
-    be = make(openai_srv, total_timeout_s=0.5)
+    openai_srv.push_faults("delay:0.3")
+    be = make(openai_srv, total_timeout_s=1.0)
     chunks, err = await collect(be, req(max_tokens=8))
     assert isinstance(err, E.StreamInterrupted) and 1 <= len(chunks) <= 4
     r = req()
@@ -274,8 +274,9 @@ async def test_first_token_clock_ignores_bytes_that_are_not_content(srv: Loopbac
     srv.push_faults("slow_first:0.6")
     _, err = await collect(make(srv, first_token_timeout_s=0.3, between_tokens_timeout_s=5.0), req())
     assert isinstance(err, E.UpstreamTimeout)
-    srv.push_faults("slow_first:0.3")
-    chunks, err = await collect(make(srv, first_token_timeout_s=1.0, between_tokens_timeout_s=0.1), req())
+    # Had the silence clock started at the opening bytes, 1 s of waiting would trip its 0.5 s.
+    srv.push_faults("slow_first:1.0")
+    chunks, err = await collect(make(srv, first_token_timeout_s=5.0, between_tokens_timeout_s=0.5), req())
     assert err is None and chunks[-1].finish_reason is not None
 
 
@@ -393,13 +394,12 @@ async def test_200_concurrent_calls_respect_rpm_tpm_and_in_flight(openai_srv: Op
     stats = openai_srv.stats()
     assert stats.requests == 200 and stats.in_flight == 0
     assert stats.max_in_flight <= cap
-    # The server sees a request a little after its admission; any window shorter than the budget's
-    # by that lag holds only admissions from one budget window.
-    lag = max(r.t_start - budget.admitted_at[r.client_request_id or ""] for r in stats.records)
-    assert 0 <= lag < window / 2, lag
-    arrivals = [(r.t_start, r.prompt_tokens + r.completion_tokens) for r in stats.records]
-    n, toks = _max_in_window(arrivals, window - lag)
-    assert n <= rpm and toks <= tpm, (n, toks, lag)
+    # Every request the server counted was admitted by the budget; the server's token counts, placed
+    # at their admission times, never exceed the limits in any window (arrival times would add the
+    # admission-to-arrival lag, which a loaded machine stretches past the window itself).
+    admitted = [(budget.admitted_at[r.client_request_id or ""], r) for r in stats.records]
+    n, toks = _max_in_window([(t, r.prompt_tokens + r.completion_tokens) for t, r in admitted], window)
+    assert n <= rpm and toks <= tpm, (n, toks)
     # The budget did bind: 200 calls could not all go at once.
     assert max(budget.admitted_at.values()) - min(budget.admitted_at.values()) >= 200 / rpm * window - window
     snap = be.stats()

@@ -12,9 +12,11 @@ control it over HTTP: ``GET /_control/stats``, ``POST /_control/reset``,
 ``POST /_control/faults {"faults": [...], "default": "..."}``. Fault specs: :mod:`tests.servers.common`.
 """
 
-from tests.servers.anthropic_server import AnthropicServer
+from __future__ import annotations
+
+from typing import Any
+
 from tests.servers.common import Fault, LoopbackServer, RequestRecord, ServerStats, parse_fault
-from tests.servers.openai_server import OpenAIServer
 
 __all__ = [
     "AnthropicServer",
@@ -25,3 +27,16 @@ __all__ = [
     "ServerStats",
     "parse_fault",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that ``python -m tests.servers.openai_server`` does not import itself twice.
+    if name == "OpenAIServer":
+        from tests.servers.openai_server import OpenAIServer
+
+        return OpenAIServer
+    if name == "AnthropicServer":
+        from tests.servers.anthropic_server import AnthropicServer
+
+        return AnthropicServer
+    raise AttributeError(name)
