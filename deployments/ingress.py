@@ -207,7 +207,10 @@ class Ingress:
                 ) from raw
         except ClusterError as err:
             return error_response(err, rid)
-        headers: dict[str, str] = {}
+        # Who served it: for operators and tests (the replica that produced the first chunk).
+        headers = (
+            {"x-llmc-backend": first.backend or "", "x-llmc-replica": first.replica or ""} if first else {}
+        )
         if api.stream:
             include_usage = bool(api.stream_options and api.stream_options.include_usage)
             return StreamingResponse(

@@ -41,6 +41,25 @@ ENDINGS = Counter(
     description="Requests ended at the router, by outcome (completed, errored, cancelled).",
     tag_keys=("surface", "outcome"),
 )
+ADMISSIONS = Counter(
+    "llmc_admissions_total", description="Requests admitted, by surface.", tag_keys=("surface",)
+)
+REJECTIONS = Counter(
+    "llmc_rejections_total",
+    description="Requests refused by admission (429 rate_limit_exceeded, 503 overloaded), by surface.",
+    tag_keys=("surface", "code"),
+)
+QUEUE_WAIT = Histogram(
+    "llmc_queue_wait_seconds",
+    description="Time an admitted request waited for a slot.",
+    boundaries=_LATENCY_BUCKETS,
+    tag_keys=("surface",),
+)
+ROUTING = Counter(
+    "llmc_routing_decisions_total",
+    description="Replica choices by reason (session, prefix, new_prefix, load, saturated, queue_fallback).",
+    tag_keys=("backend", "reason"),
+)
 FAILOVERS = Counter(
     "llmc_failovers_total",
     description="Attempts abandoned before the first token for the next candidate.",

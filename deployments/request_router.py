@@ -1,37 +1,29 @@
 """Our Ray Serve ``RequestRouter`` for backend deployments: Ray calls ``choose_replicas`` in the
-router deployment's process (the handle's owner) with the live replica list; we rank replicas by
-the policy in :mod:`cluster` and Ray sends the request to the first one whose queue is not full.
+router deployment's process (the handle's owner) with the live replica list; the cache-aware policy
+in :mod:`cluster.affinity` picks the replica and Ray sends the request there (falling back to the
+next rank only if that replica's queue is full).
 
 Why a Serve ``RequestRouter`` rather than one deployment per replica: Serve keeps owning replica
-lifecycle, health checks and autoscaling, and we still pick the exact replica. The policy's view of
-load (posted by replicas to the stats hub, plus this process's own in-flight counts) lives in
-:data:`VIEW`, a module-level object the router deployment in the same process keeps fresh.
+lifecycle, health checks and autoscaling, and we still pick the exact replica. The policy's inputs
+live in ``routing_state.VIEW``, shared with the router deployment in the same process:
+the replicas' stats (posted to the stats hub), this process's exact in-flight counts, one
+``AffinityRouter`` per backend, and each request's block hashes (computed once, off the event loop,
+by the router deployment before dispatch).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from cluster.protocol import BackendStats, GenerateRequest
+from cluster.protocol import GenerateRequest
+from deployments import metrics, routing_state
 
 
-@dataclass
-class RoutingView:
-    stats: dict[str, BackendStats] = field(default_factory=dict)  # replica unique id → snapshot
-    in_flight: Counter[str] = field(default_factory=Counter)  # routed by this process, not ended
-    policy: Any = None  # an object with .rank(req, replica_ids, view) -> list[str] (best first)
-
-    def load(self, rid: str) -> float:
-        s = self.stats.get(rid)
-        waiting = s.waiting if s is not None else 0
-        return self.in_flight[rid] + waiting
-
-
-VIEW = RoutingView()
+def backend_of(deployment_name: str) -> str:
+    return deployment_name.removeprefix("backend-")
 
 
 class ClusterRequestRouter(RequestRouter):
@@ -41,29 +33,72 @@ class ClusterRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        by_load = sorted(by_id, key=lambda rid: (routing_state.VIEW.load(rid), rid))
+        backend = backend_of(self._deployment_id.name)
+        policy = routing_state.VIEW.policies.get(backend)
         req = _generate_request(pending_request)
-        if VIEW.policy is not None and req is not None:
-            order = VIEW.policy.rank(req, list(by_id), VIEW)
-        else:
-            order = sorted(by_id, key=lambda rid: (VIEW.load(rid), rid))
-        # One rank per replica: Ray tries the first, and only if its queue is full the next.
-        return [[by_id[rid]] for rid in order if rid in by_id]
+        if policy is None or req is None:
+            return [[by_id[rid]] for rid in by_load]
+        cap = routing_state.VIEW.backends[backend].max_in_flight_per_replica
+        routing_state.VIEW.pending.pop(req.request_id, None)  # a retried choice replaces its earlier one
+        pending = Counter(routing_state.VIEW.pending.values())
+        loads = [routing_state.VIEW.replica_load(rid, cap, pending) for rid in by_id]
+        hashes = routing_state.VIEW.hashes.get((req.request_id, backend), [])
+        decision = policy.decide(hashes, loads, routing_state.VIEW.rng, time.monotonic(), req.session_id)
+        routing_state.VIEW.decisions[req.request_id] = decision
+        if decision.replica is None:  # every replica at its cap: let Ray queue on the least loaded
+            return [[by_id[rid]] for rid in by_load]
+        routing_state.VIEW.pending[req.request_id] = decision.replica
+        rest = [rid for rid in by_load if rid != decision.replica]
+        return [[by_id[decision.replica]]] + [[by_id[rid]] for rid in rest]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        VIEW.in_flight[replica_id.unique_id] += 1
+        rid = replica_id.unique_id
+        routing_state.VIEW.in_flight[rid] += 1
+        req = _generate_request(pending_request)
+        if req is None:
+            return
+        routing_state.VIEW.pending.pop(req.request_id, None)
+        backend = backend_of(self._deployment_id.name)
+        policy = routing_state.VIEW.policies.get(backend)
+        decision = routing_state.VIEW.decisions.get(req.request_id)
+        if policy is not None:
+            reason = decision.reason if decision is not None and decision.replica == rid else "queue_fallback"
+            routing_state.VIEW.decision_counts[(backend, reason)] += 1
+            metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
+            policy.record(
+                rid,
+                routing_state.VIEW.hashes.get((req.request_id, backend), []),
+                time.monotonic(),
+                req.session_id,
+            )
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = replica_id.unique_id
-        VIEW.in_flight[rid] -= 1
-        if VIEW.in_flight[rid] <= 0:
-            del VIEW.in_flight[rid]
+        routing_state.VIEW.in_flight[rid] -= 1
+        if routing_state.VIEW.in_flight[rid] <= 0:
+            del routing_state.VIEW.in_flight[rid]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        live = {r.replica_id.unique_id for r in replicas}
+        gone = {r.unique_id for r in self._replica_id_set} - live
+        super().update_replicas(replicas)
+        self._forget(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        VIEW.in_flight.pop(replica_id.unique_id, None)
-        VIEW.stats.pop(replica_id.unique_id, None)
+        self._forget({replica_id.unique_id})
+
+    def _forget(self, replicas: set[str]) -> None:
+        """A replica left or died: its index entries go; its sessions move on their next request."""
+        policy = routing_state.VIEW.policies.get(backend_of(self._deployment_id.name))
+        for rid in replicas:
+            routing_state.VIEW.in_flight.pop(rid, None)
+            routing_state.VIEW.stats.pop(rid, None)
+            if policy is not None:
+                policy.remove_replica(rid)
 
 
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:

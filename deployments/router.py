@@ -11,12 +11,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import fields
 from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from cluster.config import ClusterConfig
+from cluster.admission import AdmissionController, AsyncAdmission, Outcome
+from cluster.affinity import AffinityParams, AffinityRouter
+from cluster.config import BackendConfig, ClusterConfig
 from cluster.errors import Action, BackendUnavailable, ClusterError, StreamInterrupted
 from cluster.protocol import ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest
 from cluster.requests import (
@@ -27,12 +30,23 @@ from cluster.requests import (
     requested_max_tokens,
 )
 from cluster.tokens import load_tokenizer
-from deployments import metrics
-from deployments.request_router import VIEW
+from deployments import metrics, routing_state
 from deployments.stats_hub import get_hub
 
 log = logging.getLogger("ray.serve")
 HUB_POLL_S = 0.1
+
+
+def block_size(b: BackendConfig) -> int:
+    """The engine's KV block size: routing hashes prompts in the same blocks the engine caches."""
+    if b.engine.block_size:
+        return b.engine.block_size
+    if b.kind == "sim":
+        from cluster.profiles import get_profile
+        from cluster.sim_backend import DEFAULT_PROFILE
+
+        return get_profile(b.sim_profile or DEFAULT_PROFILE).engine.block_size
+    return 16  # vLLM's GPU default
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -46,6 +60,11 @@ class Router:
     def __init__(self, config: dict[str, Any], backends: dict[str, DeploymentHandle]) -> None:
         self.cfg = ClusterConfig.model_validate(config)
         self.handles = {name: h.options(stream=True) for name, h in backends.items()}
+        self.admission = AsyncAdmission(AdmissionController.from_config(self.cfg))
+        for b in self.cfg.backends:
+            routing_state.VIEW.backends[b.name] = b
+            if b.kind != "provider":  # self-hosted: cache-aware replica choice
+                routing_state.VIEW.policies[b.name] = AffinityRouter(block_size(b), b.model, AffinityParams())
         self._hub = get_hub(self.cfg.name)
         self._poller = asyncio.get_event_loop().create_task(self._poll_hub())
         for m in self.cfg.models:  # load tokenizers now, not on the first request
@@ -54,8 +73,8 @@ class Router:
     async def _poll_hub(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                VIEW.stats = await self._hub.snapshot.remote()
-                metrics.record_backend_stats(VIEW.stats)
+                routing_state.VIEW.stats = await self._hub.snapshot.remote()
+                metrics.record_backend_stats(routing_state.VIEW.stats)
             await asyncio.sleep(HUB_POLL_S)
 
     async def replica_stats(self) -> dict[str, Any]:
@@ -65,17 +84,25 @@ class Router:
     # ------------------------------------------------------------------------------------------
     async def generate(self, body: dict[str, Any], ctx: dict[str, Any]) -> AsyncIterator[Chunk]:
         t0 = time.perf_counter()
-        api = (
-            ChatCompletionRequest.model_validate(body)
-            if ctx["kind"] == "chat"
-            else CompletionRequest.model_validate(body)
-        )
-        req = await asyncio.to_thread(self._prepare, api, ctx)
+        schema = ChatCompletionRequest if ctx["kind"] == "chat" else CompletionRequest
+        api = schema.model_validate(body)
+        req, candidates = await asyncio.to_thread(self._prepare, api, ctx)
         surface = req.surface
+        try:
+            ticket = await self.admission.acquire(surface, candidates)
+        except ClusterError as err:
+            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
+            routing_state.VIEW.forget_request(req.request_id)
+            raise
+        metrics.ADMISSIONS.inc(tags={"surface": surface})
+        metrics.QUEUE_WAIT.observe(ticket.waited_s, tags={"surface": surface})
+        if ticket.backend in candidates:  # admission picked the first candidate with room
+            candidates = candidates[candidates.index(ticket.backend) :]
+        outcome = Outcome.CANCELLED
         first_at: float | None = None
         last_at = t0
         try:
-            async for chunk in self._attempts(req):
+            async for chunk in self._attempts(req, candidates):
                 now = time.perf_counter()
                 if chunk.token_ids or chunk.text:
                     if first_at is None:
@@ -90,14 +117,25 @@ class Router:
                     metrics.record_usage(surface, chunk.backend or "", chunk.usage)
                     metrics.LATENCY.observe(now - t0, tags={"surface": surface, "outcome": "completed"})
                 yield chunk
+            outcome = Outcome.COMPLETED
         except (asyncio.CancelledError, GeneratorExit):
-            metrics.ENDINGS.inc(tags={"surface": surface, "outcome": "cancelled"})
+            outcome = Outcome.CANCELLED
             raise
         except Exception:
-            metrics.ENDINGS.inc(tags={"surface": surface, "outcome": "errored"})
+            outcome = Outcome.ERRORED
             raise
-        else:
-            metrics.ENDINGS.inc(tags={"surface": surface, "outcome": "completed"})
+        finally:
+            self.admission.release(ticket, outcome)
+            routing_state.VIEW.forget_request(req.request_id)
+            metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
+
+    async def admission_counters(self) -> dict[str, Any]:
+        """Exactly-once accounting: admitted == completed + errored + cancelled + in flight."""
+        c = self.admission.controller.counters()
+        return {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}}
+
+    async def routing_decisions(self) -> dict[str, int]:
+        return {f"{b}:{r}": n for (b, r), n in routing_state.VIEW.decision_counts.items()}
 
     def _prepare(
         self, api: ChatCompletionRequest | CompletionRequest, ctx: dict[str, Any]
@@ -108,7 +146,7 @@ class Router:
         max_tokens = check_context(model, len(ids), requested_max_tokens(api))
         surface = self.cfg.surface(ctx["surface"])
         assert surface is not None  # the ingress resolved it
-        return build_generate_request(
+        req = build_generate_request(
             api,
             model,
             ids,
@@ -120,10 +158,15 @@ class Router:
             timeout_s=surface.request_timeout_s,
             max_tokens=max_tokens,
         )
+        candidates = self.cfg.candidates(model.name, surface.name)
+        for name in candidates:  # block hashes for the cache-aware choice, once per block size
+            policy = routing_state.VIEW.policies.get(name)
+            if policy is not None:
+                routing_state.VIEW.hashes[(req.request_id, name)] = policy.hash(ids)
+        return req, candidates
 
-    async def _attempts(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def _attempts(self, req: GenerateRequest, candidates: list[str]) -> AsyncIterator[Chunk]:
         """Try candidates in order until one produces its first chunk; never switch after that."""
-        candidates = self.cfg.candidates(req.model, req.surface)
         last_error: ClusterError | None = None
         for attempt, name in enumerate(candidates):
             req.attempt = attempt

@@ -114,12 +114,13 @@ class VLLMBackend:
             output_kind=RequestOutputKind.DELTA,
         )
         self._started += 1
+        engine_id = f"{req.request_id}-{req.attempt}"  # a hedge or retry may reach this replica too
         completion_tokens = 0
         cached = 0
         finished = False
         try:
             stream = self.engine.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id=req.request_id
+                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id=engine_id
             )
             async for out in stream:
                 if out.num_cached_tokens is not None:
@@ -146,7 +147,7 @@ class VLLMBackend:
             else:
                 # Cancelled or failed: make sure the engine stops generating and frees the blocks.
                 self._aborted += 1
-                await self.abort(req.request_id)
+                await self.abort(engine_id)
 
     async def abort(self, request_id: str) -> None:
         try:
