@@ -20,6 +20,7 @@ from deployments.ingress import Ingress
 from deployments.router import Router
 
 REQUEST_ROUTER = "deployments.request_router:ClusterRequestRouter"
+RAY_PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
 
 
 class AppArgs(BaseModel):
@@ -43,11 +44,13 @@ def backend_options(b: BackendConfig) -> dict[str, Any]:
         actor["memory"] = b.resources.memory_bytes
     if b.env:
         actor["runtime_env"] = {"env_vars": dict(b.env)}
-    opts: dict[str, Any] = {
-        "name": f"backend-{b.name}",
-        "ray_actor_options": actor,
-        "request_router_config": RequestRouterConfig(request_router_class=REQUEST_ROUTER),
-    }
+    opts: dict[str, Any] = {"name": f"backend-{b.name}", "ray_actor_options": actor}
+    if b.routing == "ray_prefix":
+        opts["request_router_config"] = RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER)
+    elif b.routing != "power_of_two":  # power_of_two: Serve's default router
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=REQUEST_ROUTER, request_router_kwargs={"mode": b.routing}
+        )
     if b.autoscaling is not None:
         target = b.autoscaling.target_ongoing_requests
         if target is None:

@@ -27,15 +27,26 @@ def backend_of(deployment_name: str) -> str:
 
 
 class ClusterRequestRouter(RequestRouter):
+    """``mode``: ``cache_aware`` (ours), or the baselines ``least_loaded`` and ``round_robin``."""
+
+    def initialize_state(self, mode: str = "cache_aware", **kwargs: object) -> None:
+        self.mode = mode
+        self._rr = 0
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        mode = getattr(self, "mode", "cache_aware")
+        if mode == "round_robin":
+            ids = sorted(by_id)
+            self._rr += 1
+            return [[by_id[ids[(self._rr + i) % len(ids)]]] for i in range(len(ids))]
         by_load = sorted(by_id, key=lambda rid: (routing_state.VIEW.load(rid), rid))
         backend = backend_of(self._deployment_id.name)
-        policy = routing_state.VIEW.policies.get(backend)
+        policy = routing_state.VIEW.policies.get(backend) if mode == "cache_aware" else None
         req = _generate_request(pending_request)
         if policy is None or req is None:
             return [[by_id[rid]] for rid in by_load]
