@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from cluster.base import Strict
+from cluster.failover import FailoverConfig
+from cluster.hedging import HedgeConfig
 
 TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
 
 
 class KVGeometry(Strict):
@@ -168,6 +168,15 @@ class ServerConfig(Strict):
     ingress_replicas: int = Field(1, ge=1, description="Ingress deployment replicas.")
 
 
+class PolicyConfig(Strict):
+    failover: FailoverConfig = Field(
+        default_factory=FailoverConfig, description="Circuit breakers, retry budget, attempt limits."
+    )
+    hedging: HedgeConfig = Field(
+        default_factory=HedgeConfig, description="Hedge delay (TTFT quantile or fixed) and hedge budget."
+    )
+
+
 class ClusterConfig(Strict):
     name: str = Field("llm-cluster", description="Serve application name.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP ingress settings.")
@@ -175,6 +184,7 @@ class ClusterConfig(Strict):
     backends: list[BackendConfig] = Field(min_length=1, description="Engines and providers.")
     surfaces: list[SurfaceConfig] = Field(min_length=1, description="Product surfaces and their limits.")
     routes: list[RouteConfig] = Field(default_factory=list, description="Candidate backends per model.")
+    policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Failover and hedging policies.")
 
     @model_validator(mode="after")
     def _references(self) -> ClusterConfig:

@@ -28,7 +28,7 @@ from enum import IntEnum
 
 from pydantic import Field, model_validator
 
-from cluster.config import Strict
+from cluster.base import Strict
 from cluster.errors import Action, ClusterError, RateLimited
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import Field, model_validator
 
-from cluster.config import Strict
+from cluster.base import Strict
 
 
 class HedgeConfig(Strict):

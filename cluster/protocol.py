@@ -119,6 +119,12 @@ class GenerateRequest:
     session_id: str | None = None
     deadline: float | None = None  # epoch seconds
     attempt: int = 0  # 0 for the first try, 1.. for failovers and hedges
+    exclude_replicas: list[str] = field(default_factory=list)  # a hedge or retry avoids these
+
+    @property
+    def route_key(self) -> str:
+        """One attempt of one request (a request's attempts may go to different replicas)."""
+        return f"{self.request_id}/{self.attempt}"
 
 
 @dataclass
@@ -146,6 +152,7 @@ class Chunk:
     usage: Usage | None = None
     replica: str | None = None
     backend: str | None = None
+    model: str | None = None  # set by the router on a request's first chunk (a bigger-window model)
 
 
 @dataclass

@@ -60,6 +60,36 @@ ROUTING = Counter(
     description="Replica choices by reason (session, prefix, new_prefix, load, saturated, queue_fallback).",
     tag_keys=("backend", "reason"),
 )
+ATTEMPTS = Counter(
+    "llmc_extra_attempts_total",
+    description="Upstream attempts beyond each request's first (retries and hedges): the extra load.",
+    tag_keys=("backend", "kind"),
+)
+HEDGES = Counter(
+    "llmc_hedges_total",
+    description="Hedged attempts: sent, won (produced the first token), cancelled (lost the race).",
+    tag_keys=("backend", "outcome"),
+)
+BREAKER_STATE = Gauge(
+    "llmc_breaker_state",
+    description="Circuit breaker per backend (replica \"\") and replica: 0 closed, 1 open, 2 half-open.",
+    tag_keys=("backend", "replica"),
+)
+CONTEXT_REROUTES = Counter(
+    "llmc_context_reroutes_total",
+    description="Requests sent to a bigger-window model because they did not fit (from, to).",
+    tag_keys=("from_model", "to_model"),
+)
+CONTEXT_REJECTIONS = Counter(
+    "llmc_context_rejections_total",
+    description="Requests refused with context_length_exceeded, by model.",
+    tag_keys=("model",),
+)
+PREFIX_HIT_RATE = Gauge(
+    "llmc_prefix_cache_hit_rate",
+    description="Engine prefix-cache hit rate per backend (hits / queries, tokens, since start).",
+    tag_keys=("backend",),
+)
 FAILOVERS = Counter(
     "llmc_failovers_total",
     description="Attempts abandoned before the first token for the next candidate.",
@@ -93,6 +123,11 @@ WAITING = Gauge(
 )
 
 
+def record_breakers(rows: list[tuple[str, str, int]]) -> None:
+    for backend, replica, state in rows:
+        BREAKER_STATE.set(state, tags={"backend": backend, "replica": replica})
+
+
 def record_usage(surface: str, backend: str, usage: Usage) -> None:
     tags = {"surface": surface, "backend": backend}
     for kind, n in (
@@ -105,6 +140,14 @@ def record_usage(surface: str, backend: str, usage: Usage) -> None:
 
 
 def record_backend_stats(stats: dict[str, BackendStats]) -> None:
+    totals: dict[str, list[int]] = {}
+    for s in stats.values():
+        t = totals.setdefault(s.backend, [0, 0])
+        t[0] += s.prefix_cache_hits
+        t[1] += s.prefix_cache_queries
+    for backend, (hits, queries) in totals.items():
+        if queries:
+            PREFIX_HIT_RATE.set(hits / queries, tags={"backend": backend})
     for rid, s in stats.items():
         tags = {"backend": s.backend, "replica": rid}
         PREFIX_QUERIES.set(s.prefix_cache_queries, tags=tags)

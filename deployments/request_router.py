@@ -50,16 +50,29 @@ class ClusterRequestRouter(RequestRouter):
         req = _generate_request(pending_request)
         if policy is None or req is None:
             return [[by_id[rid]] for rid in by_load]
-        cap = routing_state.VIEW.backends[backend].max_in_flight_per_replica
-        routing_state.VIEW.pending.pop(req.request_id, None)  # a retried choice replaces its earlier one
-        pending = Counter(routing_state.VIEW.pending.values())
-        loads = [routing_state.VIEW.replica_load(rid, cap, pending) for rid in by_id]
-        hashes = routing_state.VIEW.hashes.get((req.request_id, backend), [])
-        decision = policy.decide(hashes, loads, routing_state.VIEW.rng, time.monotonic(), req.session_id)
-        routing_state.VIEW.decisions[req.request_id] = decision
+        view = routing_state.VIEW
+        cap = view.backends[backend].max_in_flight_per_replica
+        key = req.route_key
+        view.pending.pop(key, None)  # a retried choice replaces its earlier one
+        pending = Counter(view.pending.values())
+        now = time.monotonic()
+        ejector = view.breakers.replicas(backend)
+        ejector.sync(list(by_id))
+        routable = set(ejector.routable(now))
+        # A hedge or retry avoids the replicas its earlier attempts went to (unless none is left).
+        avoid = set(req.exclude_replicas) if set(by_id) - set(req.exclude_replicas) else set()
+        loads = []
+        for rid in by_id:
+            load = view.replica_load(rid, cap, pending)
+            if rid not in routable or rid in avoid:
+                load.healthy = False
+            loads.append(load)
+        hashes = view.hashes.get((req.request_id, backend), [])
+        decision = policy.decide(hashes, loads, view.rng, now, None if avoid else req.session_id)
+        view.decisions[key] = decision
         if decision.replica is None:  # every replica at its cap: let Ray queue on the least loaded
-            return [[by_id[rid]] for rid in by_load]
-        routing_state.VIEW.pending[req.request_id] = decision.replica
+            return [[by_id[rid]] for rid in by_load if rid not in avoid] + [[by_id[rid]] for rid in avoid]
+        view.pending[key] = decision.replica
         rest = [rid for rid in by_load if rid != decision.replica]
         return [[by_id[decision.replica]]] + [[by_id[rid]] for rid in rest]
 
@@ -71,10 +84,11 @@ class ClusterRequestRouter(RequestRouter):
         req = _generate_request(pending_request)
         if req is None:
             return
-        routing_state.VIEW.pending.pop(req.request_id, None)
+        routing_state.VIEW.pending.pop(req.route_key, None)
+        routing_state.VIEW.routed[req.route_key] = rid
         backend = backend_of(self._deployment_id.name)
         policy = routing_state.VIEW.policies.get(backend)
-        decision = routing_state.VIEW.decisions.get(req.request_id)
+        decision = routing_state.VIEW.decisions.get(req.route_key)
         if policy is not None:
             reason = decision.reason if decision is not None and decision.replica == rid else "queue_fallback"
             routing_state.VIEW.decision_counts[(backend, reason)] += 1

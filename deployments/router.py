@@ -20,17 +20,14 @@ from ray.serve.handle import DeploymentHandle
 from cluster.admission import AdmissionController, AsyncAdmission, Outcome
 from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
-from cluster.errors import Action, BackendUnavailable, ClusterError, StreamInterrupted
+from cluster.context import fit_context
+from cluster.errors import ClusterError, ContextLengthExceeded
 from cluster.protocol import ChatCompletionRequest, Chunk, CompletionRequest, GenerateRequest
-from cluster.requests import (
-    build_generate_request,
-    check_context,
-    lookup_model,
-    prompt_ids,
-    requested_max_tokens,
-)
+from cluster.providers.budget import Prices, cost_usd
+from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from cluster.tokens import load_tokenizer
 from deployments import metrics, routing_state
+from deployments.attempts import AttemptRunner
 from deployments.stats_hub import get_hub
 
 log = logging.getLogger("ray.serve")
@@ -61,6 +58,10 @@ class Router:
         self.cfg = ClusterConfig.model_validate(config)
         self.handles = {name: h.options(stream=True) for name, h in backends.items()}
         self.admission = AsyncAdmission(AdmissionController.from_config(self.cfg))
+        self.attempts = AttemptRunner(self.cfg, self.handles)
+        self.prices = {
+            b.name: Prices.from_config(b.provider) for b in self.cfg.backends if b.provider is not None
+        }
         for b in self.cfg.backends:
             routing_state.VIEW.backends[b.name] = b
             if b.kind != "provider":  # self-hosted: cache-aware replica choice
@@ -75,6 +76,7 @@ class Router:
             with contextlib.suppress(Exception):
                 routing_state.VIEW.stats = await self._hub.snapshot.remote()
                 metrics.record_backend_stats(routing_state.VIEW.stats)
+                metrics.record_breakers(self.attempts.board.metrics(time.monotonic()))
             await asyncio.sleep(HUB_POLL_S)
 
     async def replica_stats(self) -> dict[str, Any]:
@@ -102,7 +104,9 @@ class Router:
         first_at: float | None = None
         last_at = t0
         try:
-            async for chunk in self._attempts(req, candidates):
+            async for chunk in self.attempts.run(req, candidates):
+                if first_at is None:
+                    chunk.model = req.model
                 now = time.perf_counter()
                 if chunk.token_ids or chunk.text:
                     if first_at is None:
@@ -114,7 +118,10 @@ class Router:
                         metrics.ITL.observe(now - last_at, tags={"surface": surface})
                     last_at = now
                 if chunk.usage is not None:
-                    metrics.record_usage(surface, chunk.backend or "", chunk.usage)
+                    backend = chunk.backend or ""
+                    metrics.record_usage(surface, backend, chunk.usage)
+                    if backend in self.prices and (cost := cost_usd(chunk.usage, self.prices[backend])) > 0:
+                        metrics.COST.inc(cost, tags={"surface": surface, "backend": backend})
                     metrics.LATENCY.observe(now - t0, tags={"surface": surface, "outcome": "completed"})
                 yield chunk
             outcome = Outcome.COMPLETED
@@ -126,7 +133,6 @@ class Router:
             raise
         finally:
             self.admission.release(ticket, outcome)
-            routing_state.VIEW.forget_request(req.request_id)
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
 
     async def admission_counters(self) -> dict[str, Any]:
@@ -134,16 +140,38 @@ class Router:
         c = self.admission.controller.counters()
         return {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}}
 
+    async def policy_snapshot(self) -> dict[str, Any]:
+        """Breaker states, hedges sent/won/cancelled and the extra upstream load ratio."""
+        return self.attempts.snapshot()
+
     async def routing_decisions(self) -> dict[str, int]:
         return {f"{b}:{r}": n for (b, r), n in routing_state.VIEW.decision_counts.items()}
 
     def _prepare(
         self, api: ChatCompletionRequest | CompletionRequest, ctx: dict[str, Any]
-    ) -> GenerateRequest:
-        model = lookup_model(self.cfg, api.model)
-        tok = load_tokenizer(model.tokenizer)
-        ids, messages, text = prompt_ids(api, tok)
-        max_tokens = check_context(model, len(ids), requested_max_tokens(api))
+    ) -> tuple[GenerateRequest, list[str]]:
+        """Tokenize with the target model's own tokenizer and fit the context window: the model
+        asked for, or a configured bigger-window one; never a truncated prompt."""
+        asked = lookup_model(self.cfg, api.model)
+        counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
+
+        def count(model_name: str) -> int:
+            m = self.cfg.model(model_name)
+            assert m is not None
+            counted[model_name] = prompt_ids(api, load_tokenizer(m.tokenizer))
+            return len(counted[model_name][0])
+
+        param = "messages" if ctx["kind"] == "chat" else "prompt"
+        try:
+            fit = fit_context(asked, count, requested_max_tokens(api), self.cfg.model, param=param)
+        except ContextLengthExceeded:
+            metrics.CONTEXT_REJECTIONS.inc(tags={"model": asked.name})
+            raise
+        model = self.cfg.model(fit.model)
+        assert model is not None
+        if fit.rerouted_from is not None:
+            metrics.CONTEXT_REROUTES.inc(tags={"from_model": asked.name, "to_model": model.name})
+        ids, messages, text = counted[model.name]
         surface = self.cfg.surface(ctx["surface"])
         assert surface is not None  # the ingress resolved it
         req = build_generate_request(
@@ -156,7 +184,7 @@ class Router:
             surface=surface.name,
             session_id=ctx.get("session_id"),
             timeout_s=surface.request_timeout_s,
-            max_tokens=max_tokens,
+            max_tokens=fit.max_tokens,
         )
         candidates = self.cfg.candidates(model.name, surface.name)
         for name in candidates:  # block hashes for the cache-aware choice, once per block size
@@ -164,37 +192,3 @@ class Router:
             if policy is not None:
                 routing_state.VIEW.hashes[(req.request_id, name)] = policy.hash(ids)
         return req, candidates
-
-    async def _attempts(self, req: GenerateRequest, candidates: list[str]) -> AsyncIterator[Chunk]:
-        """Try candidates in order until one produces its first chunk; never switch after that."""
-        last_error: ClusterError | None = None
-        for attempt, name in enumerate(candidates):
-            req.attempt = attempt
-            gen = self.handles[name].generate.remote(req)
-            started = False
-            try:
-                async for chunk in gen:
-                    started = True
-                    yield chunk
-                return
-            except Exception as raw:
-                exc = unwrap(raw)
-                err = (
-                    exc
-                    if isinstance(exc, ClusterError)
-                    else BackendUnavailable(f"{name}: {exc}", backend=name)
-                )
-                if started:
-                    raise (
-                        err if isinstance(err, StreamInterrupted) else StreamInterrupted(err.message)
-                    ) from exc
-                if err.action != Action.RETRY_ELSEWHERE:
-                    raise err from exc
-                metrics.FAILOVERS.inc(tags={"backend": name, "code": err.code or ""})
-                log.warning(
-                    "request %s: backend %s failed before the first token: %s", req.request_id, name, err
-                )
-                last_error = err
-            finally:
-                gen.cancel()
-        raise last_error or BackendUnavailable(f"no backend serves model '{req.model}'")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cluster.affinity import AffinityRouter, ReplicaLoad, RouteDecision
 from cluster.config import BackendConfig
+from cluster.failover import BreakerBoard
 from cluster.protocol import BackendStats
 
 
@@ -23,11 +24,13 @@ class RoutingView:
     in_flight: Counter[str] = field(default_factory=Counter)  # routed by this process, not ended
     # Chosen but not yet confirmed routed: Ray resolves choices concurrently, so a burst would
     # otherwise be decided against in-flight counts that do not yet include each other.
-    pending: dict[str, str] = field(default_factory=dict)  # request id → replica
+    pending: dict[str, str] = field(default_factory=dict)  # attempt's route key → replica
+    routed: dict[str, str] = field(default_factory=dict)  # attempt's route key → replica (confirmed)
+    breakers: BreakerBoard = field(default_factory=BreakerBoard)  # replaced by the router's own
     backends: dict[str, BackendConfig] = field(default_factory=dict)
     policies: dict[str, AffinityRouter] = field(default_factory=dict)  # backend name → policy
     hashes: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (request, backend) → blocks
-    decisions: dict[str, RouteDecision] = field(default_factory=dict)  # request id → last decision
+    decisions: dict[str, RouteDecision] = field(default_factory=dict)  # route key → last decision
     decision_counts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (backend, reason)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
@@ -42,11 +45,14 @@ class RoutingView:
             return ReplicaLoad(rid, in_flight=n, max_in_flight=cap)
         return ReplicaLoad(rid, n, s.waiting, s.kv_usage, s.healthy, cap)
 
-    def forget_request(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+    def forget_request(self, request_id: str, attempts: int = 1) -> None:
         for backend in self.policies:
             self.hashes.pop((request_id, backend), None)
-        self.decisions.pop(request_id, None)
+        for a in range(attempts):
+            key = f"{request_id}/{a}"
+            self.pending.pop(key, None)
+            self.routed.pop(key, None)
+            self.decisions.pop(key, None)
 
 
 VIEW = RoutingView()

@@ -1,0 +1,163 @@
+"""The first-token race: failover before the first token, hedging, cancellation of losers, and a
+clean terminal error after the first token. Fake streams on the real event loop; short sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted, UpstreamTimeout
+from cluster.failover import FailoverPlan
+from cluster.protocol import Chunk
+from cluster.race import RaceHooks, RaceResult, race
+
+
+class FakeStream:
+    """Yields ``n`` chunks after ``delay`` s, or raises ``fail`` (before the first chunk, or after
+    ``fail_after`` chunks). Records whether it was cancelled."""
+
+    def __init__(
+        self, name: str, delay: float = 0.0, n: int = 3, fail: Exception | None = None, fail_after: int = 0
+    ):
+        self.name, self.delay, self.n, self.fail, self.fail_after = name, delay, n, fail, fail_after
+        self.cancelled = False
+        self.sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.sent == 0:
+            await asyncio.sleep(self.delay)
+        if self.fail is not None and self.sent == self.fail_after:
+            raise self.fail
+        if self.sent >= self.n:
+            raise StopAsyncIteration
+        self.sent += 1
+        return Chunk(text=f"{self.name}{self.sent}", backend=self.name)
+
+
+def hooks_for(streams: dict[str, FakeStream], candidates: list[str], **kw) -> tuple[RaceHooks, list[tuple]]:
+    plan = FailoverPlan(candidates)
+    verdicts: list[tuple] = []
+
+    async def cancel(s: FakeStream) -> None:
+        if s.sent < s.n:
+            s.cancelled = True
+
+    h = RaceHooks(
+        next_attempt=lambda hedge: plan.next(0.0, {}, hedge=hedge),
+        start=lambda planned, hedge, prior: streams[planned.backend],
+        cancel=cancel,
+        verdict=lambda att, v, err, dt: verdicts.append((att.planned.backend, v)),
+        **kw,
+    )
+    return h, verdicts
+
+
+async def collect(h: RaceHooks, deadline: float | None = None) -> tuple[list[str], RaceResult]:
+    res = RaceResult()
+    out = [c.text async for c in race(h, res, deadline)]
+    return out, res
+
+
+async def test_first_candidate_serves_when_healthy() -> None:
+    streams = {"a": FakeStream("a"), "b": FakeStream("b")}
+    h, verdicts = hooks_for(streams, ["a", "b"])
+    out, res = await collect(h)
+    assert out == ["a1", "a2", "a3"]
+    assert verdicts == [("a", "won")]
+    assert len(res.attempts) == 1 and not streams["b"].sent
+
+
+async def test_failover_before_first_token() -> None:
+    streams = {"a": FakeStream("a", fail=BackendUnavailable("down")), "b": FakeStream("b")}
+    h, verdicts = hooks_for(streams, ["a", "b"])
+    out, res = await collect(h)
+    assert out == ["b1", "b2", "b3"]
+    assert verdicts == [("a", "failed"), ("b", "won")]
+    assert [type(e) for e in res.errors] == [BackendUnavailable]
+
+
+async def test_plain_exceptions_count_as_retryable() -> None:
+    streams = {"a": FakeStream("a", fail=ConnectionError("refused")), "b": FakeStream("b")}
+    h, _ = hooks_for(streams, ["a", "b"])
+    out, _ = await collect(h)
+    assert out[0] == "b1"
+
+
+async def test_client_error_is_not_retried() -> None:
+    streams = {"a": FakeStream("a", fail=InvalidRequest("bad")), "b": FakeStream("b")}
+    h, _ = hooks_for(streams, ["a", "b"])
+    with pytest.raises(InvalidRequest):
+        await collect(h)
+    assert streams["b"].sent == 0
+
+
+async def test_all_fail_raises_the_last_error() -> None:
+    streams = {
+        "a": FakeStream("a", fail=BackendUnavailable("a down")),
+        "b": FakeStream("b", fail=UpstreamTimeout("b slow")),
+    }
+    h, _ = hooks_for(streams, ["a", "b"])
+    with pytest.raises(UpstreamTimeout):
+        await collect(h)
+
+
+async def test_hedge_wins_and_the_loser_is_cancelled() -> None:
+    streams = {"a": FakeStream("a", delay=5.0), "b": FakeStream("b", delay=0.0)}
+    h, verdicts = hooks_for(
+        streams, ["a", "b"], hedge_delay=lambda _: 0.05, may_hedge=lambda el, sent: sent < 1
+    )
+    out, res = await collect(h)
+    assert out == ["b1", "b2", "b3"]
+    assert res.hedges == 1 and res.winner is not None and res.winner.hedge
+    assert streams["a"].cancelled
+    assert ("a", "cancelled") in verdicts and ("b", "won") in verdicts
+
+
+async def test_no_hedge_without_budget() -> None:
+    streams = {"a": FakeStream("a", delay=0.15), "b": FakeStream("b")}
+    h, _ = hooks_for(streams, ["a", "b"], hedge_delay=lambda _: 0.01, may_hedge=lambda el, sent: False)
+    out, res = await collect(h)
+    assert out[0] == "a1" and res.hedges == 0 and streams["b"].sent == 0
+
+
+async def test_primary_still_wins_if_it_answers_first_after_a_hedge() -> None:
+    streams = {"a": FakeStream("a", delay=0.08), "b": FakeStream("b", delay=5.0)}
+    h, _ = hooks_for(streams, ["a", "b"], hedge_delay=lambda _: 0.02, may_hedge=lambda el, sent: sent < 1)
+    out, res = await collect(h)
+    assert out[0] == "a1" and res.hedges == 1
+    assert streams["b"].cancelled
+
+
+async def test_mid_stream_failure_is_a_terminal_error_not_a_switch() -> None:
+    streams = {"a": FakeStream("a", fail=BackendUnavailable("died"), fail_after=2), "b": FakeStream("b")}
+    h, _ = hooks_for(streams, ["a", "b"])
+    res = RaceResult()
+    got = []
+    with pytest.raises(StreamInterrupted):
+        async for c in race(h, res):
+            got.append(c.text)
+    assert got == ["a1", "a2"] and streams["b"].sent == 0
+
+
+async def test_deadline_before_first_token() -> None:
+    loop = asyncio.get_running_loop()
+    streams = {"a": FakeStream("a", delay=5.0)}
+    h, _ = hooks_for(streams, ["a"], clock=loop.time)
+    with pytest.raises(UpstreamTimeout):
+        await collect(h, deadline=loop.time() + 0.05)
+    assert streams["a"].cancelled
+
+
+async def test_caller_cancellation_stops_every_attempt() -> None:
+    streams = {"a": FakeStream("a", delay=5.0), "b": FakeStream("b", delay=5.0)}
+    h, _ = hooks_for(streams, ["a", "b"], hedge_delay=lambda _: 0.01, may_hedge=lambda el, sent: sent < 1)
+    task = asyncio.ensure_future(collect(h))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert streams["a"].cancelled and streams["b"].cancelled
