@@ -31,7 +31,7 @@ from cluster.errors import Action, BackendUnavailable, ClusterError, StreamInter
 from cluster.failover import PlannedAttempt
 from cluster.protocol import Chunk
 
-Verdict = Literal["won", "failed", "cancelled"]
+Verdict = Literal["won", "failed", "cancelled", "broken"]  # broken: failed after its first token
 
 
 @dataclass
@@ -174,6 +174,7 @@ async def race(hooks: RaceHooks, result: RaceResult, deadline: float | None = No
         raise
     except Exception as exc:
         err = wrap(exc, winner.planned)
+        hooks.verdict(winner, "broken", err, clock() - winner.started_at)
         if isinstance(err, StreamInterrupted):
             raise err from exc
         raise StreamInterrupted(

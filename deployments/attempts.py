@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +47,8 @@ class AttemptRunner:
         routing_state.VIEW.breakers = self.board  # the Serve request router ejects replicas by it
         self.retry_budget = RetryBudget(cfg.policies.failover.retry_budget)
         self.hedge = HedgePolicy(cfg.policies.hedging)
+        self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
+        self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
 
     def slots(self, candidates: list[str]) -> list[str]:
         out: list[str] = []
@@ -124,8 +127,12 @@ class AttemptRunner:
             if att.hedge:
                 self.hedge.stats.on_hedge_result(True)
                 metrics.HEDGES.inc(tags={"backend": backend, "outcome": "won"})
+        elif v == "broken":
+            self.broken[backend] += 1
+            self.board.record(backend, replica, False, now)
         elif v == "failed":
             code = err.code if isinstance(err, ClusterError) else type(err).__name__
+            self.failovers[backend] += 1
             metrics.FAILOVERS.inc(tags={"backend": backend, "code": code or ""})
             if err is not None and counts_against_backend(err):
                 self.board.record(backend, replica, False, now)
@@ -147,5 +154,7 @@ class AttemptRunner:
             "hedges_won": s.hedges_won,
             "hedges_cancelled": s.hedges_cancelled,
             "requests": s.requests,
-            "extra_load_ratio": s.extra_load_ratio(),
+            "extra_load_ratio": s.extra_load_ratio,
+            "failovers": dict(self.failovers),
+            "broken_streams": dict(self.broken),
         }

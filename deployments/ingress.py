@@ -205,6 +205,8 @@ class Ingress:
                 raise (
                     exc if isinstance(exc, ClusterError) else ClusterError(f"internal error: {exc}")
                 ) from raw
+            if first is not None and first.model:
+                meta.model = first.model  # a bigger-window model took it
         except ClusterError as err:
             return error_response(err, rid)
         # Who served it: for operators and tests (the replica that produced the first chunk).

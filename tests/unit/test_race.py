@@ -134,13 +134,14 @@ async def test_primary_still_wins_if_it_answers_first_after_a_hedge() -> None:
 
 async def test_mid_stream_failure_is_a_terminal_error_not_a_switch() -> None:
     streams = {"a": FakeStream("a", fail=BackendUnavailable("died"), fail_after=2), "b": FakeStream("b")}
-    h, _ = hooks_for(streams, ["a", "b"])
+    h, verdicts = hooks_for(streams, ["a", "b"])
     res = RaceResult()
     got = []
     with pytest.raises(StreamInterrupted):
         async for c in race(h, res):
             got.append(c.text)
     assert got == ["a1", "a2"] and streams["b"].sent == 0
+    assert verdicts == [("a", "won"), ("a", "broken")]
 
 
 async def test_deadline_before_first_token() -> None:

@@ -1,0 +1,295 @@
+"""Issue 6 on a local Ray Serve: provider backends (loopback servers speaking the real wire formats,
+with fault modes) in front of simulated engines. Failover before the first token, hedging with
+the loser aborted upstream, a replica killed mid-stream, context-window routing, and the breakers."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from openai import APIError, OpenAI
+
+from cluster.config import parse_config
+from tests.integration.test_sim_cluster import kill_replica
+from tests.servers.anthropic_server import AnthropicServer
+from tests.servers.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-test-failover-0123456789"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    with (
+        OpenAIServer(api_key=KEY, output_tokens=12) as oai,
+        AnthropicServer(api_key=KEY, output_tokens=12) as ant,
+    ):
+        yield oai, ant
+
+
+def _provider(name: str, api: str, url: str, model: str) -> dict:
+    return {
+        "name": name,
+        "kind": "provider",
+        "model": model,
+        "replicas": 1,
+        "resources": {"num_cpus": 0.1},
+        "env": {"LLMC_TEST_PROVIDER_KEY": KEY},
+        "provider": {
+            "api": api,
+            "base_url": url,
+            "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
+            "api_key_env": "LLMC_TEST_PROVIDER_KEY",
+            "first_token_timeout_s": 1.5,
+            "between_tokens_timeout_s": 5,
+            "total_timeout_s": 30,
+            "cost_per_mtok_input": 0.15,
+            "cost_per_mtok_output": 0.6,
+        },
+    }
+
+
+def _sim(name: str, model: str, replicas: int = 1) -> dict:
+    return {
+        "name": name,
+        "kind": "sim",
+        "model": model,
+        "replicas": replicas,
+        "resources": {"num_cpus": 0.1},
+        "sim_profile": "llama-3.1-8b-h100",
+    }
+
+
+@pytest.fixture(scope="module")
+def mix(deploy, servers):
+    oai, ant = servers
+    tiny = {"tokenizer": "@tiny", "default_max_tokens": 16}
+    cfg = parse_config(
+        {
+            "name": "llm-cluster-mix",
+            "models": [
+                {"name": "mix", "context_window": 4096, **tiny},
+                {"name": "claude-mix", "context_window": 4096, **tiny},
+                {"name": "solo", "context_window": 8192, **tiny},
+                {"name": "small", "context_window": 256, "overflow_to": "big", **tiny},
+                {"name": "big", "context_window": 8192, **tiny},
+                {"name": "small-only", "context_window": 256, **tiny},
+            ],
+            "backends": [
+                _provider("prov-openai", "openai", oai.base_url, "mix"),
+                _sim("sim-mix", "mix"),
+                _provider(
+                    "prov-anthropic", "anthropic", ant.base_url.removesuffix("/v1") + "/v1", "claude-mix"
+                ),
+                _sim("sim-solo", "solo", replicas=2),
+                _sim("sim-small", "small"),
+                _sim("sim-big", "big"),
+                _sim("sim-small-only", "small-only"),
+            ],
+            "surfaces": [
+                {"name": "chat", "priority": 1},
+                {"name": "tab", "priority": 0, "hedging": True},
+            ],
+            "routes": [{"model": "mix", "candidates": ["prov-openai", "sim-mix"]}],
+            "policies": {
+                "hedging": {"quantile": None, "fixed_delay_s": 0.3, "budget_ratio": 0.25, "budget_burst": 1},
+                "failover": {"breaker": {"consecutive_failures": 1, "base_ejection_s": 1.0}},
+            },
+        }
+    )
+    return deploy(cfg, route_prefix="/mix")
+
+
+def _router(app: str):
+    import ray
+
+    return ray.serve.get_deployment_handle("Router", app_name=app)
+
+
+def _chat(mix, model: str, content: str = "hi", surface: str = "chat", **extra) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(
+        mix.base_url + "/chat/completions", json=body, headers={"x-surface": surface}, timeout=60
+    )
+
+
+def test_provider_serves_when_healthy_and_counts_cost(mix, servers) -> None:
+    oai, _ = servers
+    before = oai.stats().requests
+    r = _chat(mix, "mix")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-llmc-backend"] == "prov-openai"
+    assert r.json()["usage"]["completion_tokens"] == 12
+    assert oai.stats().requests == before + 1
+
+
+@pytest.mark.parametrize("fault", ["500", "429:2", "529", "hang"])
+def test_provider_fault_fails_over_to_the_next_candidate(mix, servers, fault: str) -> None:
+    oai, _ = servers
+    if fault == "529":
+        fault = "503"  # OpenAI-style servers have no 529; Anthropic's is tested below
+    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    oai.push_faults(fault)
+    client = OpenAI(base_url=mix.base_url, api_key="x", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="mix", messages=[{"role": "user", "content": "x"}], max_tokens=6, stream=True
+        )
+    )
+    # One clean stream from the sim, ending with a finish reason.
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks)
+    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    assert snap["failovers"].get("prov-openai", 0) == snap0["failovers"].get("prov-openai", 0) + 1
+    # The provider comes back once its breaker's ejection (1 s, doubling with repeats) is over.
+    assert _until_served_by(mix, "mix", "prov-openai", timeout=15)
+
+
+def _until_served_by(mix, model: str, backend: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _chat(mix, model).headers.get("x-llmc-backend") == backend:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def test_anthropic_provider_through_the_cluster(mix, servers) -> None:
+    _, ant = servers
+    client = OpenAI(base_url=mix.base_url, api_key="x", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="claude-mix",
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+            max_tokens=50,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 12
+    assert ant.stats().records[-1].model == "claude-sonnet-4-5"
+
+
+def test_anthropic_529_with_no_alternative_is_a_clean_error(mix, servers) -> None:
+    _, ant = servers
+    ant.push_faults("529")
+    r = _chat(mix, "claude-mix")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "overloaded"
+    assert _until_served_by(mix, "claude-mix", "prov-anthropic", timeout=15)
+
+
+def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
+    oai, _ = servers
+    assert _until_served_by(mix, "mix", "prov-openai", timeout=15)  # earlier faults have healed
+    # Fund the hedge budget (0.25 per request, burst 1) with healthy tab requests first.
+    for _ in range(4):
+        assert _chat(mix, "mix", surface="tab").status_code == 200
+    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    disconnects0 = oai.stats().disconnects
+    oai.push_faults("slow_first:5")
+    t0 = time.monotonic()
+    r = _chat(mix, "mix", surface="tab", max_tokens=5)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-llmc-backend"] == "sim-mix"  # the hedge won
+    assert time.monotonic() - t0 < 4  # well before the slow provider's first token (5 s)
+    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    assert snap["hedges_won"] == snap0["hedges_won"] + 1
+    # The loser's cancel reached the provider: it saw the client go away.
+    deadline = time.monotonic() + 3
+    while oai.stats().disconnects == disconnects0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert oai.stats().disconnects == disconnects0 + 1
+
+
+def test_hedges_stay_within_the_budget(mix, servers) -> None:
+    oai, _ = servers
+    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    n = 8
+    oai.push_faults(*["slow_first:1"] * n)
+    for _ in range(n):
+        assert _chat(mix, "mix", surface="tab", max_tokens=3).status_code == 200
+    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    sent = snap["hedges_sent"] - snap0["hedges_sent"]
+    requests = snap["requests"] - snap0["requests"]
+    assert requests == n
+    # 0.25 tokens per request plus at most the burst (1) left over: never more.
+    assert sent <= 0.25 * n + 1
+    assert snap["hedges_sent"] <= 0.25 * snap["requests"] + 1
+
+
+def test_replica_killed_mid_stream_ends_with_an_error_event(mix) -> None:
+    client = OpenAI(base_url=mix.base_url, api_key="x", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="solo",
+        messages=[{"role": "user", "content": "long"}],
+        max_tokens=4000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    replica = raw.headers["x-llmc-replica"]
+    stream = raw.parse()
+    got = 0
+    with pytest.raises(APIError) as info:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got += 1
+            if got == 5:
+                kill_replica(mix.cfg.name, "backend-sim-solo", replica)
+    assert 5 <= got < 4000
+    assert "stream" in str(info.value).lower()
+    # New requests go elsewhere, and the dead replica's breaker opened.
+    r = _chat(mix, "solo", max_tokens=3)
+    assert r.status_code == 200 and r.headers["x-llmc-replica"] != replica
+    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    assert snap["broken_streams"].get("sim-solo", 0) >= 1
+    states = {(b["backend"], b["replica"]): b["state"] for b in snap["breakers"]}
+    assert states.get(("sim-solo", replica)) in (1, 2) or ("sim-solo", replica) not in states
+    # ... and the backend's breaker closes again once a request succeeds after its ejection.
+    time.sleep(1.2)
+    assert _chat(mix, "solo", max_tokens=3).status_code == 200
+    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    states = {(b["backend"], b["replica"]): b["state"] for b in snap["breakers"]}
+    assert states[("sim-solo", "")] == 0
+
+
+def test_oversized_prompt_goes_to_the_bigger_model(mix) -> None:
+    stats0 = {s.backend: s.requests_started for s in mix.replica_stats().values()}
+    long_text = "word " * 400  # ~400 tokens: over small's 256 window
+    r = _chat(mix, "small", content=long_text, max_tokens=8)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "big"
+    assert r.headers["x-llmc-backend"] == "sim-big"
+    stats = mix.wait_stats(
+        lambda s: any(
+            x.backend == "sim-big" and x.requests_started > stats0.get("sim-big", 0) for x in s.values()
+        )
+    )
+    started = {s.backend: s.requests_started for s in stats.values()}
+    assert started.get("sim-small", 0) == stats0.get("sim-small", 0)  # never sent, never truncated
+
+
+def test_oversized_prompt_without_overflow_is_a_400_with_both_counts(mix) -> None:
+    r = _chat(mix, "small-only", content="word " * 400, max_tokens=8)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert "256 tokens" in err["message"] and "8 in the completion" in err["message"]
+
+
+def test_client_disconnect_closes_the_provider_stream(mix, servers) -> None:
+    oai, _ = servers
+    d0 = oai.stats().disconnects
+    oai.push_faults("delay:0.2")  # 0.2 s between tokens: time to leave mid-stream
+    body = {"model": "mix", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 12}
+    with httpx.Client(timeout=30) as c, c.stream("POST", mix.base_url + "/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    deadline = time.monotonic() + 3
+    while oai.stats().disconnects == d0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert oai.stats().disconnects == d0 + 1
