@@ -15,7 +15,11 @@ from cluster.config import ConfigError, load_config
 
 # Subcommand modules: each has add_<name>_parser(subparsers). Missing ones are skipped, so the
 # core stays importable on a machine without the ops extras.
-_PLUGINS = (("cluster.cli_k8s", "add_k8s_parser"), ("cluster.cli_plan", "add_plan_parser"))
+_PLUGINS = (
+    ("cluster.cli_k8s", "add_k8s_parser"),
+    ("cluster.cli_plan", "add_plan_parser"),
+    ("loadtest.cli_bench", "add_bench_parser"),
+)
 
 
 def _check(args: argparse.Namespace) -> int:
