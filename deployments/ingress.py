@@ -8,6 +8,7 @@ error is an OpenAI error object.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -37,6 +39,67 @@ from deployments.router import unwrap
 
 app = FastAPI(title="llm-cluster", version="0.1.0")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# OpenAI bodies nest a few levels (tools' JSON schemas a few more); deeper JSON is refused with a
+# 400 before pydantic, pickling or the JSON parser itself hit their recursion limits (a 500).
+MAX_JSON_DEPTH = 64
+BIG_BODY = 256 * 1024
+
+# -- OpenAPI: the routes read the raw Request (for the 413 before the body is read whole), so their
+# request bodies and headers are declared here, for clients and fuzzers (tests/reliability).
+_SCHEMA_REF = "#/components/schemas/{model}"
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_HEADERS = [
+    {"name": "x-surface", "in": "header", "required": False, "schema": {"type": "string"}},
+    {"name": "x-session-id", "in": "header", "required": False, "schema": {"type": "string"}},
+]
+_ERRORS = {
+    "default": {
+        "description": "An OpenAI error object.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+}
+
+
+def _body_spec(model: type) -> dict[str, Any]:
+    ref = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+        "parameters": _HEADERS,
+        "responses": _ERRORS,
+    }
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request schemas; pydantic's ``$defs`` moved into components so
+    every ``$ref`` resolves within the document."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            schema = model.model_json_schema(ref_template=_SCHEMA_REF)
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        schemas["ErrorResponse"] = _ERROR_SCHEMA
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+app.openapi = _openapi  # type: ignore[method-assign]
 
 
 def error_response(err: ClusterError, request_id: str) -> JSONResponse:
@@ -69,6 +132,38 @@ def _request_id(request: Request) -> str:
     if rid and _SAFE_ID.match(rid):
         return rid
     return uuid.uuid4().hex
+
+
+def _parse_json(buf: bytes) -> Any:
+    """Strict UTF-8 JSON (RFC 8259), at most ``MAX_JSON_DEPTH`` deep, with no lone surrogates
+    (``"\\ud800"`` is valid JSON but not Unicode: tokenizers and UTF-8 encoders fail on it later)."""
+    try:
+        body = json.loads(buf.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid UTF-8: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.") from exc
+    stack = [(body, 1)]  # iterative: no recursion of our own
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidRequest("The request body holds a lone UTF-16 surrogate escape.") from exc
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
+        if isinstance(node, dict):
+            stack.extend((k, depth) for k in node)
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        stack.extend((c, depth + 1) for c in node if isinstance(c, (str, dict, list)))
+    return body
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -166,10 +261,8 @@ class Ingress:
             buf += part
             if len(buf) > limit:
                 raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
-        try:
-            return json.loads(buf)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+        # A big body is parsed and checked off the event loop (it serves every other request).
+        return await asyncio.to_thread(_parse_json, bytes(buf)) if len(buf) > BIG_BODY else _parse_json(buf)
 
     async def _handle(self, request: Request, kind: str) -> Response:
         rid = _request_id(request)
@@ -226,11 +319,11 @@ class Ingress:
             return error_response(err, rid)
 
     # -- routes ---------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_spec(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_spec(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, "completion")
 

@@ -1,0 +1,395 @@
+"""Faults under load: while a bounded load of mixed surfaces runs, break one thing at a time and
+record how every request in flight ended and how long the cluster took to serve normally again.
+
+Faults, in order: one of the two router replicas' actor killed; a simulated replica's actor killed
+(Serve restarts both); the OpenAI provider stalling mid-stream; the OpenAI provider answering 429,
+then 500, for a window; the Anthropic provider answering 529 for a window.
+
+For each fault, the *cohort* is every request in flight when it was injected or started before the
+cluster had recovered; each ended as one of: ``completed`` (by its first-choice backend),
+``failed_over`` (by another), ``error_event`` (a terminal SSE error after tokens), ``error_status``
+(an OpenAI error with an HTTP status), ``cancelled`` (by the client, on purpose), ``conn_error``,
+``truncated`` (a stream that ended without its end marker) or ``hung`` (no end by the surface's
+deadline plus a margin: must be 0). ``recovery_s``: from the fault's end until three probes in a row
+were served as normal (by the first-choice backend where that is the point); ``restored_s``: until
+the killed deployment had all its replicas running again.
+
+The CI tier runs the short form (tests/reliability/test_faults.py); by hand, a longer one:
+
+    .venv/bin/python -m loadtest.faults [--long] [--out loadtest/results/faults.json]
+
+starts its own local cluster and loopback providers on free ports, and writes the summary JSON and a
+Markdown table (``--markdown``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.reliability.harness import (
+    ANTHROPIC_BACKEND,
+    MIX_SHAPES,
+    OPENAI_BACKEND,
+    SIM_BACKEND,
+    Keys,
+    Load,
+    Record,
+    Shape,
+    deployment_running,
+    kill_actor,
+    probe,
+    replaced,
+    replica_ids,
+    router_call,
+    router_counters,
+    wait_idle,
+    wait_until,
+)
+
+# The kills first: Serve's restart of a replica (tens of seconds here for the router, which loads
+# its tokenizers) is watched in the background while the next faults run.
+FAULTS = [
+    "kill_router",
+    "kill_sim_replica",
+    "provider_stall",
+    "provider_429",
+    "provider_500",
+    "anthropic_529",
+]
+RESTORE_TIMEOUT_S = 180.0
+ROUTER_REPLICAS = 2  # reliability_config's default
+OUTCOMES = [
+    "completed",
+    "failed_over",
+    "error_event",
+    "error_status",
+    "cancelled",
+    "conn_error",
+    "truncated",
+    "hung",
+]
+ERRORED = ("error_event", "error_status", "conn_error", "truncated")
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Scale:
+    workers: int
+    warmup_s: float
+    window_s: float  # how long a provider fault lasts
+    stalls: int  # requests the stalling provider takes
+    settle_s: float  # load kept running after recovery before the next fault
+    recovery_timeout_s: float
+    repeats: int
+
+
+SHORT = Scale(workers=5, warmup_s=3, window_s=3, stalls=4, settle_s=1, recovery_timeout_s=40, repeats=1)
+LONG = Scale(workers=10, warmup_s=10, window_s=15, stalls=12, settle_s=5, recovery_timeout_s=120, repeats=3)
+
+PROBE_OPENAI = Shape("probe-openai", "/chat/completions", "rel-mix", "chat", True, 4)
+PROBE_SIM = Shape("probe-sim", "/chat/completions", "rel-mix", "agent", True, 4)
+PROBE_CLAUDE = Shape("probe-claude", "/chat/completions", "rel-claude", "chat", False, 4)
+
+
+class FaultRun:
+    """One app under one load; ``run(name)`` injects a fault and measures it."""
+
+    def __init__(self, app: str, base_url: str, keys: Keys, oai: Any, ant: Any, scale: Scale) -> None:
+        self.app, self.base_url, self.keys = app, base_url, keys
+        self.oai, self.ant, self.scale = oai, ant, scale
+        self.load = Load(
+            base_url, keys, workers=scale.workers, shapes=MIX_SHAPES, max_s=1800, max_requests=50_000
+        )
+        self.counters_before_router_kill: dict[str, Any] | None = None
+        self.probes: list[Record] = []  # they reach the providers too: part of the accounting
+        self.watchers: list[threading.Thread] = []
+
+    # -- what "normal" means -------------------------------------------------------------------
+    def _served(self, shape: Shape, backend: str | None) -> Callable[[], bool]:
+        def ok() -> bool:
+            r = probe(self.base_url, self.keys, shape)
+            self.probes.append(r)
+            return r.outcome in ("completed", "failed_over") and (backend is None or r.backend == backend)
+
+        return ok
+
+    # -- faults: each returns (fault end time, "normal" predicate, "restored" predicate or None) ---
+    def _whole(self, deployment: str, replicas: int) -> None:
+        """Before a kill: the deployment has all its replicas (a repeat waits for the last restart)."""
+        deadline = time.monotonic() + RESTORE_TIMEOUT_S
+        while not deployment_running(self.app, deployment, replicas) and time.monotonic() < deadline:
+            time.sleep(0.25)
+
+    def _kill_sim_replica(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
+        from deployments.local import replica_stats
+
+        deployment = f"backend-{SIM_BACKEND}"
+        self._whole(deployment, 2)
+        deadline = time.monotonic() + 5  # wait (a little) for a replica with streams in flight
+        while True:
+            sims = [s for s in replica_stats(self.app).values() if s.backend == SIM_BACKEND]
+            busy = max(sims, key=lambda s: s.running, default=None)
+            if (busy is not None and busy.running > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        victim = busy.replica if busy is not None else replica_ids(self.app, deployment)[0]
+        kill_actor(self.app, deployment, victim)
+        restored = lambda: replaced(self.app, deployment, [victim], 2)  # noqa: E731
+        return time.monotonic(), self._served(PROBE_SIM, SIM_BACKEND), restored
+
+    def _provider_stall(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
+        self.oai.push_faults(*["stall:3"] * self.scale.stalls)
+        deadline = time.monotonic() + self.scale.recovery_timeout_s
+        while self.oai._queue and time.monotonic() < deadline:  # taken by the next requests
+            time.sleep(0.05)
+        return time.monotonic(), self._served(PROBE_OPENAI, OPENAI_BACKEND), None
+
+    def _window(self, server: Any, spec: str, shape: Shape, backend: str) -> tuple[float, Any, None]:
+        server.default_fault = spec
+        try:
+            time.sleep(self.scale.window_s)
+        finally:
+            server.default_fault = None
+        return time.monotonic(), self._served(shape, backend), None
+
+    def _kill_router(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
+        self._whole("Router", ROUTER_REPLICAS)
+        self.counters_before_router_kill = router_counters(self.app)
+        ids = replica_ids(self.app, "Router")
+        kill_actor(self.app, "Router", ids[0])
+        restored = lambda: replaced(self.app, "Router", ids[:1], len(ids))  # noqa: E731
+        return time.monotonic(), self._served(PROBE_OPENAI, None), restored
+
+    def inject(self, name: str) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
+        if name == "kill_sim_replica":
+            return self._kill_sim_replica()
+        if name == "provider_stall":
+            return self._provider_stall()
+        if name == "provider_429":
+            return self._window(self.oai, "429:1", PROBE_OPENAI, OPENAI_BACKEND)
+        if name == "provider_500":
+            return self._window(self.oai, "500", PROBE_OPENAI, OPENAI_BACKEND)
+        if name == "anthropic_529":
+            return self._window(self.ant, "529", PROBE_CLAUDE, ANTHROPIC_BACKEND)
+        if name == "kill_router":
+            return self._kill_router()
+        raise ValueError(f"unknown fault {name!r}")
+
+    # ------------------------------------------------------------------------------------------
+    def run(self, name: str) -> dict[str, Any]:
+        t_inject = time.monotonic()
+        in_flight = len(self.load.in_flight())
+        t_end, normal, restored = self.inject(name)
+        recovery = wait_until(normal, self.scale.recovery_timeout_s)
+        t_recovered = time.monotonic()
+        time.sleep(self.scale.settle_s)
+        cohort = [
+            r
+            for r in self.load.snapshot()
+            if r.t0 <= t_recovered and (r.t1 is None or r.t1 >= t_inject) and not r.shape.startswith("probe")
+        ]
+        deadline = time.monotonic() + 40  # they end by their deadlines (or count as hung)
+        while any(not r.ended for r in cohort) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        result = summarize(name, cohort, in_flight, t_end - t_inject, recovery, None)
+        if restored is not None:
+            self._watch_restore(result, restored, t_end)
+        return result
+
+    def _watch_restore(self, result: dict[str, Any], restored: Callable[[], bool], t_end: float) -> None:
+        """Fill ``result["restored_s"]`` in when Serve has the killed replica back (a thread)."""
+
+        def watch() -> None:
+            while time.monotonic() - t_end < RESTORE_TIMEOUT_S:
+                try:
+                    if restored():
+                        result["restored_s"] = round(time.monotonic() - t_end, 2)
+                        return
+                except Exception:  # the controller is busy: try again
+                    pass
+                time.sleep(0.25)
+
+        t = threading.Thread(target=watch, name=f"restore-{result['fault']}", daemon=True)
+        t.start()
+        self.watchers.append(t)
+
+    def wait_restored(self, timeout: float = RESTORE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.watchers:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+
+def summarize(
+    name: str,
+    cohort: list[Record],
+    in_flight: int,
+    fault_s: float,
+    recovery_s: float | None,
+    restored_s: float | None,
+) -> dict[str, Any]:
+    ends = Counter(r.outcome if r.ended else "hung" for r in cohort)
+    out: dict[str, Any] = {
+        "fault": name,
+        "in_flight": in_flight,
+        "cohort": len(cohort),
+        **{k: ends.get(k, 0) for k in OUTCOMES},
+    }
+    out["errored"] = sum(ends.get(k, 0) for k in ERRORED)
+    out["error_codes"] = dict(Counter(r.error_code or str(r.status) for r in cohort if r.outcome in ERRORED))
+    out["bad_error_shape"] = sum(1 for r in cohort if not r.shape_ok)
+    out["fault_s"] = round(fault_s, 2)
+    out["recovery_s"] = None if recovery_s is None else round(recovery_s, 2)
+    out["restored_s"] = None if restored_s is None else round(restored_s, 2)
+    return out
+
+
+SERVED = ("completed", "failed_over")
+
+
+def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, Any]:
+    """Tokens the loopback providers counted vs the usage our clients were given.
+
+    ``diff``: tokens of the requests a provider finished minus the usage our clients got for the
+    requests that provider served (0 when every finished request was delivered with its usage).
+    OpenAI requests are also matched one by one (our request id travels as ``x-client-request-id``):
+    ``per_request_mismatches`` lists those whose usage differs, ``finished_not_delivered`` those the
+    provider finished while our client got an error (billed, not served: e.g. the router killed
+    mid-stream). ``billed_unfinished``: tokens counted for streams the provider did not finish
+    (cancelled by the client, a lost hedge, a stall) - billed upstream, in no usage a client saw.
+    """
+    ours = {r.request_id: r for r in records if r.request_id}
+    out: dict[str, Any] = {}
+    for label, server, backend in (("openai", oai, OPENAI_BACKEND), ("anthropic", ant, ANTHROPIC_BACKEND)):
+        st = server.stats()
+        ok = [x for x in st.records if x.outcome == "ok"]
+        billed = sum(x.prompt_tokens + x.completion_tokens for x in ok)
+        unfinished = [x for x in st.records if x.outcome != "ok"]
+        mine = [r for r in records if r.backend == backend and r.outcome in SERVED]
+        used = sum((r.prompt_tokens or 0) + (r.completion_tokens or 0) for r in mine)
+        entry: dict[str, Any] = {
+            "provider_requests_ok": len(ok),
+            "our_requests_served": len(mine),
+            "billed_tokens": billed,
+            "our_usage_tokens": used,
+            "diff": billed - used,
+            "served_without_usage": sum(1 for r in mine if r.completion_tokens is None),
+            "billed_unfinished": sum(x.prompt_tokens + x.completion_tokens for x in unfinished),
+            "unfinished_outcomes": dict(Counter(x.outcome for x in unfinished)),
+        }
+        if label == "openai":
+            mismatched, not_delivered, unknown = [], [], []
+            for x in ok:
+                r = ours.get(x.client_request_id or "")
+                if r is None:
+                    unknown.append(x.client_request_id)
+                elif r.outcome not in SERVED or r.backend != backend:
+                    not_delivered.append(
+                        (x.client_request_id, r.outcome, x.prompt_tokens + x.completion_tokens)
+                    )
+                elif (r.prompt_tokens, r.completion_tokens) != (x.prompt_tokens, x.completion_tokens):
+                    mismatched.append(x.client_request_id)
+            entry["per_request_mismatches"] = mismatched
+            entry["finished_not_delivered"] = not_delivered
+            entry["finished_unknown"] = unknown
+            entry["diff_delivered"] = entry["diff"] - sum(t for _, _, t in not_delivered)
+        out[label] = entry
+    return out
+
+
+def run_faults(
+    app: str,
+    base_url: str,
+    keys: Keys,
+    oai: Any,
+    ant: Any,
+    scale: Scale = SHORT,
+    faults: list[str] | None = None,
+) -> dict[str, Any]:
+    """The whole run; the providers' counters are reset first (nothing else may use them meanwhile)."""
+    oai.reset()
+    ant.reset()
+    run = FaultRun(app, base_url, keys, oai, ant, scale)
+    t0 = time.monotonic()
+    results = []
+    with run.load:
+        time.sleep(scale.warmup_s)
+        for name in faults or FAULTS:
+            for _ in range(scale.repeats):
+                results.append(run.run(name))
+    records = run.load.snapshot()
+    run.wait_restored()
+    counters = wait_idle(app)
+    everything = records + run.probes
+    ends = Counter(r.outcome if r.ended else "hung" for r in records)
+    return {
+        "scale": scale.__dict__,
+        "duration_s": round(time.monotonic() - t0, 1),
+        "requests": len(records),
+        "endings": dict(ends),
+        "faults": results,
+        "router_counters_before_kill": run.counters_before_router_kill,
+        "router_counters_end": counters,
+        "policy": router_call(app, "policy_snapshot"),
+        "accounting": provider_accounting(everything, oai, ant),
+        "bad_error_shape": sum(1 for r in records if not r.shape_ok),
+        "_records": everything,
+    }
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    cols = ["fault", "in_flight", "cohort", *OUTCOMES, "recovery_s", "restored_s"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for f in summary["faults"]:
+        lines.append("| " + " | ".join("-" if f.get(c) is None else str(f.get(c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def public(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--long", action="store_true", help="longer windows, more load, 3 repeats")
+    p.add_argument("--out", default=str(RESULTS / "faults.json"))
+    p.add_argument("--markdown", action="store_true", help="print the Markdown table")
+    args = p.parse_args(argv)
+
+    from deployments import local
+    from tests.conftest import free_port
+    from tests.reliability.harness import reliability_config
+    from tests.servers.anthropic_server import AnthropicServer
+    from tests.servers.openai_server import OpenAIServer
+
+    keys = Keys()  # exports the provider key to this process's environment, before Ray starts
+    port = free_port()
+    with (
+        OpenAIServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as oai,
+        AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
+    ):
+        cfg = reliability_config("llmc-faults", oai.base_url, ant.base_url, keys)
+        local.start(cfg, port=port, route_prefix="/faults")
+        try:
+            summary = run_faults(
+                cfg.name, f"http://127.0.0.1:{port}/faults/v1", keys, oai, ant, LONG if args.long else SHORT
+            )
+        finally:
+            local.stop()
+    out = public(summary)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(json.dumps({k: out[k] for k in ("duration_s", "requests", "endings", "accounting")}, indent=2))
+    if args.markdown:
+        print(markdown(summary))
+
+
+if __name__ == "__main__":
+    main()

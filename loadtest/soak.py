@@ -1,0 +1,164 @@
+"""Soak: a steady, moderate load of mixed surfaces for a while, watching every Ray actor of the app
+(and Serve's controller and proxy, the stats hub, the provider budgets) for growth: resident memory
+(psutil on the actor's PID, which the actor reports through ``__ray_call__``), open inet sockets and
+file descriptors, and the asyncio tasks on each Serve replica's user-code event loop.
+
+Baseline and end are read at rest (nothing in flight), after a warm-up that fills the pools and
+caches; the samples in between give each actor's RSS trend. The CI tier runs 1-2 minutes
+(tests/reliability/test_soak.py); by hand, ten:
+
+    .venv/bin/python -m loadtest.soak [--minutes 10] [--out loadtest/results/soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tests.reliability.harness import MIX_SHAPES, Keys, Load, actor_snapshot, wait_idle
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _idle(app: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Counters once the routers are idle, then a moment for the backends to finish their aborts."""
+    counters = wait_idle(app, timeout)
+    time.sleep(1.5)
+    return counters
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MB) samples, in MB per minute."""
+    if len(samples) < 3:
+        return 0.0
+    n = len(samples)
+    mt = sum(t for t, _ in samples) / n
+    mv = sum(v for _, v in samples) / n
+    den = sum((t - mt) ** 2 for t, _ in samples)
+    return 0.0 if den == 0 else 60 * sum((t - mt) * (v - mv) for t, v in samples) / den
+
+
+def run_soak(
+    app: str,
+    base_url: str,
+    keys: Keys,
+    *,
+    duration_s: float,
+    warmup_s: float = 10.0,
+    workers: int = 4,
+    think_s: float = 0.1,
+    sample_every_s: float = 5.0,
+) -> dict[str, Any]:
+    # Warm-up: pools, caches, lazily built things; then the baseline at rest.
+    with Load(base_url, keys, workers=workers, think_s=think_s, max_s=warmup_s, shapes=MIX_SHAPES, seed=1):
+        time.sleep(warmup_s)
+    _idle(app)
+    base = actor_snapshot(app)
+    series: dict[str, list[tuple[float, float]]] = {k: [(0.0, v["rss_mb"])] for k, v in base.items()}
+    t0 = time.monotonic()
+    load = Load(
+        base_url,
+        keys,
+        workers=workers,
+        think_s=think_s,
+        max_s=duration_s,
+        max_requests=int(duration_s * 50),
+        shapes=MIX_SHAPES,
+        seed=2,
+    )
+    with load:
+        while time.monotonic() - t0 < duration_s:
+            time.sleep(min(sample_every_s, max(0.0, duration_s - (time.monotonic() - t0))))
+            t = time.monotonic() - t0
+            for name, v in actor_snapshot(app).items():
+                series.setdefault(name, []).append((t, v["rss_mb"]))
+    records = load.snapshot()
+    counters = _idle(app)
+    end = actor_snapshot(app)
+    actors: dict[str, Any] = {}
+    for name in sorted(set(base) | set(end)):
+        b, e = base.get(name), end.get(name)
+        if b is None or e is None:
+            actors[name] = {"present": "end only" if b is None else "start only"}
+            continue
+        pts = series.get(name, [])
+        actors[name] = {
+            "rss_start_mb": round(b["rss_mb"], 1),
+            "rss_end_mb": round(e["rss_mb"], 1),
+            "rss_growth_mb": round(e["rss_mb"] - b["rss_mb"], 1),
+            "rss_peak_mb": round(max(v for _, v in pts), 1) if pts else None,
+            "rss_slope_mb_per_min": round(slope_mb_per_min(pts[len(pts) // 2 :]), 2),
+            "tasks_start": b["tasks"],
+            "tasks_end": e["tasks"],
+            "sockets_start": b["sockets"],
+            "sockets_end": e["sockets"],
+            "fds_start": b["fds"],
+            "fds_end": e["fds"],
+            "gc_objects_start": b["gc_objects"],
+            "gc_objects_end": e["gc_objects"],
+        }
+        if "view" in e:
+            actors[name]["routing_tables_start"] = b.get("view")
+            actors[name]["routing_tables_end"] = e["view"]
+        if e["tasks"] > b["tasks"]:
+            extra = Counter(e["task_names"]) - Counter(b["task_names"])
+            actors[name]["new_tasks"] = dict(extra)
+    both = [a for a in actors.values() if "tasks_end" in a]
+    return {
+        "duration_s": round(time.monotonic() - t0, 1),
+        "workers": workers,
+        "requests": len(records),
+        "rate_rps": round(len(records) / max(1e-9, time.monotonic() - t0), 2),
+        "endings": dict(Counter(r.outcome if r.ended else "hung" for r in records)),
+        "bad_error_shape": sum(1 for r in records if not r.shape_ok),
+        "leaked_tasks": sum(max(0, a["tasks_end"] - a["tasks_start"]) for a in both),
+        "leaked_sockets": sum(max(0, a["sockets_end"] - a["sockets_start"]) for a in both),
+        "rss_growth_mb": {k: a["rss_growth_mb"] for k, a in actors.items() if "rss_growth_mb" in a},
+        "actors": actors,
+        "router_counters": counters,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = p.parse_args(argv)
+
+    from deployments import local
+    from tests.conftest import free_port
+    from tests.reliability.harness import reliability_config
+    from tests.servers.anthropic_server import AnthropicServer
+    from tests.servers.openai_server import OpenAIServer
+
+    keys = Keys()  # exports the provider key to this process's environment, before Ray starts
+    port = free_port()
+    with (
+        OpenAIServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as oai,
+        AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
+    ):
+        cfg = reliability_config("llmc-soak", oai.base_url, ant.base_url, keys)
+        local.start(cfg, port=port, route_prefix="/soak")
+        try:
+            out = run_soak(
+                cfg.name,
+                f"http://127.0.0.1:{port}/soak/v1",
+                keys,
+                duration_s=args.minutes * 60,
+                workers=args.workers,
+                sample_every_s=15,
+            )
+        finally:
+            local.stop()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if k not in ("actors", "router_counters")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

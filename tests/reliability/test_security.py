@@ -1,0 +1,238 @@
+"""Security checks on the reliability app (auth on, keys stored as SHA-256): requests without a valid
+API key get a 401 OpenAI error; the provider's key never reaches a client (not in errors, not even
+when the provider echoes it, not in /v1/models or the OpenAPI document), Ray's logs or the metrics;
+and a body over the limit gets its 413 before the client has sent it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.harness import CLAUDE, MIX, find_in_logs, is_openai_error, log_dir, metrics_text
+
+pytestmark = [pytest.mark.reliability, pytest.mark.integration]
+
+OK_MSG = [{"role": "user", "content": "hi"}]
+
+
+def _bodies() -> list[tuple[str, dict]]:
+    return [
+        ("/chat/completions", {"model": MIX, "messages": OK_MSG, "max_tokens": 2}),
+        ("/completions", {"model": MIX, "prompt": "hi", "max_tokens": 2}),
+    ]
+
+
+def _credentials(rel) -> dict[str, dict[str, str]]:
+    key = rel.keys.clients["chat"]
+    return {
+        "none": {},
+        "empty": {"authorization": ""},
+        "bearer-only": {"authorization": "Bearer"},
+        "wrong": {"authorization": "Bearer sk-wrong-0123456789"},
+        "basic": {"authorization": "Basic " + key},
+        "no-scheme": {"authorization": key},
+        "key-plus-one": {"authorization": f"Bearer {key}x"},
+        "key-prefix": {"authorization": f"Bearer {key[:-1]}"},
+        "the-hash": {"authorization": "Bearer " + hashlib.sha256(key.encode()).hexdigest()},
+        "provider-key": {"authorization": f"Bearer {rel.keys.provider}"},
+        "x-api-key": {"x-api-key": key},
+    }
+
+
+@pytest.mark.parametrize(
+    "which",
+    [
+        "none",
+        "empty",
+        "bearer-only",
+        "wrong",
+        "basic",
+        "no-scheme",
+        "key-plus-one",
+        "key-prefix",
+        "the-hash",
+        "provider-key",
+        "x-api-key",
+    ],
+)
+def test_requests_without_a_valid_key_get_401(rel, which) -> None:
+    headers = _credentials(rel)[which]
+    for path, body in _bodies():
+        r = httpx.post(rel.base_url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, (which, r.status_code, r.text)
+        err = r.json()
+        assert is_openai_error(err) and err["error"]["code"] == "invalid_api_key", err
+        assert r.headers.get("x-request-id")
+        presented = headers.get("authorization", "").removeprefix("Bearer").strip()
+        assert not presented or presented not in r.text  # the credential is not echoed back
+
+
+def test_a_valid_key_is_served_and_picks_its_surface(rel) -> None:
+    for surface in ("chat", "agent"):
+        path, body = _bodies()[0]
+        r = httpx.post(rel.base_url + path, json=body, headers=rel.keys.headers(surface), timeout=60)
+        assert r.status_code == 200, r.text
+    # Under auth the key decides the surface: a header cannot promote a request to another one.
+    r = httpx.post(
+        rel.base_url + "/chat/completions",
+        json={"model": MIX, "messages": OK_MSG, "max_tokens": 2},
+        headers={**rel.keys.headers("agent"), "x-surface": "tab"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == "rel-sim"  # agent's first choice
+
+
+@pytest.mark.xfail(
+    strict=True, reason="bug: GET /v1/models is not behind auth (deployments/ingress.py models())"
+)
+def test_models_needs_a_key(rel) -> None:
+    r = httpx.get(rel.base_url + "/models", timeout=30)
+    assert r.status_code == 401
+
+
+def test_provider_key_not_in_models_or_openapi(rel) -> None:
+    for url in (rel.base_url + "/models", rel.url + "/openapi.json"):
+        r = httpx.get(url, headers=rel.keys.headers("chat"), timeout=30)
+        assert r.status_code == 200
+        assert rel.keys.provider not in r.text
+        assert rel.keys.provider[-12:] not in r.text
+
+
+@pytest.mark.parametrize(("model", "server"), [(MIX, "oai"), (CLAUDE, "ant")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_provider_error_that_echoes_our_key_is_scrubbed(rel, model, server, stream) -> None:
+    getattr(rel, server).push_faults("echo_key")
+    body = {"model": model, "messages": OK_MSG, "max_tokens": 2, "stream": stream}
+    r = httpx.post(
+        rel.base_url + "/chat/completions", json=body, headers=rel.keys.headers("chat"), timeout=60
+    )
+    assert rel.keys.provider not in r.text
+    assert rel.keys.provider[4:] not in r.text  # nor most of it
+    if r.status_code != 200:
+        assert is_openai_error(r.json()), r.text
+
+
+@pytest.mark.parametrize(("model", "server"), [(MIX, "oai"), (CLAUDE, "ant")])
+def test_provider_refusing_our_key_is_a_502_without_the_key(rel, model, server) -> None:
+    getattr(rel, server).push_faults("401")
+    body = {"model": model, "messages": OK_MSG, "max_tokens": 2}
+    r = httpx.post(
+        rel.base_url + "/chat/completions", json=body, headers=rel.keys.headers("chat"), timeout=60
+    )
+    assert rel.keys.provider not in r.text
+    if r.status_code != 200:  # rel-mix may have failed over to the simulated replicas
+        err = r.json()
+        assert is_openai_error(err) and r.status_code == 502, r.text
+        assert err["error"]["code"] == "provider_auth_failed"
+
+
+# -- 413 before the body is read whole -------------------------------------------------------------
+
+
+def _read_response(sock: socket.socket, deadline: float) -> tuple[int, dict[str, str], bytes]:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    n = int(headers.get("content-length", "0"))
+    while len(body) < n and time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return status, headers, body
+
+
+def _open(rel, path: str, headers: list[str]) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", rel.cluster.port), timeout=10)
+    head = f"POST {rel.cluster.route_prefix}/v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head += "".join(h + "\r\n" for h in headers) + "\r\n"
+    s.sendall(head.encode())
+    return s
+
+
+def test_declared_oversize_body_gets_413_before_it_is_sent(rel) -> None:
+    """A huge Content-Length and a slow body: the 413 comes back after a few bytes, not at the end."""
+    declared = 64 * 1024 * 1024
+    s = _open(
+        rel,
+        "/chat/completions",
+        [
+            f"authorization: Bearer {rel.keys.clients['chat']}",
+            "content-type: application/json",
+            f"content-length: {declared}",
+        ],
+    )
+    with s:
+        s.sendall(b'{"model": "rel-mix", "messages": [')  # then nothing more
+        status, headers, body = _read_response(s, time.monotonic() + 20)
+    assert status == 413, body[:300]
+    assert is_openai_error(json.loads(body)) and json.loads(body)["error"]["code"] == "request_too_large"
+    assert headers.get("x-request-id")
+
+
+def test_chunked_slow_body_over_the_limit_gets_413_before_it_ends(rel) -> None:
+    limit = rel.cluster.cfg.server.max_body_bytes
+    s = _open(
+        rel,
+        "/chat/completions",
+        [
+            f"authorization: Bearer {rel.keys.clients['chat']}",
+            "content-type: application/json",
+            "transfer-encoding: chunked",
+        ],
+    )
+    with s:
+        piece = b"a" * 32768
+        sent = 0
+        while sent <= limit + len(piece):  # just past the limit, then the client goes quiet
+            s.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            sent += len(piece)
+        status, _, body = _read_response(s, time.monotonic() + 20)  # no terminating chunk was sent
+    assert status == 413, body[:300]
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_unauthenticated_oversize_body_is_refused_without_reading_it(rel) -> None:
+    s = _open(rel, "/chat/completions", ["content-type: application/json", "content-length: 1000000000"])
+    with s:
+        s.sendall(b"{")
+        status, _, body = _read_response(s, time.monotonic() + 20)
+    assert status in (401, 413), body[:300]
+    assert is_openai_error(json.loads(body))
+
+
+# -- logs and metrics -----------------------------------------------------------------------------
+
+
+def test_no_key_in_logs_or_metrics(rel) -> None:
+    """After everything above (and the fault runs, when they ran first): neither the provider's key
+    nor any client key in any file of this Ray session's log folder, nor in the exported metrics."""
+    logs = log_dir()
+    assert find_in_logs(logs, f"{rel.name}#Router"), "not the log folder of this Ray session"
+    metrics = metrics_text()
+    for secret in (rel.keys.provider, *rel.keys.clients.values()):
+        assert find_in_logs(logs, secret) == [], secret[:12]
+        assert secret not in metrics
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: a backend's `env` goes through Ray's runtime_env, whose agent logs it in full "
+    "(runtime_env_agent.log 'Creating runtime env: {env_vars: ...}'): never a place for secrets",
+)
+def test_backend_env_values_stay_out_of_logs(rel) -> None:
+    assert find_in_logs(log_dir(), rel.canary) == []
