@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,8 @@ class VLLMBackend:
         self.replica = replica
         self._counters = _EngineCounters()
         self._started = self._finished = self._aborted = 0
+        # The last aborted requests and how far they got: operators and tests see the abort land.
+        self._recent_aborts: deque[tuple[str, int]] = deque(maxlen=64)
         args = AsyncEngineArgs(**engine_kwargs(backend, model))
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
 
@@ -147,6 +150,7 @@ class VLLMBackend:
             else:
                 # Cancelled or failed: make sure the engine stops generating and frees the blocks.
                 self._aborted += 1
+                self._recent_aborts.append((req.request_id, completion_tokens))
                 await self.abort(engine_id)
 
     async def abort(self, request_id: str) -> None:
@@ -169,7 +173,11 @@ class VLLMBackend:
             requests_started=self._started,
             requests_finished=self._finished,
             requests_aborted=self._aborted,
-            extra={"unfinished": self.engine.get_num_unfinished_requests(), "ts": time.time()},
+            extra={
+                "unfinished": self.engine.get_num_unfinished_requests(),
+                "recent_aborts": list(self._recent_aborts),
+                "ts": time.time(),
+            },
         )
 
     def shutdown(self) -> None:

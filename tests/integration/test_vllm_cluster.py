@@ -12,20 +12,7 @@ from cluster.tokens import load_tokenizer
 pytestmark = pytest.mark.integration
 
 
-def _totals(stats: dict) -> dict[str, int]:
-    return {
-        "aborted": sum(s.requests_aborted for s in stats.values()),
-        "finished": sum(s.requests_finished for s in stats.values()),
-        "running": sum(s.running + s.waiting for s in stats.values()),
-        "unfinished": sum(s.extra.get("unfinished", 0) for s in stats.values()),
-    }
-
-
 def test_client_disconnect_aborts_the_engine_request(cluster) -> None:
-    # Start from a quiet cluster: earlier requests finished and reported.
-    before = _totals(cluster.wait_stats(lambda s: len(s) == 2 and _totals(s)["unfinished"] == 0))
-    time.sleep(0.5)
-    before = _totals(cluster.replica_stats())
     body = {
         "model": "tiny-llama",
         "messages": [{"role": "user", "content": "count to a million"}],
@@ -34,26 +21,29 @@ def test_client_disconnect_aborts_the_engine_request(cluster) -> None:
         "ignore_eos": True,
     }
     received = 0
+    headers = {"x-request-id": "disconnect-me-1"}
     with (
         httpx.Client(timeout=60) as c,
-        c.stream("POST", cluster.base_url + "/chat/completions", json=body) as r,
+        c.stream("POST", cluster.base_url + "/chat/completions", json=body, headers=headers) as r,
     ):
         assert r.status_code == 200
+        replica = r.headers["x-llmc-replica"]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 received += 1
             if received >= 5:
                 break  # leaving the block closes the connection mid-stream
-    # The engine request is aborted: counted as aborted, nothing left running or unfinished,
-    # and the stream was nowhere near its 1900 tokens.
-    after = _totals(
-        cluster.wait_stats(
-            lambda s: _totals(s)["aborted"] > before["aborted"] and _totals(s)["unfinished"] == 0, timeout=15
-        )
-    )
-    assert after["aborted"] == before["aborted"] + 1
-    assert after["finished"] == before["finished"]
-    assert after["unfinished"] == 0 and after["running"] == 0
+
+    def aborted(stats: dict) -> dict[str, int]:
+        return dict(stats[replica].extra.get("recent_aborts", [])) if replica in stats else {}
+
+    # The replica that served it aborted the engine request, nowhere near its 1900 tokens, and
+    # its engine holds no unfinished request for it.
+    stats = cluster.wait_stats(lambda s: "disconnect-me-1" in aborted(s), timeout=20)
+    assert "disconnect-me-1" in aborted(stats)
+    assert 5 <= aborted(stats)["disconnect-me-1"] < 1900
+    stats = cluster.wait_stats(lambda s: s[replica].extra.get("unfinished") == 0, timeout=20)
+    assert stats[replica].extra["unfinished"] == 0
 
 
 def test_shared_prefix_hits_the_prefix_cache(cluster) -> None:
