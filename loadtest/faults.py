@@ -92,7 +92,7 @@ class Scale:
 
 
 SHORT = Scale(workers=5, warmup_s=3, window_s=3, stalls=4, settle_s=1, recovery_timeout_s=40, repeats=1)
-LONG = Scale(workers=10, warmup_s=10, window_s=15, stalls=12, settle_s=5, recovery_timeout_s=120, repeats=3)
+LONG = Scale(workers=8, warmup_s=10, window_s=10, stalls=10, settle_s=3, recovery_timeout_s=90, repeats=2)
 
 PROBE_OPENAI = Shape("probe-openai", "/chat/completions", "rel-mix", "chat", True, 4)
 PROBE_SIM = Shape("probe-sim", "/chat/completions", "rel-mix", "agent", True, 4)
@@ -245,6 +245,9 @@ def summarize(
     out["errored"] = sum(ends.get(k, 0) for k in ERRORED)
     out["error_codes"] = dict(Counter(r.error_code or str(r.status) for r in cohort if r.outcome in ERRORED))
     out["bad_error_shape"] = sum(1 for r in cohort if not r.shape_ok)
+    out["hung_detail"] = [
+        describe(r, cohort[0].t0 if cohort else 0.0) for r in cohort if not r.ended or r.outcome == "hung"
+    ]
     out["fault_s"] = round(fault_s, 2)
     out["recovery_s"] = None if recovery_s is None else round(recovery_s, 2)
     out["restored_s"] = None if restored_s is None else round(restored_s, 2)
@@ -252,6 +255,20 @@ def summarize(
 
 
 SERVED = ("completed", "failed_over")
+
+
+def describe(r: Record, t_ref: float) -> dict[str, Any]:
+    """One request, for a report: what it was and how far it got."""
+    return {
+        "shape": r.shape,
+        "surface": r.surface,
+        "request_id": r.request_id,
+        "status": r.status,
+        "backend": r.backend,
+        "chunks": r.chunks,
+        "start_s": round(r.t0 - t_ref, 2),
+        "took_s": None if r.t1 is None else round(r.t1 - r.t0, 2),
+    }
 
 
 def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, Any]:
@@ -340,6 +357,7 @@ def run_faults(
         "policy": router_call(app, "policy_snapshot"),
         "accounting": provider_accounting(everything, oai, ant),
         "bad_error_shape": sum(1 for r in records if not r.shape_ok),
+        "hung": [describe(r, t0) for r in records if not r.ended or r.outcome == "hung"],
         "_records": everything,
     }
 
@@ -358,7 +376,7 @@ def public(summary: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--long", action="store_true", help="longer windows, more load, 3 repeats")
+    p.add_argument("--long", action="store_true", help="longer windows, more load, 2 repeats")
     p.add_argument("--out", default=str(RESULTS / "faults.json"))
     p.add_argument("--markdown", action="store_true", help="print the Markdown table")
     args = p.parse_args(argv)

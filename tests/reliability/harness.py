@@ -32,7 +32,8 @@ from cluster.config import ClusterConfig, parse_config
 SURFACE_DEADLINE_S = {"tab": 8.0, "chat": 12.0, "agent": 15.0}
 CLIENT_MARGIN_S = 10.0  # past deadline + margin, a request counts as hung
 OPENAI_BACKEND, SIM_BACKEND, ANTHROPIC_BACKEND = "rel-openai", "rel-sim", "rel-anthropic"
-MIX, CLAUDE = "rel-mix", "rel-claude"
+MIX, CLAUDE, STALL = "rel-mix", "rel-claude", "rel-stall"
+STALL_BACKEND = "rel-sim-stall"  # a simulated replica whose streams go silent after 2 tokens
 PRIMARY = {("rel-mix", "chat"): OPENAI_BACKEND, ("rel-mix", "tab"): OPENAI_BACKEND}
 PRIMARY |= {("rel-mix", "agent"): SIM_BACKEND, ("rel-claude", "chat"): ANTHROPIC_BACKEND}
 PROVIDER_KEY_ENV = "LLMC_REL_PROVIDER_KEY"
@@ -79,7 +80,7 @@ def _provider(name: str, api: str, url: str, model: str) -> dict[str, Any]:
             "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
             "api_key_env": PROVIDER_KEY_ENV,
             "connect_timeout_s": 2,
-            "first_token_timeout_s": 2,
+            "first_token_timeout_s": 5,  # a 2-core box under load is slow to start
             "between_tokens_timeout_s": 2,
             "total_timeout_s": 20,
             "cost_per_mtok_input": 0.15,
@@ -131,6 +132,7 @@ def reliability_config(
             "models": [
                 {"name": MIX, "context_window": 4096, **tiny},
                 {"name": CLAUDE, "context_window": 4096, **tiny},
+                {"name": STALL, "context_window": 4096, **tiny},
             ],
             "backends": [
                 oai,
@@ -143,12 +145,22 @@ def reliability_config(
                     "sim_profile": "llama-3.1-8b-h100",
                 },
                 ant,
+                {
+                    "name": STALL_BACKEND,
+                    "kind": "sim",
+                    "model": STALL,
+                    "replicas": 1,
+                    "resources": {"num_cpus": 0.1},
+                    "sim_profile": "llama-3.1-8b-h100",
+                    "sim_options": {"stall_after_tokens": 2},
+                },
             ],
             "surfaces": surfaces,
             "routes": [
                 {"model": MIX, "candidates": [OPENAI_BACKEND, SIM_BACKEND]},
                 {"model": MIX, "surface": "agent", "candidates": [SIM_BACKEND, OPENAI_BACKEND]},
                 {"model": CLAUDE, "candidates": [ANTHROPIC_BACKEND]},
+                {"model": STALL, "candidates": [STALL_BACKEND]},
             ],
             "policies": {
                 "hedging": {"quantile": None, "fixed_delay_s": 0.5, "budget_ratio": 0.1, "budget_burst": 2},
