@@ -124,7 +124,13 @@ class BackendConfig(Strict):
         default_factory=dict, description="Sim knobs: speedup, faults (kind sim)."
     )
     provider: ProviderConfig | None = Field(None, description="Provider endpoint (kind provider).")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables for the replicas.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Environment variables set in the replica's process at start (not secrets: those come from "
+            "the pod's environment, e.g. a Kubernetes Secret)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _kind_fields(self) -> BackendConfig:
@@ -169,6 +175,9 @@ class ServerConfig(Strict):
 
 
 class PolicyConfig(Strict):
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="Silence after the first token that ends a stream with an error event."
+    )
     failover: FailoverConfig = Field(
         default_factory=FailoverConfig, description="Circuit breakers, retry budget, attempt limits."
     )

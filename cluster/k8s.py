@@ -283,8 +283,7 @@ def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
     if b.resources.memory_bytes:
         actor["memory"] = b.resources.memory_bytes
-    if b.env:
-        actor["runtime_env"] = {"env_vars": dict(b.env)}
+    # b.env is applied by the replica itself (deployments/backend_replica.py), not via runtime_env.
     d: dict[str, Any] = {"name": f"backend-{b.name}"}
     if b.autoscaling is None:
         d["num_replicas"] = b.replicas

@@ -77,8 +77,12 @@ def _as_cluster_error(exc: BaseException, planned: PlannedAttempt) -> ClusterErr
     )
 
 
-async def race(hooks: RaceHooks, result: RaceResult, deadline: float | None = None) -> AsyncIterator[Chunk]:
-    """Yield the winning attempt's chunks; raise the last error if no attempt produced one."""
+async def race(
+    hooks: RaceHooks, result: RaceResult, deadline: float | None = None, idle_timeout: float | None = None
+) -> AsyncIterator[Chunk]:
+    """Yield the winning attempt's chunks; raise the last error if no attempt produced one. After
+    the first chunk, ``idle_timeout`` seconds of silence or the deadline end the stream with an
+    error (an ``UpstreamTimeout`` wrapped as ``StreamInterrupted``)."""
     clock = hooks.clock
     t0 = clock()
     wrap = hooks.wrap_error or _as_cluster_error
@@ -168,7 +172,21 @@ async def race(hooks: RaceHooks, result: RaceResult, deadline: float | None = No
     assert first_chunk is not None
     yield first_chunk
     try:
-        async for chunk in winner.stream:
+        while True:
+            # After the first token, a backend that goes silent must not hold the client: the
+            # stream ends with an error after `idle_timeout` of silence or at the deadline.
+            wait = idle_timeout
+            if deadline is not None:
+                left = max(0.0, deadline - clock())
+                wait = left if wait is None else min(wait, left)
+            try:
+                chunk = await asyncio.wait_for(winner.stream.__anext__(), wait)
+            except StopAsyncIteration:
+                break
+            except TimeoutError as exc:
+                raise UpstreamTimeout(
+                    f"backend {winner.planned.backend} went silent mid-stream ({wait:.1f} s without a token)"
+                ) from exc
             yield chunk
     except (asyncio.CancelledError, GeneratorExit):
         raise

@@ -42,8 +42,7 @@ def backend_options(b: BackendConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
     if b.resources.memory_bytes:
         actor["memory"] = b.resources.memory_bytes
-    if b.env:
-        actor["runtime_env"] = {"env_vars": dict(b.env)}
+    # b.env is applied by the replica itself at start: Ray's runtime_env agent logs env_vars in full.
     opts: dict[str, Any] = {"name": f"backend-{b.name}", "ray_actor_options": actor}
     if b.routing == "ray_prefix":
         opts["request_router_config"] = RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER)

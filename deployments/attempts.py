@@ -110,7 +110,8 @@ class AttemptRunner:
         )
         result = RaceResult()
         try:
-            async for chunk in race(hooks, result, mono_deadline):
+            idle = self.cfg.policies.stream_idle_timeout_s
+            async for chunk in race(hooks, result, mono_deadline, idle):
                 yield chunk
         finally:
             routing_state.VIEW.forget_request(req.request_id, attempts=max(1, len(result.attempts)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +42,9 @@ def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> B
 class BackendReplica:
     def __init__(self, backend: dict[str, Any], model: dict[str, Any], app_name: str) -> None:
         self.cfg = BackendConfig.model_validate(backend)
+        # Set here rather than through Ray's runtime_env, whose agent logs env_vars in full; before
+        # the backend is built, so that engine settings (OMP_NUM_THREADS …) take effect.
+        os.environ.update(self.cfg.env)
         model_cfg = ModelConfig.model_validate(model)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id

@@ -328,7 +328,11 @@ class Ingress:
         return await self._handle(request, "completion")
 
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._surface(request)  # with auth on, listing models needs a key too
+        except ClusterError as err:
+            return error_response(err, _request_id(request))
         data = []
         for m in self.cfg.models:
             kinds = sorted({b.kind for b in self.cfg.backends if b.model == m.name})

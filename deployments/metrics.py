@@ -72,7 +72,7 @@ HEDGES = Counter(
 )
 BREAKER_STATE = Gauge(
     "llmc_breaker_state",
-    description="Circuit breaker per backend (replica \"\") and replica: 0 closed, 1 open, 2 half-open.",
+    description='Circuit breaker per backend (replica "") and replica: 0 closed, 1 open, 2 half-open.',
     tag_keys=("backend", "replica"),
 )
 CONTEXT_REROUTES = Counter(

@@ -162,3 +162,32 @@ async def test_caller_cancellation_stops_every_attempt() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert streams["a"].cancelled and streams["b"].cancelled
+
+
+class StallingStream(FakeStream):
+    async def __anext__(self) -> Chunk:
+        if self.sent >= 2:
+            await asyncio.sleep(30)
+        return await super().__anext__()
+
+
+async def test_a_stream_silent_after_its_first_tokens_ends_with_an_error() -> None:
+    streams = {"a": StallingStream("a", n=10)}
+    h, verdicts = hooks_for(streams, ["a"])
+    got = []
+    with pytest.raises(StreamInterrupted, match="silent"):
+        async for c in race(h, RaceResult(), idle_timeout=0.1):
+            got.append(c.text)
+    assert got == ["a1", "a2"] and streams["a"].cancelled
+    assert verdicts[-1] == ("a", "broken")
+
+
+async def test_the_deadline_also_holds_after_the_first_token() -> None:
+    loop = asyncio.get_running_loop()
+    streams = {"a": StallingStream("a", n=10)}
+    h, _ = hooks_for(streams, ["a"], clock=loop.time)
+    t0 = loop.time()
+    with pytest.raises(StreamInterrupted):
+        async for _ in race(h, RaceResult(), deadline=t0 + 0.2, idle_timeout=10):
+            pass
+    assert loop.time() - t0 < 5
