@@ -29,6 +29,7 @@ from cluster.errors import (
     ClusterError,
     InvalidRequest,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
     StreamInterrupted,
     Unauthorized,
@@ -166,6 +167,16 @@ def _parse_json(buf: bytes) -> Any:
     return body
 
 
+def _internal_error(exc: BaseException) -> ClusterError:
+    """A failure that is not a typed error. A router replica that died (restarted by Serve) is a
+    503 worth retrying, not a 500; anything else is ours, and says only its type."""
+    from ray.exceptions import RayActorError
+
+    if isinstance(exc, RayActorError):
+        return Overloaded("A router replica restarted while serving this request; retry it.", retry_after_s=1)
+    return ClusterError(f"internal error: {type(exc).__name__}")
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = ".".join(str(x) for x in first["loc"])
@@ -295,9 +306,7 @@ class Ingress:
                 first = None
             except Exception as raw:
                 exc = unwrap(raw)
-                raise (
-                    exc if isinstance(exc, ClusterError) else ClusterError(f"internal error: {exc}")
-                ) from raw
+                raise (exc if isinstance(exc, ClusterError) else _internal_error(exc)) from raw
             if first is not None and first.model:
                 meta.model = first.model  # a bigger-window model took it
         except ClusterError as err:
