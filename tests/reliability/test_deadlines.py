@@ -1,6 +1,6 @@
 """A request never outlives its surface's deadline: a self-hosted replica that goes silent after its
-first tokens must not hold the client (the providers' adapters have a between-tokens clock; the
-router's race stops watching the clock at the first token)."""
+first tokens must not hold the client (the providers' adapters have a between-tokens clock of their
+own; the router's race ends a silent stream at the deadline or after policies.stream_idle_timeout_s)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,6 @@ pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 MARGIN_S = 3.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after the first token nothing enforces the request's deadline for self-hosted "
-    "backends (cluster/race.py pass-through loop; sim/vLLM streams have no idle clock)",
-)
 def test_a_stream_stalled_after_its_first_tokens_ends_by_its_deadline(rel) -> None:
     deadline = SURFACE_DEADLINE_S["tab"]
     body = {"model": STALL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 50, "stream": True}
@@ -41,4 +36,6 @@ def test_a_stream_stalled_after_its_first_tokens_ends_by_its_deadline(rel) -> No
                     events.append(json.loads(line[6:]))
     except httpx.ReadTimeout:
         pytest.fail(f"no end of stream {time.monotonic() - t0:.1f} s after the start (deadline {deadline} s)")
-    assert "error" in events[-1], events[-1]  # a clean terminal error event, by the deadline
+    took = time.monotonic() - t0
+    assert "error" in events[-1], events[-1]  # a clean terminal error event ...
+    assert took < deadline + MARGIN_S, took  # ... by the deadline
