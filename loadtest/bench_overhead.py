@@ -1,6 +1,7 @@
 """Gateway overhead: the same streaming requests sent straight to a backend and through the stack.
 
-    python loadtest/bench_overhead.py [--quick] [--profile] [--serve-env KEY=VALUE ...]
+    python loadtest/bench_overhead.py [--quick] [--profile] [--serve-env K=V ...]
+        [--variant-env RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ...]
 
 What is compared (one machine, loopback, the same client, the same backend class and config):
 
@@ -33,6 +34,9 @@ Phases:
 4. **Ray hop probe**: a one-replica Serve deployment that yields N chunks one per item or in
    lists of k, read through a handle: chunks/s per batch size — the gain available from
    coalescing chunks already queued at a hop.
+5. **Coalescing prototype**: 48 streams paced like an engine (150 tok/s each) through the same
+   hop, one chunk per item vs ``coalesce()`` (take everything already queued after each await),
+   alternated: delivered tok/s, chunks per item, inter-token gaps.
 
 Writes ``loadtest/results/overhead.json`` (``added_ttft_p50_ms``, ``added_ttft_p99_ms``,
 ``relay_tok_s_direct``, ``relay_tok_s_gateway`` and the details). Bounded in time (about 3-4
@@ -185,8 +189,8 @@ def start_direct() -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve-direct", str(port)])
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 180  # imports take long on a busy 2-core machine
+    while time.monotonic() < deadline and proc.poll() is None:
         with contextlib.suppress(httpx.HTTPError):
             httpx.get(url + "/docs", timeout=1, trust_env=False)
             return proc, url
@@ -387,8 +391,16 @@ def cpu_times(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+SERVER_SIDE = {  # the processes that serve each layer (the client and idle neighbours left out)
+    "direct_http": ("direct-server",),
+    "backend_handle": ("backend-", "raylet", "gcs"),
+    "router_handle": ("Router", "backend-", "raylet", "gcs"),
+    "gateway_http": ("serve-proxy", "Ingress", "Router", "backend-", "raylet", "gcs"),
+}
+
+
 def cpu_breakdown(
-    before: dict[str, float], after: dict[str, float], tokens: int, wall: float
+    before: dict[str, float], after: dict[str, float], tokens: int, wall: float, layer: str
 ) -> dict[str, Any]:
     rows = {}
     for label in sorted(after, key=lambda k: -(after[k] - before.get(k, after[k]))):
@@ -401,7 +413,16 @@ def cpu_breakdown(
             "us_per_token": round(1e6 * d / tokens, 1) if tokens else None,
         }
     total = sum(r["cpu_s"] for r in rows.values())
-    return {"processes": rows, "total_cpu_s": round(total, 2), "total_cores": round(total / wall, 2)}
+    relay = sum(r["cpu_s"] for k, r in rows.items() if k.startswith(SERVER_SIDE[layer]))
+    return {
+        "processes": rows,
+        "total_cpu_s": round(total, 2),
+        "total_cores": round(total / wall, 2),
+        # Server side only (not the client): CPU per relayed token, and tokens per CPU-second —
+        # a figure that holds better than tok/s when other work shares the cores.
+        "server_us_per_token": round(1e6 * relay / tokens, 1) if tokens else None,
+        "server_tok_per_cpu_s": round(tokens / relay) if relay else None,
+    }
 
 
 def start_pyspy(pids: dict[str, int], duration_s: float) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
@@ -462,9 +483,56 @@ def pyspy_top(runs: dict[str, tuple[subprocess.Popen[bytes], str]], top: int = 8
 
 
 def deploy_probe() -> Any:
+    """A one-replica Serve app with two probes of one Ray streaming hop (replica -> this driver):
+
+    * ``stream(n, k)``: n chunks as fast as possible, k per item (the per-item cost of a hop);
+    * ``paced(n, rate, coalesced)``: a token every 1/rate s (an engine's pace), yielded one per item,
+      or through :func:`coalesce` — the proposed fix: after awaiting one chunk, take every chunk
+      that is already queued, so a hop that keeps up sends items of one (no added latency) and a
+      hop that falls behind sends fewer, bigger items instead of falling further behind.
+    """
     from ray import serve
 
     from cluster.protocol import Chunk
+
+    async def coalesce(agen: Any, max_batch: int = 64) -> Any:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        end = object()
+
+        async def pump() -> None:
+            try:
+                async for item in agen:
+                    queue.put_nowait(item)
+            except Exception as exc:  # handed to the consumer, raised there
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(end)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            while True:
+                batch = [await queue.get()]
+                while len(batch) < max_batch and not queue.empty():
+                    batch.append(queue.get_nowait())
+                done = batch[-1] is end
+                items = [x for x in batch if x is not end]
+                for x in items:
+                    if isinstance(x, Exception):
+                        raise x
+                if items:
+                    yield items
+                if done:
+                    return
+        finally:
+            task.cancel()
+
+    async def ticks(n: int, rate: float) -> Any:
+        chunk = Chunk(text=" kalo", token_ids=[17], replica="probe", backend="probe")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, t0 + (i + 1) / rate - loop.time()))
+            yield chunk
 
     @serve.deployment(name="RelayProbe", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
     class RelayProbe:
@@ -473,6 +541,14 @@ def deploy_probe() -> Any:
             for _ in range(n // k):
                 yield chunk if k == 1 else [chunk] * k
                 await asyncio.sleep(0)
+
+        async def paced(self, n: int, rate: float, coalesced: bool) -> Any:
+            if coalesced:
+                async for batch in coalesce(ticks(n, rate)):
+                    yield batch
+            else:
+                async for chunk in ticks(n, rate):
+                    yield [chunk]  # same item type, one chunk per item
 
     serve.run(RelayProbe.bind(), name="llmc-relay-probe", route_prefix="/relay-probe")
     return serve.get_deployment_handle("RelayProbe", app_name="llmc-relay-probe").options(stream=True)
@@ -501,6 +577,48 @@ async def phase_probe(handle: Any, concurrency: int, n: int, ks: list[int]) -> d
     return out
 
 
+async def _paced_one(handle: Any, n: int, rate: float, coalesced: bool) -> tuple[list[float], int]:
+    arrivals: list[float] = []
+    items = 0
+    async for batch in handle.paced.remote(n, rate, coalesced):
+        now = time.perf_counter()
+        arrivals.extend([now] * len(batch))
+        items += 1
+    return arrivals, items
+
+
+async def phase_coalesce(handle: Any, concurrency: int, n: int, rate: float, rounds: int) -> dict[str, Any]:
+    """Engine-paced streams through one hop, per-chunk vs coalesced items, alternated."""
+    acc: dict[str, dict[str, Any]] = {
+        m: {"tokens": 0, "items": 0, "wall": 0.0, "gaps": []} for m in ("per_chunk", "coalesced")
+    }
+    for r in range(rounds):
+        for mode in ("per_chunk", "coalesced") if r % 2 == 0 else ("coalesced", "per_chunk"):
+            t0 = time.perf_counter()
+            res = await asyncio.gather(
+                *(_paced_one(handle, n, rate, mode == "coalesced") for _ in range(concurrency))
+            )
+            a = acc[mode]
+            a["wall"] += time.perf_counter() - t0
+            for arr, items in res:
+                a["tokens"] += len(arr)
+                a["items"] += items
+                a["gaps"].extend(b - x for x, b in itertools.pairwise(arr))
+    ideal = concurrency * rate
+    return {
+        "what": f"{concurrency} streams x {n} tokens at {rate:g} tok/s each through one hop "
+        f"(ideal {ideal:,.0f} tok/s), {rounds} alternating rounds",
+        **{
+            m: {
+                "tok_s": round(a["tokens"] / a["wall"], 1),
+                "chunks_per_item": round(a["tokens"] / max(1, a["items"]), 2),
+                "itl_ms": _ms(a["gaps"]),
+            }
+            for m, a in acc.items()
+        },
+    }
+
+
 # --- main ------------------------------------------------------------------------------------------
 
 
@@ -526,7 +644,10 @@ async def run(args: argparse.Namespace, direct_url: str, direct_pid: int) -> dic
         "router_handle": h.router_,
         "gateway_http": via(gw_url),
     }
-    report: dict[str, Any] = {"cluster_startup_s": round(startup, 1)}
+    report: dict[str, Any] = {
+        "cluster_startup_s": round(startup, 1),
+        "ray_serve_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")},
+    }
     try:
         report["ttft_ms"] = await phase_ttft(layers, args.ttft_n)
         pids = process_labels({"direct-server": direct_pid})
@@ -546,7 +667,7 @@ async def run(args: argparse.Namespace, direct_url: str, direct_pid: int) -> dic
                 spy = start_pyspy(targets, max(1, args.stream_s - 1))
             before = cpu_times(pids)
             res = await phase_streams(layers[name], "sim-fast", args.concurrency, 256, args.stream_s)
-            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"])
+            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"], name)
             if spy is not None:
                 res["pyspy"] = pyspy_top(spy)
             report["relay_ceiling"][name] = res
@@ -555,7 +676,7 @@ async def run(args: argparse.Namespace, direct_url: str, direct_pid: int) -> dic
         for name in ("direct_http", "gateway_http"):
             before = cpu_times(pids)
             res = await phase_streams(layers[name], "sim-rt", args.concurrency, 128, args.stream_s)
-            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"])
+            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"], name)
             report["at_load_sim_rt"][name] = res
             print(f"[overhead] at load {name}: {res['tok_s']} tok/s", file=sys.stderr, flush=True)
         probe = deploy_probe()
@@ -563,6 +684,10 @@ async def run(args: argparse.Namespace, direct_url: str, direct_pid: int) -> dic
             "what": f"{args.concurrency} streams x 512 chunks, one Serve handle hop, k chunks per item",
             **await phase_probe(probe, args.concurrency, 512, [1, 4, 16]),
         }
+        report["coalescing_prototype"] = await phase_coalesce(
+            probe, args.concurrency, 256, args.paced_rate, 2 if args.quick else 4
+        )
+        print(f"[overhead] coalescing: {report['coalescing_prototype']}", file=sys.stderr, flush=True)
     finally:
         await client.aclose()
         local.stop()
@@ -590,7 +715,15 @@ def main() -> None:
     ap.add_argument("--ttft-n", type=int, default=None, help="TTFT samples per layer (default 200)")
     ap.add_argument("--stream-s", type=float, default=None, help="seconds per streaming phase (8)")
     ap.add_argument("--concurrency", type=int, default=48)
+    ap.add_argument("--paced-rate", type=float, default=150.0, help="tok/s per stream in phase 5")
     ap.add_argument("--serve-env", action="append", default=[], metavar="K=V", help="env for Ray (knobs)")
+    ap.add_argument(
+        "--variant-env",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="run everything again with these Ray/Serve settings (a fresh process each)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "overhead.json"))
     args = ap.parse_args()
     if args.serve_direct:
@@ -617,10 +750,38 @@ def main() -> None:
         "runtime_s": round(time.monotonic() - started, 1),
         "details": details,
     }
+    if args.variant_env:
+        out["variants"] = {"default": {k: v for k, v in out.items() if k != "details"}}
+        out["variant_details"] = {}
+    for spec in args.variant_env:
+        name, sub = spec, run_variant_process(args, spec.split(","))
+        if "details" in sub:
+            out["variant_details"][name] = sub.pop("details")
+        out["variants"][name] = sub
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in out.items() if k != "details"}, indent=1))
+    print(json.dumps(out.get("variants") or {k: v for k, v in out.items() if k != "details"}, indent=1))
     print(f"[overhead] wrote {args.out}", file=sys.stderr)
+
+
+def run_variant_process(args: argparse.Namespace, env: list[str]) -> dict[str, Any]:
+    """The whole benchmark again in a fresh process with more Ray/Serve settings: Serve reads its
+    settings when imported, in the driver as in every worker, so a variant needs its own driver."""
+    out = Path(tempfile.gettempdir()) / f"llmc-overhead-variant-{os.getpid()}.json"
+    cmd = [sys.executable, __file__, "--out", str(out), "--ttft-n", str(args.ttft_n)]
+    cmd += ["--stream-s", str(args.stream_s), "--concurrency", str(args.concurrency)]
+    cmd += ["--paced-rate", str(args.paced_rate)] + (["--profile"] if args.profile else [])
+    cmd += ["--quick"] if args.quick else []
+    for kv in [*args.serve_env, *env]:
+        cmd += ["--serve-env", kv]
+    print(f"[overhead] variant {' '.join(env)} …", file=sys.stderr, flush=True)
+    try:
+        subprocess.run(cmd, check=True, timeout=900)
+        return json.loads(out.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as exc:
+        return {"error": repr(exc)[:500]}
+    finally:
+        out.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

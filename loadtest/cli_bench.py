@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -248,7 +249,12 @@ def run_variant(v: Variant, args: argparse.Namespace) -> dict[str, Any]:
         # Ray pushes application metrics every 10 s by default; 1 s lets a short run be read.
         os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
         print(f"[bench {v.name}] starting {cfg.name} from {v.config} …", file=sys.stderr, flush=True)
-        local.start(cfg, port=port, metrics_port=mport)
+        try:
+            local.start(cfg, port=port, metrics_port=mport)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a failed start must not leave Ray running
+                local.stop()
+            raise
         base_url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
     startup_s = time.monotonic() - started
     try:
@@ -344,14 +350,16 @@ def _get(d: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    vs = report["variants"]
     m = report["meta"]
+    failed = [v for v in report["variants"] if "error" in v]
+    vs = [v for v in report["variants"] if "error" not in v]
     lines = [
         f"# Benchmark: {m['workload']} ({m['created']})",
         "",
         f"Arrivals {m['arrival']} at {m['rate']}/s for {m['duration_s']} s (seed {m['seed']}, "
         f"scale {m['scale']}); machine: {m['machine']}.",
         "",
+        *[f"**{v['name']} failed**: `{v['error'][:300]}`\n" for v in failed],
         "| | " + " | ".join(v["name"] for v in vs) + " |",
         "|---|" + "---|" * len(vs),
     ]
@@ -443,12 +451,17 @@ def bench(args: argparse.Namespace) -> int:
         "variants": [],
     }
     for v in variants:
-        report["variants"].append(run_variant(v, args))
+        try:
+            report["variants"].append(run_variant(v, args))
+        except Exception as exc:  # one broken variant must not lose the others' results
+            print(f"[bench {v.name}] failed: {exc!r}", file=sys.stderr, flush=True)
+            report["variants"].append({"name": v.name, "config": v.config, "error": repr(exc)[:1000]})
     j, md = write_report(report, Path(args.out_dir), _tag(args))
     print(markdown(report))
     print(f"[bench] wrote {j} and {md}", file=sys.stderr)
-    errors = sum(v["summary"]["overall"]["errors"] for v in report["variants"])
-    return 1 if args.fail_on_error and errors else 0
+    errors = sum(v["summary"]["overall"]["errors"] for v in report["variants"] if "error" not in v)
+    broken = any("error" in v for v in report["variants"])
+    return 1 if broken or (args.fail_on_error and errors) else 0
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

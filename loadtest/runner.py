@@ -91,6 +91,7 @@ async def stream_one(
                     except ValueError:
                         code = "non_json"
                     res.status, res.error = "error", f"http_{r.status_code}:{code}"
+                    res.e2e_s = time.perf_counter() - start
                     return res
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):

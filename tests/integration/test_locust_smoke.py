@@ -29,7 +29,7 @@ def test_locust_headless_smoke(cluster, tmp_path: Path) -> None:
     summary = tmp_path / "summary.json"
     cmd = [
         sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"),
-        "--headless", "-u", "3", "-r", "3", "-t", "8s", "--stop-timeout", "20",
+        "--headless", "-u", "3", "-r", "3", "-t", "10s", "--stop-timeout", "30",
         "--host", cluster.url, "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING",
         "--exit-code-on-error", "1",
         "--llmc-weights", "tab=1,chat=1,agent=1",  # one user per surface

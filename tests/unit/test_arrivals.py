@@ -280,3 +280,52 @@ def test_prometheus_parse_delta_and_quantiles() -> None:
 def test_trace_records_are_json_plain() -> None:
     spec = schedule([0.1], {"chat": 1.0}, seed=0)[0]
     assert json.loads(json.dumps(spec.to_record()))["surface"] == "chat"
+
+
+# --- bench CLI plumbing (no cluster) ----------------------------------------------------------------
+def test_variants_overrides_and_report(tmp_path) -> None:
+    import argparse
+
+    from loadtest.cli_bench import Variant, add_bench_parser, coerce_spec, load_variants, markdown, set_path
+
+    raw = {"backends": [{"routing": "cache_aware"}], "server": {}}
+    set_path(raw, "backends.0.routing", "round_robin")
+    set_path(raw, "server.port", 9)
+    assert raw == {"backends": [{"routing": "round_robin"}], "server": {"port": 9}}
+
+    vfile = tmp_path / "v.yaml"
+    vfile.write_text(
+        "variants:\n  - {name: rr, config: configs/sim-local.yaml, set: {backends.0.routing: round_robin}}\n"
+    )
+    ap = argparse.ArgumentParser()
+    add_bench_parser(ap.add_subparsers())
+    args = ap.parse_args(["bench", "--variant", "a=configs/sim-local.yaml", "--variants", str(vfile)])
+    vs = load_variants(args)
+    assert [v.name for v in vs] == ["a", "rr"]
+    assert vs[1].load().backends[0].routing == "round_robin"
+    assert Variant("x", "configs/sim-local.yaml").load().backends[0].routing == "cache_aware"
+
+    # A spec of the other workload module's shape (arrival_s, tuple of messages, surface None).
+    theirs = {"arrival_s": 1.5, "session_id": "g0-s1", "messages": ({"role": "user", "content": "hi"},)}
+    spec, timed = coerce_spec({**theirs, "max_tokens": 8, "group": "g0", "turn": 0, "surface": None})
+    assert timed and spec.t == 1.5 and spec.kind == "chat" and spec.surface == "chat"
+    assert spec.messages == [{"role": "user", "content": "hi"}]
+
+    rs = [_res("tab", 0.05), _res("chat", 0.5)]
+    summary = summarize(rs, 2.0, {"tab": 100.0, "chat": 1000.0})
+    report = {
+        "meta": {"workload": "mixed", "created": "now", "arrival": "poisson", "rate": 1.0, "duration_s": 2.0}
+        | {"seed": 0, "scale": 1.0, "machine": "test"},
+        "variants": [
+            {
+                "name": n,
+                "summary": summary,
+                "server": {"available": False},
+                "schedule_sha": "ab",
+                "startup_s": 1.0,
+            }
+            for n in ("a", "b")
+        ],
+    }
+    md = markdown(report)
+    assert "| | a | b |" in md and "## tab" in md and "| TTFT p50 ms | 275 | 275 |" in md

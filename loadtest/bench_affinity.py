@@ -1,0 +1,876 @@
+"""Replica choice side by side: the same shared-prefix workload against each routing policy.
+
+    python -m loadtest.bench_affinity                            # the "groups" scenario, 5-8 min
+    python -m loadtest.bench_affinity --policies cache_aware+proposed --merge   # the what-if, live
+    python -m loadtest.bench_affinity --scenario common-prompt   # a product-wide prompt first
+    python -m loadtest.bench_affinity --quick                    # a smoke run (~2 minutes)
+
+One local Ray, one Serve app per policy (``llmc-aff-<policy>`` at route prefix ``/<policy>``),
+fresh engines and cold caches each, deployed one after the other (``--mode sequential``, the
+default: each app is deleted before the next starts, so every policy has the machine to itself).
+``--mode concurrent`` deploys them all and replays the same schedule against all at the same moment,
+so that all see the same contention from whatever else runs on the machine; on two shared cores that
+overloads the single HTTP proxy (six apps are 36 Serve replicas) and measures the gateway's queue,
+not the routers. Policies: round_robin, power_of_two (Serve's default), ray_prefix (Ray's
+PrefixCacheAffinityRouter with its defaults), least_loaded and cache_aware (ours, as shipped);
+``cache_aware+proposed`` is ours with the changes suggested in the report (:func:`proposed_policy`),
+deployed by swapping the Router deployment's policy object (not in the default list; add it with
+``--policies cache_aware+proposed --merge``).
+
+Engines: simulated Llama-3.1-8B on H100s (``llama-3.1-8b-h100``) with a KV cache cut to
+``--kv-tokens`` per replica, so that the workload's shared contexts do not all fit in one replica
+(on a real 80 GB H100 they all would, and the router would not matter for the hit rate), yet fit in
+all of them. The simulation runs at ``--speedup`` (0.05: twenty times slower than real time): the
+engines are busy at an arrival rate this machine's Ray can carry, and the gateway's own latency on
+two shared, heavily used cores (tens to hundreds of ms) shrinks to a few simulated ms, about what it
+is next to real GPUs. Every time is reported both ways.
+
+Workload (:class:`loadtest.workloads.SharedPrefixWorkload`, scenario in ``SCENARIOS``): groups with
+a long shared system prompt + repository context, Zipf-skewed sessions per group, multi-turn
+growing conversations, Poisson arrivals. The client (httpx, streaming) sends each request at its
+arrival time, except that a session's next turn waits for its previous one to end (closed-loop
+sessions); each request carries its session id in ``x-session-id`` (only ours uses it).
+
+Measured per policy:
+
+* ``hit_rate`` — the engines' own prefix-cache counters: delta of hits / delta of queries summed
+  over the replicas (vLLM's units: prompt tokens at first admission, whole blocks only);
+  ``client_hit_rate`` — sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of prompt tokens.
+* TTFT p50/p90/p99 — client side, send to the first content chunk, wall-clock ms (``ttft_*_ms``);
+  ``ttft_*_sim_ms`` is the same times the speedup, i.e. in simulated H100 time (gateway included).
+* ``output_tok_s`` — output tokens / wall time from the first send to the last end (wall clock);
+  ``output_tok_s_sim`` divides by the speedup.
+
+The oracle (``oracle_hit_rate``): the best hit rate any router could reach on this workload, taken as
+ONE simulated engine with the combined KV cache and N times the compute and batch limits of the N
+replicas (a perfectly pooled cluster: no prefix is ever cached twice, nothing waits for a busy
+replica), replaying the same token ids at the same simulated arrival times with the same closed-loop
+sessions, on the virtual clock. A router splits the same memory into N separate LRU caches, so it
+can only lose hits to duplication and fragmentation (LRU is not optimal caching, so this is an upper
+bound in practice rather than a theorem).
+
+``virtual_clock_whatif``: the same replay through N simulated engines on the virtual clock, without
+Ray or HTTP (seconds to run, no CPU noise): ours as shipped and with the proposed changes (the real
+policy code), and an emulation of Ray's prefix router (``_RayPrefixEmulation``). It explains the
+live numbers and predicts them closely (hit rates within a few points).
+
+Goals (issue 5): ours >= 95 % of the oracle's hit rate, and TTFT p90 >= 1.3x better than ray_prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.workloads import RequestSpec, SharedPrefixWorkload, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "loadtest" / "results"
+MODEL = "sim-llama-8b"
+PROFILE = "llama-3.1-8b-h100"
+POLICIES = ("round_robin", "power_of_two", "ray_prefix", "least_loaded", "cache_aware")
+KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB
+
+
+# --------------------------------------------------------------------------------------------
+# The client: streamed chat requests, replayed at their arrival times
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """What the client saw of one request (times in seconds from the replay's start)."""
+
+    index: int
+    session_id: str
+    surface: str | None
+    sent_s: float = 0.0
+    status: int = 0  # HTTP status; 0 when no response came
+    ttft_s: float | None = None  # send -> first content chunk
+    latency_s: float | None = None  # send -> end of the response
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replica: str = ""
+    retry_after: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    hung: bool = False  # the client's deadline ended it, not the server
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    spec: RequestSpec,
+    res: Result,
+    t0: float,
+    *,
+    timeout_s: float,
+    model: str = MODEL,
+    session_header: bool = True,
+) -> None:
+    body = {
+        "model": model,
+        "messages": [dict(m) for m in spec.messages],
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {}
+    if session_header:
+        headers["x-session-id"] = spec.session_id
+    if spec.surface:
+        headers["x-surface"] = spec.surface
+    clock = time.perf_counter
+    start = clock()
+    res.sent_s = start - t0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=body, headers=headers) as resp:
+                res.status = resp.status_code
+                res.replica = resp.headers.get("x-llmc-replica", "")
+                res.retry_after = resp.headers.get("retry-after")
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")
+                    res.error = text[:300]
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        res.error = json.dumps(obj["error"])[:300]
+                        continue
+                    for choice in obj.get("choices") or ():
+                        if choice.get("delta", {}).get("content"):
+                            if res.ttft_s is None:
+                                res.ttft_s = clock() - start
+                            res.output_tokens += 1  # one chunk per token (fallback if no usage)
+                        if choice.get("finish_reason"):
+                            res.finish_reason = choice["finish_reason"]
+                    usage = obj.get("usage")
+                    if usage:
+                        res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+                        res.prompt_tokens = usage.get("prompt_tokens", 0)
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    except TimeoutError:
+        res.hung = True
+        res.error = f"no end within {timeout_s} s"
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        res.latency_s = clock() - start
+
+
+async def replay(
+    url: str,
+    specs: Sequence[RequestSpec],
+    *,
+    timeout_s: float,
+    closed_loop: bool = True,
+    session_header: bool = True,
+) -> tuple[list[Result], float]:
+    """Send every spec at its arrival time (a session's next turn waits for its previous one when
+    ``closed_loop``); returns the results in spec order and the wall time of the whole replay."""
+    results = [Result(i, s.session_id, s.surface) for i, s in enumerate(specs)]
+    done = [asyncio.Event() for _ in specs]
+    prev: list[int | None] = []
+    last: dict[str, int] = {}
+    for i, s in enumerate(specs):
+        prev.append(last.get(s.session_id))
+        last[s.session_id] = i
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int, spec: RequestSpec) -> None:
+            try:
+                await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
+                p = prev[i]
+                if closed_loop and p is not None:
+                    await done[p].wait()
+                await stream_chat(
+                    client, url, spec, results[i], t0, timeout_s=timeout_s, session_header=session_header
+                )
+            finally:
+                done[i].set()
+
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = max(0, min(len(v) - 1, math.ceil(q / 100 * len(v)) - 1))
+    return v[k]
+
+
+def ms(x: float | None, scale: float = 1.0) -> float | None:
+    return None if x is None else round(x * 1000 * scale, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------
+
+# Word counts; a word is ~1.3 tokens of the tiny tokenizer in this text (chat template included).
+SCENARIOS: dict[str, dict[str, int]] = {
+    # The issue's workload: every group has its own system prompt and repository context.
+    "groups": {"common_prefix_words": 0, "system_prompt_words": 400, "context_words": 1800},
+    # A product-wide prompt (instructions, tool definitions: ~1.3k tokens, ~35 % of a prompt)
+    # before every group's own prompt and context.
+    "common-prompt": {"common_prefix_words": 1000, "system_prompt_words": 300, "context_words": 1300},
+}
+
+
+def workload(args: argparse.Namespace) -> SharedPrefixWorkload:
+    return SharedPrefixWorkload(
+        num_groups=args.groups,
+        sessions_per_group=args.sessions,
+        turns=args.turns,
+        question_words=40,
+        answer_words=60,
+        max_tokens=args.max_tokens,
+        group_skew=args.skew,
+        rate=args.rate,
+        **SCENARIOS[args.scenario],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The cluster side
+# --------------------------------------------------------------------------------------------
+
+
+def policy_config(policy: str, args: argparse.Namespace) -> Any:
+    from cluster.config import load_config, parse_config
+
+    raw = load_config(ROOT / "configs" / "sim-local.yaml").model_dump(mode="json")
+    raw["name"] = f"llmc-aff-{policy}"
+    b = raw["backends"][0]
+    b.update(
+        replicas=args.replicas,
+        routing="cache_aware" if policy == PROPOSED else policy,
+        sim_profile=PROFILE,
+        sim_options={"speedup": args.speedup, "seed": args.seed},
+    )
+    b["engine"] = {"kv_cache_memory_bytes": args.kv_tokens * KV_BYTES_PER_TOKEN}
+    raw["models"][0]["context_window"] = 8192
+    return parse_config(raw)
+
+
+def engine_totals(stats: dict[str, Any]) -> dict[str, int]:
+    t: Counter[str] = Counter()
+    for s in stats.values():
+        t["queries"] += s.prefix_cache_queries
+        t["hits"] += s.prefix_cache_hits
+        t["running"] += s.running
+        t["waiting"] += s.waiting
+        t["preemptions"] += s.extra.get("preemptions", 0)
+        t["evictions"] += s.extra.get("evictions", 0)
+    return dict(t)
+
+
+def settled_stats(app: str, replicas: int, timeout_s: float = 15.0) -> dict[str, Any]:
+    """The replicas' stats once every replica reported, nothing runs and two snapshots agree."""
+    from deployments.local import replica_stats
+
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, int] | None = None
+    while True:
+        stats = replica_stats(app)
+        tot = engine_totals(stats)
+        quiet = len(stats) >= replicas and tot.get("running", 0) == 0 and tot.get("waiting", 0) == 0
+        if (quiet and tot == last) or time.monotonic() > deadline:
+            return stats
+        last = tot if quiet else None
+        time.sleep(0.5)
+
+
+async def warm_up(url: str, n: int) -> None:
+    """A few short requests (no full KV block, so no routing state): Serve's first-request costs."""
+    spec = RequestSpec(0.0, "warmup", ({"role": "user", "content": "warm up"},), 2)
+    async with httpx.AsyncClient(timeout=60) as client:
+        rs = [Result(i, "warmup", None) for i in range(n)]
+        await asyncio.gather(
+            *(stream_chat(client, url, spec, r, 0.0, timeout_s=60, session_header=False) for r in rs)
+        )
+    bad = [r for r in rs if r.status != 200]
+    if bad:
+        raise RuntimeError(f"warm-up failed: {bad[0].status} {bad[0].error}")
+
+
+def summarize(results: Sequence[Result], speedup: float) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200 and r.error is None and not r.hung]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt = sum(r.prompt_tokens for r in ok)
+    span = max(r.sent_s + (r.latency_s or 0) for r in results) - min(r.sent_s for r in results)
+    out: dict[str, Any] = {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": dict(Counter(str(r.status) for r in results if r not in ok)),
+        "client_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+    }
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_ms"] = ms(percentile(ttfts, q))
+    out["output_tok_s"] = round(out_tokens / span, 1) if span > 0 else None
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_sim_ms"] = ms(percentile(ttfts, q), speedup)
+    out["output_tok_s_sim"] = round(out_tokens / span / speedup, 1) if span > 0 else None
+    out["prompt_tokens"] = prompt
+    out["output_tokens"] = out_tokens
+    out["span_s"] = round(span, 1)
+    out["requests_per_replica"] = sorted(Counter(r.replica for r in ok).values(), reverse=True)
+    by_group: dict[str, set[str]] = defaultdict(set)
+    for r in ok:
+        by_group[r.session_id.split("-")[0]].add(r.replica)
+    out["replicas_per_group_mean"] = round(sum(len(v) for v in by_group.values()) / max(1, len(by_group)), 2)
+    return out
+
+
+def _deploy(policy: str, args: argparse.Namespace, port: int, wait: bool) -> tuple[Any, str]:
+    """Deploy one policy's app (the first call also starts Ray and Serve); returns (config, url)."""
+    import ray
+    from ray import serve
+
+    from deployments import app as app_module
+    from deployments import local
+
+    cfg = policy_config(policy, args)
+    prefix = f"/{policy.replace('+', '-')}"
+    saved = app_module.Router
+    if policy == PROPOSED:  # the what-if: our Router with the proposed affinity changes
+        app_module.Router = _proposed_router_deployment()
+    try:
+        if wait or not ray.is_initialized():
+            local.start(cfg, port=port, route_prefix=prefix)
+        else:
+            serve.run(app_module.build_graph(cfg), name=cfg.name, route_prefix=prefix, blocking=False)
+    finally:
+        app_module.Router = saved
+    return cfg, f"http://127.0.0.1:{port}{prefix}/v1/chat/completions"
+
+
+def _wait_running(names: Sequence[str], timeout_s: float = 600.0) -> None:
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        apps = serve.status().applications
+        states = [apps[n].status if n in apps else None for n in names]
+        if any(st == ApplicationStatus.DEPLOY_FAILED for st in states):
+            raise RuntimeError(f"an application failed to deploy: {dict(zip(names, states, strict=True))}")
+        if all(st == ApplicationStatus.RUNNING for st in states):
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"applications not running after {timeout_s} s")
+
+
+def _decisions(policy: str, app: str) -> dict[str, int]:
+    from ray import serve
+
+    if policy not in ("cache_aware", PROPOSED):
+        return {}
+    return serve.get_deployment_handle("Router", app_name=app).routing_decisions.remote().result(timeout_s=30)
+
+
+def _policy_result(
+    results: Sequence[Result], before: dict[str, int], after: dict[str, int], args: argparse.Namespace
+) -> dict[str, Any]:
+    dq, dh = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {
+        "hit_rate": round(dh / dq, 4) if dq else None,
+        **summarize(results, args.speedup),
+        "engine": {
+            "queries": dq,
+            "hits": dh,
+            "preemptions": after["preemptions"] - before["preemptions"],
+            "evictions": after["evictions"] - before["evictions"],
+        },
+    }
+
+
+def run_sequential(
+    policies: Sequence[str], specs: Sequence[RequestSpec], args: argparse.Namespace, port: int
+) -> dict[str, Any]:
+    """One app at a time: each policy has the machine to itself (but not the same moment of it)."""
+    from ray import serve
+
+    out: dict[str, Any] = {}
+    for policy in policies:
+        t0 = time.perf_counter()
+        cfg, url = _deploy(policy, args, port, wait=True)
+        deploy_s = time.perf_counter() - t0
+        load = os.getloadavg()[0]
+        try:
+            asyncio.run(warm_up(url, 2 * args.replicas))
+            before = engine_totals(settled_stats(cfg.name, args.replicas))
+            results, _ = asyncio.run(replay(url, specs, timeout_s=args.request_timeout_s))
+            after = engine_totals(settled_stats(cfg.name, args.replicas))
+            decisions = _decisions(policy, cfg.name)
+        finally:
+            serve.delete(cfg.name)
+        out[policy] = _policy_result(results, before, after, args)
+        out[policy].update(deploy_s=round(deploy_s, 1), load_avg_1m_before=round(load, 2))
+        if decisions:
+            out[policy]["routing_decisions"] = decisions
+        _print(policy, out[policy], time.perf_counter() - t0)
+    return out
+
+
+def run_concurrent(
+    policies: Sequence[str], specs: Sequence[RequestSpec], args: argparse.Namespace, port: int
+) -> dict[str, Any]:
+    """Every policy's app at once, the same workload replayed against all of them at the same
+    moment: each sees the same CPU contention from whatever else runs on the machine."""
+    t0 = time.perf_counter()
+    apps = {p: _deploy(p, args, port, wait=i == 0) for i, p in enumerate(policies)}
+    _wait_running([cfg.name for cfg, _ in apps.values()])
+    deploy_s = time.perf_counter() - t0
+
+    async def warm_all() -> None:
+        await asyncio.gather(*(warm_up(url, 2 * args.replicas) for _, url in apps.values()))
+
+    async def replay_all() -> list[list[Result]]:
+        runs = [replay(url, specs, timeout_s=args.request_timeout_s) for _, url in apps.values()]
+        return [r for r, _ in await asyncio.gather(*runs)]
+
+    asyncio.run(warm_all())
+    before = {p: engine_totals(settled_stats(cfg.name, args.replicas)) for p, (cfg, _) in apps.items()}
+    load = os.getloadavg()[0]
+    t_run = time.perf_counter()
+    results = dict(zip(apps, asyncio.run(replay_all()), strict=True))
+    run_s = time.perf_counter() - t_run
+    out: dict[str, Any] = {}
+    for p, (cfg, _) in apps.items():
+        after = engine_totals(settled_stats(cfg.name, args.replicas))
+        out[p] = _policy_result(results[p], before[p], after, args)
+        out[p].update(deploy_s=round(deploy_s, 1), load_avg_1m_before=round(load, 2))
+        decisions = _decisions(p, cfg.name)
+        if decisions:
+            out[p]["routing_decisions"] = decisions
+        _print(p, out[p], run_s)
+    return out
+
+
+def _print(policy: str, r: dict[str, Any], seconds: float) -> None:
+    print(
+        f"{policy:21s} hit {r['hit_rate']} (client {r['client_hit_rate']})  ttft p50/p90/p99 "
+        f"{r['ttft_p50_sim_ms']}/{r['ttft_p90_sim_ms']}/{r['ttft_p99_sim_ms']} sim ms "
+        f"({r['ttft_p90_ms']} wall p90)  {r['output_tok_s']} tok/s  ok {r['ok']}/{r['requests']}  "
+        f"per replica {r['requests_per_replica']}  ({seconds:.0f} s)",
+        flush=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The proposed affinity changes (a what-if; cluster/affinity.py is not changed here)
+# --------------------------------------------------------------------------------------------
+
+PROPOSED = "cache_aware+proposed"
+PROPOSED_PARAMS = {"min_match_ratio": 0.5}
+
+
+def proposed_policy(block_size: int, model: str) -> Any:
+    """Ours with two changes: a prefix match counts only when it covers at least half the prompt
+    (SGLang's cache_threshold; ours counts 64 tokens, so a product-wide prompt or the group's
+    first block captured every new prefix), and a new prefix goes to the least loaded eligible
+    replica instead of the rendezvous home of its session id or first 64 tokens."""
+    from cluster.affinity import AffinityParams, AffinityRouter, _least_loaded
+
+    class LeastLoadedNewPrefix(AffinityRouter):
+        def _rendezvous(self, key: int, avail: Any, elig_mask: int) -> Any:
+            x, b = _least_loaded([xb for xb in avail if xb[1] & elig_mask], self._tie_rng)
+            return x, x, b
+
+    policy = LeastLoadedNewPrefix(block_size, model, AffinityParams(**PROPOSED_PARAMS))
+    policy._tie_rng = random.Random(0)
+    return policy
+
+
+def _proposed_router_deployment() -> Any:
+    """Our Router deployment whose per-backend policies are replaced by :func:`proposed_policy`."""
+    from ray import serve
+
+    from deployments import routing_state
+    from deployments.router import Router
+
+    class ProposedRouter(Router.func_or_class):  # type: ignore[misc,name-defined]
+        def __init__(self, config: dict[str, Any], backends: dict[str, Any]) -> None:
+            super().__init__(config, backends)
+            for name, policy in list(routing_state.VIEW.policies.items()):
+                model = routing_state.VIEW.backends[name].model
+                routing_state.VIEW.policies[name] = proposed_policy(policy.hasher.block_size, model)
+
+    return serve.deployment(ProposedRouter, name="Router", max_ongoing_requests=4096)
+
+
+# --------------------------------------------------------------------------------------------
+# Virtual-clock replays: the oracle and the offline what-if (no Ray, seconds to run)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Scaled:
+    base: Any
+    factor: float
+
+    def step_time(self, batch: Any) -> float:
+        return self.base.step_time(batch) / self.factor
+
+
+def sim_profile(args: argparse.Namespace, n: int = 1) -> Any:
+    """The replicas' profile, or with ``n > 1`` one engine with n replicas' KV and batch limits."""
+    from cluster.profiles import get_profile
+
+    p = get_profile(PROFILE).with_engine(
+        kv_cache_bytes=args.kv_tokens * KV_BYTES_PER_TOKEN, max_model_len=8192
+    )
+    e = p.engine
+    return p.with_engine(
+        kv_cache_bytes=n * args.kv_tokens * KV_BYTES_PER_TOKEN,
+        max_num_seqs=n * e.max_num_seqs,
+        max_num_batched_tokens=n * e.max_num_batched_tokens,
+    )
+
+
+def simulate(
+    specs: Sequence[RequestSpec],
+    token_ids: Sequence[list[int]],
+    engines: Sequence[Any],
+    choose: Callable[[int, Sequence[Any], float], int],
+    scale: float,
+) -> dict[str, Any]:
+    """Replay on the engines' virtual clock with closed-loop sessions, as the live client does;
+    ``choose(i, engines, now)`` picks the engine of request ``i``."""
+    reqs: list[Any] = [None] * len(specs)
+    last: dict[str, Any] = {}  # session -> its latest request
+    held: dict[str, deque[int]] = defaultdict(deque)  # session -> turns waiting for the previous one
+
+    def add(i: int, at: float) -> None:
+        k = choose(i, engines, at)
+        reqs[i] = last[specs[i].session_id] = engines[k].add_request(
+            f"v{i}", token_ids[i], specs[i].max_tokens, arrival_time=at
+        )
+
+    def advance(t: float) -> None:
+        for e in engines:
+            e.run_until(t)
+        for session, q in held.items():
+            if q and last[session].finish_time is not None:
+                i = q.popleft()
+                add(i, max(last[session].finish_time, specs[i].arrival_s * scale))
+
+    for i, s in enumerate(specs):
+        advance(s.arrival_s * scale)
+        p = last.get(s.session_id)
+        if held[s.session_id] or (p is not None and p.finish_time is None):
+            held[s.session_id].append(i)
+        else:
+            add(i, s.arrival_s * scale)
+    while any(held.values()):
+        advance(min(e.now for e in engines) + 0.01)
+    for e in engines:
+        e.run()
+    queries = sum(e.counters.prefix_cache_queries for e in engines)
+    hits = sum(e.counters.prefix_cache_hits for e in engines)
+    ttfts = [r.ttft for r in reqs if r is not None and r.ttft is not None]
+    out: dict[str, Any] = {"hit_rate": round(hits / queries, 4), "queries": queries, "hits": hits}
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_sim_ms"] = ms(percentile(ttfts, q))
+    out["requests_per_replica"] = sorted((e.counters.requests_added for e in engines), reverse=True)
+    return out
+
+
+def oracle(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: argparse.Namespace) -> Any:
+    """One engine with N replicas' KV cache, N times the compute and the batch limits."""
+    from cluster.engine_model import EngineModel
+
+    n = args.replicas
+    pooled = sim_profile(args, n)
+    engine = EngineModel(pooled, step_time_model=_Scaled(pooled.step_time_model(), n))
+    out = simulate(specs, token_ids, [engine], lambda i, e, now: 0, args.speedup)
+    out["definition"] = (
+        f"one simulated {PROFILE} engine with {n}x the KV cache ({n} x {args.kv_tokens} tokens), "
+        f"{n}x the compute and {n}x the batch limits (a perfectly pooled cluster: no prefix cached "
+        "twice, no busy replica), replaying the same token ids at the same simulated times "
+        "(wall arrival x speedup) with closed-loop sessions"
+    )
+    return out
+
+
+class _AffinityChoice:
+    def __init__(self, policy: Any, specs: Sequence[RequestSpec], token_ids: Sequence[list[int]]) -> None:
+        self.policy, self.specs = policy, specs
+        self.hashes = [policy.hash(t) for t in token_ids]
+        self.rng = random.Random(0)
+
+    def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
+        from cluster.affinity import ReplicaLoad
+
+        loads = [
+            ReplicaLoad(f"r{k}", e.num_running + e.num_waiting, e.num_waiting, e.kv_usage(), True, 64)
+            for k, e in enumerate(engines)
+        ]
+        sid = self.specs[i].session_id
+        d = self.policy.decide(self.hashes[i], loads, self.rng, now, sid)
+        self.policy.record(d.replica, self.hashes[i], now, sid)
+        return int(d.replica[1:])
+
+
+class _RayPrefixEmulation:
+    """Ray's PrefixCacheAffinityRouter with its defaults, on characters: the replicas with the
+    longest prefix match when it covers >= 10 % of the text, else the replicas with the fewest
+    characters in their tree; among those the shortest queue; load is otherwise ignored."""
+
+    def __init__(self, specs: Sequence[RequestSpec], n: int) -> None:
+        self.texts = ["".join(m["content"] for m in s.messages) for s in specs]
+        self.seen: list[list[str]] = [[] for _ in range(n)]
+        self.chars = [0] * n
+
+    @staticmethod
+    def _lcp(a: str, b: str) -> int:
+        lo, hi = 0, min(len(a), len(b))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
+        t = self.texts[i]
+        match = [max((self._lcp(t, x) for x in seen), default=0) for seen in self.seen]
+        best = max(match)
+        if best / len(t) >= 0.1:
+            cands = [k for k, m in enumerate(match) if m == best]
+        else:
+            cands = [k for k, c in enumerate(self.chars) if c == min(self.chars)]
+        k = min(cands, key=lambda k: (engines[k].num_running + engines[k].num_waiting, k))
+        self.chars[k] += len(t) - match[k]
+        self.seen[k].append(t)
+        return k
+
+
+def whatif(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: argparse.Namespace) -> Any:
+    """The same replay on the virtual clock through N engines: ours as shipped, ours with the
+    proposed changes, and an emulation of Ray's prefix router — to explain the live numbers."""
+    from cluster.affinity import AffinityRouter
+    from cluster.engine_model import EngineModel
+
+    profile = sim_profile(args)
+    block = profile.engine.block_size
+    choices = {
+        "cache_aware": _AffinityChoice(AffinityRouter(block, MODEL), specs, token_ids),
+        PROPOSED: _AffinityChoice(proposed_policy(block, MODEL), specs, token_ids),
+        "ray_prefix (emulated)": _RayPrefixEmulation(specs, args.replicas),
+    }
+    out: dict[str, Any] = {}
+    for name, choose in choices.items():
+        engines = [EngineModel(profile) for _ in range(args.replicas)]
+        out[name] = simulate(specs, token_ids, engines, choose, args.speedup)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import ray
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "ray": ray.__version__,
+        "git_commit": commit,
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "note": "a shared 2-core machine: other work ran alongside (see load_avg_1m_before per policy)",
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="groups")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--kv-tokens", type=int, default=32768, help="KV cache per replica, in tokens")
+    ap.add_argument("--speedup", type=float, default=0.05, help="simulated seconds per wall second")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests per wall second (Poisson)")
+    ap.add_argument("--groups", type=int, default=20)
+    ap.add_argument("--sessions", type=int, default=2, help="sessions per group (on average)")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of sessions per group")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--request-timeout-s", type=float, default=120.0)
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, from {', '.join(POLICIES)} and '{PROPOSED}' (the what-if)",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("concurrent", "sequential"),
+        default="sequential",
+        help="all policies' apps at once on the same schedule, or one app after the other",
+    )
+    ap.add_argument("--merge", action="store_true", help="keep the scenario's other policies' results")
+    ap.add_argument("--port", type=int, default=0, help="Serve HTTP port (0: a free one)")
+    ap.add_argument("--quick", action="store_true", help="a smaller workload (smoke run)")
+    ap.add_argument("--out", default=str(RESULTS / "affinity.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.groups, args.sessions, args.turns = 8, 2, 2
+    args.policy_list = [p for p in args.policies.split(",") if p]
+    unknown = set(args.policy_list) - {*POLICIES, PROPOSED}
+    if unknown:
+        ap.error(f"unknown policies: {sorted(unknown)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Worker processes of a busy shared machine can take minutes to start (Ray gives them 60 s).
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+    t_start = time.perf_counter()
+    wl = workload(args)
+    specs = wl.generate(args.seed)
+    from cluster.tokens import load_tokenizer
+
+    tok = load_tokenizer("@tiny")
+    token_ids = [tok.chat_ids(list(s.messages)) for s in specs]
+    orc = oracle(specs, token_ids, args)
+    offline = whatif(specs, token_ids, args)
+    print(f"oracle hit rate {orc['hit_rate']}; virtual-clock what-if:", flush=True)
+    for name, r in offline.items():
+        print(f"  {name:22s} hit {r['hit_rate']}  ttft p90 {r['ttft_p90_sim_ms']} sim ms", flush=True)
+
+    from deployments import local
+
+    port = args.port or _free_port()
+    meta = machine()
+    try:
+        run = run_concurrent if args.mode == "concurrent" else run_sequential
+        per_policy = run(args.policy_list, specs, args, port)
+    finally:
+        local.stop()
+    write_report(args, wl, specs, token_ids, per_policy, orc, offline, meta, time.perf_counter() - t_start)
+    return 0
+
+
+def write_report(
+    args: argparse.Namespace,
+    wl: SharedPrefixWorkload,
+    specs: Sequence[RequestSpec],
+    token_ids: Sequence[list[int]],
+    per_policy: dict[str, Any],
+    orc: dict[str, Any],
+    offline: dict[str, Any],
+    meta: dict[str, Any],
+    runtime_s: float,
+) -> None:
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    scenarios = old.get("scenarios", {})
+    if args.merge and args.scenario in scenarios:
+        per_policy = {**scenarios[args.scenario].get("policies", {}), **per_policy}
+    lens = sorted(len(t) for t in token_ids)
+    entry = {
+        "scenario": args.scenario,
+        "policies": per_policy,
+        "oracle_hit_rate": orc["hit_rate"],
+        "oracle": orc,
+        "goals": goals(per_policy, orc["hit_rate"]),
+        "virtual_clock_whatif": offline,
+        "setup": {
+            "apps": (
+                "one Serve app per policy in one Ray instance (llmc-aff-<policy> at /<policy>), fresh "
+                "engines and caches each; "
+                + (
+                    "all deployed at once, the same schedule replayed against all at the same moment"
+                    if args.mode == "concurrent"
+                    else "deployed one after the other, each deleted before the next"
+                )
+            ),
+            "mode": args.mode,
+            "profile": PROFILE,
+            "replicas": args.replicas,
+            "kv_tokens_per_replica": args.kv_tokens,
+            "speedup": args.speedup,
+            "rate_per_wall_s": args.rate,
+            "rate_per_sim_s": round(args.rate / args.speedup, 2),
+            "closed_loop_sessions": True,
+            "session_header": "x-session-id on every request",
+            "seed": args.seed,
+            "prompt_tokens": {"p50": lens[len(lens) // 2], "max": lens[-1]},
+            "ttft": "client side, send -> first content chunk; *_ms wall clock, *_sim_ms = wall x speedup",
+        },
+        "workload": {**wl.params(), **summary(specs)},
+        "machine": meta,
+        "runtime_s": round(runtime_s, 1),
+    }
+    scenarios[args.scenario] = entry
+    report = {"benchmark": "affinity", **scenarios.get("groups", entry), "scenarios": scenarios}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(entry["goals"], indent=2))
+    print(f"wrote {out} ({args.scenario}) in {runtime_s:.0f} s")
+
+
+def goals(per_policy: dict[str, Any], oracle_rate: float) -> dict[str, Any]:
+    ours, ray_ = per_policy.get("cache_aware"), per_policy.get("ray_prefix")
+    g: dict[str, Any] = {}
+    if ours and ours.get("hit_rate") is not None and oracle_rate:
+        ratio = ours["hit_rate"] / oracle_rate
+        g["hit_rate_vs_oracle"] = round(ratio, 3)
+        g["hit_rate_goal_met"] = ratio >= 0.95
+    if ours and ray_ and ours.get("ttft_p90_ms") and ray_.get("ttft_p90_ms"):
+        ratio = ray_["ttft_p90_ms"] / ours["ttft_p90_ms"]
+        g["ttft_p90_ray_over_ours"] = round(ratio, 3)
+        g["ttft_goal_met"] = ratio >= 1.3
+    return g
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
