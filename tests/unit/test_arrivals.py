@@ -327,5 +327,7 @@ def test_variants_overrides_and_report(tmp_path) -> None:
             for n in ("a", "b")
         ],
     }
+    report["variants"].append({"name": "c", "config": "x.yaml", "error": "RuntimeError('no Ray')"})
     md = markdown(report)
+    assert "**c failed**" in md
     assert "| | a | b |" in md and "## tab" in md and "| TTFT p50 ms | 275 | 275 |" in md
