@@ -90,7 +90,13 @@ class ClusterRequestRouter(RequestRouter):
         policy = routing_state.VIEW.policies.get(backend)
         decision = routing_state.VIEW.decisions.get(req.route_key)
         if policy is not None:
-            reason = decision.reason if decision is not None and decision.replica == rid else "queue_fallback"
+            mode = getattr(self, "mode", "cache_aware")
+            if mode != "cache_aware":
+                reason = mode  # a baseline policy chose: count it under its own name
+            elif decision is not None and decision.replica == rid:
+                reason = decision.reason
+            else:
+                reason = "queue_fallback"  # our choice's queue was full: Ray took the next rank
             routing_state.VIEW.decision_counts[(backend, reason)] += 1
             metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
             policy.record(
