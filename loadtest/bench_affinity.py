@@ -717,7 +717,7 @@ def machine() -> dict[str, Any]:
         "ray": ray.__version__,
         "git_commit": commit,
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "note": "a shared 2-core machine: other work ran alongside (see load_avg_1m_before per policy)",
+        "note": "a shared machine: other work ran alongside; its load average is recorded per run",
     }
 
 
