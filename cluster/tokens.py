@@ -68,20 +68,25 @@ class EstimateTokenizer:
         return [0] * math.ceil(len(text) / self.chars_per_token)
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        return "".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in messages)
+        return "".join(f"{m.get('role', '')}: {content_text(m.get('content'))}\n" for m in messages)
 
     def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         # 4 tokens of framing per message, as chat formats spend on role markers.
-        n = sum(4 + len(self.encode(_content_text(m.get("content")))) for m in messages)
+        n = sum(4 + len(self.encode(content_text(m.get("content")))) for m in messages)
         return [0] * n
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return str(content)
 
 
 def resolve_model_path(path: str) -> str:

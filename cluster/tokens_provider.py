@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ModelConfig, ProviderConfig
+from cluster.tokens import content_text
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +56,6 @@ _NEEDS_BLOB = {"o200k_harmony": "o200k_base"}  # encodings built on another's vo
 _DEFAULT_ENCODING = "o200k_base"  # unknown OpenAI-style model names: the current family
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return str(content)
-
-
 class _ChatCounting:
     """Chat framing shared by the counters: per-message overhead plus reply priming."""
 
@@ -84,7 +73,7 @@ class _ChatCounting:
         return len(self.encode(text))
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        return "".join(f"{m.get('role', '')}: {_content_text(m.get('content'))}\n" for m in messages)
+        return "".join(f"{m.get('role', '')}: {content_text(m.get('content'))}\n" for m in messages)
 
     def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Ids in the right number; the framing ids are placeholders (providers tokenize for themselves)."""
@@ -92,7 +81,7 @@ class _ChatCounting:
         for m in messages:
             ids += [self.frame_id] * self.per_message
             ids += self.encode(str(m.get("role") or "")) if self.count_role else []
-            ids += self.encode(_content_text(m.get("content")))
+            ids += self.encode(content_text(m.get("content")))
             if m.get("name"):
                 ids += self.encode(str(m["name"])) + [self.frame_id] * self.per_name
         ids += [self.frame_id] * self.reply_priming

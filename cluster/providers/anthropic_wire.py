@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta
+from cluster.tokens import content_text
 
 API_VERSION = "2023-06-01"
 
@@ -74,19 +75,6 @@ def _translate_messages(messages: list[dict[str, Any]]) -> tuple[str, list[dict[
         else:
             out.append({"role": role, "content": [{"type": "text", "text": text}]})
     return "\n\n".join(system_parts), out
-
-
-def content_text(content: Any) -> str:
-    """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return str(content)
 
 
 def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
