@@ -391,7 +391,7 @@ async def test_200_concurrent_calls_respect_rpm_tpm_and_in_flight(openai_srv: Op
     assert all(err is None and chunks[-1].finish_reason for chunks, err in results), (
         "no call may fail or hang"
     )
-    stats = openai_srv.stats()
+    stats = openai_srv.wait_settled()
     assert stats.requests == 200 and stats.in_flight == 0
     assert stats.max_in_flight <= cap
     # Every request the server counted was admitted by the budget; the server's token counts, placed
@@ -404,6 +404,20 @@ async def test_200_concurrent_calls_respect_rpm_tpm_and_in_flight(openai_srv: Op
     assert max(budget.admitted_at.values()) - min(budget.admitted_at.values()) >= 200 / rpm * window - window
     snap = be.stats()
     assert snap.running == 0 and snap.extra["budget_in_flight"] == 0 and snap.requests_finished == 200
+
+
+async def test_server_in_flight_count_settles_after_the_client_finishes(openai_srv: OpenAIServer) -> None:
+    """Defect 11 (a flaky in-flight count): the client has the whole answer before the server's
+    handler returns. With the handler held open after its last byte, a plain ``stats()`` still
+    counts the request (the race made deterministic); ``wait_settled`` waits it out."""
+    openai_srv.reset()
+    be = make(openai_srv)
+    openai_srv.push_faults("linger:0.3")
+    chunks, err = await collect(be, req("linger"))
+    assert err is None and chunks[-1].finish_reason == "stop"
+    assert openai_srv.stats().in_flight == 1  # the window the flaky test fell into
+    settled = openai_srv.wait_settled(timeout_s=5.0)
+    assert settled.in_flight == 0 and settled.records[-1].t_end is not None
 
 
 async def test_over_budget_is_an_immediate_429(openai_srv: OpenAIServer) -> None:

@@ -18,6 +18,8 @@ A fault spec is a comma-separated list of ``name[:value]`` items, e.g. ``"slow_f
 ``echo_key``       a 400 whose message repeats the API key the request carried (a leak test)
 ``tokens:n``       answer with n tokens (capped by the request's max tokens)
 ``delay:s``        s seconds between tokens
+``linger:s``       after the last byte, the handler waits s seconds before it returns (the window
+                   in which a finished client still sees the request in flight: ``wait_settled``)
 =================  ==============================================================================
 
 A request's fault is chosen, first match wins, by: the ``x-test-fault`` header; a ``+spec``
@@ -64,6 +66,7 @@ class Fault:
     echo_key: bool = False
     tokens: int | None = None
     delay_s: float | None = None
+    linger_s: float = 0.0
     spec: str = ""
 
     def mid_stream(self, i: int) -> str | None:
@@ -97,6 +100,8 @@ def parse_fault(spec: str | None) -> Fault:
             f.tokens = int(value)
         elif name == "delay":
             f.delay_s = float(value)
+        elif name == "linger":
+            f.linger_s = float(value or 0.2)
         else:
             raise ValueError(f"unknown fault {item!r}")
     return f
@@ -180,6 +185,9 @@ class LoopbackServer:
         self.default_fault = default_fault
         self._queue: deque[str] = deque()
         self._lock = threading.Lock()
+        # Notified whenever a request's bookkeeping ends: a client can read the last byte before
+        # the server's handler has returned and run ``end`` (see ``wait_settled``).
+        self._settled = threading.Condition(self._lock)
         self._stats = ServerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -274,6 +282,16 @@ class LoopbackServer:
             s = self._stats
             return ServerStats(**{**asdict(s), "records": [RequestRecord(**asdict(r)) for r in s.records]})
 
+    def wait_settled(self, timeout_s: float = 5.0) -> ServerStats:
+        """The stats once no request is in flight (or after ``timeout_s``, whatever they are then).
+
+        A streamed answer's last byte reaches the client before the handler that wrote it returns
+        and runs its bookkeeping, so right after a client finishes, ``stats().in_flight`` can still
+        count it. Tests that check the count after their calls end read it through this."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._stats.in_flight == 0, timeout_s)
+        return self.stats()
+
     def select_fault(self, request: web.Request, model: str) -> tuple[str, Fault]:
         spec = request.headers.get("x-test-fault")
         base, plus, suffix = model.partition("+")
@@ -314,6 +332,7 @@ class LoopbackServer:
             rec.t_end = time.monotonic()
             s.prompt_tokens += rec.prompt_tokens
             s.completion_tokens += rec.completion_tokens
+            self._settled.notify_all()
 
     async def pace(self, fault: Fault) -> None:
         delay = self.token_delay_s if fault.delay_s is None else fault.delay_s
@@ -330,7 +349,11 @@ class LoopbackServer:
         failed write both mean the client went away before we were done)."""
         rec = self.begin(request, path)
         try:
-            return await body_handler(request, rec)
+            response = await body_handler(request, rec)
+            linger = parse_fault(rec.fault).linger_s
+            if linger:
+                await asyncio.sleep(linger)
+            return response
         except (asyncio.CancelledError, ConnectionResetError):
             if rec.outcome in ("running", "stalled"):
                 rec.outcome = "disconnect"
