@@ -170,8 +170,14 @@ class ServerConfig(Strict):
     auth: bool = Field(False, description="Require API keys (maps keys to surfaces).")
     api_keys: list[ApiKey] = Field(default_factory=list, description="Accepted keys, hashed.")
     default_surface: str = Field("chat", description="Surface for requests that name none.")
-    router_replicas: int = Field(1, ge=1, description="Router deployment replicas.")
-    ingress_replicas: int = Field(1, ge=1, description="Ingress deployment replicas.")
+    gateway_replicas: int = Field(
+        2, ge=1, description="Gateway replicas (HAProxy spreads clients over them; two survive one's loss)."
+    )
+
+    @property
+    def router_replicas(self) -> int:
+        """Admission divides every limit between the gateway replicas (each enforces its share)."""
+        return self.gateway_replicas
 
 
 class PolicyConfig(Strict):

@@ -157,3 +157,24 @@ class StreamInterrupted(ClusterError):
     error_type = "server_error"
     code = "stream_interrupted"
     action = Action.FATAL
+
+
+def _subclasses(cls: type[ClusterError]) -> dict[str, type[ClusterError]]:
+    out = {cls.__name__: cls}
+    for sub in cls.__subclasses__():
+        out.update(_subclasses(sub))
+    return out
+
+
+def to_wire(err: ClusterError) -> dict[str, Any]:
+    """The error as JSON, to cross an HTTP hop between our own processes (engine → gateway)."""
+    _, (_, message, kwargs) = err.__reduce__()
+    return {"class": type(err).__name__, "message": message, **kwargs}
+
+
+def from_wire(d: dict[str, Any]) -> ClusterError:
+    """The typed error back from :func:`to_wire` (an unknown class name: a plain ClusterError)."""
+    d = dict(d)
+    cls = _subclasses(ClusterError).get(str(d.pop("class", "")), ClusterError)
+    message = str(d.pop("message", "error"))
+    return cls(message, **d)

@@ -36,6 +36,13 @@ from cluster.config import (
     Strict,
     format_validation_error,
 )
+from cluster.dataplane import (
+    AUTOSCALING_METRICS_INTERVAL_S,
+    INTERNAL_TOKEN_ENV,
+    ROUTING_STATS_PERIOD_S,
+    SERVE_ENV,
+    SHIM_ROUTER,
+)
 
 APP_IMPORT_PATH = "deployments.app:build_app"
 CPU_NODE_RESOURCE = "llmc_cpu_node"
@@ -179,8 +186,9 @@ class AutoscalerSettings(Strict):
 
 
 class ServeSettings(Strict):
-    ingress_num_cpus: float = Field(0.5, ge=0, description="Ray CPUs per Ingress replica.")
-    router_num_cpus: float = Field(1.0, ge=0, description="Ray CPUs per Router replica (it tokenizes).")
+    gateway_num_cpus: float = Field(
+        1.0, ge=0, description="Ray CPUs per Gateway replica (it tokenizes and relays every token)."
+    )
     upscale_delay_s: float | None = Field(
         None, ge=0, description="Serve upscale delay for autoscaled backends."
     )
@@ -204,6 +212,10 @@ class K8sSettings(Strict):
         "IfNotPresent", description="imagePullPolicy of every container."
     )
     ray_version: str = Field("2.60.0", description="Ray version in the image (rayClusterConfig.rayVersion).")
+    internal_token_key: str | None = Field(
+        "LLMC_INTERNAL_TOKEN",
+        description="Key in the Secret holding the gateway-to-engine credential (None: Ray's auth token).",
+    )
     secret_name: str = Field("llm-cluster-secrets", description="Secret with provider API keys and HF_TOKEN.")
     hf_token_key: str | None = Field(
         "HF_TOKEN",
@@ -283,8 +295,14 @@ def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
     if b.resources.memory_bytes:
         actor["memory"] = b.resources.memory_bytes
-    # b.env is applied by the replica itself (deployments/backend_replica.py), not via runtime_env.
-    d: dict[str, Any] = {"name": f"backend-{b.name}"}
+    # b.env is applied by the replica itself (deployments/engine.py), not via runtime_env.
+    d: dict[str, Any] = {
+        "name": f"backend-{b.name}",
+        "request_router_config": {
+            "request_router_class": SHIM_ROUTER,
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        },
+    }
     if b.autoscaling is None:
         d["num_replicas"] = b.replicas
     else:
@@ -292,6 +310,7 @@ def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
             "min_replicas": b.autoscaling.min_replicas,
             "max_replicas": b.autoscaling.max_replicas,
             "target_ongoing_requests": target_ongoing_requests(b),
+            "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
         }
         if s.serve.upscale_delay_s is not None:
             auto["upscale_delay_s"] = s.serve.upscale_delay_s
@@ -315,9 +334,8 @@ def _front_deployment(name: str, replicas: int, num_cpus: float, s: K8sSettings)
 def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
     """``serveConfigV2`` as a mapping (Ray's ServeDeploySchema)."""
     deployments = [
-        _front_deployment("Ingress", cfg.server.ingress_replicas, s.serve.ingress_num_cpus, s),
-        _front_deployment("Router", cfg.server.router_replicas, s.serve.router_num_cpus, s),
-        *(backend_deployment(b, s) for b in cfg.backends),
+        _front_deployment("Gateway", cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
+        *(backend_deployment(b, s) for b in cfg.backends if b.kind != "provider"),
     ]
     return {
         "proxy_location": "EveryNode",
@@ -365,8 +383,17 @@ def _resources(cpu: str, memory: str, extra: Mapping[str, Any] | None = None) ->
     return {"requests": dict(r), "limits": dict(r)}
 
 
+def _serve_env(s: K8sSettings) -> list[dict[str, Any]]:
+    """The data plane's Serve settings and the internal credential, on every pod."""
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(SERVE_ENV.items())]
+    if s.internal_token_key:
+        ref = {"name": s.secret_name, "key": s.internal_token_key}
+        env.append({"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
 def _secret_env(cfg: ClusterConfig, s: K8sSettings, providers: bool) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = []
+    env: list[dict[str, Any]] = _serve_env(s)
     if providers:
         keys = sorted({b.provider.api_key_env for b in cfg.backends if b.provider and b.provider.api_key_env})
         env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": s.secret_name, "key": k}}} for k in keys]
@@ -456,7 +483,7 @@ def _head(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
         _port("as-metrics", 44217),
         _port("dash-metrics", 44227),
     ]
-    c = _container("ray-head", s, _resources(s.head.cpu, s.head.memory), ports, [], [_SHM_MOUNT])
+    c = _container("ray-head", s, _resources(s.head.cpu, s.head.memory), ports, _serve_env(s), [_SHM_MOUNT])
     return {
         # No Serve replica and no GPU work on the head: losing it must not lose capacity.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", **_start_params(s.head)},
@@ -523,10 +550,7 @@ def check_fits(cfg: ClusterConfig, s: K8sSettings) -> None:
                 f"backends[{i}] ({b.name}): resources.memory_bytes does not fit a {group} pod "
                 f"({group}.memory = {pod.memory})"
             )
-    for what, n in (
-        ("ingress_num_cpus", s.serve.ingress_num_cpus),
-        ("router_num_cpus", s.serve.router_num_cpus),
-    ):
+    for what, n in (("gateway_num_cpus", s.serve.gateway_num_cpus),):
         if n > math.ceil(quantity(s.cpu.cpu)):
             raise ConfigError(f"serve.{what} {n:g} does not fit a cpu pod (cpu.cpu = {s.cpu.cpu})")
 

@@ -11,8 +11,9 @@ attempt starts at once. Before any attempt has produced its first chunk:
 * the first attempt to produce a chunk wins; every other attempt is cancelled (which aborts it
   upstream: the engine request or the provider's HTTP stream).
 
-After the first chunk the winner's stream is passed through; if it then fails, the stream ends with
-:class:`StreamInterrupted` (a clean terminal error for the client, never a silent truncation).
+After the first chunk the winner's stream is passed through (:func:`follow`); if it then fails, the
+stream ends with :class:`StreamInterrupted` (a clean terminal error for the client, never a silent
+truncation). No timer and no task per chunk: one :class:`Watchdog` per stream notices silence.
 
 Plain asyncio, no I/O of its own: the caller passes in how to start and cancel an attempt, the plan
 and the policies, so the same logic serves Serve handles in production and fakes in unit tests.
@@ -77,62 +78,128 @@ def _as_cluster_error(exc: BaseException, planned: PlannedAttempt) -> ClusterErr
     )
 
 
-async def race(
-    hooks: RaceHooks, result: RaceResult, deadline: float | None = None, idle_timeout: float | None = None
-) -> AsyncIterator[Chunk]:
-    """Yield the winning attempt's chunks; raise the last error if no attempt produced one. After
-    the first chunk, ``idle_timeout`` seconds of silence or the deadline end the stream with an
-    error (an ``UpstreamTimeout`` wrapped as ``StreamInterrupted``)."""
-    clock = hooks.clock
+class Watchdog:
+    """One per stream: a stream silent for ``idle_timeout`` seconds, or running past the deadline,
+    is ended by cancelling the task that reads it (``fired`` says why; the reader turns that into a
+    terminal error). The reader only stamps ``last`` per item: no timer per chunk."""
+
+    def __init__(
+        self,
+        idle_timeout: float | None,
+        deadline: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.idle_timeout, self.deadline, self.clock = idle_timeout, deadline, clock
+        self.last = clock()
+        self.fired: str | None = None
+        self._target = asyncio.current_task()
+        self._task: asyncio.Task[None] | None = None
+        if idle_timeout is not None or deadline is not None:
+            self._task = asyncio.ensure_future(self._watch())
+
+    def _due(self) -> float:
+        due = float("inf") if self.idle_timeout is None else self.last + self.idle_timeout
+        return due if self.deadline is None else min(due, self.deadline)
+
+    async def _watch(self) -> None:
+        while (wait := self._due() - self.clock()) > 0:
+            await asyncio.sleep(wait)
+        idle = self.idle_timeout is not None and self.clock() - self.last >= self.idle_timeout
+        self.fired = (
+            f"went silent mid-stream ({self.idle_timeout:.1f} s without a token)"
+            if idle
+            else "ran past the request's deadline"
+        )
+        if self._target is not None:
+            self._target.cancel()
+
+    def owns(self, exc: asyncio.CancelledError) -> bool:
+        """Whether this cancellation is the watchdog's alone (not also the caller's)."""
+        return self.fired is not None and self._target is not None and self._target.uncancel() == 0
+
+    def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+async def _stop_all(hooks: RaceHooks, atts: list[Attempt]) -> None:
+    """Stop attempts: cancel their pending reads, wait for them, close their streams (which aborts
+    them upstream). The caller's own cancellation is never swallowed: it is raised once every
+    attempt has been told to stop."""
+    pending = [a.task for a in atts if a.task is not None and not a.task.done()]
+    for t in pending:
+        t.cancel()
+    try:
+        if pending:
+            await asyncio.wait(pending)
+    finally:
+        for a in atts:
+            with contextlib.suppress(Exception):
+                await hooks.cancel(a.stream)
+
+
+def _launch(hooks: RaceHooks, result: RaceResult, planned: PlannedAttempt, hedge: bool) -> Attempt:
+    stream = hooks.start(planned, hedge, result.attempts)
+    att = Attempt(planned, hedge, stream, hooks.clock())
+    att.task = asyncio.ensure_future(stream.__anext__())
+    result.attempts.append(att)
+    return att
+
+
+def _wait_timeout(
+    hooks: RaceHooks, result: RaceResult, first: PlannedAttempt, t0: float, deadline: float | None
+) -> tuple[float | None, bool]:
+    """How long to wait for the next event, and whether hedging is still open."""
+    timeout: float | None = None
+    hedging_open = True
+    delay = hooks.hedge_delay(first)
+    if delay is None:
+        hedging_open = False
+    else:
+        timeout = max(0.0, t0 + delay * (result.hedges + 1) - hooks.clock())
+    if deadline is not None:
+        left = max(0.0, deadline - hooks.clock())
+        timeout = left if timeout is None else min(timeout, left)
+    return timeout, hedging_open
+
+
+async def first_token(
+    hooks: RaceHooks, result: RaceResult, deadline: float | None = None
+) -> tuple[Attempt, Any]:
+    """Run the race until one attempt produced its first item; every other attempt is stopped.
+    Returns the winner and that item; raises the last error if no attempt produced one."""
+    clock, wrap = hooks.clock, hooks.wrap_error or _as_cluster_error
     t0 = clock()
-    wrap = hooks.wrap_error or _as_cluster_error
-    active: dict[asyncio.Task[Chunk], Attempt] = {}
-
-    def launch(planned: PlannedAttempt, hedge: bool) -> None:
-        stream = hooks.start(planned, hedge, result.attempts)
-        att = Attempt(planned, hedge, stream, clock())
-        att.task = asyncio.ensure_future(stream.__anext__())
-        active[att.task] = att
-        result.attempts.append(att)
-
-    async def stop(att: Attempt) -> None:
-        if att.task is not None and not att.task.done():
-            att.task.cancel()
-            with contextlib.suppress(BaseException):
-                await att.task
-        with contextlib.suppress(Exception):
-            await hooks.cancel(att.stream)
-
     first = hooks.next_attempt(False)
     if first is None:
         raise BackendUnavailable("no backend is available for this request")
+    active: dict[Any, Attempt] = {}
+
+    def launch(planned: PlannedAttempt, hedge: bool) -> None:
+        att = _launch(hooks, result, planned, hedge)
+        active[att.task] = att
+
     launch(first, False)
     hedging_open = True
-    winner: Attempt | None = None
-    first_chunk: Chunk | None = None
     try:
-        while winner is None:
+        while True:
             if not active:
                 nxt = hooks.next_attempt(False)
                 if nxt is None:
                     raise result.errors[-1] if result.errors else BackendUnavailable("no attempt succeeded")
                 launch(nxt, False)
                 continue
-            timeout: float | None = None
-            if hedging_open:
-                delay = hooks.hedge_delay(first)
-                if delay is None:
-                    hedging_open = False
-                else:
-                    timeout = max(0.0, t0 + delay * (result.hedges + 1) - clock())
-            if deadline is not None:
-                left = max(0.0, deadline - clock())
-                timeout = left if timeout is None else min(timeout, left)
-            done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            timeout, still_open = _wait_timeout(hooks, result, first, t0, deadline)
+            hedging_open = hedging_open and still_open
+            done, _ = await asyncio.wait(
+                active,
+                timeout=timeout if hedging_open or deadline is not None else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if not done:
                 if deadline is not None and clock() >= deadline:
                     raise UpstreamTimeout("no token before the request's deadline")
-                if hooks.may_hedge(clock() - t0, result.hedges):
+                if hedging_open and hooks.may_hedge(clock() - t0, result.hedges):
                     nxt = hooks.next_attempt(True)
                     if nxt is not None:
                         result.hedges += 1
@@ -140,63 +207,96 @@ async def race(
                         continue
                 hedging_open = False
                 continue
-            for task in done:
-                att = active.pop(task)
-                exc = task.exception()
-                if exc is None and winner is None:
-                    winner, first_chunk = att, task.result()
-                    continue
-                if exc is None:  # a second attempt produced a token in the same instant: it loses
-                    active[task] = att
-                    continue
-                err = wrap(exc, att.planned)
-                result.errors.append(err)
-                hooks.verdict(att, "failed", err, clock() - att.started_at)
-                if err.action != Action.RETRY_ELSEWHERE:
-                    raise err
-        # The winner: cancel the others (the loser's cancel reaches its engine or provider).
-        result.winner = winner
-        hooks.verdict(winner, "won", None, clock() - winner.started_at)
-        for task, att in list(active.items()):
-            active.pop(task)
-            hooks.verdict(att, "cancelled", None, clock() - att.started_at)
-            await stop(att)
-    finally:
-        for att in list(active.values()):  # an error or the caller's cancellation: stop them all
-            hooks.verdict(att, "cancelled", None, clock() - att.started_at)
-            await stop(att)
-        if winner is None:
-            for att in result.attempts:
-                with contextlib.suppress(Exception):
-                    await hooks.cancel(att.stream)
-    assert first_chunk is not None
-    yield first_chunk
-    try:
-        while True:
-            # After the first token, a backend that goes silent must not hold the client: the
-            # stream ends with an error after `idle_timeout` of silence or at the deadline.
-            wait = idle_timeout
-            if deadline is not None:
-                left = max(0.0, deadline - clock())
-                wait = left if wait is None else min(wait, left)
-            try:
-                chunk = await asyncio.wait_for(winner.stream.__anext__(), wait)
-            except StopAsyncIteration:
+            winner = _settle(hooks, result, active, done, wrap)
+            if winner is not None:
                 break
-            except TimeoutError as exc:
-                raise UpstreamTimeout(
-                    f"backend {winner.planned.backend} went silent mid-stream ({wait:.1f} s without a token)"
-                ) from exc
-            yield chunk
-    except (asyncio.CancelledError, GeneratorExit):
+    except BaseException:
+        losers = list(active.values())
+        for att in losers:  # an error or the caller's cancellation: stop them all
+            hooks.verdict(att, "cancelled", None, clock() - att.started_at)
+        await _stop_all(hooks, result.attempts)
+        raise
+    att, item = winner
+    result.winner = att
+    hooks.verdict(att, "won", None, clock() - att.started_at)
+    losers = [a for a in active.values() if a is not att]
+    for a in losers:
+        hooks.verdict(a, "cancelled", None, clock() - a.started_at)
+    try:
+        await _stop_all(hooks, losers)  # the loser's cancel reaches its engine or provider
+    except BaseException:  # the client left while the losers were being stopped: stop the winner too
+        await _stop_all(hooks, [att])
+        raise
+    return att, item
+
+
+def _settle(
+    hooks: RaceHooks,
+    result: RaceResult,
+    active: dict[Any, Attempt],
+    done: set[Any],
+    wrap: Callable[[BaseException, PlannedAttempt], ClusterError],
+) -> tuple[Attempt, Any] | None:
+    """Look at the finished reads: the first with an item wins; failures are recorded (a client
+    error is raised at once)."""
+    winner: tuple[Attempt, Any] | None = None
+    for task in done:
+        att = active[task]
+        exc = task.exception()
+        if exc is None:
+            if winner is None:
+                winner = (att, task.result())
+            continue  # a second attempt produced a token in the same instant: it loses, later
+        del active[task]
+        err = wrap(exc, att.planned)
+        result.errors.append(err)
+        hooks.verdict(att, "failed", err, hooks.clock() - att.started_at)
+        if err.action != Action.RETRY_ELSEWHERE:
+            raise err
+    return winner
+
+
+def broken(hooks: RaceHooks, winner: Attempt, exc: BaseException) -> StreamInterrupted:
+    """The error that ends a stream that failed after its first token (and its verdict)."""
+    wrap = hooks.wrap_error or _as_cluster_error
+    err = wrap(exc, winner.planned)
+    hooks.verdict(winner, "broken", err, hooks.clock() - winner.started_at)
+    if isinstance(err, StreamInterrupted):
+        return err
+    return StreamInterrupted(f"the stream broke after it started: {err.message}", backend=err.backend)
+
+
+async def follow(
+    hooks: RaceHooks, winner: Attempt, deadline: float | None = None, idle_timeout: float | None = None
+) -> AsyncIterator[Any]:
+    """The winner's items after its first, guarded by one watchdog; a failure (or silence, or the
+    deadline) ends the stream with :class:`StreamInterrupted`."""
+    dog = Watchdog(idle_timeout, deadline, hooks.clock)
+    try:
+        async for item in winner.stream:
+            dog.last = hooks.clock()
+            yield item
+    except asyncio.CancelledError as cancel:
+        if not dog.owns(cancel):
+            raise
+        timeout = UpstreamTimeout(f"backend {winner.planned.backend} {dog.fired}")
+        raise broken(hooks, winner, timeout) from None
+    except GeneratorExit:
         raise
     except Exception as exc:
-        err = wrap(exc, winner.planned)
-        hooks.verdict(winner, "broken", err, clock() - winner.started_at)
-        if isinstance(err, StreamInterrupted):
-            raise err from exc
-        raise StreamInterrupted(
-            f"the stream broke after it started: {err.message}", backend=err.backend
-        ) from exc
+        raise broken(hooks, winner, exc) from exc
     finally:
+        dog.stop()
         await hooks.cancel(winner.stream)
+
+
+async def race(
+    hooks: RaceHooks, result: RaceResult, deadline: float | None = None, idle_timeout: float | None = None
+) -> AsyncIterator[Any]:
+    """Yield the winning attempt's items; raise the last error if no attempt produced one. After
+    the first item, ``idle_timeout`` seconds of silence or the deadline end the stream with an
+    error (an ``UpstreamTimeout`` wrapped as ``StreamInterrupted``)."""
+    winner, item = await first_token(hooks, result, deadline)
+    yield item
+    async for item in follow(hooks, winner, deadline, idle_timeout):
+        yield item

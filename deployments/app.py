@@ -1,8 +1,12 @@
 """The Serve application builder: one :class:`ClusterConfig` in, the whole graph out.
 
 ``serve run deployments.app:build_app config_path=configs/local.yaml`` locally; KubeRay's
-``serveConfigV2`` passes the config inline as ``args.config`` (see ``cluster k8s render``).
-Deployment names: ``Ingress``, ``Router`` and ``backend-<name>`` per backend.
+``serveConfigV2`` passes the config inline as ``args.config``. Serve hands the builder the args
+as a plain dict (from a config file or the CLI's ``key=value`` pairs): they are validated here
+into :class:`AppArgs`, and a bad one fails the deploy with a message naming the field.
+
+Deployments: ``Gateway`` (the app's ingress, serving HTTP itself behind HAProxy) and
+``backend-<name>`` per self-hosted engine backend. Provider backends run inside the gateway.
 """
 
 from __future__ import annotations
@@ -10,17 +14,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import BackendConfig, ClusterConfig, load_config
-from deployments.backend_replica import BackendReplica
-from deployments.ingress import Ingress
-from deployments.router import Router
+from cluster.dataplane import (
+    AUTOSCALING_METRICS_INTERVAL_S,
+    ROUTING_STATS_PERIOD_S,
+    SERVE_ENV,
+    SHIM_ROUTER,
+)
+from deployments.engine import EngineReplica
+from deployments.gateway import Gateway
 
-REQUEST_ROUTER = "deployments.request_router:ClusterRequestRouter"
-RAY_PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+__all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 
 
 class AppArgs(BaseModel):
@@ -38,18 +46,19 @@ class AppArgs(BaseModel):
         return self.config if self.config is not None else load_config(self.config_path or "")
 
 
-def backend_options(b: BackendConfig) -> dict[str, Any]:
+def engine_options(b: BackendConfig) -> dict[str, Any]:
+    """Serve options of one engine backend's deployment (the k8s generator uses the same rule)."""
     actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
     if b.resources.memory_bytes:
         actor["memory"] = b.resources.memory_bytes
     # b.env is applied by the replica itself at start: Ray's runtime_env agent logs env_vars in full.
-    opts: dict[str, Any] = {"name": f"backend-{b.name}", "ray_actor_options": actor}
-    if b.routing == "ray_prefix":
-        opts["request_router_config"] = RequestRouterConfig(request_router_class=RAY_PREFIX_ROUTER)
-    elif b.routing != "power_of_two":  # power_of_two: Serve's default router
-        opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=REQUEST_ROUTER, request_router_kwargs={"mode": b.routing}
-        )
+    opts: dict[str, Any] = {
+        "name": f"backend-{b.name}",
+        "ray_actor_options": actor,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=SHIM_ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
+        ),
+    }
     if b.autoscaling is not None:
         target = b.autoscaling.target_ongoing_requests
         if target is None:
@@ -59,6 +68,7 @@ def backend_options(b: BackendConfig) -> dict[str, Any]:
             "min_replicas": b.autoscaling.min_replicas,
             "max_replicas": b.autoscaling.max_replicas,
             "target_ongoing_requests": target,
+            "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
         }
     else:
         opts["num_replicas"] = b.replicas
@@ -66,21 +76,26 @@ def backend_options(b: BackendConfig) -> dict[str, Any]:
 
 
 def build_graph(cfg: ClusterConfig) -> Application:
-    dump = cfg.model_dump(mode="json")
-    handles = {}
+    engines = {}
     for b in cfg.backends:
+        if b.kind == "provider":
+            continue
         model = cfg.model(b.model)
         assert model is not None  # validated
-        handles[b.name] = BackendReplica.options(**backend_options(b)).bind(
-            b.model_dump(mode="json"), model.model_dump(mode="json"), cfg.name
+        engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
+            b.model_dump(mode="json"), model.model_dump(mode="json")
         )
-    router = Router.options(
-        num_replicas=cfg.server.router_replicas, ray_actor_options={"num_cpus": 0.1}
-    ).bind(dump, handles)
-    return Ingress.options(
-        num_replicas=cfg.server.ingress_replicas, ray_actor_options={"num_cpus": 0.1}
-    ).bind(dump, router)
+    return Gateway.options(
+        num_replicas=cfg.server.gateway_replicas, ray_actor_options={"num_cpus": 0.1}
+    ).bind(cfg.model_dump(mode="json"), engines)
 
 
-def build_app(args: AppArgs) -> Application:
-    return build_graph(args.resolve())
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    """Serve's entry point: ``args`` as Serve passes them (a dict, or our model)."""
+    try:
+        parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "args"
+        raise ValueError(f"deployments.app:build_app: invalid args at '{loc}': {first['msg']}") from exc
+    return build_graph(parsed.resolve())

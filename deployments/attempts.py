@@ -1,10 +1,12 @@
-"""The router's attempts for one request: which backend or replica next, when to hedge, and what each
-attempt's outcome means for the circuit breakers, the hedge delay and the metrics. The race itself is
-:func:`cluster.race.race`; this wires it to Serve handles and to the router's policy objects.
+"""The gateway's attempts for one request: which backend or replica next, when to hedge, and what
+each attempt's outcome means for the breakers, the hedge delay and the metrics. The race itself
+is :mod:`cluster.race`; this wires it to the two kinds of attempt the gateway makes in its own
+process: an HTTP stream from an engine replica (:class:`EngineStream`, pass-through bytes) or a
+provider adapter (:class:`ProviderBackend`, typed chunks).
 
-Candidates are expanded into *slots*: a self-hosted backend with more than one replica gets a second
-slot (``name#2``), so a retry or a hedge can go to another replica of the same backend (the Serve
-request router avoids the replicas earlier attempts went to), then on to the next backend.
+Candidates are expanded into *slots*: a self-hosted backend with more than one replica gets a
+second slot (``name#2``), so a retry or a hedge can go to another replica of the same backend
+(the routing view avoids the replicas earlier attempts went to), then on to the next backend.
 """
 
 from __future__ import annotations
@@ -13,38 +15,51 @@ import contextlib
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
-from ray.serve.handle import DeploymentHandle
-
 from cluster.config import ClusterConfig
+from cluster.engine_wire import request_body
 from cluster.errors import ClusterError
 from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget, counts_against_backend
 from cluster.hedging import HedgePolicy
-from cluster.protocol import Chunk, GenerateRequest
-from cluster.race import Attempt, RaceHooks, RaceResult, Verdict, race
-from deployments import metrics, routing_state
+from cluster.openai_format import ResponseMeta
+from cluster.protocol import GenerateRequest
+from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
+from deployments import metrics
+from deployments.engine_client import EngineStream, ReplicaPicker
 
 
 def backend_of_slot(slot: str) -> str:
     return slot.split("#", 1)[0]
 
 
-async def cancel_stream(stream: Any) -> None:
-    """Stop a Serve response generator: Serve cancels the replica's call, which aborts upstream."""
-    with contextlib.suppress(Exception):
-        stream.cancel()
+async def close_stream(stream: Any) -> None:
+    """Stop an attempt's stream: closing it aborts the work upstream (engine or provider)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
+def attempt_replica(att: Attempt) -> str | None:
+    return getattr(att.stream, "replica", None) or getattr(att.stream, "replica_name", None)
 
 
 class AttemptRunner:
-    """One per router process: the breakers, the retry budget and the hedge policy it feeds."""
+    """One per gateway process: the breakers, the retry budget and the hedge policy it feeds."""
 
-    def __init__(self, cfg: ClusterConfig, handles: dict[str, DeploymentHandle]) -> None:
-        self.cfg = cfg
-        self.handles = handles
-        self.board = BreakerBoard(cfg.policies.failover.breaker)
-        routing_state.VIEW.breakers = self.board  # the Serve request router ejects replicas by it
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        pickers: dict[str, ReplicaPicker],
+        providers: dict[str, Any],
+        session: Callable[[], Any],
+        token: str,
+        board: BreakerBoard,
+    ) -> None:
+        self.cfg, self.pickers, self.providers = cfg, pickers, providers
+        self.session, self.token, self.board = session, token, board
         self.retry_budget = RetryBudget(cfg.policies.failover.retry_budget)
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
@@ -60,33 +75,40 @@ class AttemptRunner:
                 out.append(f"{name}#2")
         return out
 
-    async def run(self, req: GenerateRequest, candidates: list[str]) -> AsyncIterator[Chunk]:
+    def hooks(
+        self, req: GenerateRequest, candidates: list[str], meta: ResponseMeta, collect: bool, hashes: Any
+    ) -> tuple[RaceHooks, float | None]:
+        """The race's hooks for one request, and its deadline on the monotonic clock."""
         surface = self.cfg.surface(req.surface)
         hedging = bool(surface and surface.hedging)
         slots = self.slots(candidates)
         breakers = {s: self.board.backend(backend_of_slot(s)) for s in slots}
         mono_deadline = None if req.deadline is None else time.monotonic() + (req.deadline - time.time())
-        now = time.monotonic()
-        self.retry_budget.record_request(now)
+        self.retry_budget.record_request(time.monotonic())
         self.hedge.on_request()
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
+            self._count_attempt(backend, planned.attempt, hedge)
+            attempt_req = dataclasses.replace(req, attempt=planned.attempt)
+            if backend in self.providers:
+                return self.providers[backend].generate(attempt_req)
             avoid = [
                 r
                 for a in prior
-                if backend_of_slot(a.planned.backend) == backend
-                and (r := routing_state.VIEW.routed.get(f"{req.request_id}/{a.planned.attempt}"))
+                if backend_of_slot(a.planned.backend) == backend and (r := attempt_replica(a))
             ]
-            attempt_req = dataclasses.replace(req, attempt=planned.attempt, exclude_replicas=avoid)
-            if planned.attempt > 0 and not hedge:  # hedges are counted when the budget allows them
-                self.hedge.stats.on_retry()
-                metrics.ATTEMPTS.inc(tags={"backend": backend, "kind": "retry"})
-            if hedge:
-                metrics.ATTEMPTS.inc(tags={"backend": backend, "kind": "hedge"})
-                metrics.HEDGES.inc(tags={"backend": backend, "outcome": "sent"})
-            return self.handles[backend].generate.remote(attempt_req)
+            picker = self.pickers[backend]
+            block_hashes = hashes(backend)
+
+            async def choose() -> Any:
+                choice = await picker.pick(block_hashes, req.session_id, avoid)
+                picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
+                return choice
+
+            body = request_body(attempt_req, meta, collect)
+            return EngineStream(self.session(), self.token, body, backend, choose)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -94,7 +116,6 @@ class AttemptRunner:
             return self.hedge.delay(req.surface, backend_of_slot(first.backend), time.monotonic())
 
         def may_hedge(elapsed: float, sent: int) -> bool:
-            # The race calls this once the hedge delay has passed: only the budget is left to ask.
             return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
@@ -103,25 +124,35 @@ class AttemptRunner:
         hooks = RaceHooks(
             next_attempt=lambda hedge: plan.next(time.monotonic(), breakers, hedge=hedge),
             start=start,
-            cancel=cancel_stream,
+            cancel=close_stream,
             hedge_delay=hedge_delay,
             may_hedge=may_hedge,
             verdict=verdict,
         )
-        result = RaceResult()
-        try:
-            idle = self.cfg.policies.stream_idle_timeout_s
-            async for chunk in race(hooks, result, mono_deadline, idle):
-                yield chunk
-        finally:
-            routing_state.VIEW.forget_request(req.request_id, attempts=max(1, len(result.attempts)))
+        return hooks, mono_deadline
+
+    def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
+        if attempt > 0 and not hedge:  # hedges are counted when the budget allows them
+            self.hedge.stats.on_retry()
+            metrics.ATTEMPTS.inc(tags={"backend": backend, "kind": "retry"})
+        if hedge:
+            metrics.ATTEMPTS.inc(tags={"backend": backend, "kind": "hedge"})
+            metrics.HEDGES.inc(tags={"backend": backend, "outcome": "sent"})
+
+    def finished(self, result: RaceResult) -> None:
+        """Every attempt of a request is over: the routing views stop counting them."""
+        for att in result.attempts:
+            replica = getattr(att.stream, "replica", None)
+            picker = self.pickers.get(backend_of_slot(att.planned.backend))
+            if replica is not None and picker is not None:
+                picker.view.ended(replica)
 
     def _verdict(
         self, req: GenerateRequest, att: Attempt, v: Verdict, err: BaseException | None, dt: float
     ) -> None:
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
-        replica = routing_state.VIEW.routed.get(f"{req.request_id}/{att.planned.attempt}")
+        replica = getattr(att.stream, "replica", None)
         if v == "won":
             self.board.record(backend, replica, True, now)
             self.hedge.observe_ttft(req.surface, backend, dt, now)

@@ -6,9 +6,14 @@ way. Scratch files (vLLM's sockets and caches, Ray's auth token) go under one fo
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
+import signal
+import socket
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,9 @@ ENGINE_ENV = {
 }
 
 
+HAPROXY_DIR = Path(f"/tmp/llmc-haproxy-{os.getuid()}")
+
+
 def scratch_env(root: Path | None = None) -> dict[str, str]:
     root = root or cache_root() / "scratch"
     env = dict(ENGINE_ENV)
@@ -48,6 +56,25 @@ def scratch_env(root: Path | None = None) -> dict[str, str]:
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    from deployments.app import SERVE_ENV
+    from deployments.internal import ENV as INTERNAL_ENV
+
+    env.update(SERVE_ENV)
+    env[INTERNAL_ENV] = os.environ.get(INTERNAL_ENV) or secrets.token_hex(32)
+    env["LLMC_ENGINE_HOST"] = "127.0.0.1"  # engines serve their token streams on loopback here
+    # A gateway replica being replaced waits this long for HAProxy to stop sending it requests; on
+    # one machine HAProxy learns it at once (Serve's default, 30 s, made every redeploy slow).
+    env.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+    # HAProxy's files (config, admin socket, state) in a folder of ours, so that stop() finds our
+    # HAProxy by its config path; short, since a unix socket path is at most 97 characters.
+    for name, sub in (
+        ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "haproxy.cfg"),
+        ("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
+        ("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", ""),
+        ("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "server-state"),
+    ):
+        env[name] = str(HAPROXY_DIR / sub) if sub else str(HAPROXY_DIR)
+    HAPROXY_DIR.mkdir(parents=True, exist_ok=True)
     return env
 
 
@@ -80,7 +107,8 @@ def start(
     if metrics_port is not None:
         init_kwargs["_metrics_export_port"] = metrics_port
     if not ray.is_initialized():
-        ray.init(**init_kwargs)
+        _check_port_free(cfg.server.host, cfg.server.port)
+        ray.init(_node_ip_address="127.0.0.1", **init_kwargs)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     deadline = time.monotonic() + blocking_timeout_s
     serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
@@ -102,21 +130,73 @@ def _wait_running(app: str, deadline: float) -> None:
     raise TimeoutError(f"application {app} not running after the deadline")
 
 
-def replica_stats(app_name: str) -> dict[str, Any]:
-    """What each backend replica of an app last posted to its stats hub (replica id → stats)."""
-    import ray
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(
+                f"port {port} on {host} is taken (a previous cluster's HAProxy? `pgrep -a haproxy`)"
+            ) from exc
 
-    from deployments.stats_hub import HUB_NAME
 
-    hub = ray.get_actor(f"{HUB_NAME}-{app_name}", namespace="serve")
-    return ray.get(hub.snapshot.remote())
+def _internal_get(url: str, timeout: float = 10.0) -> Any:
+    from deployments.internal import internal_token
+
+    req = urllib.request.Request(url, headers={"x-llmc-internal": internal_token()})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # loopback, our own cluster
+        return json.loads(resp.read())
 
 
-def stop() -> None:
+def gateway_status(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """What one gateway replica (HAProxy picks which) reports: admission, policy, routing view."""
+    return _internal_get(f"http://{host}:{port}/internal/status")
+
+
+def replica_stats(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """What each engine replica reports now (replica id → BackendStats), asked over its own
+    token endpoint; the replicas' URLs come from a gateway's routing view."""
+    from cluster.protocol import BackendStats
+
+    out: dict[str, Any] = {}
+    status = gateway_status(port, host)
+    for view in status["routing"].values():
+        for rid, url in view["replicas"].items():
+            with contextlib.suppress(OSError):
+                out[rid] = BackendStats(**_internal_get(url + "/stats"))
+    return out
+
+
+def _haproxy_pids() -> list[int]:
+    """HAProxy processes started from our scratch folder's config (never anyone else's)."""
+    cfg = str(HAPROXY_DIR)
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if "haproxy" in cmd.split(" ", 1)[0] and cfg in cmd:
+                    pids.append(int(d.name))
+    return pids
+
+
+def stop(port: int | None = None) -> None:
+    """Stop Serve and Ray, then whatever outlived them: HAProxy keeps the Serve port otherwise."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        with contextlib.suppress(Exception):
+            serve.shutdown()
     finally:
         ray.shutdown()
+        for pid in _haproxy_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _haproxy_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in _haproxy_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

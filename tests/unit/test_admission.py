@@ -282,7 +282,7 @@ def test_from_config_derives_backend_caps():
                 },
             ],
             "surfaces": [{"name": "chat", "max_concurrency": 100}],
-            "server": {"router_replicas": 2},
+            "server": {"gateway_replicas": 2},
         }
     )
     c = AdmissionController.from_config(cfg)

@@ -32,6 +32,7 @@ from cluster.k8s import (
     serve_config,
     target_ongoing_requests,
 )
+from cluster.kustomize import build, find
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -203,7 +204,7 @@ def test_cpu_worker_group_hosts_the_cpu_side() -> None:
     assert CPU_NODE_RESOURCE in g["resources"]
     assert not any("gpu" in k for c in g["template"]["spec"]["containers"] for k in c["resources"]["limits"])
     deps = deployments_of(rs)
-    cpu_side = ["Ingress", "Router", *(f"backend-{b.name}" for b in cfg.backends if b.kind != "vllm")]
+    cpu_side = ["Gateway", *(f"backend-{b.name}" for b in cfg.backends if b.kind == "sim")]
     for name in cpu_side:
         assert CPU_NODE_RESOURCE in deps[name]["ray_actor_options"]["resources"], name
     for b in cfg.backends:
@@ -397,14 +398,20 @@ def test_serve_config_args_are_the_cluster_config(which: str) -> None:
     assert set(app["args"]) == {"config"}
     assert ClusterConfig.model_validate(app["args"]["config"]) == cfg
     names = {d["name"] for d in app["deployments"]}
-    assert names == {"Ingress", "Router", *(f"backend-{b.name}" for b in cfg.backends)}
+    # Provider adapters run inside the gateway: only engines are deployments of their own.
+    assert names == {"Gateway", *(f"backend-{b.name}" for b in cfg.backends if b.kind != "provider")}
 
 
 def test_serve_options_agree_with_the_app_builder() -> None:
     app = pytest.importorskip("deployments.app", reason="ray[serve] or the app's imports are missing")
     cfg, s = gpu()
-    for b in cfg.backends:
-        ours, theirs = backend_deployment(b, s), app.backend_options(b)
+    for b in (b for b in cfg.backends if b.kind != "provider"):
+        ours, theirs = backend_deployment(b, s), app.engine_options(b)
+        rr = theirs["request_router_config"]
+        assert ours["request_router_config"] == {
+            "request_router_class": rr.request_router_class,
+            "request_routing_stats_period_s": rr.request_routing_stats_period_s,
+        }
         actor = {k: v for k, v in ours["ray_actor_options"].items() if k != "resources"}
         assert actor == theirs["ray_actor_options"], b.name
         if "autoscaling_config" in theirs:
@@ -546,12 +553,37 @@ def test_a_patch_must_keep_its_target() -> None:
         rayservice_patch(base, other)
 
 
+KUSTOMIZATIONS = sorted(str(k.parent.relative_to(K8S)) for k in K8S.rglob("kustomization.yaml"))
+
+
 def kustomize(path: Path) -> list[dict[str, Any]]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl (with its built-in kustomize) is not installed")
-    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
+    return build(path)  # cluster.kustomize: no kubectl needed (compared with it below where it exists)
+
+
+def kustomize_binary() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    return ["kubectl", "kustomize"] if shutil.which("kubectl") else None
+
+
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS)
+def test_our_kustomize_matches_the_real_one(folder: str) -> None:
+    binary = kustomize_binary()
+    if binary is None:
+        pytest.skip("neither kustomize nor kubectl is installed (cluster.kustomize builds the folders alone)")
+    out = subprocess.run([*binary, str(K8S / folder)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    ours = kustomize(K8S / folder)
+
+    def ids(docs: list[dict[str, Any]]) -> list[tuple[str, str, str | None, str]]:
+        return [
+            (d["apiVersion"], d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs
+        ]
+
+    assert ids(ours) == ids(theirs)
+    for mine, real in zip(ours, theirs, strict=True):
+        assert mine == real, ids([mine])
 
 
 @pytest.mark.parametrize(
@@ -560,10 +592,11 @@ def kustomize(path: Path) -> list[dict[str, Any]]:
 )
 def test_kustomize_builds_each_overlay(overlay: str, namespace: str, expected) -> None:
     docs = kustomize(K8S / "overlays" / overlay)
-    (rs,) = [d for d in docs if d["kind"] == "RayService"]
+    rs = find(docs, "RayService")
     want = render_rayservice(*expected())
     want["metadata"]["namespace"] = namespace
     assert rs == want
+    assert find(docs, "Namespace", namespace)
     assert all(d["metadata"].get("namespace", namespace) == namespace for d in docs)
     for d in docs:
         if "." not in d["apiVersion"].split("/")[0]:
@@ -571,8 +604,26 @@ def test_kustomize_builds_each_overlay(overlay: str, namespace: str, expected) -
     if overlay == "gpu":
         kinds = {d["kind"] for d in docs}
         assert {"Namespace", "PersistentVolumeClaim", "PodMonitor", "ServiceMonitor", "ConfigMap"} <= kinds
-        claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+        claim = find(docs, "PersistentVolumeClaim")
         assert claim["metadata"]["name"] == gpu()[1].gpu.model_cache_claim
+    else:
+        assert {d["kind"] for d in docs} == {"Namespace", "RayService"}
+
+
+def test_kustomize_builds_monitoring_and_loadtest() -> None:
+    docs = kustomize(K8S / "monitoring")
+    dashboard = find(docs, "ConfigMap", "llm-cluster-grafana-dashboard")
+    assert dashboard["data"] == {
+        "grafana-dashboard.json": (K8S / "monitoring/grafana-dashboard.json").read_text()
+    }
+    assert dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}  # the Grafana sidecar's label
+    for kind, file in [("PodMonitor", "podmonitor.yaml"), ("ServiceMonitor", "servicemonitor.yaml")]:
+        assert find(docs, kind) == yaml.safe_load((K8S / "monitoring" / file).read_text())
+    gpu_docs = kustomize(K8S / "overlays/gpu")
+    assert find(gpu_docs, "ConfigMap")["data"] == dashboard["data"]
+    validate_k8s(dashboard)
+    (job,) = kustomize(K8S / "loadtest")
+    assert job == yaml.safe_load((K8S / "loadtest/locust-job.yaml").read_text())
 
 
 # Monitoring, load test, image --------------------------------------------------------------

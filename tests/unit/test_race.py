@@ -191,3 +191,37 @@ async def test_the_deadline_also_holds_after_the_first_token() -> None:
         async for _ in race(h, RaceResult(), deadline=t0 + 0.2, idle_timeout=10):
             pass
     assert loop.time() - t0 < 5
+
+
+async def test_a_client_cancel_while_losers_stop_also_stops_the_winner() -> None:
+    """Defect 1: stopping the losers swallowed the request's own CancelledError, so a client that
+    left during that moment left the winner generating for nobody."""
+    streams = {"a": FakeStream("a", delay=5.0), "b": FakeStream("b", delay=0.05, n=50)}
+    plan = FailoverPlan(["a", "b"])
+    closing = asyncio.Event()
+    closed: list[str] = []
+
+    async def slow_cancel(s: FakeStream) -> None:
+        if s.name == "a":  # the loser's upstream takes a while to close
+            closing.set()
+            await asyncio.sleep(0.5)
+        closed.append(s.name)
+
+    h = RaceHooks(
+        next_attempt=lambda hedge: plan.next(0.0, {}, hedge=hedge),
+        start=lambda planned, hedge, prior: streams[planned.backend],
+        cancel=slow_cancel,
+        hedge_delay=lambda _: 0.01,
+        may_hedge=lambda _e, _s: True,
+    )
+
+    async def consume() -> None:
+        async for _ in race(h, RaceResult()):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(closing.wait(), 2.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "b" in closed, "the winner's stream must be closed when the client leaves"

@@ -1,0 +1,27 @@
+"""What the data plane needs in every Ray process of a cluster, as environment variables (the
+local launcher and the RayService manifests set them; Serve reads them at import):
+
+* each gateway replica serves HTTP itself (direct ingress) behind Ray Serve's HAProxy;
+* Serve's request router runs on the gateway's own event loop (the gateway calls it per request,
+  and the routing payload it hands over is a live object of the gateway's);
+* engine replicas report their own ongoing requests for autoscaling (no request reaches them
+  through a Serve handle, so the handles have nothing to count).
+"""
+
+from __future__ import annotations
+
+SERVE_ENV: dict[str, str] = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_COLLECT_AUTOSCALING_METRICS_ON_HANDLE": "0",
+}
+INTERNAL_TOKEN_ENV = "LLMC_INTERNAL_TOKEN"
+
+# The engine deployments' Serve options that carry the data plane (the app builder and the k8s
+# generator both write them): the shim request router that lets the gateway's routing view
+# decide, how often replicas publish their endpoint and load to it, how often they report their
+# ongoing requests for autoscaling.
+SHIM_ROUTER = "deployments.request_router:ShimRequestRouter"
+ROUTING_STATS_PERIOD_S = 0.5
+AUTOSCALING_METRICS_INTERVAL_S = 1.0

@@ -1,0 +1,184 @@
+"""The engine deployment: one Serve replica per vLLM engine (or simulated engine), serving its
+token stream over HTTP itself so that no token crosses a Ray call.
+
+Serve owns the replica (start, health checks, autoscaling, draining); the replica starts a small
+aiohttp server on a free port of its node and publishes the URL, with its engine's load, through
+Serve's routing stats, which reach every gateway's handle (``record_routing_stats``). The gateway
+POSTs ``/generate`` (see :mod:`cluster.engine_wire`) with the cluster's internal credential; a
+client that goes away closes the connection, which cancels the handler, which closes the
+backend's stream, which aborts the engine request. Serve counts nothing of this traffic, so the
+replica reports its own ongoing requests for autoscaling (``record_autoscaling_stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+from ray import serve
+
+from cluster.backend import Backend
+from cluster.config import BackendConfig, ModelConfig
+from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
+from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from deployments.internal import internal_token, token_ok
+
+log = logging.getLogger("ray.serve")
+HOST_ENV = "LLMC_ENGINE_HOST"  # the address engine servers bind and publish (default: Ray's node IP)
+
+
+def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> Backend:
+    if backend.kind == "vllm":
+        from deployments.vllm_replica import VLLMBackend
+
+        return VLLMBackend(backend, model, replica)
+    if backend.kind == "sim":
+        from cluster.sim_backend import SimBackend
+
+        return SimBackend.from_config(backend, model, replica)
+    raise ValueError(f"backend '{backend.name}' of kind {backend.kind} is not an engine")
+
+
+def node_host() -> str:
+    host = os.environ.get(HOST_ENV)
+    if host:
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
+class EngineReplica:
+    async def __init__(self, backend: dict[str, Any], model: dict[str, Any]) -> None:
+        self.cfg = BackendConfig.model_validate(backend)
+        # Set here rather than through Ray's runtime_env, whose agent logs env_vars in full; before
+        # the engine is built, so that its settings (OMP_NUM_THREADS …) take effect.
+        os.environ.update(self.cfg.env)
+        model_cfg = ModelConfig.model_validate(model)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
+        self._token = internal_token()
+        self.ongoing = 0
+        self._runner, self.url = await self._serve_http()
+
+    async def _serve_http(self) -> tuple[web.AppRunner, str]:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/stats", self._stats)
+        # handler_cancellation: the gateway closing the connection cancels the handler (abort).
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        host = node_host()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        await web.SockSite(runner, sock, backlog=1024).start()
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        log.info("engine %s replica %s serves its token stream on %s", self.cfg.name, self.replica_id, url)
+        return runner, url
+
+    # -- Serve hooks -------------------------------------------------------------------------------
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Pushed by Serve to every handle's request router: where to stream from, and the load."""
+        s = self.backend.stats()
+        return {"url": self.url, "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"running_requests": float(self.ongoing)}
+
+    def stats(self) -> BackendStats:
+        return self.backend.stats()
+
+    def check_health(self) -> None:
+        if not self.backend.stats().healthy:
+            raise RuntimeError(f"engine {self.cfg.name} replica {self.replica_id} reports unhealthy")
+
+    async def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._runner.cleanup()
+        shutdown = getattr(self.backend, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(Exception):
+                shutdown()
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+    async def _stats(self, request: web.Request) -> web.Response:
+        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
+            return web.json_response({"error": "forbidden"}, status=403)
+        return web.json_response(asdict(self.backend.stats()))
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
+            return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
+        try:
+            req, meta, collect = parse_request(json.loads(await request.read()))
+        except (ValueError, KeyError, TypeError) as exc:
+            err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
+            return web.json_response({"error": to_wire(err)}, status=400)
+        self.ongoing += 1
+        try:
+            return await self._stream(request, req, meta, collect)
+        finally:
+            self.ongoing -= 1
+
+    async def _stream(
+        self, request: web.Request, req: GenerateRequest, meta: ResponseMeta, collect: bool
+    ) -> web.StreamResponse:
+        gen = self.backend.generate(req)
+        try:
+            try:
+                first = await anext(gen)
+            except ClusterError as err:  # before the first token: a status the gateway acts on
+                return web.json_response({"error": to_wire(err)}, status=err.status_code)
+            except StopAsyncIteration:
+                first = Chunk(finish_reason="stop", usage=Usage(len(req.prompt_token_ids), 0))
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await self._relay(resp, gen, first, meta, collect)
+            await resp.write_eof()
+            return resp
+        finally:
+            await gen.aclose()  # cancelled or done: the backend aborts what is still running
+
+    async def _relay(
+        self, resp: web.StreamResponse, gen: Any, first: Chunk, meta: ResponseMeta, collect: bool
+    ) -> None:
+        parts: list[str] | None = [] if collect else None
+        chunk: Chunk | None = first
+        sent_first = False
+        finish, usage = "stop", None
+        try:
+            while chunk is not None:
+                if chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort"):
+                    await resp.write(sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first)))
+                    sent_first = True
+                    if parts is not None:
+                        parts.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                chunk = await anext(gen, None)
+        except ClusterError as err:
+            await resp.write(error_frame(err if isinstance(err, StreamInterrupted) else _broken(err)))
+            return
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the engine failed mid-stream
+            await resp.write(error_frame(_broken(exc)))
+            return
+        text = "".join(parts) if parts is not None else None
+        await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id))
+
+
+def _broken(exc: BaseException) -> StreamInterrupted:
+    return StreamInterrupted(f"the engine's stream broke: {type(exc).__name__}: {exc}")

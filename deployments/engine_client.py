@@ -1,0 +1,182 @@
+"""The gateway's side of an engine replica's token stream, and the replica choice behind it.
+
+:class:`ReplicaPicker` asks Serve for the engine deployment's live replicas through
+``DeploymentHandle.choose_replica`` (no request is dispatched through Ray): Serve runs our
+:class:`deployments.request_router.ShimRequestRouter` in this process with its current replica
+list, and the shim hands that list to the backend's :class:`cluster.routing_view.BackendView`,
+which decides. A replica Serve no longer lists (dead, drained, scaled down) is gone from the
+next decision.
+
+:class:`EngineStream` then POSTs the request to the chosen replica and yields the client's SSE
+bytes as they arrive (whole events; nothing parsed but the end frame, see
+:mod:`cluster.engine_wire`). Closing it closes the connection, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from cluster.engine_wire import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
+from cluster.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
+from cluster.routing_view import BackendView, Choice, ReplicaInfo
+
+STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
+
+
+class _Pick:
+    """The routing payload handed to Serve's request router (in this process, by reference)."""
+
+    __slots__ = ("avoid", "choice", "hashes", "now", "session_id", "view")
+
+    def __init__(
+        self, view: BackendView, hashes: Sequence[int], session_id: str | None, avoid: Sequence[str]
+    ) -> None:
+        self.view, self.hashes, self.session_id, self.avoid = view, hashes, session_id, avoid
+        self.now = time.monotonic()
+        self.choice: Choice | None = None
+
+    def decide(self, candidates: list[Any]) -> list[list[Any]]:
+        infos = []
+        for r in candidates:
+            st = r.routing_stats or {}
+            infos.append(
+                ReplicaInfo(
+                    r.replica_id.unique_id,
+                    st.get("url"),
+                    int(st.get("waiting", 0)),
+                    float(st.get("kv_usage", 0.0)),
+                )
+            )
+        self.view.sync(infos)
+        self.choice = self.view.choose(self.hashes, self.now, self.session_id, self.avoid)
+        if self.choice is None:
+            return [candidates]
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        return [[by_id[self.choice.replica]]]
+
+
+class ReplicaPicker:
+    def __init__(self, handle: Any, view: BackendView) -> None:
+        self.handle = handle
+        self.view = view
+
+    async def pick(self, hashes: Sequence[int], session_id: str | None, avoid: Sequence[str]) -> Choice:
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        while True:
+            pick = _Pick(self.view, hashes, session_id, avoid)
+            async with self.handle.choose_replica(pick, _reserve=False):
+                pass
+            if pick.choice is not None:
+                return pick.choice
+            if time.monotonic() >= deadline:
+                raise BackendUnavailable(
+                    f"backend {self.view.backend} has no replica with a token endpoint",
+                    backend=self.view.backend,
+                )
+            await asyncio.sleep(0.1)  # replicas are up, their endpoints not yet published
+
+
+class EngineStream:
+    """One attempt on an engine replica: an async iterator of pass-through SSE bytes."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        token: str,
+        body: dict[str, Any],
+        backend: str,
+        choose: Any,  # an awaitable factory: () -> Choice
+    ) -> None:
+        self.session, self.token, self.body, self.backend, self._choose = (
+            session,
+            token,
+            body,
+            backend,
+            choose,
+        )
+        self.choice: Choice | None = None
+        self.splitter = FrameSplitter()
+        self.events = 0
+        self._resp: aiohttp.ClientResponse | None = None
+        self._closed = False
+
+    @property
+    def end(self) -> StreamEnd | None:
+        return self.splitter.end
+
+    @property
+    def replica(self) -> str | None:
+        return self.choice.replica if self.choice is not None else None
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def _open(self) -> aiohttp.ClientResponse:
+        self.choice = await self._choose()
+        data = json.dumps(self.body, separators=(",", ":")).encode()
+        try:
+            resp = await self.session.post(
+                self.choice.url + "/generate",
+                data=data,
+                headers={INTERNAL_TOKEN_HEADER: self.token, "content-type": "application/json"},
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendUnavailable(
+                f"engine replica {self.choice.replica} of {self.backend} is unreachable: {exc}",
+                backend=self.backend,
+            ) from exc
+        if resp.status != 200:
+            try:
+                err = from_wire(json.loads(await resp.read())["error"])
+            except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+                err = BackendUnavailable(f"engine replica answered {resp.status}", backend=self.backend)
+            resp.release()
+            err.backend = err.backend or self.backend
+            raise err
+        return resp
+
+    async def __anext__(self) -> bytes:
+        if self._closed:
+            raise StopAsyncIteration
+        resp = self._resp
+        if resp is None:
+            resp = self._resp = await self._open()
+        splitter = self.splitter
+        while splitter.end is None:
+            try:
+                data = await resp.content.readany()
+            except (aiohttp.ClientError, OSError) as exc:
+                raise self._broken(f"{type(exc).__name__}: {exc}") from exc
+            if not data:
+                raise self._broken("the connection ended without the end of the stream")
+            out = splitter.feed(data)
+            if out:
+                self.events += out.count(b"data: ")
+                return out
+        if splitter.end.error is not None:
+            raise splitter.end.error
+        await self.aclose(release=True)
+        raise StopAsyncIteration
+
+    def _broken(self, why: str) -> ClusterError:
+        msg = f"engine replica {self.replica} of {self.backend}: {why}"
+        if self.events:
+            return StreamInterrupted(msg, backend=self.backend)
+        return BackendUnavailable(msg, backend=self.backend)
+
+    async def aclose(self, release: bool = False) -> None:
+        """Close the stream: a finished one goes back to the pool, anything else closes the
+        connection (the engine's handler is cancelled and aborts the request)."""
+        self._closed = True
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            if release and self.splitter.end is not None:
+                resp.release()
+            else:
+                resp.close()

@@ -1,0 +1,260 @@
+"""The gateway: one Serve deployment that serves the OpenAI-compatible HTTP API itself (Serve's
+direct ingress, behind HAProxy on the Serve port) and does, in its own process, everything a
+request needs: auth → surface, parse and validate once, tokenize once, fit the context window,
+admission, the backend and replica choice, the first-token race (hedge, fail over, breakers),
+the relay and the accounting. Tokens cross no Ray call: engine replicas stream to it over HTTP,
+provider adapters run here.
+
+Per chunk the relay does one read and one write; metrics are recorded once per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import fields
+from typing import Any
+
+from ray import serve
+
+from cluster.admission import AdmissionController, AsyncAdmission, Outcome
+from cluster.affinity import AffinityParams, AffinityRouter
+from cluster.config import BackendConfig, ClusterConfig
+from cluster.errors import ClusterError, InvalidRequest, NotFound, Unauthorized
+from cluster.failover import BreakerBoard
+from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest
+from cluster.providers.budget import Prices
+from cluster.routing_view import BackendView
+from cluster.tokens import load_tokenizer
+from deployments import http_api as h
+from deployments import metrics
+from deployments.attempts import AttemptRunner
+from deployments.engine_client import ReplicaPicker
+from deployments.internal import internal_token, token_ok
+from deployments.prepare import prepare
+from deployments.relay import Relay
+
+log = logging.getLogger("ray.serve")
+INLINE_PREPARE_BYTES = 64 * 1024  # bigger bodies are validated and tokenized off the event loop
+
+
+def block_size(b: BackendConfig) -> int:
+    """The engine's KV block size: routing hashes prompts in the same blocks the engine caches."""
+    if b.engine.block_size:
+        return b.engine.block_size
+    if b.kind == "sim":
+        from cluster.profiles import get_profile
+        from cluster.sim_backend import DEFAULT_PROFILE
+
+        return get_profile(b.sim_profile or DEFAULT_PROFILE).engine.block_size
+    return 16  # vLLM's GPU default
+
+
+@serve.deployment(max_ongoing_requests=4096)
+@serve.ingress()
+class Gateway:
+    def __init__(self, config: dict[str, Any], engines: dict[str, Any]) -> None:
+        self.cfg = cfg = ClusterConfig.model_validate(config)
+        self._keys = {k.sha256: k.surface for k in cfg.server.api_keys}
+        self._token = internal_token()
+        self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
+        self.board = BreakerBoard(cfg.policies.failover.breaker)
+        self.views: dict[str, BackendView] = {}
+        pickers: dict[str, ReplicaPicker] = {}
+        providers: dict[str, Any] = {}
+        replica = serve.get_replica_context().replica_id.unique_id
+        for b in cfg.backends:
+            model = cfg.model(b.model)
+            assert model is not None  # validated
+            if b.kind == "provider":
+                from deployments.providers import build_provider_backend
+
+                providers[b.name] = build_provider_backend(b, model, f"{replica}/{b.name}")
+                continue
+            mode = b.routing if b.routing in ("round_robin", "least_loaded") else "cache_aware"
+            policy = AffinityRouter(block_size(b), b.model, AffinityParams())
+            view = BackendView(b.name, policy, self.board.replicas(b.name), b.max_in_flight_per_replica, mode)
+            self.views[b.name] = view
+            pickers[b.name] = ReplicaPicker(engines[b.name], view)
+        self.providers = providers
+        self._session: Any = None
+        self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
+        self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
+        self.relay = Relay(self)
+        for m in cfg.models:  # load tokenizers now, not on the first request
+            load_tokenizer(m.tokenizer)
+        self._openapi = h.openapi_document()
+        self._routes = {
+            ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
+            ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/healthz"): self._healthz,
+            ("GET", "/openapi.json"): self._openapi_json,
+            ("GET", "/internal/status"): self._status,
+        }
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return _Asgi(self._asgi)
+
+    def _client_session(self) -> Any:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            )
+        return self._session
+
+    # -- ASGI -------------------------------------------------------------------------------------
+    async def _asgi(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        if scope["type"] == "lifespan":
+            return
+        if scope["type"] != "http":
+            return
+        path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        route = self._routes.get((scope["method"], path))
+        rid = h.client_request_id(scope) or h.new_request_id()
+        if route is None:
+            known = any(p == path for _, p in self._routes)
+            status, code = (405, "method_not_allowed") if known else (404, "not_found")
+            err = ClusterError(
+                f"{scope['method']} {path}: {'Method Not Allowed' if known else 'Not Found'}",
+                status_code=status,
+                code=code,
+                error_type="invalid_request_error",
+            )
+            await h.send_error(send, err, rid)
+            return
+        try:
+            await route(scope, receive, send)
+        except ClusterError as err:
+            await h.send_error(send, err, rid)
+
+    def _surface(self, scope: h.Scope) -> str:
+        if self.cfg.server.auth:
+            auth = h.header(scope, b"authorization") or ""
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            surface = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
+            if surface is None:
+                raise Unauthorized("Missing or invalid API key. Pass it as 'Authorization: Bearer <key>'.")
+            return surface
+        surface = h.header(scope, b"x-surface") or self.cfg.server.default_surface
+        if self.cfg.surface(surface) is None:
+            known = ", ".join(s.name for s in self.cfg.surfaces)
+            raise InvalidRequest(
+                f"Unknown surface '{surface[:64]}' in x-surface (known: {known}).", param="x-surface"
+            )
+        return surface
+
+    # -- the completion routes ------------------------------------------------------------------
+    async def _complete(self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str) -> None:
+        t0 = time.perf_counter()
+        echo = h.client_request_id(scope)
+        rid = h.new_request_id()
+        try:
+            surface = self._surface(scope)
+            h.check_json_content_type(scope)
+            raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
+            schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            session = h.header(scope, b"x-session-id")
+            args = (self.cfg, raw, schema, kind, rid, surface, session, self.views)
+            if len(raw) > INLINE_PREPARE_BYTES:
+                prepared = await asyncio.to_thread(prepare, *args)
+            else:
+                prepared = prepare(*args)
+        except ClusterError as err:
+            await h.send_error(send, err, echo or rid)
+            return
+        except ConnectionResetError:
+            return
+        await self._run(prepared, send, echo or rid, t0)
+
+    async def _run(self, prepared: Any, send: h.Send, echo: str, t0: float) -> None:
+        req = prepared.req
+        surface = req.surface
+        try:
+            ticket = await self.admission.acquire(surface, prepared.candidates)
+        except ClusterError as err:
+            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
+            await h.send_error(send, err, echo)
+            return
+        candidates = prepared.candidates
+        if ticket.backend in candidates:  # admission picked the first candidate with room
+            candidates = candidates[candidates.index(ticket.backend) :]
+        outcome = Outcome.CANCELLED
+        try:
+            outcome = await self.relay.serve(prepared, candidates, send, echo, t0, ticket.waited_s)
+        except Exception:
+            outcome = Outcome.ERRORED
+            raise
+        finally:
+            self.admission.release(ticket, outcome)
+            metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
+
+    # -- other routes ---------------------------------------------------------------------------
+    async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        self._surface(scope)  # with auth on, listing models needs a key too
+        data = []
+        for m in self.cfg.models:
+            kinds = sorted({b.kind for b in self.cfg.backends if b.model == m.name})
+            data.append(
+                {
+                    "id": m.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "llm-cluster",
+                    "context_window": m.context_window,
+                    "backend_kinds": kinds,
+                    "simulated": "sim" in kinds,
+                }
+            )
+        await h.send_json(send, 200, {"object": "list", "data": data})
+
+    async def _healthz(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        await h.send_json(send, 200, {"status": "ok"})
+
+    async def _openapi_json(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        await h.send_json(send, 200, self._openapi)
+
+    async def _status(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        """For operators and tests, with the internal credential: this gateway replica's view."""
+        if not token_ok(h.header(scope, b"x-llmc-internal"), self._token):
+            raise NotFound("GET /internal/status: Not Found")
+        await h.send_json(send, 200, self.status())
+
+    def status(self) -> dict[str, Any]:
+        c = self.admission.controller.counters()
+        return {
+            "replica": serve.get_replica_context().replica_id.unique_id,
+            "admission": {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}},
+            "policy": self.attempts.snapshot(),
+            "routing": {
+                name: {
+                    "replicas": {r: i.url for r, i in v.live.items()},
+                    "in_flight": dict(v.in_flight),
+                    "decisions": dict(v.decision_counts),
+                }
+                for name, v in self.views.items()
+            },
+            "providers": {name: _stats_dict(p.stats()) for name, p in self.providers.items()},
+        }
+
+
+class _Asgi:
+    """An ASGI 3 callable around a bound method (uvicorn tells ASGI 2 from 3 by ``__call__``)."""
+
+    def __init__(self, handler: Any) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        await self.handler(scope, receive, send)
+
+
+def _stats_dict(s: BackendStats) -> dict[str, Any]:
+    return {f.name: getattr(s, f.name) for f in fields(s)}

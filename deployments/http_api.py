@@ -1,0 +1,207 @@
+"""The gateway's HTTP surface in raw ASGI: reading a bounded body, strict JSON, the OpenAI error
+object, the request id, and the OpenAPI document (for clients and the fuzzing tests). No
+framework between uvicorn and the gateway: every request pays only for what it uses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from cluster.errors import ClusterError, InvalidRequest, PayloadTooLarge
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# OpenAI bodies nest a few levels (tools' JSON schemas a few more); deeper JSON is refused with a
+# 400 before pydantic or the JSON parser itself hit their recursion limits (a 500).
+MAX_JSON_DEPTH = 64
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class UnsupportedMediaType(ClusterError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
+
+
+def new_request_id() -> str:
+    """Our own id for a request, unique: the client's ``x-request-id`` is echoed, never used inside."""
+    return uuid.uuid4().hex
+
+
+def client_request_id(scope: Scope) -> str | None:
+    """The client's ``x-request-id`` when it is safe to echo (bounded, plain characters)."""
+    rid = header(scope, b"x-request-id")
+    return rid if rid is not None and SAFE_ID.match(rid) else None
+
+
+def check_json_content_type(scope: Scope) -> None:
+    """JSON bodies only: ``application/json`` (with parameters) or no content type at all."""
+    ctype = header(scope, b"content-type")
+    if ctype is None:
+        return
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(
+            f"Content-Type '{ctype[:100]}' is not supported: send the body as application/json."
+        )
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.")
+    buf = bytearray()
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ConnectionResetError("the client went away while sending the body")
+        buf += msg.get("body", b"")
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
+        if not msg.get("more_body", False):
+            return bytes(buf)
+
+
+def parse_json(buf: bytes) -> Any:
+    """Strict UTF-8 JSON (RFC 8259), at most ``MAX_JSON_DEPTH`` deep, with no lone surrogates
+    (``"\\ud800"`` is valid JSON but not Unicode: tokenizers and UTF-8 encoders fail on it later)."""
+    try:
+        body = json.loads(buf.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid UTF-8: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.") from exc
+    stack = [(body, 1)]  # iterative: no recursion of our own
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidRequest("The request body holds a lone UTF-16 surrogate escape.") from exc
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
+        if isinstance(node, dict):
+            stack.extend((k, depth) for k in node)
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        stack.extend((c, depth + 1) for c in node if isinstance(c, (str, dict, list)))
+    return body
+
+
+def validate(schema: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise InvalidRequest(f"Invalid value for '{loc}': {first['msg']}", param=loc or None) from exc
+
+
+def _headers(extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs + _headers(headers or {})})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, err: ClusterError, request_id: str) -> None:
+    await send_json(send, err.status_code, err.to_openai(), {**err.headers(), "x-request-id": request_id})
+
+
+async def start_sse(send: Send, headers: dict[str, str]) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS + _headers(headers)})
+
+
+# -- OpenAPI ---------------------------------------------------------------------------------------
+_REF = "#/components/schemas/{model}"
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_HEADERS = [
+    {"name": "x-surface", "in": "header", "required": False, "schema": {"type": "string"}},
+    {"name": "x-session-id", "in": "header", "required": False, "schema": {"type": "string"}},
+]
+_ERRORS = {
+    "default": {
+        "description": "An OpenAI error object.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+}
+
+
+def _post(model: type[BaseModel], summary: str) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+            "parameters": _HEADERS,
+            "responses": {"200": {"description": "The completion (SSE when stream is true)."}, **_ERRORS},
+        }
+    }
+
+
+def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict[str, Any]:
+    schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA}
+    for model in (ChatCompletionRequest, CompletionRequest):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    ok = {"200": {"description": "OK"}, **_ERRORS}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": {
+            "/v1/chat/completions": _post(ChatCompletionRequest, "OpenAI chat completions"),
+            "/v1/completions": _post(CompletionRequest, "OpenAI completions"),
+            "/v1/models": {"get": {"summary": "The configured models", "responses": ok}},
+            "/healthz": {"get": {"summary": "Liveness", "responses": ok}},
+        },
+        "components": {"schemas": schemas},
+    }

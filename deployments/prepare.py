@@ -1,0 +1,110 @@
+"""One request, made ready once: parse and validate the body, tokenize with the target model's own
+tokenizer, fit the context window (the model asked for, or a configured bigger-window one; never
+a truncated prompt), build the internal request and the candidate backends. Synchronous and
+free of I/O, so the gateway runs it inline for small bodies and in a thread for big ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from cluster.config import ClusterConfig
+from cluster.context import fit_context
+from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.openai_format import ResponseMeta
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
+from cluster.routing_view import BackendView
+from cluster.tokens import load_tokenizer
+from deployments import http_api as h
+from deployments import metrics
+
+
+@dataclass
+class Prepared:
+    api: ChatCompletionRequest | CompletionRequest
+    req: GenerateRequest
+    meta: ResponseMeta
+    candidates: list[str]
+    hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
+    _hashed: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.api.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.api.stream_options and self.api.stream_options.include_usage)
+
+
+def prepare(
+    cfg: ClusterConfig,
+    raw: bytes,
+    schema: type[BaseModel],
+    kind: str,
+    request_id: str,
+    surface_name: str,
+    session_header: str | None,
+    views: dict[str, BackendView],
+) -> Prepared:
+    api = h.validate(schema, h.parse_json(raw))
+    if cfg.model(api.model) is None:
+        raise NotFound(
+            f"The model '{api.model}' does not exist or you do not have access to it.", param="model"
+        )
+    session = session_header or api.user
+    if session is not None and not h.SAFE_ID.match(session):
+        raise InvalidRequest("x-session-id / user must be 1-128 characters of [A-Za-z0-9._:-].", param="user")
+    asked = lookup_model(cfg, api.model)
+    counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
+
+    def count(model_name: str) -> int:
+        m = cfg.model(model_name)
+        assert m is not None
+        counted[model_name] = prompt_ids(api, load_tokenizer(m.tokenizer))
+        return len(counted[model_name][0])
+
+    param = "messages" if kind == "chat" else "prompt"
+    try:
+        fit = fit_context(asked, count, requested_max_tokens(api), cfg.model, param=param)
+    except ContextLengthExceeded:
+        metrics.CONTEXT_REJECTIONS.inc(tags={"model": asked.name})
+        raise
+    model = cfg.model(fit.model)
+    assert model is not None
+    if fit.rerouted_from is not None:
+        metrics.CONTEXT_REROUTES.inc(tags={"from_model": asked.name, "to_model": model.name})
+    ids, messages, text = counted[model.name]
+    surface = cfg.surface(surface_name)
+    assert surface is not None  # the gateway resolved it
+    req = build_generate_request(
+        api,
+        model,
+        ids,
+        messages,
+        text,
+        request_id=request_id,
+        surface=surface.name,
+        session_id=session,
+        timeout_s=surface.request_timeout_s,
+        max_tokens=fit.max_tokens,
+    )
+    hashed: dict[str, list[int]] = {}
+
+    def hashes(backend: str) -> list[int]:
+        view = views.get(backend)
+        if view is None or view.policy is None:
+            return []
+        if backend not in hashed:
+            hashed[backend] = view.policy.hash(ids)
+        return hashed[backend]
+
+    for name in cfg.candidates(model.name, surface.name):
+        hashes(name)  # here, off the loop for big prompts: once per backend
+    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
+    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes, hashed)

@@ -1,0 +1,191 @@
+"""The token path of one request, in the gateway: the first-token race, then the winner's stream
+to the client, then the accounting.
+
+An engine replica's stream arrives as the client's own SSE bytes and is passed through as read; a
+provider adapter's typed chunks are framed here (:mod:`cluster.openai_format`, the one SSE
+writer). Per chunk: one read, one ``send``, a clock stamp. No task, no timer (one watchdog per
+stream, in :func:`cluster.race.follow`), no metrics call: those come once, at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.admission import Outcome
+from cluster.errors import ClusterError, StreamInterrupted
+from cluster.openai_format import SSE_DONE, full_response, sse, stream_chunk, usage_chunk
+from cluster.protocol import Chunk, Usage
+from cluster.providers.budget import cost_usd
+from cluster.race import RaceResult, first_token, follow
+from deployments import http_api as h
+from deployments import metrics
+from deployments.attempts import backend_of_slot
+from deployments.prepare import Prepared
+
+BODY = "http.response.body"
+
+
+@dataclass
+class _Account:
+    """What one request measured; recorded once when it ends."""
+
+    t0: float
+    first_at: float | None = None
+    last_at: float = 0.0
+    events: int = 0
+    backend: str = ""
+    usage: Usage | None = None
+    finish: str = "stop"
+
+
+class _Framer:
+    """Frames a provider's chunks as the client's SSE events (engines send them framed)."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.meta = prepared.meta
+        self.sent_first = False
+        self.parts: list[str] = []
+        self.usage: Usage | None = None
+        self.finish = "stop"
+        self.tokens = 0
+
+    def frame(self, chunk: Chunk) -> bytes:
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.finish_reason is not None:
+            self.finish = chunk.finish_reason
+        if not (chunk.text or chunk.finish_reason is not None or not self.sent_first):
+            return b""
+        if chunk.text:
+            self.tokens += 1
+            self.parts.append(chunk.text)
+        data = sse(stream_chunk(self.meta, chunk.text, chunk.finish_reason, first=not self.sent_first))
+        self.sent_first = True
+        return data
+
+
+class Relay:
+    def __init__(self, gateway: Any) -> None:
+        self.gw = gateway
+
+    async def serve(
+        self, p: Prepared, candidates: list[str], send: h.Send, echo: str, t0: float, waited_s: float
+    ) -> Outcome:
+        gw = self.gw
+        hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes)
+        result = RaceResult()
+        acct = _Account(t0)
+        try:
+            try:
+                winner, first = await first_token(hooks, result, deadline)
+            except ClusterError as err:
+                await h.send_error(send, err, echo)
+                return Outcome.ERRORED
+            acct.first_at = acct.last_at = time.perf_counter()
+            acct.backend = backend_of_slot(winner.planned.backend)
+            headers = {
+                "x-request-id": echo,
+                "x-llmc-backend": acct.backend,
+                "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
+            }
+            rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
+            framer = _Framer(p)
+            if p.stream:
+                outcome = await self._stream(send, p, winner.stream, first, rest, headers, framer, acct)
+            else:
+                outcome = await self._collect(send, p, winner.stream, first, rest, headers, framer, acct)
+            return outcome
+        finally:
+            gw.attempts.finished(result)
+            self._record(p, acct, waited_s)
+
+    async def _stream(
+        self,
+        send: h.Send,
+        p: Prepared,
+        stream: Any,
+        first: Any,
+        rest: Any,
+        headers: dict[str, str],
+        framer: _Framer,
+        acct: _Account,
+    ) -> Outcome:
+        await h.start_sse(send, headers)
+        clock = time.perf_counter
+        item = first
+        try:
+            while True:
+                data = item if isinstance(item, bytes) else framer.frame(item)
+                if data:
+                    await send({"type": BODY, "body": data, "more_body": True})
+                acct.last_at = clock()
+                item = await anext(rest, None)
+                if item is None:
+                    break
+        except StreamInterrupted as err:
+            self._settle(stream, framer, acct)
+            await send({"type": BODY, "body": sse(err.to_openai()) + SSE_DONE, "more_body": False})
+            return Outcome.ERRORED
+        self._settle(stream, framer, acct)
+        tail = SSE_DONE
+        if p.include_usage and acct.usage is not None:
+            tail = sse(usage_chunk(p.meta, acct.usage)) + SSE_DONE
+        await send({"type": BODY, "body": tail, "more_body": False})
+        return Outcome.COMPLETED
+
+    async def _collect(
+        self,
+        send: h.Send,
+        p: Prepared,
+        stream: Any,
+        first: Any,
+        rest: Any,
+        headers: dict[str, str],
+        framer: _Framer,
+        acct: _Account,
+    ) -> Outcome:
+        item = first
+        try:
+            while item is not None:
+                if not isinstance(item, bytes):
+                    framer.frame(item)
+                acct.last_at = time.perf_counter()
+                item = await anext(rest, None)
+        except StreamInterrupted as err:
+            self._settle(stream, framer, acct)
+            await h.send_error(send, err, headers["x-request-id"])
+            return Outcome.ERRORED
+        self._settle(stream, framer, acct)
+        end = getattr(stream, "end", None)
+        text = end.text if end is not None and end.text is not None else "".join(framer.parts)
+        body = full_response(p.meta, text, acct.finish, acct.usage or Usage())
+        await h.send_json(send, 200, body, headers)
+        return Outcome.COMPLETED
+
+    @staticmethod
+    def _settle(stream: Any, framer: _Framer, acct: _Account) -> None:
+        end = getattr(stream, "end", None)
+        if end is not None:  # an engine: its end frame has the usage
+            acct.usage, acct.finish = end.usage, end.finish_reason
+            acct.events = stream.events
+        else:
+            acct.usage, acct.finish, acct.events = framer.usage, framer.finish, framer.tokens
+
+    def _record(self, p: Prepared, acct: _Account, waited_s: float) -> None:
+        surface = p.req.surface
+        metrics.ADMISSIONS.inc(tags={"surface": surface})
+        metrics.QUEUE_WAIT.observe(waited_s, tags={"surface": surface})
+        now = time.perf_counter()
+        if acct.first_at is None:
+            return
+        metrics.TTFT.observe(acct.first_at - acct.t0, tags={"surface": surface, "backend": acct.backend})
+        if acct.events > 1:  # the mean gap between this request's chunks
+            metrics.ITL.observe((acct.last_at - acct.first_at) / (acct.events - 1), tags={"surface": surface})
+        if acct.usage is not None:
+            metrics.record_usage(surface, acct.backend, acct.usage)
+            prices = self.gw.prices.get(acct.backend)
+            if prices is not None and (cost := cost_usd(acct.usage, prices)) > 0:
+                metrics.COST.inc(cost, tags={"surface": surface, "backend": acct.backend})
+            metrics.LATENCY.observe(now - acct.t0, tags={"surface": surface, "outcome": "completed"})
