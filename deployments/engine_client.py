@@ -32,12 +32,18 @@ STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first 
 class _Pick:
     """The routing payload handed to Serve's request router (in this process, by reference)."""
 
-    __slots__ = ("avoid", "choice", "hashes", "now", "session_id", "view")
+    __slots__ = ("avoid", "choice", "hashes", "now", "session_id", "sync_only", "view")
 
     def __init__(
-        self, view: BackendView, hashes: Sequence[int], session_id: str | None, avoid: Sequence[str]
+        self,
+        view: BackendView,
+        hashes: Sequence[int],
+        session_id: str | None,
+        avoid: Sequence[str],
+        sync_only: bool = False,
     ) -> None:
         self.view, self.hashes, self.session_id, self.avoid = view, hashes, session_id, avoid
+        self.sync_only = sync_only
         self.now = time.monotonic()
         self.choice: Choice | None = None
 
@@ -54,6 +60,8 @@ class _Pick:
                 )
             )
         self.view.sync(infos)
+        if self.sync_only:
+            return [candidates]
         self.choice = self.view.choose(self.hashes, self.now, self.session_id, self.avoid)
         if self.choice is None:
             return [candidates]
@@ -65,6 +73,11 @@ class ReplicaPicker:
     def __init__(self, handle: Any, view: BackendView) -> None:
         self.handle = handle
         self.view = view
+
+    async def refresh(self) -> None:
+        """Bring the view's replica list up to date without choosing (operators' status)."""
+        async with self.handle.choose_replica(_Pick(self.view, [], None, [], sync_only=True), _reserve=False):
+            pass
 
     async def pick(self, hashes: Sequence[int], session_id: str | None, avoid: Sequence[str]) -> Choice:
         deadline = time.monotonic() + STARTUP_WAIT_S

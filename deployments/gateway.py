@@ -119,7 +119,6 @@ class Gateway:
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
         route = self._routes.get((scope["method"], path))
-        rid = h.client_request_id(scope) or h.new_request_id()
         if route is None:
             known = any(p == path for _, p in self._routes)
             status, code = (405, "method_not_allowed") if known else (404, "not_found")
@@ -129,12 +128,12 @@ class Gateway:
                 code=code,
                 error_type="invalid_request_error",
             )
-            await h.send_error(send, err, rid)
+            await h.send_error(send, err)
             return
         try:
             await route(scope, receive, send)
         except ClusterError as err:
-            await h.send_error(send, err, rid)
+            await h.send_error(send, err)
 
     def _surface(self, scope: h.Scope) -> str:
         if self.cfg.server.auth:
@@ -155,7 +154,6 @@ class Gateway:
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str) -> None:
         t0 = time.perf_counter()
-        echo = h.client_request_id(scope)
         rid = h.new_request_id()
         try:
             surface = self._surface(scope)
@@ -169,27 +167,27 @@ class Gateway:
             else:
                 prepared = prepare(*args)
         except ClusterError as err:
-            await h.send_error(send, err, echo or rid)
+            await h.send_error(send, err)
             return
         except ConnectionResetError:
             return
-        await self._run(prepared, send, echo or rid, t0)
+        await self._run(prepared, send, t0)
 
-    async def _run(self, prepared: Any, send: h.Send, echo: str, t0: float) -> None:
+    async def _run(self, prepared: Any, send: h.Send, t0: float) -> None:
         req = prepared.req
         surface = req.surface
         try:
             ticket = await self.admission.acquire(surface, prepared.candidates)
         except ClusterError as err:
             metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
-            await h.send_error(send, err, echo)
+            await h.send_error(send, err)
             return
         candidates = prepared.candidates
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         outcome = Outcome.CANCELLED
         try:
-            outcome = await self.relay.serve(prepared, candidates, send, echo, t0, ticket.waited_s)
+            outcome = await self.relay.serve(prepared, candidates, send, t0, ticket.waited_s)
         except Exception:
             outcome = Outcome.ERRORED
             raise
@@ -226,6 +224,8 @@ class Gateway:
         """For operators and tests, with the internal credential: this gateway replica's view."""
         if not token_ok(h.header(scope, b"x-llmc-internal"), self._token):
             raise NotFound("GET /internal/status: Not Found")
+        for picker in self.attempts.pickers.values():
+            await picker.refresh()
         await h.send_json(send, 200, self.status())
 
     def status(self) -> dict[str, Any]:

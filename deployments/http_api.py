@@ -45,14 +45,9 @@ def header(scope: Scope, name: bytes) -> str | None:
 
 
 def new_request_id() -> str:
-    """Our own id for a request, unique: the client's ``x-request-id`` is echoed, never used inside."""
+    """Our own id for a request, unique. The client's ``x-request-id`` is never used inside (not as
+    the engine's request id, not as a budget key): two clients may send the same one."""
     return uuid.uuid4().hex
-
-
-def client_request_id(scope: Scope) -> str | None:
-    """The client's ``x-request-id`` when it is safe to echo (bounded, plain characters)."""
-    rid = header(scope, b"x-request-id")
-    return rid if rid is not None and SAFE_ID.match(rid) else None
 
 
 def check_json_content_type(scope: Scope) -> None:
@@ -137,8 +132,10 @@ async def send_json(send: Send, status: int, obj: Any, headers: dict[str, str] |
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, err: ClusterError, request_id: str) -> None:
-    await send_json(send, err.status_code, err.to_openai(), {**err.headers(), "x-request-id": request_id})
+async def send_error(send: Send, err: ClusterError) -> None:
+    """The OpenAI error object. No ``x-request-id`` of ours: Serve's middleware adds exactly one to
+    every response (the client's, or one it made), and ours would be a second, different one."""
+    await send_json(send, err.status_code, err.to_openai(), err.headers())
 
 
 async def start_sse(send: Send, headers: dict[str, str]) -> None:

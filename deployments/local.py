@@ -35,7 +35,8 @@ ENGINE_ENV = {
 }
 
 
-HAPROXY_DIR = Path(f"/tmp/llmc-haproxy-{os.getuid()}")
+# Per driver process: stop() ends only the HAProxy this process started.
+HAPROXY_DIR = Path(f"/tmp/llmc-hap-{os.getpid()}")
 
 
 def scratch_env(root: Path | None = None) -> dict[str, str]:
@@ -97,6 +98,10 @@ def start(
     if port is not None:
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port})})
     env = scratch_env()
+    # HAProxy's own metrics and stats listeners: free ports, so two clusters on one machine (a test
+    # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404).
+    env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
+    env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
     os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
     init_kwargs: dict[str, Any] = {
         "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment
@@ -128,6 +133,12 @@ def _wait_running(app: str, deadline: float) -> None:
             raise RuntimeError(f"application {app} failed to deploy: {status.message}")
         time.sleep(0.5)
     raise TimeoutError(f"application {app} not running after the deadline")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -71,7 +71,7 @@ class Relay:
         self.gw = gateway
 
     async def serve(
-        self, p: Prepared, candidates: list[str], send: h.Send, echo: str, t0: float, waited_s: float
+        self, p: Prepared, candidates: list[str], send: h.Send, t0: float, waited_s: float
     ) -> Outcome:
         gw = self.gw
         hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes)
@@ -81,12 +81,11 @@ class Relay:
             try:
                 winner, first = await first_token(hooks, result, deadline)
             except ClusterError as err:
-                await h.send_error(send, err, echo)
+                await h.send_error(send, err)
                 return Outcome.ERRORED
             acct.first_at = acct.last_at = time.perf_counter()
             acct.backend = backend_of_slot(winner.planned.backend)
             headers = {
-                "x-request-id": echo,
                 "x-llmc-backend": acct.backend,
                 "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
             }
@@ -155,7 +154,7 @@ class Relay:
                 item = await anext(rest, None)
         except StreamInterrupted as err:
             self._settle(stream, framer, acct)
-            await h.send_error(send, err, headers["x-request-id"])
+            await h.send_error(send, err)
             return Outcome.ERRORED
         self._settle(stream, framer, acct)
         end = getattr(stream, "end", None)

@@ -35,12 +35,20 @@ class RunningCluster:
         return self.url + "/v1"
 
     def replica_stats(self) -> dict[str, Any]:
+        """What each engine replica reports now (replica id -> BackendStats)."""
         from deployments.local import replica_stats
 
-        return replica_stats(self.cfg.name)
+        return replica_stats(self.port)
+
+    def status(self) -> dict[str, Any]:
+        """One gateway replica's view (admission counters, policy, routing, provider adapters);
+        test configs that read exact counts run one gateway replica."""
+        from deployments.local import gateway_status
+
+        return gateway_status(self.port)
 
     def wait_stats(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
-        """Poll the replicas' stats until ``pred`` holds (stats are posted every 0.2 s)."""
+        """Poll the replicas' stats until ``pred`` holds."""
         deadline = time.monotonic() + timeout
         stats = self.replica_stats()
         while not pred(stats) and time.monotonic() < deadline:

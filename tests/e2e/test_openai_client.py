@@ -106,5 +106,7 @@ def test_request_id_is_echoed(cluster) -> None:
         timeout=60,
     )
     assert r.status_code == 200
-    assert r.headers["x-request-id"] == "my-request-42"
-    assert r.json()["id"] == "chatcmpl-my-request-42"
+    assert r.headers.get_list("x-request-id") == ["my-request-42"]  # echoed, exactly once
+    # Inside, the request has an id of our own (the client's may collide with another client's).
+    rid = r.json()["id"]
+    assert rid.startswith("chatcmpl-") and rid != "chatcmpl-my-request-42"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -27,10 +28,13 @@ def test_client_disconnect_aborts_the_engine_request(cluster) -> None:
         c.stream("POST", cluster.base_url + "/chat/completions", json=body, headers=headers) as r,
     ):
         assert r.status_code == 200
+        assert r.headers["x-request-id"] == "disconnect-me-1"  # echoed, never used inside
         replica = r.headers["x-llmc-replica"]
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 received += 1
+                # Our own request id, as the engine knows it: the chunk's id is chatcmpl-<id>.
+                rid = json.loads(line[6:])["id"].removeprefix("chatcmpl-")
             if received >= 5:
                 break  # leaving the block closes the connection mid-stream
 
@@ -39,9 +43,9 @@ def test_client_disconnect_aborts_the_engine_request(cluster) -> None:
 
     # The replica that served it aborted the engine request, nowhere near its 1900 tokens, and
     # its engine holds no unfinished request for it.
-    stats = cluster.wait_stats(lambda s: "disconnect-me-1" in aborted(s), timeout=20)
-    assert "disconnect-me-1" in aborted(stats)
-    assert 5 <= aborted(stats)["disconnect-me-1"] < 1900
+    stats = cluster.wait_stats(lambda s: rid in aborted(s), timeout=20)
+    assert rid in aborted(stats)
+    assert 5 <= aborted(stats)[rid] < 1900
     stats = cluster.wait_stats(lambda s: s[replica].extra.get("unfinished") == 0, timeout=20)
     assert stats[replica].extra["unfinished"] == 0
 
