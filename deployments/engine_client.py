@@ -165,9 +165,9 @@ class EngineStream:
             try:
                 data = await resp.content.readany()
             except (aiohttp.ClientError, OSError) as exc:
-                raise self._broken(f"{type(exc).__name__}: {exc}") from exc
+                raise self._broken(f"the connection broke ({type(exc).__name__})") from exc
             if not data:
-                raise self._broken("the connection ended without the end of the stream")
+                raise self._broken("the connection ended before the stream did")
             out = splitter.feed(data)
             if out:
                 self.events += out.count(b"data: ")
@@ -180,7 +180,7 @@ class EngineStream:
     def _broken(self, why: str) -> ClusterError:
         msg = f"engine replica {self.replica} of {self.backend}: {why}"
         if self.events:
-            return StreamInterrupted(msg, backend=self.backend)
+            return StreamInterrupted(f"the stream broke after it started: {msg}", backend=self.backend)
         return BackendUnavailable(msg, backend=self.backend)
 
     async def aclose(self, release: bool = False) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from dataclasses import fields
 from typing import Any
@@ -70,6 +71,8 @@ class Gateway:
             assert model is not None  # validated
             if b.kind == "provider":
                 from deployments.providers import build_provider_backend
+
+                os.environ.update(b.env)  # the adapter runs here: its key's variable, for one
 
                 providers[b.name] = build_provider_backend(b, model, f"{replica}/{b.name}")
                 continue

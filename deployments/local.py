@@ -160,18 +160,19 @@ def _internal_get(url: str, timeout: float = 10.0) -> Any:
         return json.loads(resp.read())
 
 
-def gateway_status(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
-    """What one gateway replica (HAProxy picks which) reports: admission, policy, routing view."""
-    return _internal_get(f"http://{host}:{port}/internal/status")
+def gateway_status(url: str) -> dict[str, Any]:
+    """What one gateway replica (HAProxy picks which) of the app at ``url`` (``http://host:port``
+    plus the app's route prefix) reports: admission, policy, routing view, provider adapters."""
+    return _internal_get(url.rstrip("/") + "/internal/status")
 
 
-def replica_stats(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+def replica_stats(url: str) -> dict[str, Any]:
     """What each engine replica reports now (replica id → BackendStats), asked over its own
     token endpoint; the replicas' URLs come from a gateway's routing view."""
     from cluster.protocol import BackendStats
 
     out: dict[str, Any] = {}
-    status = gateway_status(port, host)
+    status = gateway_status(url)
     for view in status["routing"].values():
         for rid, url in view["replicas"].items():
             with contextlib.suppress(OSError):

@@ -38,14 +38,14 @@ class RunningCluster:
         """What each engine replica reports now (replica id -> BackendStats)."""
         from deployments.local import replica_stats
 
-        return replica_stats(self.port)
+        return replica_stats(self.url)
 
     def status(self) -> dict[str, Any]:
         """One gateway replica's view (admission counters, policy, routing, provider adapters);
         test configs that read exact counts run one gateway replica."""
         from deployments.local import gateway_status
 
-        return gateway_status(self.port)
+        return gateway_status(self.url)
 
     def wait_stats(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
         """Poll the replicas' stats until ``pred`` holds."""

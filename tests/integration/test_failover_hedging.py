@@ -69,6 +69,7 @@ def mix(deploy, servers):
     cfg = parse_config(
         {
             "name": "llm-cluster-mix",
+            "server": {"gateway_replicas": 1},  # the policy counters read below are one gateway's
             "models": [
                 {"name": "mix", "context_window": 4096, **tiny},
                 {"name": "claude-mix", "context_window": 4096, **tiny},
@@ -102,12 +103,6 @@ def mix(deploy, servers):
     return deploy(cfg, route_prefix="/mix")
 
 
-def _router(app: str):
-    import ray
-
-    return ray.serve.get_deployment_handle("Router", app_name=app)
-
-
 def _chat(mix, model: str, content: str = "hi", surface: str = "chat", **extra) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}], **extra}
     return httpx.post(
@@ -130,7 +125,7 @@ def test_provider_fault_fails_over_to_the_next_candidate(mix, servers, fault: st
     oai, _ = servers
     if fault == "529":
         fault = "503"  # OpenAI-style servers have no 529; Anthropic's is tested below
-    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap0 = mix.status()["policy"]
     oai.push_faults(fault)
     client = OpenAI(base_url=mix.base_url, api_key="x", max_retries=0)
     chunks = list(
@@ -141,7 +136,7 @@ def test_provider_fault_fails_over_to_the_next_candidate(mix, servers, fault: st
     # One clean stream from the sim, ending with a finish reason.
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks)
-    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap = mix.status()["policy"]
     assert snap["failovers"].get("prov-openai", 0) == snap0["failovers"].get("prov-openai", 0) + 1
     # The provider comes back once its breaker's ejection (1 s, doubling with repeats) is over.
     assert _until_served_by(mix, "mix", "prov-openai", timeout=15)
@@ -188,7 +183,7 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
     # Fund the hedge budget (0.25 per request, burst 1) with healthy tab requests first.
     for _ in range(4):
         assert _chat(mix, "mix", surface="tab").status_code == 200
-    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap0 = mix.status()["policy"]
     disconnects0 = oai.stats().disconnects
     oai.push_faults("slow_first:5")
     t0 = time.monotonic()
@@ -196,7 +191,7 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
     assert r.status_code == 200, r.text
     assert r.headers["x-llmc-backend"] == "sim-mix"  # the hedge won
     assert time.monotonic() - t0 < 4  # well before the slow provider's first token (5 s)
-    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap = mix.status()["policy"]
     assert snap["hedges_won"] == snap0["hedges_won"] + 1
     # The loser's cancel reached the provider: it saw the client go away.
     deadline = time.monotonic() + 3
@@ -207,12 +202,12 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
 
 def test_hedges_stay_within_the_budget(mix, servers) -> None:
     oai, _ = servers
-    snap0 = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap0 = mix.status()["policy"]
     n = 8
     oai.push_faults(*["slow_first:1"] * n)
     for _ in range(n):
         assert _chat(mix, "mix", surface="tab", max_tokens=3).status_code == 200
-    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap = mix.status()["policy"]
     sent = snap["hedges_sent"] - snap0["hedges_sent"]
     requests = snap["requests"] - snap0["requests"]
     assert requests == n
@@ -244,16 +239,16 @@ def test_replica_killed_mid_stream_ends_with_an_error_event(mix) -> None:
     # New requests go elsewhere, and the dead replica's breaker opened.
     r = _chat(mix, "solo", max_tokens=3)
     assert r.status_code == 200 and r.headers["x-llmc-replica"] != replica
-    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap = mix.status()["policy"]
     assert snap["broken_streams"].get("sim-solo", 0) >= 1
     states = {(b["backend"], b["replica"]): b["state"] for b in snap["breakers"]}
     assert states.get(("sim-solo", replica)) in (1, 2) or ("sim-solo", replica) not in states
     # ... and the backend's breaker closes again once a request succeeds after its ejection.
     time.sleep(1.2)
     assert _chat(mix, "solo", max_tokens=3).status_code == 200
-    snap = _router(mix.cfg.name).policy_snapshot.remote().result()
+    snap = mix.status()["policy"]
     states = {(b["backend"], b["replica"]): b["state"] for b in snap["breakers"]}
-    assert states[("sim-solo", "")] == 0
+    assert states[("sim-solo", "")] == 0, snap
 
 
 def test_oversized_prompt_goes_to_the_bigger_model(mix) -> None:

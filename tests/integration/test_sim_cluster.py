@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import os
 import time
 
 import httpx
@@ -24,10 +25,20 @@ PREFIX = " ".join(f"def helper_{i}(x): return x + {i}" for i in range(80))  # ~1
 
 
 def kill_replica(app: str, deployment: str, replica: str) -> None:
-    """Kill a Serve replica's actor the way a crash would (Serve then starts a new one)."""
-    ray.kill(
-        ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve"), no_restart=True
-    )
+    """Kill a Serve replica's actor the way a crash would (Serve then starts a new one); returns
+    once its process is gone (``ray.kill`` only asks)."""
+    name = f"SERVE_REPLICA::{app}#{deployment}#{replica}"
+    actor = ray.get_actor(name, namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"replica {replica} (pid {pid}) still alive 15 s after ray.kill")
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +147,7 @@ async def test_admission_rejects_with_retry_after_and_accounts_exactly(deploy) -
     cfg = load_config("configs/sim-local.yaml")
     raw = cfg.model_dump(mode="json")
     raw["name"] = "llm-cluster-tight"
+    raw["server"]["gateway_replicas"] = 1  # the exact counters below are one gateway's
     raw["backends"][0]["replicas"] = 1
     raw["surfaces"][0].update(max_concurrency=2, max_queue=2, queue_deadline_ms=300)
     from cluster.config import parse_config
@@ -163,7 +175,6 @@ async def test_admission_rejects_with_retry_after_and_accounts_exactly(deploy) -
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
     assert time.monotonic() - t0 < 30  # nobody hung (a generous bound; real waits are ~0.3 s)
-    router = ray.serve.get_deployment_handle("Router", app_name="llm-cluster-tight")
-    counters = await router.admission_counters.remote()
+    counters = tight.status()["admission"]
     assert counters["balanced"] and counters["in_flight"] == 0
     assert counters["admitted"] == counters["completed"] == codes[200]

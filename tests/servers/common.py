@@ -351,8 +351,9 @@ class LoopbackServer:
         try:
             response = await body_handler(request, rec)
             linger = parse_fault(rec.fault).linger_s
-            if linger:
-                await asyncio.sleep(linger)
+            if linger:  # held open even if the client has already closed the connection
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(linger)
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             if rec.outcome in ("running", "stalled"):
