@@ -1,0 +1,204 @@
+"""Deploy the way platform teams do: the RayService's own ``serveConfigV2``, through Ray's own CLI.
+
+The cpu-dev overlay (simulated engines, no GPU), built from the base as kustomize would, is
+deployed with ``serve deploy`` onto a Ray head started like the manifests' cpu pod (its custom
+``llmc_cpu_node`` resource, the data plane's environment), with only the HTTP host and port
+changed; then ``serve status`` and a streamed chat completion through it, and ``serve run`` of
+the README's local command. The GPU base's args build the application graph without starting
+any GPU replica. These are the commands of the README's "Deploy with Serve's CLI" section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from cluster.dataplane import SERVE_ENV
+from cluster.k8s import CPU_NODE_RESOURCE
+from cluster.kustomize import build, find
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_config_of(overlay: Path) -> dict[str, Any]:
+    rs = find(build(overlay), "RayService")
+    return yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[dict[str, str]]:
+    """A Ray head like the cpu pod, on loopback, with the env the manifests give every pod."""
+    import tempfile
+
+    from deployments.local import scratch_env
+
+    # Short: Ray's and HAProxy's unix socket paths live under it (at most ~100 characters).
+    tmp = Path(tempfile.mkdtemp(prefix="llmc-cfg-", dir="/tmp"))
+    env = {**os.environ, **scratch_env(), **SERVE_ENV}
+    env.pop("LLMC_INTERNAL_TOKEN", None)  # cpu-dev sets none: the credential comes from Ray's token
+    env["LLMC_ENGINE_HOST"] = "127.0.0.1"
+    env["RAY_AUTH_MODE"] = "token"  # the CLI's clients present the cluster's token to the dashboard
+    env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"] = str(tmp / "hap" / "haproxy.cfg")
+    env["RAY_SERVE_HAPROXY_SOCKET_PATH"] = str(tmp / "hap" / "admin.sock")
+    env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] = str(tmp / "hap")
+    env["RAY_SERVE_HAPROXY_SERVER_STATE_FILE"] = str(tmp / "hap" / "state")
+    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
+    env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "2"
+    env["PYTHONPATH"] = str(ROOT)
+    (tmp / "hap").mkdir()
+    gcs, dash = _free_port(), _free_port()
+    head = [
+        str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "8",
+        "--resources", json.dumps({CPU_NODE_RESOURCE: 1000}), "--temp-dir", str(tmp / "ray"),
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+    env["LLMC_DASHBOARD"] = f"http://127.0.0.1:{dash}"
+    try:
+        yield env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _kill_haproxy(tmp / "hap")
+
+
+def _kill_haproxy(folder: Path) -> None:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "haproxy" in cmd.split(" ", 1)[0] and str(folder) in cmd:
+                os.kill(int(d.name), signal.SIGKILL)
+
+
+def _stream_one(port: int, model: str, timeout_s: float = 120) -> list[dict[str, Any]]:
+    """A streamed chat completion once the app answers (it may still be starting)."""
+    body = {"model": model, "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            with httpx.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30
+            ) as r:
+                if r.status_code == 200:
+                    lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+                    assert lines[-1] == "[DONE]", lines
+                    return [json.loads(x) for x in lines[:-1]]
+                last = (r.status_code, r.read())
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(1)
+    raise AssertionError(f"no streamed answer within {timeout_s} s: {last}")
+
+
+def test_cpu_dev_serve_config_deploys_with_serve_deploy(ray_head: dict[str, str], tmp_path: Path) -> None:
+    conf = serve_config_of(ROOT / "k8s" / "overlays" / "cpu-dev")
+    port = _free_port()
+    conf["http_options"].update(host="127.0.0.1", port=port)  # the only change
+    path = tmp_path / "serve-config.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    dash = ray_head["LLMC_DASHBOARD"]
+    out = subprocess.run(
+        [str(BIN / "serve"), "deploy", "-a", dash, str(path)],
+        env=ray_head,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    model = conf["applications"][0]["args"]["config"]["models"][0]["name"]
+    chunks = _stream_one(port, model)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text and chunks[0]["model"] == model
+    status = subprocess.run(
+        [str(BIN / "serve"), "status", "-a", dash], env=ray_head, capture_output=True, text=True, timeout=60
+    )
+    assert status.returncode == 0, status.stderr
+    app = yaml.safe_load(status.stdout)["applications"]["llm-cluster"]
+    assert app["status"] == "RUNNING", status.stdout
+    assert set(app["deployments"]) == {"Gateway", "backend-sim-llama-8b", "backend-sim-fallback"}
+    down = subprocess.run([str(BIN / "serve"), "shutdown", "-a", dash, "-y"], env=ray_head, timeout=120)
+    assert down.returncode == 0
+
+
+def test_serve_run_with_a_config_path(ray_head: dict[str, str], tmp_path: Path) -> None:
+    """``serve run`` of a Serve config whose app takes ``config_path`` (the README's local form)."""
+    port = _free_port()
+    conf = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {
+                "name": "llm-cluster-sim",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_app",
+                "args": {"config_path": str(ROOT / "configs" / "sim-local.yaml")},
+            }
+        ],
+    }
+    path = tmp_path / "serve-run.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    run = subprocess.run(
+        [str(BIN / "serve"), "run", "--non-blocking", "-a", ray_head["RAY_ADDRESS"], str(path)],
+        env=ray_head,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    chunks = _stream_one(port, "sim-llama-8b")
+    assert chunks and chunks[0]["model"] == "sim-llama-8b"
+    dash = ray_head["LLMC_DASHBOARD"]
+    subprocess.run([str(BIN / "serve"), "shutdown", "-a", dash, "-y"], env=ray_head, timeout=120)
+
+
+def test_gpu_base_args_build_the_graph_without_gpus() -> None:
+    from deployments.app import build_app
+
+    conf = serve_config_of(ROOT / "k8s" / "overlays" / "gpu")
+    app_spec = conf["applications"][0]
+    graph = build_app(app_spec["args"])  # the dict, as Serve hands it over
+    gateway = graph._bound_deployment
+    assert gateway.name == "Gateway"
+    engines = gateway.init_args[1]
+    cfg = app_spec["args"]["config"]
+    want = {b["name"] for b in cfg["backends"] if b["kind"] != "provider"}
+    assert set(engines) == want
+    names = {d["name"] for d in app_spec["deployments"]}
+    assert names == {"Gateway", *(f"backend-{b}" for b in want)}
+    for name, bound in engines.items():
+        assert bound._bound_deployment.name == f"backend-{name}"
+
+
+def test_build_app_names_the_bad_field() -> None:
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match="config_path"):
+        build_app({"config_path": 42})
+    with pytest.raises(ValueError, match="give exactly one"):
+        build_app({})
