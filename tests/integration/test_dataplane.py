@@ -1,0 +1,169 @@
+"""The data plane's promises on a real local Ray Serve (HAProxy mode, direct ingress): no Ray call
+per streamed chunk in the gateway, engine replicas that autoscale on traffic Serve's handles never
+see, and a client that leaves aborting the simulated engine's request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+import ray
+
+from cluster.config import parse_config
+
+pytestmark = pytest.mark.integration
+MODEL = "dp-model"
+
+
+def _cfg(name: str, backend: dict[str, Any]) -> Any:
+    return parse_config(
+        {
+            "name": name,
+            "server": {"gateway_replicas": 1},
+            "models": [
+                {"name": MODEL, "tokenizer": "@tiny", "context_window": 8192, "default_max_tokens": 8}
+            ],
+            "backends": [
+                {
+                    "name": "dp-sim",
+                    "kind": "sim",
+                    "model": MODEL,
+                    "resources": {"num_cpus": 0.1},
+                    "sim_profile": "llama-3.1-8b-h100",
+                    **backend,
+                }
+            ],
+            "surfaces": [{"name": "chat", "priority": 1, "max_concurrency": 64, "max_queue": 64}],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def dp(deploy):
+    return deploy(_cfg("llm-cluster-dp", {"replicas": 1, "sim_options": {"speedup": 50.0}}), "/dp")
+
+
+def _gateway_actor(cluster: Any) -> Any:
+    """The app's one gateway replica's actor (its id from the gateway's own status)."""
+    rid = cluster.status()["replica"]
+    return ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#Gateway#{rid}", namespace="serve")
+
+
+def _install_ray_call_counter(actor: Any) -> None:
+    """Inside the gateway's process: count every Ray task or actor call, every handle call and
+    every item read from a handle's stream."""
+
+    def install(_self: Any) -> int:
+        import ray.actor
+        import ray.remote_function
+        import ray.serve.handle
+
+        counts = ray.__dict__.setdefault("_llmc_calls", {"n": 0})
+        targets = [
+            (ray.actor.ActorMethod, "_remote"),
+            (ray.remote_function.RemoteFunction, "_remote"),
+            (ray.serve.handle.DeploymentHandle, "remote"),
+            # what a streamed chunk cost on the old path: one item read through a handle's stream
+            (ray.serve.handle.DeploymentResponseGenerator, "__anext__"),
+            (ray.serve.handle.DeploymentResponseGenerator, "__next__"),
+        ]
+        for cls, name in targets:
+            orig = getattr(cls, name)
+            if getattr(orig, "_llmc_counted", False):
+                continue
+
+            def counted(*a: Any, __orig: Any = orig, **kw: Any) -> Any:
+                counts["n"] += 1
+                return __orig(*a, **kw)
+
+            counted._llmc_counted = True  # type: ignore[attr-defined]
+            setattr(cls, name, counted)
+        return counts["n"]
+
+    ray.get(actor.__ray_call__.remote(install), timeout=30)
+
+
+def _ray_calls(actor: Any) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda _self: __import__("ray")._llmc_calls["n"]), timeout=30)
+
+
+def _stream(dp, max_tokens: int) -> int:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    n = 0
+    with httpx.stream("POST", dp.base_url + "/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                n += 1
+    return n
+
+
+def test_no_ray_call_per_streamed_chunk(dp) -> None:
+    actor = _gateway_actor(dp)
+    _install_ray_call_counter(actor)
+    _stream(dp, 4)  # warm: first-use lookups
+    c0 = _ray_calls(actor)
+    assert _stream(dp, 8) >= 8
+    c1 = _ray_calls(actor)
+    assert _stream(dp, 400) >= 400
+    c2 = _ray_calls(actor)
+    # A request may make a few calls of its own (none today); a 400-token stream makes no more
+    # than an 8-token one: nothing on the token path calls Ray.
+    assert c2 - c1 == c1 - c0, (c0, c1, c2)
+
+
+def test_client_disconnect_aborts_the_sim_engine_request(dp) -> None:
+    before = {r: s.requests_aborted for r, s in dp.replica_stats().items()}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", dp.base_url + "/chat/completions", json=body, timeout=60) as r:
+        replica = r.headers["x-llmc-replica"]
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 10:
+                break
+    deadline = time.monotonic() + 10
+    stats = dp.replica_stats()
+    while stats[replica].requests_aborted == before.get(replica, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        stats = dp.replica_stats()
+    assert stats[replica].requests_aborted == before.get(replica, 0) + 1
+    assert stats[replica].running == 0
+
+
+async def test_engine_replicas_autoscale_on_direct_traffic(deploy) -> None:
+    """Sustained load above the target adds a replica, and the gateway routes to it once ready."""
+    auto = {"autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2}}
+    cluster = deploy(_cfg("llm-cluster-auto", {**auto, "sim_options": {"speedup": 0.5}}), "/auto")
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+    served: set[str] = set()
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient(timeout=120) as c:
+
+        async def worker() -> None:
+            while time.monotonic() < deadline and len(served) < 2:
+                r = await c.post(cluster.base_url + "/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                served.add(r.headers["x-llmc-replica"])
+
+        await asyncio.gather(*(worker() for _ in range(8)))
+    assert len(served) == 2, "no second replica took traffic within 120 s"
