@@ -117,9 +117,10 @@ def test_no_ray_call_per_streamed_chunk(dp) -> None:
     c1 = _ray_calls(actor)
     assert _stream(dp, 400) >= 400
     c2 = _ray_calls(actor)
-    # A request may make a few calls of its own (none today); a 400-token stream makes no more
-    # than an 8-token one: nothing on the token path calls Ray.
-    assert c2 - c1 == c1 - c0, (c0, c1, c2)
+    # A request makes none of its own today. Serve's own background work in the process (metrics
+    # pushes, long polls: seen 0-1 per stream here) may land in either window; a Ray call per chunk
+    # would add at least 400.
+    assert c1 - c0 <= 5 and c2 - c1 <= 5, (c0, c1, c2)
 
 
 def test_client_disconnect_aborts_the_sim_engine_request(dp) -> None:
