@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import time
@@ -118,6 +119,7 @@ def start(
     deadline = time.monotonic() + blocking_timeout_s
     serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
     _wait_running(cfg.name, deadline)
+    _wait_routed(f"http://{cfg.server.host}:{cfg.server.port}{route_prefix.rstrip('/')}/healthz", deadline)
     return cfg
 
 
@@ -133,6 +135,17 @@ def _wait_running(app: str, deadline: float) -> None:
             raise RuntimeError(f"application {app} failed to deploy: {status.message}")
         time.sleep(0.5)
     raise TimeoutError(f"application {app} not running after the deadline")
+
+
+def _wait_routed(url: str, deadline: float) -> None:
+    """Serve reports the app running before HAProxy has reloaded with its route: wait for that."""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=5) as resp:  # loopback, our own cluster
+                if resp.status == 200:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer before the deadline")
 
 
 def _free_port() -> int:
@@ -188,7 +201,7 @@ def _haproxy_pids() -> list[int]:
         if d.name.isdigit():
             with contextlib.suppress(OSError):
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if "haproxy" in cmd.split(" ", 1)[0] and cfg in cmd:
+                if "haproxy" in cmd.split(" ", 1)[0] and cfg + "/" in cmd:
                     pids.append(int(d.name))
     return pids
 
@@ -212,3 +225,4 @@ def stop(port: int | None = None) -> None:
         for pid in _haproxy_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(HAPROXY_DIR, ignore_errors=True)
