@@ -140,10 +140,9 @@ def _wait_running(app: str, deadline: float) -> None:
 def _wait_routed(url: str, deadline: float) -> None:
     """Serve reports the app running before HAProxy has reloaded with its route: wait for that."""
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=5) as resp:  # loopback, our own cluster
-                if resp.status == 200:
-                    return
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as resp:  # loopback
+            if resp.status == 200:
+                return
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer before the deadline")
 

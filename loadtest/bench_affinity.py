@@ -11,11 +11,16 @@ default: each app is deleted before the next starts, so every policy has the mac
 ``--mode concurrent`` deploys them all and replays the same schedule against all at the same moment,
 so that all see the same contention from whatever else runs on the machine; on two shared cores that
 overloads the single HTTP proxy (six apps are 36 Serve replicas) and measures the gateway's queue,
-not the routers. Policies: round_robin, power_of_two (Serve's default), ray_prefix (Ray's
-PrefixCacheAffinityRouter with its defaults), least_loaded and cache_aware (ours, as shipped);
+not the routers. Policies: round_robin, least_loaded and cache_aware (ours, as shipped), each
+deployed through the backend's ``routing`` setting and decided by the gateway's routing view;
 ``cache_aware+proposed`` is ours with the changes suggested in the report (:func:`proposed_policy`),
-deployed by swapping the Router deployment's policy object (not in the default list; add it with
-``--policies cache_aware+proposed --merge``).
+deployed by swapping the policy object of the Gateway deployment's routing views (not in the
+default list; add it with ``--policies cache_aware+proposed --merge``). Serve's own power_of_two and
+Ray's PrefixCacheAffinityRouter (ray_prefix) are no longer measured live: the engine deployments'
+Serve request router is the gateway's shim (replicas are chosen in the gateway, and tokens stream
+over HTTP, not through a Serve handle), so neither can be deployed on this data plane; the
+virtual-clock what-if still emulates Ray's prefix router, and earlier live results stay in the
+report under ``--merge``.
 
 Engines: simulated Llama-3.1-8B on H100s (``llama-3.1-8b-h100``) with a KV cache cut to
 ``--kv-tokens`` per replica, so that the workload's shared contexts do not all fit in one replica
@@ -84,7 +89,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
 MODEL = "sim-llama-8b"
 PROFILE = "llama-3.1-8b-h100"
-POLICIES = ("round_robin", "power_of_two", "ray_prefix", "least_loaded", "cache_aware")
+# power_of_two (Serve's default request router) and ray_prefix (Ray's PrefixCacheAffinityRouter)
+# were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
+# request router of every engine deployment) and streams from it over HTTP, so no Serve request
+# router of ours or Ray's decides any more. The config still accepts both names, but the gateway
+# deploys them as cache_aware (deployments/gateway.py), which would measure ours under their name.
+POLICIES = ("round_robin", "least_loaded", "cache_aware")
+DROPPED = {"power_of_two", "ray_prefix"}
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB
 
 
@@ -294,14 +305,15 @@ def engine_totals(stats: dict[str, Any]) -> dict[str, int]:
     return dict(t)
 
 
-def settled_stats(app: str, replicas: int, timeout_s: float = 15.0) -> dict[str, Any]:
-    """The replicas' stats once every replica reported, nothing runs and two snapshots agree."""
+def settled_stats(app_url: str, replicas: int, timeout_s: float = 15.0) -> dict[str, Any]:
+    """The replicas' stats once every replica reported, nothing runs and two snapshots agree
+    (``app_url``: the app's URL with its route prefix; the engines are asked over HTTP)."""
     from deployments.local import replica_stats
 
     deadline = time.monotonic() + timeout_s
     last: dict[str, int] | None = None
     while True:
-        stats = replica_stats(app)
+        stats = replica_stats(app_url)
         tot = engine_totals(stats)
         quiet = len(stats) >= replicas and tot.get("running", 0) == 0 and tot.get("waiting", 0) == 0
         if (quiet and tot == last) or time.monotonic() > deadline:
@@ -352,6 +364,11 @@ def summarize(results: Sequence[Result], speedup: float) -> dict[str, Any]:
     return out
 
 
+def _app_url(policy: str, port: int) -> str:
+    """The policy's app: its URL with the route prefix."""
+    return f"http://127.0.0.1:{port}/{policy.replace('+', '-')}"
+
+
 def _deploy(policy: str, args: argparse.Namespace, port: int, wait: bool) -> tuple[Any, str]:
     """Deploy one policy's app (the first call also starts Ray and Serve); returns (config, url)."""
     import ray
@@ -362,17 +379,17 @@ def _deploy(policy: str, args: argparse.Namespace, port: int, wait: bool) -> tup
 
     cfg = policy_config(policy, args)
     prefix = f"/{policy.replace('+', '-')}"
-    saved = app_module.Router
-    if policy == PROPOSED:  # the what-if: our Router with the proposed affinity changes
-        app_module.Router = _proposed_router_deployment()
+    saved = app_module.Gateway
+    if policy == PROPOSED:  # the what-if: our Gateway with the proposed affinity changes
+        app_module.Gateway = _proposed_gateway_deployment()
     try:
         if wait or not ray.is_initialized():
             local.start(cfg, port=port, route_prefix=prefix)
         else:
             serve.run(app_module.build_graph(cfg), name=cfg.name, route_prefix=prefix, blocking=False)
     finally:
-        app_module.Router = saved
-    return cfg, f"http://127.0.0.1:{port}{prefix}/v1/chat/completions"
+        app_module.Gateway = saved
+    return cfg, _app_url(policy, port) + "/v1/chat/completions"
 
 
 def _wait_running(names: Sequence[str], timeout_s: float = 600.0) -> None:
@@ -391,12 +408,14 @@ def _wait_running(names: Sequence[str], timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"applications not running after {timeout_s} s")
 
 
-def _decisions(policy: str, app: str) -> dict[str, int]:
-    from ray import serve
+def _decisions(policy: str, app_url: str) -> dict[str, int]:
+    """The gateway's decision counts per (backend, reason); exact: sim-local.yaml runs one gateway."""
+    from deployments.local import gateway_status
 
     if policy not in ("cache_aware", PROPOSED):
         return {}
-    return serve.get_deployment_handle("Router", app_name=app).routing_decisions.remote().result(timeout_s=30)
+    routing = gateway_status(app_url)["routing"]
+    return {f"{b}:{r}": n for b, view in routing.items() for r, n in view["decisions"].items()}
 
 
 def _policy_result(
@@ -429,10 +448,11 @@ def run_sequential(
         load = os.getloadavg()[0]
         try:
             asyncio.run(warm_up(url, 2 * args.replicas))
-            before = engine_totals(settled_stats(cfg.name, args.replicas))
+            app_url = _app_url(policy, port)
+            before = engine_totals(settled_stats(app_url, args.replicas))
             results, _ = asyncio.run(replay(url, specs, timeout_s=args.request_timeout_s))
-            after = engine_totals(settled_stats(cfg.name, args.replicas))
-            decisions = _decisions(policy, cfg.name)
+            after = engine_totals(settled_stats(app_url, args.replicas))
+            decisions = _decisions(policy, app_url)
         finally:
             serve.delete(cfg.name)
         out[policy] = _policy_result(results, before, after, args)
@@ -461,17 +481,17 @@ def run_concurrent(
         return [r for r, _ in await asyncio.gather(*runs)]
 
     asyncio.run(warm_all())
-    before = {p: engine_totals(settled_stats(cfg.name, args.replicas)) for p, (cfg, _) in apps.items()}
+    before = {p: engine_totals(settled_stats(_app_url(p, port), args.replicas)) for p in apps}
     load = os.getloadavg()[0]
     t_run = time.perf_counter()
     results = dict(zip(apps, asyncio.run(replay_all()), strict=True))
     run_s = time.perf_counter() - t_run
     out: dict[str, Any] = {}
-    for p, (cfg, _) in apps.items():
-        after = engine_totals(settled_stats(cfg.name, args.replicas))
+    for p in apps:
+        after = engine_totals(settled_stats(_app_url(p, port), args.replicas))
         out[p] = _policy_result(results[p], before[p], after, args)
         out[p].update(deploy_s=round(deploy_s, 1), load_avg_1m_before=round(load, 2))
-        decisions = _decisions(p, cfg.name)
+        decisions = _decisions(p, _app_url(p, port))
         if decisions:
             out[p]["routing_decisions"] = decisions
         _print(p, out[p], run_s)
@@ -513,21 +533,20 @@ def proposed_policy(block_size: int, model: str) -> Any:
     return policy
 
 
-def _proposed_router_deployment() -> Any:
-    """Our Router deployment whose per-backend policies are replaced by :func:`proposed_policy`."""
-    from ray import serve
+def _proposed_gateway_deployment() -> Any:
+    """Our Gateway deployment whose routing views' cache-aware policies are replaced by
+    :func:`proposed_policy` (same block size and model, so the prompts' block hashes agree)."""
+    from deployments.gateway import Gateway
 
-    from deployments import routing_state
-    from deployments.router import Router
+    class ProposedGateway(Gateway.func_or_class):  # type: ignore[misc,name-defined]
+        async def __init__(self, config: dict[str, Any], engines: dict[str, Any]) -> None:
+            await super().__init__(config, engines)  # Serve's ingress wrapper's __init__ is async
+            for name, view in self.views.items():
+                if view.policy is not None:
+                    model = self.cfg.backend(name).model
+                    view.policy = proposed_policy(view.policy.hasher.block_size, model)
 
-    class ProposedRouter(Router.func_or_class):  # type: ignore[misc,name-defined]
-        def __init__(self, config: dict[str, Any], backends: dict[str, Any]) -> None:
-            super().__init__(config, backends)
-            for name, policy in list(routing_state.VIEW.policies.items()):
-                model = routing_state.VIEW.backends[name].model
-                routing_state.VIEW.policies[name] = proposed_policy(policy.hasher.block_size, model)
-
-    return serve.deployment(ProposedRouter, name="Router", max_ongoing_requests=4096)
+    return Gateway.options(func_or_class=ProposedGateway, name="Gateway")
 
 
 # --------------------------------------------------------------------------------------------
@@ -754,6 +773,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.groups, args.sessions, args.turns = 8, 2, 2
     args.policy_list = [p for p in args.policies.split(",") if p]
+    dropped = set(args.policy_list) & DROPPED
+    if dropped:
+        ap.error(f"{sorted(dropped)}: no longer deployable on the gateway data plane (see POLICIES)")
     unknown = set(args.policy_list) - {*POLICIES, PROPOSED}
     if unknown:
         ap.error(f"unknown policies: {sorted(unknown)}")

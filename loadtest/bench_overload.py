@@ -5,10 +5,11 @@
 
 What must hold (issue 5): admitted Tab requests keep TTFT p99 within their SLO (100 ms); every
 rejection is a 429 (or a 503 when the whole cluster is saturated) with ``Retry-After``; nothing hangs
-(every request ends by its surface's deadline + ``--margin-s``); and the router's admission
+(every request ends by its surface's deadline + ``--margin-s``); and the gateway's admission
 accounting balances (admitted = completed + errored + cancelled, nothing left in flight or waiting;
-read through ``serve.get_deployment_handle("Router", app_name=...).admission_counters()``), and
-agrees with what the client saw (its 200s = admitted, its 429/503s = rejected).
+read from the gateway's ``GET /internal/status``, exact because the config, like
+``configs/sim-local.yaml``, runs one gateway replica), and agrees with what the client saw (its 200s
+= admitted, its 429/503s = rejected).
 
 Cluster (:func:`overload_config`): simulated Llama-3.1-8B on H100s. Surfaces (``SURFACE_LIMITS``, in
 simulated time): Tab (priority 0, TTFT SLO 100 ms, a short queue whose 25 ms deadline leaves the
@@ -114,6 +115,10 @@ def overload_config(pools: str, speedup: float) -> Any:
 
     raw = load_config(ROOT / "configs" / "sim-local.yaml").model_dump(mode="json")
     raw["name"] = APP
+    # One gateway (as in sim-local.yaml, said here since the counters depend on it): the admission
+    # counters read over HTTP are one gateway replica's, and each replica enforces its share of the
+    # surfaces' limits.
+    raw["server"]["gateway_replicas"] = 1
     base = raw["backends"][0]
     base.update(sim_profile=PROFILE, sim_options={"speedup": speedup, "seed": 7}, max_in_flight_per_replica=8)
     raw["models"][0]["context_window"] = 8192
@@ -197,10 +202,11 @@ async def closed_loop(
     return results
 
 
-async def admission_counters() -> dict[str, Any]:
-    from ray import serve
+def admission_counters(app_url: str) -> dict[str, Any]:
+    """The gateway's admission counters (one gateway replica: see :func:`overload_config`)."""
+    from deployments.local import gateway_status
 
-    return await serve.get_deployment_handle("Router", app_name=APP).admission_counters.remote()
+    return gateway_status(app_url)["admission"]
 
 
 def per_surface(
@@ -299,10 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # 2. Overload: factor x capacity, open loop.
         rates = {s: args.factor * capacity[s] for s in SURFACES}
         specs = workloads(rates, args.duration_s, args.seed)
-        before = asyncio.run(admission_counters())
+        before = admission_counters(f"http://127.0.0.1:{port}")
         results, wall = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
         time.sleep(1.0)
-        after = asyncio.run(admission_counters())
+        after = admission_counters(f"http://127.0.0.1:{port}")
     finally:
         local.stop()
 

@@ -1,9 +1,10 @@
 """Faults under load: while a bounded load of mixed surfaces runs, break one thing at a time and
 record how every request in flight ended and how long the cluster took to serve normally again.
 
-Faults, in order: one of the two router replicas' actor killed; a simulated replica's actor killed
-(Serve restarts both); the OpenAI provider stalling mid-stream; the OpenAI provider answering 429,
-then 500, for a window; the Anthropic provider answering 529 for a window.
+Faults, in order: one of the two gateway replicas' actor killed (the process that serves the
+clients' HTTP connections, HAProxy in front); a simulated replica's actor killed (Serve restarts
+both); the OpenAI provider stalling mid-stream; the OpenAI provider answering 429, then 500, for a
+window; the Anthropic provider answering 529 for a window.
 
 For each fault, the *cohort* is every request in flight when it was injected or started before the
 cluster had recovered; each ended as one of: ``completed`` (by its first-choice backend),
@@ -36,6 +37,7 @@ from typing import Any
 
 from tests.reliability.harness import (
     ANTHROPIC_BACKEND,
+    GATEWAY,
     MIX_SHAPES,
     OPENAI_BACKEND,
     SIM_BACKEND,
@@ -44,20 +46,20 @@ from tests.reliability.harness import (
     Record,
     Shape,
     deployment_running,
+    gateway_counters,
+    gateway_policies,
     kill_actor,
     probe,
     replaced,
     replica_ids,
-    router_call,
-    router_counters,
     wait_idle,
     wait_until,
 )
 
-# The kills first: Serve's restart of a replica (tens of seconds here for the router, which loads
+# The kills first: Serve's restart of a replica (tens of seconds here for the gateway, which loads
 # its tokenizers) is watched in the background while the next faults run.
 FAULTS = [
-    "kill_router",
+    "kill_gateway",
     "kill_sim_replica",
     "provider_stall",
     "provider_429",
@@ -65,7 +67,7 @@ FAULTS = [
     "anthropic_529",
 ]
 RESTORE_TIMEOUT_S = 180.0
-ROUTER_REPLICAS = 2  # reliability_config's default
+GATEWAY_REPLICAS = 2  # reliability_config's default
 OUTCOMES = [
     "completed",
     "failed_over",
@@ -104,11 +106,13 @@ class FaultRun:
 
     def __init__(self, app: str, base_url: str, keys: Keys, oai: Any, ant: Any, scale: Scale) -> None:
         self.app, self.base_url, self.keys = app, base_url, keys
+        self.url = base_url.removesuffix("/v1")  # the app's URL (its route prefix): internal status
         self.oai, self.ant, self.scale = oai, ant, scale
         self.load = Load(
             base_url, keys, workers=scale.workers, shapes=MIX_SHAPES, max_s=1800, max_requests=50_000
         )
-        self.counters_before_router_kill: dict[str, Any] | None = None
+        self.counters_before_gateway_kill: dict[str, Any] | None = None
+        self.gateway_killed: str | None = None
         self.probes: list[Record] = []  # they reach the providers too: part of the accounting
         self.watchers: list[threading.Thread] = []
 
@@ -135,7 +139,7 @@ class FaultRun:
         self._whole(deployment, 2)
         deadline = time.monotonic() + 5  # wait (a little) for a replica with streams in flight
         while True:
-            sims = [s for s in replica_stats(self.app).values() if s.backend == SIM_BACKEND]
+            sims = [s for s in replica_stats(self.url).values() if s.backend == SIM_BACKEND]
             busy = max(sims, key=lambda s: s.running, default=None)
             if (busy is not None and busy.running > 0) or time.monotonic() > deadline:
                 break
@@ -160,12 +164,13 @@ class FaultRun:
             server.default_fault = None
         return time.monotonic(), self._served(shape, backend), None
 
-    def _kill_router(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
-        self._whole("Router", ROUTER_REPLICAS)
-        self.counters_before_router_kill = router_counters(self.app)
-        ids = replica_ids(self.app, "Router")
-        kill_actor(self.app, "Router", ids[0])
-        restored = lambda: replaced(self.app, "Router", ids[:1], len(ids))  # noqa: E731
+    def _kill_gateway(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
+        self._whole(GATEWAY, GATEWAY_REPLICAS)
+        self.counters_before_gateway_kill = gateway_counters(self.app)
+        ids = replica_ids(self.app, GATEWAY)
+        self.gateway_killed = ids[0]
+        kill_actor(self.app, GATEWAY, ids[0])
+        restored = lambda: replaced(self.app, GATEWAY, ids[:1], len(ids))  # noqa: E731
         return time.monotonic(), self._served(PROBE_OPENAI, None), restored
 
     def inject(self, name: str) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
@@ -179,8 +184,8 @@ class FaultRun:
             return self._window(self.oai, "500", PROBE_OPENAI, OPENAI_BACKEND)
         if name == "anthropic_529":
             return self._window(self.ant, "529", PROBE_CLAUDE, ANTHROPIC_BACKEND)
-        if name == "kill_router":
-            return self._kill_router()
+        if name == "kill_gateway":
+            return self._kill_gateway()
         raise ValueError(f"unknown fault {name!r}")
 
     # ------------------------------------------------------------------------------------------
@@ -278,7 +283,7 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
     requests that provider served (0 when every finished request was delivered with its usage).
     OpenAI requests are also matched one by one (our request id travels as ``x-client-request-id``):
     ``per_request_mismatches`` lists those whose usage differs, ``finished_not_delivered`` those the
-    provider finished while our client got an error (billed, not served: e.g. the router killed
+    provider finished while our client got an error (billed, not served: e.g. the gateway killed
     mid-stream). ``billed_unfinished``: tokens counted for streams the provider did not finish
     (cancelled by the client, a lost hedge, a stall) - billed upstream, in no usage a client saw.
     """
@@ -352,9 +357,10 @@ def run_faults(
         "requests": len(records),
         "endings": dict(ends),
         "faults": results,
-        "router_counters_before_kill": run.counters_before_router_kill,
-        "router_counters_end": counters,
-        "policy": router_call(app, "policy_snapshot"),
+        "gateway_counters_before_kill": run.counters_before_gateway_kill,
+        "gateway_killed": run.gateway_killed,
+        "gateway_counters_end": counters,
+        "policy": gateway_policies(app),  # per gateway replica: each runs its own breakers and hedges
         "accounting": provider_accounting(everything, oai, ant),
         "bad_error_shape": sum(1 for r in records if not r.shape_ok),
         "hung": [describe(r, t0) for r in records if not r.ended or r.outcome == "hung"],

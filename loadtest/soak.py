@@ -1,7 +1,8 @@
 """Soak: a steady, moderate load of mixed surfaces for a while, watching every Ray actor of the app
-(and Serve's controller and proxy, the stats hub, the provider budgets) for growth: resident memory
-(psutil on the actor's PID, which the actor reports through ``__ray_call__``), open inet sockets and
-file descriptors, and the asyncio tasks on each Serve replica's user-code event loop.
+(its gateway and engine replicas, Serve's controller and proxy, the provider budgets) for growth:
+resident memory (psutil on the actor's PID, which the actor reports through ``__ray_call__``), open
+inet sockets and file descriptors, the asyncio tasks on each Serve replica's user-code event loop,
+and each gateway replica's tables (its routing views and provider adapters' per-request entries).
 
 Baseline and end are read at rest (nothing in flight), after a warm-up that fills the pools and
 caches; the samples in between give each actor's RSS trend. The CI tier runs 1-2 minutes
@@ -25,7 +26,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _idle(app: str, timeout: float = 30.0) -> dict[str, Any]:
-    """Counters once the routers are idle, then a moment for the backends to finish their aborts."""
+    """Counters once the gateways are idle, then a moment for the backends to finish their aborts."""
     counters = wait_idle(app, timeout)
     time.sleep(1.5)
     return counters
@@ -101,9 +102,12 @@ def run_soak(
             "gc_objects_start": b["gc_objects"],
             "gc_objects_end": e["gc_objects"],
         }
-        if "view" in e:
-            actors[name]["routing_tables_start"] = b.get("view")
-            actors[name]["routing_tables_end"] = e["view"]
+        if "views" in e:  # a gateway replica: its routing views' and adapters' tables
+            actors[name]["routing_tables_start"] = b.get("views")
+            actors[name]["routing_tables_end"] = e["views"]
+            actors[name]["provider_flights_end"] = {k: v["flights"] for k, v in e["providers"].items()}
+        if "engine" in e:
+            actors[name]["engine_end"] = e["engine"]
         if e["tasks"] > b["tasks"]:
             extra = Counter(e["task_names"]) - Counter(b["task_names"])
             actors[name]["new_tasks"] = dict(extra)
@@ -119,7 +123,7 @@ def run_soak(
         "leaked_sockets": sum(max(0, a["sockets_end"] - a["sockets_start"]) for a in both),
         "rss_growth_mb": {k: a["rss_growth_mb"] for k, a in actors.items() if "rss_growth_mb" in a},
         "actors": actors,
-        "router_counters": counters,
+        "gateway_counters": counters,
     }
 
 
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             local.stop()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in out.items() if k not in ("actors", "router_counters")}, indent=2))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("actors", "gateway_counters")}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the reliability tier and its hand-run scripts (``loadtest/faults.py``, ``loadtest/soak.py``)
 share: the app under test, a bounded load of mixed surfaces in a thread of its own, probes, and a
-look inside every Ray actor (PID, RSS, sockets, asyncio tasks).
+look inside every Ray actor (PID, RSS, sockets, asyncio tasks; a gateway replica's admission counters,
+routing views and provider adapters; an engine replica's streams).
 
 The app (``reliability_config``): auth on, one client key per surface; a model ``rel-mix`` served by
 a loopback OpenAI server first and two simulated replicas second (self-hosted first for the agent
@@ -94,11 +95,13 @@ def reliability_config(
     openai_url: str,
     anthropic_url: str,
     keys: Keys,
-    router_replicas: int = 2,
+    gateway_replicas: int = 2,
     canary: str | None = None,
 ) -> ClusterConfig:
-    """Two router replicas by default: with one, a router crash stops all traffic while Serve
-    notices and restarts it (about 20 s here), longer than any surface's deadline.
+    """Two gateway replicas by default: with one, a gateway crash stops all traffic while Serve
+    notices and restarts it (about 20 s here), longer than any surface's deadline. The tier's exact
+    counts are summed over both (``gateway_probes`` asks each replica actor), not read over HTTP
+    (``/internal/status`` answers for whichever replica HAProxy picked).
 
     The provider key is *not* in the config: the replicas read ``PROVIDER_KEY_ENV`` from the process
     environment they inherit (see ``export_provider_key``), as a Kubernetes Secret gives it to a pod.
@@ -127,7 +130,7 @@ def reliability_config(
                     for s, k in keys.clients.items()
                 ],
                 "max_body_bytes": 256 * 1024,
-                "router_replicas": router_replicas,
+                "gateway_replicas": gateway_replicas,
             },
             "models": [
                 {"name": MIX, "context_window": 4096, **tiny},
@@ -210,7 +213,8 @@ class Record:
     t1: float | None = None
     status: int | None = None
     outcome: str = "running"  # completed, failed_over, error_event, error_status, cancelled, hung, …
-    request_id: str = ""
+    request_id: str = ""  # our id (the body's "id" without its chatcmpl-/cmpl- prefix); "" if none came
+    x_request_id: str = ""  # the x-request-id header: the client's own, echoed by Serve (never ours)
     backend: str = ""
     error_code: str | None = None
     error_text: str = ""  # error messages/events as the client got them (scanned for leaks)
@@ -272,8 +276,8 @@ async def _exchange(
     body = body_for(shape, i)
     async with client.stream("POST", base + shape.path, json=body, headers=keys.headers(shape.surface)) as r:
         rec.status = r.status_code
-        # Error responses carry the id twice (ours and Serve's echo): the first is ours.
-        rec.request_id = (r.headers.get_list("x-request-id") or [""])[0]
+        # Serve's middleware echoes (or makes) exactly one x-request-id; our own id is only in the body.
+        rec.x_request_id = ",".join(r.headers.get_list("x-request-id"))
         rec.backend = r.headers.get("x-llmc-backend", "")
         if r.status_code != 200:
             raw = await r.aread()
@@ -288,6 +292,7 @@ async def _exchange(
             return
         if not shape.stream:
             obj = json.loads(await r.aread())
+            rec.request_id = our_id(obj)
             _take_usage(rec, obj.get("usage"))
             rec.chunks = 1
             rec.outcome = _served(rec)
@@ -301,6 +306,7 @@ async def _exchange(
                 done = True
                 break
             obj = json.loads(data)
+            rec.request_id = rec.request_id or our_id(obj)
             if "error" in obj:
                 rec.error_text += data
                 rec.shape_ok = rec.shape_ok and is_openai_error(obj)
@@ -319,6 +325,17 @@ async def _exchange(
         if rec.outcome == "error_event":
             return
         rec.outcome = _served(rec) if done and finished else "truncated"
+
+
+def our_id(obj: Any) -> str:
+    """Our request id from a response body or chunk (``chatcmpl-<id>`` / ``cmpl-<id>``); "" if none."""
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    if not isinstance(rid, str):
+        return ""
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if rid.startswith(prefix):
+            return rid[len(prefix) :]
+    return rid
 
 
 def _take_usage(rec: Record, usage: Any) -> None:
@@ -461,13 +478,26 @@ def wait_until(pred: Any, timeout: float, period: float = 0.2, need: int = 3) ->
 # Inside the actors
 # ------------------------------------------------------------------------------------------------
 
+GATEWAY = "Gateway"  # the app's ingress deployment (deployments/gateway.py)
+
 
 def _make_probe() -> Any:
     """A closure, so cloudpickle ships it by value (the actors cannot import ``tests``).
 
     Run by ``__ray_call__`` in an actor: its PID, and - on the event loop that runs a Serve
-    replica's user code (a thread of its own) - its asyncio tasks, and the router's admission
-    counters where there are some (one router replica each: a Serve handle picks one at random).
+    replica's user code (a thread of its own) - its asyncio tasks, and:
+
+    * in a gateway replica (it has ``admission``): its admission counters, the size of every table
+      of each backend's routing view (``in_flight`` entries and their sum, ``live`` replicas,
+      ``decision_counts`` reasons; the cache-aware policy's prefix index and session table with
+      their bounds, and the replicas the index has a slot for), each provider adapter's
+      per-request table (``flights``) and stats, and the race's policy snapshot;
+    * in an engine replica (it has ``backend`` and ``ongoing``): its streams in progress (the
+      aiohttp handlers run on the same loop, so their tasks are among ``tasks``) and its engine's
+      running and waiting requests.
+
+    Each gateway replica has its own counters and views (HAProxy spreads the clients over them):
+    callers sum over the replicas (``gateway_probes``).
     """
 
     def look(actor: Any) -> dict[str, Any]:
@@ -476,7 +506,6 @@ def _make_probe() -> Any:
         import dataclasses
         import gc
         import os
-        import sys
         import threading
 
         impl = getattr(actor, "_replica_impl", None)
@@ -490,6 +519,34 @@ def _make_probe() -> Any:
             except RuntimeError:
                 loop = None
 
+        def gateway(gw: Any) -> dict[str, Any]:
+            c = gw.admission.controller.counters()
+            views: dict[str, dict[str, int]] = {}
+            for name, v in getattr(gw, "views", {}).items():
+                t = {
+                    "in_flight": len(v.in_flight),
+                    "in_flight_total": sum(v.in_flight.values()),
+                    "live": len(v.live),
+                    "decision_counts": len(v.decision_counts),
+                }
+                if v.policy is not None:
+                    t["index_blocks"] = len(v.policy.index)
+                    t["index_capacity"] = v.policy.index.capacity
+                    t["index_replicas"] = len(v.policy.index._bits)
+                    t["sessions"] = len(v.policy.sessions)
+                    t["session_capacity"] = v.policy.sessions.capacity
+                views[name] = t
+            providers = {
+                name: {"flights": len(p._flights), **dataclasses.asdict(p.stats())}
+                for name, p in getattr(gw, "providers", {}).items()
+            }
+            return {
+                "counters": {**dataclasses.asdict(c), "balanced": c.balanced()},
+                "views": views,
+                "providers": providers,
+                "policy": gw.attempts.snapshot(),
+            }
+
         def inside() -> dict[str, Any]:
             tasks = asyncio.all_tasks(loop) if loop is not None else set()
             names: dict[str, int] = {}
@@ -502,15 +559,11 @@ def _make_probe() -> Any:
                 "task_names": names,
                 "gc_objects": len(gc.get_objects()),
             }
-            rs = sys.modules.get("deployments.routing_state")
-            if rs is not None and obj is not None and hasattr(obj, "admission"):  # the router's own tables
-                v = rs.VIEW
-                keys = ("stats", "in_flight", "pending", "routed", "hashes", "decisions", "decision_counts")
-                res["view"] = {k: len(getattr(v, k)) for k in keys}
-            admission = getattr(obj, "admission", None)
-            if admission is not None:
-                c = admission.controller.counters()
-                res["counters"] = {**dataclasses.asdict(c), "balanced": c.balanced()}
+            if obj is not None and hasattr(obj, "admission"):
+                res.update(gateway(obj))
+            elif obj is not None and hasattr(obj, "backend") and hasattr(obj, "ongoing"):
+                s = obj.backend.stats()
+                res["engine"] = {"ongoing": obj.ongoing, "running": s.running, "waiting": s.waiting}
             return res
 
         if loop is None or getattr(loop, "_thread_id", None) in (None, threading.get_ident()):
@@ -532,7 +585,8 @@ def _make_probe() -> Any:
 
 
 def serve_actor_names(app: str) -> list[tuple[str, str]]:
-    """(name, namespace) of the app's replicas, its stats hub, the Serve controller and proxies."""
+    """(name, namespace) of the app's replicas (gateways and engines), the Serve controller and
+    proxies, and the provider budgets' actors."""
     import ray
 
     out = []
@@ -540,7 +594,6 @@ def serve_actor_names(app: str) -> list[tuple[str, str]]:
         name, ns = a["name"], a["namespace"]
         if (
             name.startswith(f"SERVE_REPLICA::{app}#")
-            or name == f"llmc-stats-hub-{app}"
             or name in ("SERVE_CONTROLLER_ACTOR",)
             or name.startswith("SERVE_PROXY_ACTOR")
             or (ns == "llm-cluster-budgets" and name.split(":", 1)[-1] in (OPENAI_BACKEND, ANTHROPIC_BACKEND))
@@ -555,7 +608,7 @@ def short_name(name: str) -> str:
 
 
 def actor_snapshot(app: str, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
-    """name → {pid, rss_mb, sockets, fds, tasks, task_names} for every actor of the app (and Serve's)."""
+    """name → {pid, rss_mb, sockets, fds, tasks, task_names, …} for every actor of the app (and Serve's)."""
     import psutil
     import ray
 
@@ -592,13 +645,25 @@ def replica_ids(app: str, deployment: str) -> list[str]:
     )
 
 
-def kill_actor(app: str, deployment: str, replica: str) -> None:
-    """Kill a Serve replica's actor the way a crash would (Serve starts a new one)."""
+def kill_actor(app: str, deployment: str, replica: str, wait_s: float = 15.0) -> None:
+    """Kill a Serve replica's actor the way a crash would (Serve starts a new one); returns once its
+    process is gone (``ray.kill`` only asks), or after ``wait_s``."""
+    import os
+
     import ray
 
-    ray.kill(
-        ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve"), no_restart=True
-    )
+    actor = ray.get_actor(f"SERVE_REPLICA::{app}#{deployment}#{replica}", namespace="serve")
+    pid: int | None = None
+    with contextlib.suppress(Exception):
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + wait_s
+    while pid is not None and time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def replaced(app: str, deployment: str, killed: list[str], replicas: int) -> bool:
@@ -622,33 +687,54 @@ def deployment_running(app: str, deployment: str, replicas: int) -> bool:
     return str(getattr(d.status, "value", d.status)) == "HEALTHY" and running == replicas
 
 
-def router_counters(app: str) -> dict[str, dict[str, Any]]:
-    """Each router replica's admission counters (replica id → counters)."""
+def gateway_probes(app: str, timeout: float = 15.0) -> dict[str, dict[str, Any]]:
+    """What each gateway replica's actor reports (replica id → the probe's dict; see ``_make_probe``)."""
     import ray
 
     look = _make_probe()
-    out = {}
-    for rid in replica_ids(app, "Router"):
+    refs = {}
+    for rid in replica_ids(app, GATEWAY):
         with contextlib.suppress(Exception):  # a replica that is just dying
-            actor = ray.get_actor(f"SERVE_REPLICA::{app}#Router#{rid}", namespace="serve")
-            out[rid] = ray.get(actor.__ray_call__.remote(look), timeout=15)["counters"]
+            actor = ray.get_actor(f"SERVE_REPLICA::{app}#{GATEWAY}#{rid}", namespace="serve")
+            refs[rid] = actor.__ray_call__.remote(look)
+    out = {}
+    for rid, ref in refs.items():
+        with contextlib.suppress(Exception):
+            out[rid] = ray.get(ref, timeout=timeout)
     return out
 
 
-def router_call(app: str, method: str, timeout: float = 30.0) -> Any:
-    import ray
+def gateway_counters(app: str) -> dict[str, dict[str, Any]]:
+    """Each gateway replica's admission counters (replica id → counters)."""
+    return {rid: p["counters"] for rid, p in gateway_probes(app).items()}
 
-    handle = ray.serve.get_deployment_handle("Router", app_name=app)
-    return getattr(handle, method).remote().result(timeout_s=timeout)
+
+def gateway_policies(app: str) -> dict[str, dict[str, Any]]:
+    """Each gateway replica's race policy snapshot (breakers, hedges, failovers)."""
+    return {rid: p["policy"] for rid, p in gateway_probes(app).items()}
+
+
+def provider_totals(app: str, backends: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """The provider adapters' own totals (prompt and completion tokens, cost), summed over the
+    gateway replicas (each runs its own adapters)."""
+    out: dict[str, dict[str, float]] = {}
+    for p in gateway_probes(app).values():
+        for name, s in p["providers"].items():
+            if name in backends:
+                t = out.setdefault(name, {"prompt": 0, "completion": 0, "cost": 0.0})
+                t["prompt"] += s["extra"].get("prompt_tokens_total", 0)
+                t["completion"] += s["extra"].get("completion_tokens_total", 0)
+                t["cost"] += s["extra"].get("cost_usd_total", 0.0)
+    return out
 
 
 def wait_idle(app: str, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
-    """Every router replica's counters once nothing is in flight (or the last read at the timeout)."""
+    """Every gateway replica's counters once nothing is in flight (or the last read at the timeout)."""
     deadline = time.monotonic() + timeout
-    c = router_counters(app)
+    c = gateway_counters(app)
     while any(x["in_flight"] for x in c.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
-        c = router_counters(app)
+        c = gateway_counters(app)
     return c
 
 

@@ -1,6 +1,7 @@
 """A request never outlives its surface's deadline: a self-hosted replica that goes silent after its
 first tokens must not hold the client (the providers' adapters have a between-tokens clock of their
-own; the router's race ends a silent stream at the deadline or after policies.stream_idle_timeout_s)."""
+own; the gateway's race ends a silent engine stream at the deadline or after
+policies.stream_idle_timeout_s)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Faults under load (the short form of ``loadtest/faults.py``): a replica killed, a provider stalling
-mid-stream, 429/500/529 windows, the router killed. Nobody hangs, every error is an OpenAI error,
-the cluster serves normally again, and the books balance: the router's counters, and the tokens the
-providers counted against the usage our clients were given."""
+"""Faults under load (the short form of ``loadtest/faults.py``): a gateway replica killed, an engine
+replica killed, a provider stalling mid-stream, 429/500/529 windows. Nobody hangs, every error is an
+OpenAI error, the cluster serves normally again, and the books balance: each gateway replica's
+counters, and the tokens the providers counted against the usage our clients were given."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_streams_end_cleanly_and_errors_are_openai_errors(fault_run) -> None:
 def test_the_cluster_recovers_from_every_fault(fault_run) -> None:
     for f in fault_run["faults"]:
         assert f["recovery_s"] is not None, f
-        if f["fault"] in ("kill_sim_replica", "kill_router"):
+        if f["fault"] in ("kill_sim_replica", "kill_gateway"):
             assert f["restored_s"] is not None, f
 
 
@@ -61,12 +61,13 @@ def test_failover_absorbs_provider_errors(fault_run) -> None:
             assert set(f["error_codes"]) <= {"overloaded"}, f
 
 
-def test_router_counters_balance(fault_run) -> None:
-    """Each router replica's books: admitted = completed + errored + cancelled (+ in flight), just
+def test_gateway_counters_balance(fault_run) -> None:
+    """Each gateway replica's books: admitted = completed + errored + cancelled (+ in flight), just
     before one of them is killed and at the end (the killed one's books are gone with it)."""
-    before = fault_run["router_counters_before_kill"]
-    end = fault_run["router_counters_end"]
+    before = fault_run["gateway_counters_before_kill"]
+    end = fault_run["gateway_counters_end"]
     assert before and end, (before, end)
+    assert fault_run["gateway_killed"] in before and fault_run["gateway_killed"] not in end
     for c in before.values():
         assert c["balanced"] and c["double_release"] == 0, c
     for c in end.values():
@@ -85,7 +86,7 @@ def test_provider_tokens_billed_equal_our_usage(fault_run) -> None:
     for label in ("openai", "anthropic"):
         assert acc[label]["served_without_usage"] == 0, acc
         # Anthropic requests carry no id of ours: only the total is compared (exactly in
-        # test_accounting.py); here the router's kill may leave billed answers undelivered.
+        # test_accounting.py); here the gateway's kill may leave billed answers undelivered.
         assert acc[label]["diff"] >= 0, acc
 
 
@@ -94,7 +95,7 @@ def test_provider_key_never_leaks(fault_run, rel) -> None:
     key = rel.keys.provider
     assert not [r.request_id for r in fault_run["_records"] if key in r.error_text]
     logs = log_dir()
-    assert find_in_logs(logs, f"{rel.name}#Router"), "not the log folder of this Ray session"
+    assert find_in_logs(logs, f"{rel.name}#Gateway"), "not the log folder of this Ray session"
     assert find_in_logs(logs, key) == []
     metrics = metrics_text()
     assert "llmc_" in metrics, "Ray's metrics agent did not answer"

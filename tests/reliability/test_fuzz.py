@@ -1,4 +1,4 @@
-"""Fuzzed input against the ingress's own OpenAPI document (``/openapi.json``, request bodies and
+"""Fuzzed input against the gateway's own OpenAPI document (``/openapi.json``, request bodies and
 headers declared there), with schemathesis: schema-valid and schema-violating requests for every
 route. No 5xx, every 4xx an OpenAI error object, and the server still serves afterwards.
 
@@ -16,7 +16,7 @@ import socket
 import httpx
 import pytest
 
-from tests.reliability.harness import CLAUDE, MIX, is_openai_error, router_counters, wait_idle
+from tests.reliability.harness import CLAUDE, MIX, gateway_counters, is_openai_error, our_id, wait_idle
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -140,7 +140,7 @@ def _still_serving(rel) -> None:
     )
     assert r.status_code == 200, r.text
     counters = wait_idle(rel.name)
-    assert all(c["balanced"] and c["in_flight"] == 0 for c in counters.values()), counters
+    assert counters and all(c["balanced"] and c["in_flight"] == 0 for c in counters.values()), counters
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,8 +369,11 @@ def test_crlf_in_session_header_never_injects(rel, header) -> None:
 
 
 def test_our_request_id_is_always_a_safe_token(rel) -> None:
-    """We use a client's x-request-id only when it is a safe token; otherwise our own. (Serve's proxy
-    also echoes the client's raw value as a second x-request-id header: reported, not ours to fix.)"""
+    """Our request id (the body's ``id``: ``chatcmpl-<ours>``) is always our own safe token, never
+    the client's x-request-id (two clients may send the same one); the client's x-request-id is
+    echoed exactly once, by Serve's middleware, on errors and answers alike (the gateway adds none of
+    its own)."""
+    seen: set[str] = set()
     for rid in ("a" * 5000, "evil value;with=stuff", "ok-id.123"):
         r = _post(
             rel,
@@ -379,10 +382,22 @@ def test_our_request_id_is_always_a_safe_token(rel) -> None:
             headers={"x-request-id": rid},
         )
         assert_openai_error(r, 404)
-        ours = r.headers.get_list("x-request-id")[0]
-        assert len(ours) <= 128 and all(c.isalnum() or c in "._:-" for c in ours), ours[:200]
-        if rid == "ok-id.123":
-            assert ours == rid
+        assert r.headers.get_list("x-request-id") == [rid], r.headers.get_list("x-request-id")[:3]
+        r = _post(
+            rel,
+            "/chat/completions",
+            json={"model": MIX, "messages": OK_MSG, "max_tokens": 2},
+            headers={"x-request-id": rid},
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers.get_list("x-request-id") == [rid], r.headers.get_list("x-request-id")[:3]
+        body = r.json()
+        assert body["id"].startswith("chatcmpl-"), body["id"][:200]
+        ours = our_id(body)
+        assert 0 < len(ours) <= 128 and all(c.isalnum() or c in "._:-" for c in ours), ours[:200]
+        assert ours != rid and rid not in ours, ours
+        seen.add(ours)
+    assert len(seen) == 3, seen  # a new id per request
 
 
 # -- paths and methods ------------------------------------------------------------------------------
@@ -425,4 +440,4 @@ def test_trailing_slash_is_not_a_5xx(rel) -> None:
 def test_counters_balance_after_the_bad_input(rel) -> None:
     counters = wait_idle(rel.name)
     assert counters and all(c["balanced"] and c["in_flight"] == 0 for c in counters.values()), counters
-    assert router_counters(rel.name)
+    assert gateway_counters(rel.name)

@@ -221,7 +221,7 @@ def test_no_key_in_logs_or_metrics(rel) -> None:
     """After everything above (and the fault runs, when they ran first): neither the provider's key
     nor any client key in any file of this Ray session's log folder, nor in the exported metrics."""
     logs = log_dir()
-    assert find_in_logs(logs, f"{rel.name}#Router"), "not the log folder of this Ray session"
+    assert find_in_logs(logs, f"{rel.name}#Gateway"), "not the log folder of this Ray session"
     metrics = metrics_text()
     for secret in (rel.keys.provider, *rel.keys.clients.values()):
         assert find_in_logs(logs, secret) == [], secret[:12]

@@ -1,7 +1,9 @@
 """Soak (the CI length of ``loadtest/soak.py``; ``LLMC_LONG=1`` runs ten minutes): a steady moderate
 load of mixed surfaces, then every actor of the app back at rest is compared with its baseline: no
-asyncio task, socket or descriptor left behind, the router's per-request tables empty again,
-resident memory within a small bound, and the counters balanced."""
+asyncio task, socket or descriptor left behind, the gateways' per-request tables empty again (each
+routing view's in-flight entries, each provider adapter's flights) and their other tables within
+their bounds, no engine stream left open, resident memory within a small bound, and the counters
+balanced."""
 
 from __future__ import annotations
 
@@ -10,7 +12,12 @@ import os
 
 import pytest
 
+from cluster.affinity import REASONS
 from loadtest.soak import run_soak
+from tests.reliability.harness import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
+
+SELF_HOSTED = {SIM_BACKEND: 2, STALL_BACKEND: 1}  # backend -> replicas (reliability_config)
+PROVIDERS = (OPENAI_BACKEND, ANTHROPIC_BACKEND)
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -25,7 +32,7 @@ def soak(rel, tmp_path_factory):
         rel.name, rel.base_url, rel.keys, duration_s=DURATION_S, warmup_s=10, workers=4, sample_every_s=5
     )
     (tmp_path_factory.mktemp("soak") / "soak.json").write_text(json.dumps(out, indent=2))
-    print("\nsoak:", json.dumps({k: v for k, v in out.items() if k not in ("actors", "router_counters")}))
+    print("\nsoak:", json.dumps({k: v for k, v in out.items() if k not in ("actors", "gateway_counters")}))
     return out
 
 
@@ -39,6 +46,7 @@ def test_every_request_ended_cleanly(soak) -> None:
 
 
 def test_nothing_left_behind(soak) -> None:
+    views_seen = 0
     assert soak["leaked_tasks"] == 0, {k: a.get("new_tasks") for k, a in soak["actors"].items()}
     for name, a in soak["actors"].items():
         if "tasks_end" not in a:
@@ -46,8 +54,23 @@ def test_nothing_left_behind(soak) -> None:
         assert a["sockets_end"] <= a["sockets_start"] + 4, (name, a)
         assert a["fds_end"] <= a["fds_start"] + 8, (name, a)
         tables = a.get("routing_tables_end")
-        if tables is not None:  # the router's per-request entries are all forgotten at rest
-            assert all(tables[k] == 0 for k in ("pending", "routed", "hashes", "decisions")), (name, tables)
+        if tables is not None:  # a gateway replica: its per-request entries are all forgotten at rest
+            views_seen += 1
+            assert set(tables) == set(SELF_HOSTED), (name, tables)
+            for backend, t in tables.items():
+                assert t["in_flight"] == 0 and t["in_flight_total"] == 0, (name, backend, t)
+                # Per replica or per reason, not per request: bounded by the backend's replicas.
+                assert t["live"] <= SELF_HOSTED[backend], (name, backend, t)
+                assert t["decision_counts"] <= len(REASONS), (name, backend, t)
+                assert t["index_replicas"] <= SELF_HOSTED[backend], (name, backend, t)
+                assert t["index_blocks"] <= t["index_capacity"], (name, backend, t)
+                assert t["sessions"] <= t["session_capacity"], (name, backend, t)
+            flights = a["provider_flights_end"]
+            assert set(flights) == set(PROVIDERS) and not any(flights.values()), (name, flights)
+        engine = a.get("engine_end")
+        if engine is not None:  # an engine replica: no stream left open
+            assert engine == {"ongoing": 0, "running": 0, "waiting": 0}, (name, engine)
+    assert views_seen >= 1, sorted(soak["actors"])  # the gateways were looked at
 
 
 def test_memory_stays_within_bounds(soak) -> None:
@@ -56,5 +79,6 @@ def test_memory_stays_within_bounds(soak) -> None:
 
 
 def test_counters_balance(soak) -> None:
-    for c in soak["router_counters"].values():
+    assert soak["gateway_counters"]
+    for c in soak["gateway_counters"].values():
         assert c["balanced"] and c["in_flight"] == 0 and c["double_release"] == 0, c
