@@ -25,3 +25,9 @@ INTERNAL_TOKEN_ENV = "LLMC_INTERNAL_TOKEN"
 SHIM_ROUTER = "deployments.request_router:ShimRequestRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 AUTOSCALING_METRICS_INTERVAL_S = 1.0
+
+# The gateway's own process only: its code on the replica's main event loop, beside the HTTP
+# server that feeds it, instead of a thread of its own (a thread hop per request and per chunk
+# sent otherwise). The gateway never blocks its loop (big bodies are prepared in a thread).
+# Engines keep Serve's default: a vLLM engine's calls must not stall Serve's control traffic.
+GATEWAY_ENV: dict[str, str] = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}

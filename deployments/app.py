@@ -21,6 +21,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import BackendConfig, ClusterConfig, load_config
 from cluster.dataplane import (
     AUTOSCALING_METRICS_INTERVAL_S,
+    GATEWAY_ENV,
     ROUTING_STATS_PERIOD_S,
     SERVE_ENV,
     SHIM_ROUTER,
@@ -85,9 +86,10 @@ def build_graph(cfg: ClusterConfig) -> Application:
         engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
             b.model_dump(mode="json"), model.model_dump(mode="json")
         )
-    return Gateway.options(
-        num_replicas=cfg.server.gateway_replicas, ray_actor_options={"num_cpus": 0.1}
-    ).bind(cfg.model_dump(mode="json"), engines)
+    actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
+    return Gateway.options(num_replicas=cfg.server.gateway_replicas, ray_actor_options=actor).bind(
+        cfg.model_dump(mode="json"), engines
+    )
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:

@@ -93,7 +93,7 @@ class AttemptRunner:
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=planned.attempt)
             if backend in self.providers:
-                return self.providers[backend].generate(attempt_req)
+                return self.providers[backend].generate_batches(attempt_req)
             avoid = [
                 r
                 for a in prior

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from cluster.config import BackendConfig, ProviderConfig
 from cluster.errors import BackendUnavailable
 from cluster.protocol import Usage
-from cluster.providers.budget import Admission, Prices, ProviderBudget
+from cluster.providers.budget import Admission, Prices, ProviderBudget, cost_usd
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,28 @@ def kill_budget_actor(backend: str) -> None:
         ray.kill(ray.get_actor(ACTOR_PREFIX + backend, namespace=RAY_NAMESPACE))
 
 
+class UnlimitedBudget:
+    """A provider with no RPM, TPM or in-flight limit: nothing to count across replicas, so no actor
+    and no call per request; only the cost is computed, here."""
+
+    def __init__(self, cfg: ProviderConfig) -> None:
+        self.prices = Prices.from_config(cfg)
+
+    async def reserve(
+        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
+    ) -> Admission:
+        return Admission(True, reserved_tokens=input_tokens + max_tokens)
+
+    async def settle(self, request_id: str, usage: Usage) -> float:
+        return cost_usd(usage, self.prices)
+
+    async def release(self, request_id: str, tokens_used: int = 0) -> None:
+        return None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"unlimited": True}
+
+
 _LOCAL: dict[str, LocalBudget] = {}
 
 
@@ -209,6 +231,9 @@ def get_budget(backend: BackendConfig) -> Budget:
     """The Ray actor budget when Ray is up (every replica shares it), else the in-process one."""
     if backend.provider is None:
         raise ValueError(f"backend '{backend.name}' has no provider section")
+    p = backend.provider
+    if p.rpm is None and p.tpm is None and p.max_in_flight is None:
+        return UnlimitedBudget(p)
     try:
         import ray
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from cluster.config import BackendConfig, ModelConfig
 from cluster.errors import ClusterError, ProviderAuthError, RateLimited
@@ -55,8 +56,12 @@ def shared_client() -> httpx.AsyncClient:
     loop = asyncio.get_running_loop()
     client = _CLIENTS.get(loop)
     if client is None or client.is_closed:
+        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0)
         client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0),
+            # httpx's API over aiohttp's connection pool: httpx's own pool cost O(connections) per
+            # request, the largest single cost of a Python relay (shared/notes/ray-serve-fast-path.md).
+            transport=AiohttpTransport(limits=limits, trust_env=False),
+            limits=limits,
             timeout=None,  # per request, from the provider config
             follow_redirects=False,
         )
@@ -191,6 +196,18 @@ class ProviderBackend:
 
     # -- Backend ----------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """The stream as single chunks (see :meth:`generate_batches`)."""
+        gen = self.generate_batches(req)
+        try:
+            async for batch in gen:
+                for chunk in batch:
+                    yield chunk
+        finally:
+            await gen.aclose()
+
+    async def generate_batches(self, req: GenerateRequest) -> AsyncIterator[list[Chunk]]:
+        """The stream, one list of chunks per network read: what arrived together leaves together
+        (the gateway writes each list to its client in one send)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         total_deadline = t0 + self.cfg.total_timeout_s
@@ -201,6 +218,7 @@ class ProviderBackend:
         self.started += 1
         input_est = await self._estimate_input(req)
         charged = 0  # tokens to charge the budget if the provider never reports usage
+        out_parts: list[str] = []  # what came back, counted once, only where no usage is reported
         settled = reserved = False
         response: httpx.Response | None = None
         try:
@@ -215,7 +233,6 @@ class ProviderBackend:
                 )
             reserved = True
             started = False  # content has been yielded
-            out_tokens_est = 0
             usage: Usage | None = None
             finish: str | None = None
             sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
@@ -241,36 +258,46 @@ class ProviderBackend:
                     except StopAsyncIteration:
                         break
                     last = loop.time()
+                    batch: list[Chunk] = []
+                    failure: Exception | None = None  # raised once what came before it is out
                     for ev in decoder.feed(data):
-                        delta: StreamDelta = parse(ev)
+                        try:
+                            delta: StreamDelta = parse(ev)
+                        except ValueError as exc:
+                            failure = exc
+                            break
                         if delta.error is not None:
-                            raise perrors.from_stream_error(
+                            failure = perrors.from_stream_error(
                                 delta.error,
                                 provider=self.api,
                                 backend=self.backend_name,
                                 started=started,
                                 secret=self._key.reveal(),
                             )
+                            break
                         usage = delta.usage or usage
                         finish = delta.finish_reason or finish
                         if delta.text:
                             started = True
-                            out_tokens_est += self.counter.count(delta.text)
-                            charged = input_est + out_tokens_est
-                            yield Chunk(text=delta.text, replica=self.replica, backend=self.backend_name)
+                            out_parts.append(delta.text)
+                            batch.append(
+                                Chunk(text=delta.text, replica=self.replica, backend=self.backend_name)
+                            )
                         if delta.done:
                             done = True
                             break
+                    if batch:
+                        yield batch
+                    if failure is not None:
+                        raise failure
                 if not done and (finish is None or self.api == "anthropic"):
                     raise perrors.truncated(backend=self.backend_name, started=started)
             except _Aborted:
                 self.aborted += 1
-                yield Chunk(
-                    finish_reason="abort",
-                    usage=Usage(prompt_tokens=input_est, completion_tokens=out_tokens_est),
-                    replica=self.replica,
-                    backend=self.backend_name,
-                )
+                usage = Usage(prompt_tokens=input_est, completion_tokens=self._count_out(out_parts))
+                yield [
+                    Chunk(finish_reason="abort", usage=usage, replica=self.replica, backend=self.backend_name)
+                ]
                 return
             except ClusterError:
                 raise
@@ -281,7 +308,7 @@ class ProviderBackend:
                 ) from exc
             if usage is None:
                 self.usage_estimated += 1
-                usage = Usage(prompt_tokens=input_est, completion_tokens=out_tokens_est)
+                usage = Usage(prompt_tokens=input_est, completion_tokens=self._count_out(out_parts))
             else:
                 self._observe_estimate(input_est, usage.prompt_tokens)
             cost = await self.budget.settle(req.request_id, usage)
@@ -290,9 +317,14 @@ class ProviderBackend:
             self.prompt_tokens_total += usage.prompt_tokens
             self.completion_tokens_total += usage.completion_tokens
             self.finished += 1
-            yield Chunk(
-                finish_reason=finish or "stop", usage=usage, replica=self.replica, backend=self.backend_name
-            )
+            yield [
+                Chunk(
+                    finish_reason=finish or "stop",
+                    usage=usage,
+                    replica=self.replica,
+                    backend=self.backend_name,
+                )
+            ]
         except ClusterError as err:
             self._count_error(err, req)
             raise
@@ -306,6 +338,8 @@ class ProviderBackend:
             if response is not None:
                 await asyncio.shield(response.aclose())
             if reserved and not settled:
+                if charged:  # it reached the provider: the input, and what came back, may be billed
+                    charged += self._count_out(out_parts)
                 await asyncio.shield(self.budget.release(req.request_id, charged))
 
     async def abort(self, request_id: str) -> None:
@@ -398,6 +432,12 @@ class ProviderBackend:
         if len(text) > BIG_PROMPT_CHARS:
             return await asyncio.to_thread(self.counter.count, text)
         return self.counter.count(text)
+
+    def _chunk(self, **fields: Any) -> Chunk:
+        return Chunk(replica=self.replica, backend=self.backend_name, **fields)
+
+    def _count_out(self, parts: list[str]) -> int:
+        return self.counter.count("".join(parts)) if parts else 0
 
     def _observe_estimate(self, estimate: int, reported: int) -> None:
         if reported <= 0:

@@ -41,7 +41,8 @@ class _Account:
 
 
 class _Framer:
-    """Frames a provider's chunks as the client's SSE events (engines send them framed)."""
+    """Frames a provider's chunks as the client's SSE events (engines send them framed); a batch
+    (what one network read brought) becomes one write."""
 
     def __init__(self, prepared: Prepared) -> None:
         self.meta = prepared.meta
@@ -51,7 +52,12 @@ class _Framer:
         self.finish = "stop"
         self.tokens = 0
 
-    def frame(self, chunk: Chunk) -> bytes:
+    def frame(self, batch: list[Chunk]) -> bytes:
+        if len(batch) == 1:
+            return self.frame_one(batch[0])
+        return b"".join([self.frame_one(c) for c in batch])
+
+    def frame_one(self, chunk: Chunk) -> bytes:
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.finish_reason is not None:

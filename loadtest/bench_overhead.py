@@ -606,7 +606,8 @@ def start_vllm_router(name: str, workers: list[str], policy: str, logdir: Path) 
 
 def provider_config(upstream_port: int, port: int) -> ClusterConfig:
     """Our cluster for the relay phase: one OpenAI-wire provider backend in front of the fake upstream,
-    limits high enough never to queue or shed at 64 streams."""
+    admission limits high enough never to queue or shed at 64 streams, and no provider RPM/TPM or
+    in-flight budget (a budget adds one call to its shared actor per request: measured apart)."""
     return parse_config(
         {
             "name": "llmc-bench-overhead",
@@ -630,7 +631,6 @@ def provider_config(upstream_port: int, port: int) -> ClusterConfig:
                     "provider": {
                         "api": "openai",
                         "base_url": f"http://{HOST}:{upstream_port}/v1",
-                        "max_in_flight": 1024,
                         "first_token_timeout_s": 30,
                         "total_timeout_s": 120,
                     },

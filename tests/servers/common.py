@@ -352,8 +352,11 @@ class LoopbackServer:
             response = await body_handler(request, rec)
             linger = parse_fault(rec.fault).linger_s
             if linger:  # held open even if the client has already closed the connection
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(linger)
+                loop = asyncio.get_running_loop()
+                end = loop.time() + linger
+                while (left := end - loop.time()) > 0:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.sleep(left)
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             if rec.outcome in ("running", "stalled"):
