@@ -112,3 +112,67 @@ def test_still_serving_after_bad_input(cluster) -> None:
     r = _post(cluster, "/chat/completions", json={"model": "tiny-llama", "messages": OK_MSG, "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_body_that_is_not_json_by_its_content_type_is_a_415(cluster) -> None:
+    """Defect 8: a text/plain body was parsed as JSON and answered 200."""
+    import json
+
+    body = json.dumps({"model": "tiny-llama", "messages": OK_MSG, "max_tokens": 2})
+    r = _post(cluster, "/chat/completions", content=body, headers={"content-type": "text/plain"})
+    err = _assert_openai_error(r, 415, "unsupported_media_type")
+    assert "application/json" in err["message"]
+    assert r.headers.get_list("x-request-id") and len(r.headers.get_list("x-request-id")) == 1
+    for ctype in ("application/json; charset=utf-8", None):  # as the openai clients send it, or none
+        headers = {"content-type": ctype} if ctype else {}
+        ok = httpx.post(
+            cluster.base_url + "/chat/completions",
+            content=body.encode(),
+            headers=headers,
+            timeout=60,
+        )
+        assert ok.status_code == 200, (ctype, ok.text)
+
+
+def test_two_streams_with_the_same_request_id_do_not_touch_each_other(cluster) -> None:
+    """Defect 4: the client's x-request-id was the engine's request id; closing one stream with
+    it ended another client's stream of the same id early, with a normal [DONE]."""
+    import json
+    import threading
+
+    body = {
+        "model": "tiny-llama",
+        "messages": OK_MSG,
+        "max_tokens": 300,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    headers = {"x-request-id": "same-id-for-both"}
+    counted: list[tuple[int, str | None]] = []
+
+    def second() -> None:
+        usage, finish = 0, None
+        with httpx.stream(
+            "POST", cluster.base_url + "/chat/completions", json=body, headers=headers, timeout=120
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]["completion_tokens"]
+                    for c in chunk["choices"]:
+                        finish = c["finish_reason"] or finish
+        counted.append((usage, finish))
+
+    t = threading.Thread(target=second)
+    t.start()
+    with httpx.stream(
+        "POST", cluster.base_url + "/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 20:
+                break  # the first client leaves early
+    t.join(120)
+    # The second stream ran to its end: all 300 tokens, finished by length, not by someone's abort.
+    assert counted == [(300, "length")], counted
