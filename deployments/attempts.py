@@ -105,6 +105,8 @@ class AttemptRunner:
             async def choose() -> Any:
                 choice = await picker.pick(block_hashes, req.session_id, avoid)
                 picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
+                reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
+                metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
                 return choice
 
             body = request_body(attempt_req, meta, collect)

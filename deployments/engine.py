@@ -33,6 +33,7 @@ from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.internal import internal_token, token_ok
 
 log = logging.getLogger("ray.serve")
+METRICS_PERIOD_S = 1.0
 HOST_ENV = "LLMC_ENGINE_HOST"  # the address engine servers bind and publish (default: Ray's node IP)
 
 
@@ -70,6 +71,7 @@ class EngineReplica:
         self._token = internal_token()
         self.ongoing = 0
         self._runner, self.url = await self._serve_http()
+        self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
     async def _serve_http(self) -> tuple[web.AppRunner, str]:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -85,6 +87,16 @@ class EngineReplica:
         url = f"http://{host}:{sock.getsockname()[1]}"
         log.info("engine %s replica %s serves its token stream on %s", self.cfg.name, self.replica_id, url)
         return runner, url
+
+    async def _report_metrics(self) -> None:
+        """The engine's own counters as gauges (prefix-cache queries and hits, KV use, queue),
+        once a second from here: the dashboard's per-replica and hit-rate panels read them."""
+        from deployments import metrics
+
+        while True:
+            with contextlib.suppress(Exception):
+                metrics.record_backend_stats({self.replica_id: self.backend.stats()})
+            await asyncio.sleep(METRICS_PERIOD_S)
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def record_routing_stats(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ Per chunk the relay does one read and one write; metrics are recorded once per r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -89,6 +90,7 @@ class Gateway:
         for m in cfg.models:  # load tokenizers now, not on the first request
             load_tokenizer(m.tokenizer)
         self._openapi = h.openapi_document()
+        self._breaker_task = asyncio.get_event_loop().create_task(self._report_breakers())
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
@@ -97,6 +99,13 @@ class Gateway:
             ("GET", "/openapi.json"): self._openapi_json,
             ("GET", "/internal/status"): self._status,
         }
+
+    async def _report_breakers(self) -> None:
+        """Breaker states as gauges once a second (never per request or chunk)."""
+        while True:
+            with contextlib.suppress(Exception):
+                metrics.record_breakers(self.board.metrics(time.monotonic()))
+            await asyncio.sleep(1.0)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self._asgi)

@@ -57,7 +57,7 @@ QUEUE_WAIT = Histogram(
 )
 ROUTING = Counter(
     "llmc_routing_decisions_total",
-    description="Replica choices by reason (session, prefix, new_prefix, load, saturated, queue_fallback).",
+    description="Replica choices by reason (session, prefix, new_prefix, load, saturated, or a baseline).",
     tag_keys=("backend", "reason"),
 )
 ATTEMPTS = Counter(
@@ -140,15 +140,11 @@ def record_usage(surface: str, backend: str, usage: Usage) -> None:
 
 
 def record_backend_stats(stats: dict[str, BackendStats]) -> None:
-    totals: dict[str, list[int]] = {}
-    for s in stats.values():
-        t = totals.setdefault(s.backend, [0, 0])
-        t[0] += s.prefix_cache_hits
-        t[1] += s.prefix_cache_queries
-    for backend, (hits, queries) in totals.items():
-        if queries:
-            PREFIX_HIT_RATE.set(hits / queries, tags={"backend": backend})
+    """Replicas' engine counters. Each engine replica records its own, so the hit-rate gauge is
+    one series per replica process (Ray labels each), which the dashboard averages by backend."""
     for rid, s in stats.items():
+        if s.prefix_cache_queries:
+            PREFIX_HIT_RATE.set(s.prefix_cache_hits / s.prefix_cache_queries, tags={"backend": s.backend})
         tags = {"backend": s.backend, "replica": rid}
         PREFIX_QUERIES.set(s.prefix_cache_queries, tags=tags)
         PREFIX_HITS.set(s.prefix_cache_hits, tags=tags)
