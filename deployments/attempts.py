@@ -1,12 +1,8 @@
-"""The gateway's attempts for one request: which backend or replica next, when to hedge, and what
-each attempt's outcome means for the breakers, the hedge delay and the metrics. The race itself
-is :mod:`cluster.race`; this wires it to the two kinds of attempt the gateway makes in its own
-process: an HTTP stream from an engine replica (:class:`EngineStream`, pass-through bytes) or a
-provider adapter (:class:`ProviderBackend`, typed chunks).
-
-Candidates are expanded into *slots*: a self-hosted backend with more than one replica gets a
-second slot (``name#2``), so a retry or a hedge can go to another replica of the same backend
-(the routing view avoids the replicas earlier attempts went to), then on to the next backend.
+"""The gateway's attempts for one request, wired: the race (:mod:`cluster.race`) gets hooks that
+start the two kinds of attempt the gateway makes in its own process, an HTTP stream from an
+engine replica (:class:`EngineStream`, pass-through bytes) or a provider adapter
+(:class:`ProviderBackend`, batches of typed chunks), and verdicts applied to the breakers, the
+hedge policy and the metrics by the pure rules of :mod:`cluster.attempt_policy`.
 """
 
 from __future__ import annotations
@@ -18,20 +14,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from cluster.attempt_policy import backend_of_slot, effects, error_code, expand_slots
 from cluster.config import ClusterConfig
 from cluster.engine_wire import request_body
-from cluster.errors import ClusterError
-from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget, counts_against_backend
+from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
 from cluster.hedging import HedgePolicy
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import GenerateRequest
 from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
-
-
-def backend_of_slot(slot: str) -> str:
-    return slot.split("#", 1)[0]
 
 
 async def close_stream(stream: Any) -> None:
@@ -66,14 +58,7 @@ class AttemptRunner:
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
 
     def slots(self, candidates: list[str]) -> list[str]:
-        out: list[str] = []
-        for name in candidates:
-            b = self.cfg.backend(name)
-            out.append(name)
-            replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas
-            if b.kind != "provider" and replicas > 1:
-                out.append(f"{name}#2")
-        return out
+        return expand_slots(candidates, self.cfg.backend)
 
     def hooks(
         self, req: GenerateRequest, candidates: list[str], meta: ResponseMeta, collect: bool, hashes: Any
@@ -154,30 +139,22 @@ class AttemptRunner:
     ) -> None:
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
-        replica = getattr(att.stream, "replica", None)
-        if v == "won":
-            self.board.record(backend, replica, True, now)
-            self.hedge.observe_ttft(req.surface, backend, dt, now)
-            if att.hedge:
-                self.hedge.stats.on_hedge_result(True)
-                metrics.HEDGES.inc(tags={"backend": backend, "outcome": "won"})
-        elif v == "broken":
-            self.broken[backend] += 1
-            self.board.record(backend, replica, False, now)
-        elif v == "failed":
-            code = err.code if isinstance(err, ClusterError) else type(err).__name__
-            self.failovers[backend] += 1
-            metrics.FAILOVERS.inc(tags={"backend": backend, "code": code or ""})
-            if err is not None and counts_against_backend(err):
-                self.board.record(backend, replica, False, now)
-            else:
-                self.board.backend(backend).release(now)
-        else:  # cancelled: a lost race or the client left; its wait still says how slow it was
+        fx = effects(v, err, att.hedge)
+        if fx.breaker is None:
             self.board.backend(backend).release(now)
+        else:
+            self.board.record(backend, getattr(att.stream, "replica", None), fx.breaker, now)
+        if fx.observe_ttft:
             self.hedge.observe_ttft(req.surface, backend, dt, now)
-            if att.hedge:
-                self.hedge.stats.on_hedge_result(False)
-                metrics.HEDGES.inc(tags={"backend": backend, "outcome": "cancelled"})
+        if fx.broken:
+            self.broken[backend] += 1
+        if fx.failover:
+            self.failovers[backend] += 1
+            metrics.FAILOVERS.inc(tags={"backend": backend, "code": error_code(err)})
+        if fx.hedge_won is not None:
+            self.hedge.stats.on_hedge_result(fx.hedge_won)
+            outcome = "won" if fx.hedge_won else "cancelled"
+            metrics.HEDGES.inc(tags={"backend": backend, "outcome": outcome})
 
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.admission import Outcome
+from cluster.attempt_policy import backend_of_slot
 from cluster.errors import ClusterError, StreamInterrupted
 from cluster.openai_format import SSE_DONE, full_response, sse, stream_chunk, usage_chunk
 from cluster.protocol import Chunk, Usage
@@ -21,7 +22,6 @@ from cluster.providers.budget import cost_usd
 from cluster.race import RaceResult, first_token, follow
 from deployments import http_api as h
 from deployments import metrics
-from deployments.attempts import backend_of_slot
 from deployments.prepare import Prepared
 
 BODY = "http.response.body"

@@ -168,3 +168,57 @@ async def test_engine_replicas_autoscale_on_direct_traffic(deploy) -> None:
 
         await asyncio.gather(*(worker() for _ in range(8)))
     assert len(served) == 2, "no second replica took traffic within 120 s"
+
+
+async def test_killing_a_gateway_replica_mid_load(deploy) -> None:
+    """Two gateway replicas: kill one while streams run through both. Streams on the other run to
+    their end, the killed one's end with an error event or a closed connection (none hangs), and
+    new requests are served."""
+    cfg = _cfg("llm-cluster-gwkill", {"replicas": 2, "sim_options": {"speedup": 1.0}})
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"gateway_replicas": 2})})
+    cluster = deploy(cfg, "/gwkill")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300}
+    body |= {"stream": True, "ignore_eos": True}
+    outcomes: list[str] = []
+    started = asyncio.Event()
+    n_streams = 8
+
+    async def one(c: httpx.AsyncClient) -> None:
+        got = 0
+        try:
+            async with c.stream("POST", cluster.base_url + "/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"error"' in line:
+                        outcomes.append("error_event")
+                        return
+                    if line == "data: [DONE]":
+                        outcomes.append("done" if got >= 300 else "short")
+                        return
+                    if line.startswith("data: {"):
+                        got += 1
+                        if got == 5:
+                            started.set()
+            outcomes.append("closed")
+        except httpx.HTTPError:
+            outcomes.append("closed")
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60, read=30)) as c:
+        tasks = [asyncio.create_task(one(c)) for _ in range(n_streams)]
+        await asyncio.wait_for(started.wait(), 60)
+        victim = cluster.status()["replica"]
+        ray.kill(
+            ray.get_actor(f"SERVE_REPLICA::{cfg.name}#Gateway#{victim}", namespace="serve"), no_restart=True
+        )
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)  # nothing hangs
+        assert len(outcomes) == n_streams
+        assert "short" not in outcomes, outcomes  # never a silent truncation
+        assert outcomes.count("done") >= 1, outcomes  # the other replica's streams ran to the end
+        deadline = time.monotonic() + 60
+        served = 0
+        while time.monotonic() < deadline and served < 3:
+            try:
+                r = await c.post(cluster.base_url + "/chat/completions", json=body | {"stream": False})
+                served += r.status_code == 200
+            except httpx.HTTPError:
+                await asyncio.sleep(0.5)
+        assert served == 3, "new requests are served after a gateway replica died"

@@ -1,0 +1,105 @@
+"""The data plane's pure pieces: the engine wire's framing, the routing view, the attempt rules."""
+
+from __future__ import annotations
+
+from cluster.affinity import AffinityParams, AffinityRouter
+from cluster.attempt_policy import avoid_replicas, effects, expand_slots
+from cluster.config import BackendConfig
+from cluster.engine_wire import (
+    FrameSplitter,
+    end_frame,
+    error_frame,
+    parse_request,
+    request_body,
+)
+from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
+from cluster.failover import ReplicaEjector
+from cluster.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.protocol import GenerateRequest, Sampling, Usage
+from cluster.routing_view import BackendView, ReplicaInfo
+
+META = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
+
+
+def test_frames_pass_through_whole_events_and_the_end_frame_is_split_off() -> None:
+    events = b"".join(sse(stream_chunk(META, t, None, first=i == 0)) for i, t in enumerate(["a", "b"]))
+    wire = events + end_frame("length", Usage(3, 2, 1), replica="x")
+    s = FrameSplitter()
+    out = b""
+    for i in range(0, len(wire), 7):  # arbitrary network reads
+        out += s.feed(wire[i : i + 7])
+    assert out == events  # byte for byte, nothing re-encoded
+    assert s.end is not None and s.end.finish_reason == "length" and s.end.usage == Usage(3, 2, 1)
+
+
+def test_generated_text_that_looks_like_a_control_frame_is_content() -> None:
+    tricky = sse(stream_chunk(META, "\n: llmc end {}\n\n", None))  # JSON escapes the newlines
+    s = FrameSplitter()
+    assert s.feed(tricky) == tricky and s.end is None
+
+
+def test_a_typed_error_crosses_the_wire() -> None:
+    s = FrameSplitter()
+    s.feed(error_frame(StreamInterrupted("engine died", backend="b")))
+    assert s.end is not None and isinstance(s.end.error, StreamInterrupted)
+    assert s.end.error.backend == "b" and s.end.error.message == "engine died"
+
+
+def test_the_internal_request_round_trips() -> None:
+    req = GenerateRequest("r1", "m", "chat", [1, 2, 3], Sampling(max_tokens=5, seed=7), surface="tab")
+    back, meta, collect = parse_request(request_body(req, META, True))
+    assert back == req and meta == META and collect
+
+
+def _view(n_blocks_capacity: int = 1000) -> BackendView:
+    policy = AffinityRouter(4, "m", AffinityParams(min_match_tokens=4))
+    return BackendView("b", policy, ReplicaEjector(), 8)
+
+
+def test_the_view_follows_serves_replica_list() -> None:
+    v = _view()
+    v.sync([ReplicaInfo("r1", "http://a"), ReplicaInfo("r2", "http://b"), ReplicaInfo("r3", None)])
+    assert set(v.live) == {"r1", "r2"}  # no endpoint published yet: not routable
+    c = v.choose([1, 2], 0.0)
+    assert c is not None
+    v.started(c, [1, 2], 0.0, None)
+    assert v.in_flight[c.replica] == 1
+    v.sync([ReplicaInfo("r2", "http://b")] if c.replica == "r1" else [ReplicaInfo("r1", "http://a")])
+    assert c.replica not in v.live and c.replica not in v.in_flight  # gone everywhere at once
+
+
+def test_the_view_prefers_the_prefix_holder_and_avoids_earlier_replicas() -> None:
+    v = _view()
+    v.sync([ReplicaInfo("r1", "http://a"), ReplicaInfo("r2", "http://b")])
+    hashes = v.policy.hash(list(range(16)))  # type: ignore[union-attr]
+    first = v.choose(hashes, 0.0)
+    assert first is not None
+    v.started(first, hashes, 0.0, None)
+    again = v.choose(hashes, 0.0)
+    assert again is not None and again.replica == first.replica and again.decision.reason == "prefix"
+    other = v.choose(hashes, 0.0, avoid=[first.replica])
+    assert other is not None and other.replica != first.replica
+
+
+def test_slots_and_the_avoid_set() -> None:
+    backends = {
+        "vllm": BackendConfig.model_validate({"name": "vllm", "kind": "sim", "model": "m", "replicas": 2}),
+        "one": BackendConfig.model_validate({"name": "one", "kind": "sim", "model": "m", "replicas": 1}),
+    }
+    assert expand_slots(["vllm", "one"], backends.__getitem__) == ["vllm", "vllm#2", "one"]
+    assert avoid_replicas("vllm", [("vllm", "r1"), ("vllm#2", "r2"), ("one", "r3"), ("vllm", None)]) == [
+        "r1",
+        "r2",
+    ]
+
+
+def test_verdict_effects() -> None:
+    won = effects("won", None, hedge=True)
+    assert won.breaker is True and won.observe_ttft and won.hedge_won is True
+    assert effects("broken", None, False).breaker is False and effects("broken", None, False).broken
+    down = effects("failed", BackendUnavailable("x"), False)
+    assert down.breaker is False and down.failover
+    client = effects("failed", InvalidRequest("bad"), False)
+    assert client.breaker is None and client.failover  # a client error is not the backend's fault
+    lost = effects("cancelled", None, hedge=True)
+    assert lost.breaker is None and lost.observe_ttft and lost.hedge_won is False
