@@ -216,15 +216,22 @@ async def first_token(
             hooks.verdict(att, "cancelled", None, clock() - att.started_at)
         await _stop_all(hooks, result.attempts)
         raise
+    return await _crown(hooks, result, winner, [a for a in active.values() if a is not winner[0]])
+
+
+async def _crown(
+    hooks: RaceHooks, result: RaceResult, winner: tuple[Attempt, Any], losers: list[Attempt]
+) -> tuple[Attempt, Any]:
+    """The race is won: record it, stop the losers (their cancel reaches their engine or
+    provider). A client that leaves meanwhile stops the winner too."""
     att, item = winner
     result.winner = att
-    hooks.verdict(att, "won", None, clock() - att.started_at)
-    losers = [a for a in active.values() if a is not att]
+    hooks.verdict(att, "won", None, hooks.clock() - att.started_at)
     for a in losers:
-        hooks.verdict(a, "cancelled", None, clock() - a.started_at)
+        hooks.verdict(a, "cancelled", None, hooks.clock() - a.started_at)
     try:
-        await _stop_all(hooks, losers)  # the loser's cancel reaches its engine or provider
-    except BaseException:  # the client left while the losers were being stopped: stop the winner too
+        await _stop_all(hooks, losers)
+    except BaseException:
         await _stop_all(hooks, [att])
         raise
     return att, item

@@ -11,9 +11,12 @@ cluster had recovered; each ended as one of: ``completed`` (by its first-choice 
 ``failed_over`` (by another), ``error_event`` (a terminal SSE error after tokens), ``error_status``
 (an OpenAI error with an HTTP status), ``cancelled`` (by the client, on purpose), ``conn_error``,
 ``truncated`` (a stream that ended without its end marker) or ``hung`` (no end by the surface's
-deadline plus a margin: must be 0). ``recovery_s``: from the fault's end until three probes in a row
-were served as normal (by the first-choice backend where that is the point); ``restored_s``: until
-the killed deployment had all its replicas running again.
+deadline plus a margin: must be 0). A gateway replica serves its clients' HTTP connections itself
+(HAProxy in front), so when one is killed the streams it was serving lose their connection
+(``conn_error``): ``kill`` in that fault's result says how many may (the victim's requests in flight
+when it was killed) and how many did, and when they started. ``recovery_s``: from the fault's end
+until three probes in a row were served as normal (by the first-choice backend where that is the
+point); ``restored_s``: until the killed deployment had all its replicas running again.
 
 The CI tier runs the short form (tests/reliability/test_faults.py); by hand, a longer one:
 
@@ -113,6 +116,8 @@ class FaultRun:
         )
         self.counters_before_gateway_kill: dict[str, Any] | None = None
         self.gateway_killed: str | None = None
+        # (counters read, ray.kill called, process seen gone)
+        self.gateway_kill_times: tuple[float, float, float | None] | None = None
         self.probes: list[Record] = []  # they reach the providers too: part of the accounting
         self.watchers: list[threading.Thread] = []
 
@@ -166,10 +171,12 @@ class FaultRun:
 
     def _kill_gateway(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
         self._whole(GATEWAY, GATEWAY_REPLICAS)
-        self.counters_before_gateway_kill = gateway_counters(self.app)
         ids = replica_ids(self.app, GATEWAY)
         self.gateway_killed = ids[0]
-        kill_actor(self.app, GATEWAY, ids[0])
+        t_read = time.monotonic()
+        self.counters_before_gateway_kill = gateway_counters(self.app)
+        t_kill, t_gone = kill_actor(self.app, GATEWAY, ids[0])
+        self.gateway_kill_times = (t_read, t_kill, t_gone)
         restored = lambda: replaced(self.app, GATEWAY, ids[:1], len(ids))  # noqa: E731
         return time.monotonic(), self._served(PROBE_OPENAI, None), restored
 
@@ -205,9 +212,33 @@ class FaultRun:
         while any(not r.ended for r in cohort) and time.monotonic() < deadline:
             time.sleep(0.2)
         result = summarize(name, cohort, in_flight, t_end - t_inject, recovery, None)
+        if name == "kill_gateway":
+            result["kill"] = self._gateway_kill(cohort)
         if restored is not None:
             self._watch_restore(result, restored, t_end)
         return result
+
+    def _gateway_kill(self, cohort: list[Record]) -> dict[str, Any]:
+        """Which connections the kill may break: those the victim held. Its in-flight count was read
+        just before the kill; requests sent from that read until its process was gone (``ray.kill``
+        only asks: the process dies a moment later) may have gone to it too."""
+        assert self.gateway_kill_times is not None and self.counters_before_gateway_kill is not None
+        t_read, t_kill, t_gone = self.gateway_kill_times
+        victim = self.counters_before_gateway_kill.get(self.gateway_killed or "", {})
+        broken = [r for r in cohort if r.outcome == "conn_error"]
+        gone = t_gone if t_gone is not None else float("inf")
+        return {
+            "replica": self.gateway_killed,
+            "victim_in_flight": victim.get("in_flight"),
+            "victim_waiting": victim.get("waiting"),  # queued for admission: their connections too
+            "process_gone_s": None if t_gone is None else round(t_gone - t_kill, 3),
+            "sent_between_read_and_gone": sum(1 for r in cohort if t_read <= r.t0 <= gone),
+            "conn_error_sent_after_gone": sum(1 for r in broken if r.t0 > gone),
+            "conn_error_ended_before_kill": sum(1 for r in broken if r.t1 is not None and r.t1 < t_kill),
+            "conn_error_detail": [
+                {**describe(r, t_kill), "error": r.error_text[:200]} for r in broken
+            ],  # start_s: from the ray.kill call (< 0: sent before it)
+        }
 
     def _watch_restore(self, result: dict[str, Any], restored: Callable[[], bool], t_end: float) -> None:
         """Fill ``result["restored_s"]`` in when Serve has the killed replica back (a thread)."""

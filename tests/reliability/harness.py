@@ -645,9 +645,10 @@ def replica_ids(app: str, deployment: str) -> list[str]:
     )
 
 
-def kill_actor(app: str, deployment: str, replica: str, wait_s: float = 15.0) -> None:
+def kill_actor(app: str, deployment: str, replica: str, wait_s: float = 15.0) -> tuple[float, float | None]:
     """Kill a Serve replica's actor the way a crash would (Serve starts a new one); returns once its
-    process is gone (``ray.kill`` only asks), or after ``wait_s``."""
+    process is gone (``ray.kill`` only asks), or after ``wait_s``. Returns the monotonic times of
+    the kill and of the first look that found the process gone (None: not seen gone)."""
     import os
 
     import ray
@@ -656,14 +657,16 @@ def kill_actor(app: str, deployment: str, replica: str, wait_s: float = 15.0) ->
     pid: int | None = None
     with contextlib.suppress(Exception):
         pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    t_kill = time.monotonic()
     ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + wait_s
+    deadline = t_kill + wait_s
     while pid is not None and time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
-        time.sleep(0.05)
+            return t_kill, time.monotonic()
+        time.sleep(0.02)
+    return t_kill, None
 
 
 def replaced(app: str, deployment: str, killed: list[str], replicas: int) -> bool:
