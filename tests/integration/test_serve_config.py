@@ -10,6 +10,7 @@ any GPU replica. These are the commands of the README's "Deploy with Serve's CLI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from cluster.kustomize import build, find
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+TAG = "LLMC_SERVE_CONFIG_TEST"
 
 
 def _free_port() -> int:
@@ -66,6 +68,9 @@ def ray_head() -> Iterator[dict[str, str]]:
     env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "2"
     env["PYTHONPATH"] = str(ROOT)
+    # Every process of this Ray cluster inherits the tag: teardown ends exactly those (`ray stop`
+    # would end every Ray on the machine, the test session's own included).
+    env[TAG] = tmp.name
     (tmp / "hap").mkdir()
     gcs, dash = _free_port(), _free_port()
     head = [
@@ -81,8 +86,30 @@ def ray_head() -> Iterator[dict[str, str]]:
     try:
         yield env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _kill_tagged(env[TAG])
         _kill_haproxy(tmp / "hap")
+
+
+def _kill_tagged(tag: str) -> None:
+    import psutil
+
+    def tagged() -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != os.getpid() and p.environ().get(TAG) == tag:
+                    out.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return out
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        procs = tagged()
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(sig)
+        psutil.wait_procs(procs, timeout=15)
+    assert not tagged(), "processes of the test's Ray cluster outlived it"
 
 
 def _kill_haproxy(folder: Path) -> None:
