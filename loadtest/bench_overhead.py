@@ -67,6 +67,7 @@ import aiohttp
 import yaml
 
 from cluster.config import ClusterConfig, load_config, parse_config
+from deployments.local import ENGINE_ENV
 from loadtest.fake_upstream import CHUNKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,17 +86,8 @@ GOAL_ADDED_C1_MS = 1.0
 GOAL_C16_VS_PEER = 2.0
 GOAL_RPS_VS_PEER = 0.8
 GOAL_VLLM_VS_PEER = 1.1
-# The engine environment our replicas get (deployments.local.ENGINE_ENV; shared notes), for the peer's.
-VLLM_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+# The engine environment our replicas get, for the peer's engines too (Ray Serve's own log setting aside).
+VLLM_ENV = {k: v for k, v in ENGINE_ENV.items() if not k.startswith("RAY_")}
 
 
 @dataclass(frozen=True)
