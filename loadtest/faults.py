@@ -235,9 +235,11 @@ class FaultRun:
             "sent_between_read_and_gone": sum(1 for r in cohort if t_read <= r.t0 <= gone),
             "conn_error_sent_after_gone": sum(1 for r in broken if r.t0 > gone),
             "conn_error_ended_before_kill": sum(1 for r in broken if r.t1 is not None and r.t1 < t_kill),
-            "conn_error_detail": [
-                {**describe(r, t_kill), "error": r.error_text[:200]} for r in broken
-            ],  # start_s: from the ray.kill call (< 0: sent before it)
+            # start_s: from the ray.kill call (< 0: sent before it)
+            "conn_error_detail": [{**describe(r, t_kill), "error": r.error_text[:200]} for r in broken],
+            "bad_error_shape_detail": [
+                {**describe(r, t_kill), "error": r.error_text[:200]} for r in cohort if not r.shape_ok
+            ],
         }
 
     def _watch_restore(self, result: dict[str, Any], restored: Callable[[], bool], t_end: float) -> None:
@@ -281,6 +283,9 @@ def summarize(
     out["errored"] = sum(ends.get(k, 0) for k in ERRORED)
     out["error_codes"] = dict(Counter(r.error_code or str(r.status) for r in cohort if r.outcome in ERRORED))
     out["bad_error_shape"] = sum(1 for r in cohort if not r.shape_ok)
+    out["bad_error_shape_detail"] = [
+        {**describe(r, cohort[0].t0), "error": r.error_text[:200]} for r in cohort if not r.shape_ok
+    ]
     out["hung_detail"] = [
         describe(r, cohort[0].t0 if cohort else 0.0) for r in cohort if not r.ended or r.outcome == "hung"
     ]

@@ -485,7 +485,8 @@ def _make_probe() -> Any:
     """A closure, so cloudpickle ships it by value (the actors cannot import ``tests``).
 
     Run by ``__ray_call__`` in an actor: its PID, and - on the event loop that runs a Serve
-    replica's user code (a thread of its own) - its asyncio tasks, and:
+    replica's user code (a thread of its own; the gateway's runs on the replica's main loop) - its
+    asyncio tasks, and:
 
     * in a gateway replica (it has ``admission``): its admission counters, the size of every table
       of each backend's routing view (``in_flight`` entries and their sum, ``live`` replicas,
@@ -493,7 +494,8 @@ def _make_probe() -> Any:
       their bounds, and the replicas the index has a slot for), each provider adapter's
       per-request table (``flights``) and stats, and the race's policy snapshot;
     * in an engine replica (it has ``backend`` and ``ongoing``): its streams in progress (the
-      aiohttp handlers run on the same loop, so their tasks are among ``tasks``) and its engine's
+      aiohttp handlers run on the same loop, so their tasks are among ``tasks``: one per open
+      connection, one per request), the connections its token server holds, and its engine's
       running and waiting requests.
 
     Each gateway replica has its own counters and views (HAProxy spreads the clients over them):
@@ -563,7 +565,12 @@ def _make_probe() -> Any:
                 res.update(gateway(obj))
             elif obj is not None and hasattr(obj, "backend") and hasattr(obj, "ongoing"):
                 s = obj.backend.stats()
-                res["engine"] = {"ongoing": obj.ongoing, "running": s.running, "waiting": s.waiting}
+                res["engine"] = {
+                    "ongoing": obj.ongoing,
+                    "running": s.running,
+                    "waiting": s.waiting,
+                    "connections": len(obj._runner.server.connections),  # its token server's
+                }
             return res
 
         if loop is None or getattr(loop, "_thread_id", None) in (None, threading.get_ident()):
