@@ -111,11 +111,11 @@ class BackendConfig(Strict):
     autoscaling: Autoscaling | None = Field(None, description="Serve autoscaling instead of fixed replicas.")
     resources: Resources = Field(default_factory=Resources, description="Ray resources per replica.")
     max_in_flight_per_replica: int = Field(64, gt=0, description="Router-side cap on requests per replica.")
-    routing: Literal["cache_aware", "least_loaded", "round_robin", "power_of_two", "ray_prefix"] = Field(
+    routing: Literal["cache_aware", "least_loaded", "round_robin", "power_of_two"] = Field(
         "cache_aware",
         description=(
-            "Replica choice: ours (cache_aware), or a baseline for benchmarks: least_loaded, round_robin, "
-            "Serve's default power_of_two, Ray's PrefixCacheAffinityRouter (ray_prefix; needs pyarrow)."
+            "Replica choice, made by the gateway: ours (cache_aware), or a baseline for benchmarks: "
+            "least_loaded, round_robin, power_of_two (two random replicas, the less loaded)."
         ),
     )
     engine: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments (kind vllm).")

@@ -48,7 +48,7 @@ class BackendView:
     policy: AffinityRouter | None
     ejector: ReplicaEjector
     max_in_flight_per_replica: int
-    mode: str = "cache_aware"  # or the baselines: least_loaded, round_robin
+    mode: str = "cache_aware"  # or the baselines: least_loaded, round_robin, power_of_two
     in_flight: Counter[str] = field(default_factory=Counter)
     live: dict[str, ReplicaInfo] = field(default_factory=dict)
     decision_counts: Counter[str] = field(default_factory=Counter)
@@ -81,6 +81,10 @@ class BackendView:
         loads = [self._load(r, r in routable and r not in skip) for r in self.live]
         if self.mode == "round_robin":
             decision = self._round_robin(loads, len(hashes))
+        elif self.mode == "power_of_two":
+            two = [x for x in loads if x.healthy]
+            two = self.rng.sample(two, 2) if len(two) > 2 else two
+            decision = self._least_loaded(two or loads, len(hashes))
         elif self.mode == "least_loaded" or self.policy is None:
             decision = self._least_loaded(loads, len(hashes))
         else:

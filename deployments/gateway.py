@@ -24,7 +24,7 @@ from ray import serve
 from cluster.admission import AdmissionController, AsyncAdmission, Outcome
 from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
-from cluster.errors import ClusterError, InvalidRequest, NotFound, Unauthorized
+from cluster.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
 from cluster.failover import BreakerBoard
 from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest
 from cluster.providers.budget import Prices
@@ -66,7 +66,7 @@ class Gateway:
         self.views: dict[str, BackendView] = {}
         pickers: dict[str, ReplicaPicker] = {}
         providers: dict[str, Any] = {}
-        replica = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = replica = serve.get_replica_context().replica_id.unique_id
         for b in cfg.backends:
             model = cfg.model(b.model)
             assert model is not None  # validated
@@ -77,9 +77,9 @@ class Gateway:
 
                 providers[b.name] = build_provider_backend(b, model, f"{replica}/{b.name}")
                 continue
-            mode = b.routing if b.routing in ("round_robin", "least_loaded") else "cache_aware"
             policy = AffinityRouter(block_size(b), b.model, AffinityParams())
-            view = BackendView(b.name, policy, self.board.replicas(b.name), b.max_in_flight_per_replica, mode)
+            cap = b.max_in_flight_per_replica
+            view = BackendView(b.name, policy, self.board.replicas(b.name), cap, b.routing)
             self.views[b.name] = view
             pickers[b.name] = ReplicaPicker(engines[b.name], view)
         self.providers = providers
@@ -146,6 +146,16 @@ class Gateway:
             await route(scope, receive, send)
         except ClusterError as err:
             await h.send_error(send, err)
+        except asyncio.CancelledError:  # the replica is going away (or the client): say so if we can
+            with contextlib.suppress(Exception):
+                await h.send_error(
+                    send, Overloaded("The gateway replica is shutting down; retry.", retry_after_s=1)
+                )
+            raise
+        except Exception as exc:  # ours: an OpenAI error object, never the server's plain-text 500
+            log.exception("gateway: unexpected error on %s %s", scope["method"], path)
+            with contextlib.suppress(RuntimeError):  # the response may have started already
+                await h.send_error(send, ClusterError(f"internal error: {type(exc).__name__}"))
 
     def _surface(self, scope: h.Scope) -> str:
         if self.cfg.server.auth:
@@ -181,7 +191,7 @@ class Gateway:
         except ClusterError as err:
             await h.send_error(send, err)
             return
-        except ConnectionResetError:
+        except ConnectionResetError:  # the client left while sending its body: nobody to answer
             return
         await self._run(prepared, send, t0)
 

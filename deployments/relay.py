@@ -92,6 +92,7 @@ class Relay:
             acct.first_at = acct.last_at = time.perf_counter()
             acct.backend = backend_of_slot(winner.planned.backend)
             headers = {
+                "x-llmc-gateway": gw.replica_id,
                 "x-llmc-backend": acct.backend,
                 "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
             }

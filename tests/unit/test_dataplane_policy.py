@@ -103,3 +103,10 @@ def test_verdict_effects() -> None:
     assert client.breaker is None and client.failover  # a client error is not the backend's fault
     lost = effects("cancelled", None, hedge=True)
     assert lost.breaker is None and lost.observe_ttft and lost.hedge_won is False
+
+
+def test_power_of_two_picks_the_less_loaded_of_two() -> None:
+    v = BackendView("b", None, ReplicaEjector(), 8, mode="power_of_two")
+    v.sync([ReplicaInfo("r1", "http://a", waiting=5), ReplicaInfo("r2", "http://b", waiting=0)])
+    chosen = {v.choose([], 0.0).replica for _ in range(20)}  # type: ignore[union-attr]
+    assert chosen == {"r2"}  # with two replicas both are drawn: the less loaded wins every time
