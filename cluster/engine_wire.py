@@ -105,6 +105,3 @@ class FrameSplitter:
             i += 1
         self.end = parse_control(complete[i:].rstrip(b"\n"))
         return complete[:i]
-
-    def count_events(self, data: bytes) -> int:
-        return data.count(b"data: ")

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from cluster.attempt_policy import backend_of_slot, effects, error_code, expand_slots
+from cluster.attempt_policy import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
 from cluster.config import ClusterConfig
 from cluster.engine_wire import request_body
 from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
@@ -32,10 +32,6 @@ async def close_stream(stream: Any) -> None:
     if aclose is not None:
         with contextlib.suppress(Exception):
             await aclose()
-
-
-def attempt_replica(att: Attempt) -> str | None:
-    return getattr(att.stream, "replica", None) or getattr(att.stream, "replica_name", None)
 
 
 class AttemptRunner:
@@ -79,11 +75,9 @@ class AttemptRunner:
             attempt_req = dataclasses.replace(req, attempt=planned.attempt)
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
-            avoid = [
-                r
-                for a in prior
-                if backend_of_slot(a.planned.backend) == backend and (r := attempt_replica(a))
-            ]
+            avoid = avoid_replicas(
+                backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
+            )
             picker = self.pickers[backend]
             block_hashes = hashes(backend)
 

@@ -7,7 +7,7 @@ free of I/O, so the gateway runs it inline for small bodies and in a thread for 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -31,7 +31,6 @@ class Prepared:
     meta: ResponseMeta
     candidates: list[str]
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
-    _hashed: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def stream(self) -> bool:
@@ -107,4 +106,4 @@ def prepare(
     for name in cfg.candidates(model.name, surface.name):
         hashes(name)  # here, off the loop for big prompts: once per backend
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes, hashed)
+    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes)

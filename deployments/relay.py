@@ -40,6 +40,16 @@ class _Account:
     finish: str = "stop"
 
 
+@dataclass
+class _Winner:
+    """The winning attempt as the relay sees it: its stream, first item, the rest, our headers."""
+
+    stream: Any
+    first: Any
+    rest: Any
+    headers: dict[str, str]
+
+
 class _Framer:
     """Frames a provider's chunks as the client's SSE events (engines send them framed); a batch
     (what one network read brought) becomes one write."""
@@ -98,26 +108,18 @@ class Relay:
             }
             rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
             framer = _Framer(p)
+            w = _Winner(winner.stream, first, rest, headers)
             if p.stream:
-                outcome = await self._stream(send, p, winner.stream, first, rest, headers, framer, acct)
-            else:
-                outcome = await self._collect(send, p, winner.stream, first, rest, headers, framer, acct)
-            return outcome
+                return await self._stream(send, p, w, framer, acct)
+            return await self._collect(send, p, w, framer, acct)
         finally:
             gw.attempts.finished(result)
             self._record(p, acct, waited_s)
 
     async def _stream(
-        self,
-        send: h.Send,
-        p: Prepared,
-        stream: Any,
-        first: Any,
-        rest: Any,
-        headers: dict[str, str],
-        framer: _Framer,
-        acct: _Account,
+        self, send: h.Send, p: Prepared, w: _Winner, framer: _Framer, acct: _Account
     ) -> Outcome:
+        stream, first, rest, headers = w.stream, w.first, w.rest, w.headers
         await h.start_sse(send, headers)
         clock = time.perf_counter
         item = first
@@ -142,16 +144,9 @@ class Relay:
         return Outcome.COMPLETED
 
     async def _collect(
-        self,
-        send: h.Send,
-        p: Prepared,
-        stream: Any,
-        first: Any,
-        rest: Any,
-        headers: dict[str, str],
-        framer: _Framer,
-        acct: _Account,
+        self, send: h.Send, p: Prepared, w: _Winner, framer: _Framer, acct: _Account
     ) -> Outcome:
+        stream, first, rest, headers = w.stream, w.first, w.rest, w.headers
         item = first
         try:
             while item is not None:
