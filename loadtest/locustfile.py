@@ -12,8 +12,8 @@ typing): the response is closed, which the cluster must turn into an upstream ab
 Locust's own timing of a streamed request ends at the response headers, so the stream itself is
 reported as custom request events, ``request_type`` "SSE":
 
-* ``ttft`` — first content token (ms);  ``itl`` — every gap between content chunks (ms; with
-  ``--llmc-itl mean``, one event per request with its mean gap);  ``e2e`` — the whole stream
+* ``ttft`` — first token chunk (ms; a token may decode to empty text);  ``itl`` — every gap
+  between token chunks (ms; with ``--llmc-itl mean``, one event per request with its mean gap);  ``e2e`` — the whole stream
   (ms; ``response_length`` = output tokens);  ``output_tok_s`` — **the "response time" column is
   output tokens per second** after the first token, per request;  ``cancel`` — a client cancel
   (ms from the request to the cancel).
@@ -22,7 +22,7 @@ reported as custom request events, ``request_type`` "SSE":
   Requests cancelled before the objective without a token are not judged.
 * Errors are Locust failures on the POST row named ``<surface> <path>``, by type:
   ``http_<status>:<openai error code>``, ``stream:<code>`` (an error event inside the stream),
-  ``empty_stream``, ``timeout``, or the transport exception.
+  ``empty_stream`` (a 200 without any token chunk), ``timeout``, or the transport exception.
 
 At the end a per-surface summary (TTFT p50/p99, goodput, errors by type) is printed and written to
 ``--llmc-summary`` when given. Options (each also an environment variable, e.g. ``LLMC_SCALE``):
@@ -207,8 +207,10 @@ class _SurfaceUser(HttpUser):
                 now = time.perf_counter()
                 for ch in obj.get("choices") or ():
                     text = (ch.get("delta") or {}).get("content") if "delta" in ch else ch.get("text")
-                    if not text:
+                    if text is None:  # a role-only or finish-only chunk carries no token
                         continue
+                    # A token can decode to "" (a special or partial-UTF-8 token: the tiny random
+                    # model does this); it is still the engine's first token, so it counts.
                     obs.parts.append(text)
                     obs.tokens += 1
                     if obs.ttft is None:
