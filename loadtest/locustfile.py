@@ -13,10 +13,10 @@ Locust's own timing of a streamed request ends at the response headers, so the s
 reported as custom request events, ``request_type`` "SSE":
 
 * ``ttft`` — first token chunk (ms; a token may decode to empty text);  ``itl`` — every gap
-  between token chunks (ms; with ``--llmc-itl mean``, one event per request with its mean gap);  ``e2e`` — the whole stream
-  (ms; ``response_length`` = output tokens);  ``output_tok_s`` — **the "response time" column is
-  output tokens per second** after the first token, per request;  ``cancel`` — a client cancel
-  (ms from the request to the cancel).
+  between token chunks (ms; with ``--llmc-itl mean``, one event per request with its mean gap);
+  ``e2e`` — the whole stream (ms; ``response_length`` = output tokens);  ``output_tok_s`` — **the
+  "response time" column is output tokens per second** after the first token, per request;
+  ``cancel`` — a client cancel (ms from the request to the cancel).
 * request_type "GOODPUT": ``<surface> ok`` / ``<surface> miss`` — a request that did / did not get
   its first token within the surface's TTFT objective without an error (response time = TTFT).
   Requests cancelled before the objective without a token are not judged.
