@@ -10,6 +10,8 @@ local launcher and the RayService manifests set them; Serve reads them at import
 
 from __future__ import annotations
 
+from cluster.config import BackendConfig
+
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -31,3 +33,13 @@ AUTOSCALING_METRICS_INTERVAL_S = 1.0
 # sent otherwise). The gateway never blocks its loop (big bodies are prepared in a thread).
 # Engines keep Serve's default: a vLLM engine's calls must not stall Serve's control traffic.
 GATEWAY_ENV: dict[str, str] = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+def budget_deployment(b: BackendConfig) -> str | None:
+    """The name of the Serve deployment that holds a provider backend's RPM / TPM / in-flight budget
+    (one replica, in the app: every gateway replica draws from it, and it goes with the app), or
+    None when the backend has no such limit (nothing to share)."""
+    p = b.provider
+    if p is None or (p.rpm is None and p.tpm is None and p.max_in_flight is None):
+        return None
+    return f"budget-{b.name}"

@@ -42,6 +42,7 @@ from cluster.dataplane import (
     ROUTING_STATS_PERIOD_S,
     SERVE_ENV,
     SHIM_ROUTER,
+    budget_deployment,
 )
 
 APP_IMPORT_PATH = "deployments.app:build_app"
@@ -331,11 +332,17 @@ def _front_deployment(name: str, replicas: int, num_cpus: float, s: K8sSettings)
     return d
 
 
+def _budget_deployment(name: str, s: K8sSettings) -> dict[str, Any]:
+    """A provider backend's shared budget (one replica that only counts): on a CPU pod, no CPU."""
+    return {"name": name, "num_replicas": 1, "ray_actor_options": _cpu_side({"num_cpus": 0})}
+
+
 def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
     """``serveConfigV2`` as a mapping (Ray's ServeDeploySchema)."""
     deployments = [
         _front_deployment("Gateway", cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
         *(backend_deployment(b, s) for b in cfg.backends if b.kind != "provider"),
+        *(_budget_deployment(name, s) for b in cfg.backends if (name := budget_deployment(b)) is not None),
     ]
     return {
         "proxy_location": "EveryNode",

@@ -5,8 +5,9 @@
 as a plain dict (from a config file or the CLI's ``key=value`` pairs): they are validated here
 into :class:`AppArgs`, and a bad one fails the deploy with a message naming the field.
 
-Deployments: ``Gateway`` (the app's ingress, serving HTTP itself behind HAProxy) and
-``backend-<name>`` per self-hosted engine backend. Provider backends run inside the gateway.
+Deployments: ``Gateway`` (the app's ingress, serving HTTP itself behind HAProxy),
+``backend-<name>`` per self-hosted engine backend, and ``budget-<name>`` per provider backend
+with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run inside the gateway.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from cluster.dataplane import (
     ROUTING_STATS_PERIOD_S,
     SERVE_ENV,
     SHIM_ROUTER,
+    budget_deployment,
 )
+from deployments.budget_deployment import ProviderBudgetDeployment
 from deployments.engine import EngineReplica
 from deployments.gateway import Gateway
 
@@ -77,9 +80,15 @@ def engine_options(b: BackendConfig) -> dict[str, Any]:
 
 
 def build_graph(cfg: ClusterConfig) -> Application:
-    engines = {}
+    engines, budgets = {}, {}
     for b in cfg.backends:
         if b.kind == "provider":
+            name = budget_deployment(b)
+            if name is not None:  # a limited provider: one budget for every gateway replica
+                assert b.provider is not None
+                budgets[b.name] = ProviderBudgetDeployment.options(name=name).bind(
+                    b.provider.model_dump(mode="json")
+                )
             continue
         model = cfg.model(b.model)
         assert model is not None  # validated
@@ -93,7 +102,7 @@ def build_graph(cfg: ClusterConfig) -> Application:
         num_replicas=cfg.server.gateway_replicas,
         ray_actor_options=actor,
         logging_config={"enable_access_log": False},
-    ).bind(cfg.model_dump(mode="json"), engines)
+    ).bind(cfg.model_dump(mode="json"), engines, budgets)
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -26,7 +27,7 @@ from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
 from cluster.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
 from cluster.failover import BreakerBoard
-from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest
+from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
 from cluster.tokens import load_tokenizer
@@ -57,7 +58,9 @@ def block_size(b: BackendConfig) -> int:
 @serve.deployment(max_ongoing_requests=4096)
 @serve.ingress()
 class Gateway:
-    def __init__(self, config: dict[str, Any], engines: dict[str, Any]) -> None:
+    def __init__(
+        self, config: dict[str, Any], engines: dict[str, Any], budgets: dict[str, Any] | None = None
+    ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
         self._keys = {k.sha256: k.surface for k in cfg.server.api_keys}
         self._token = internal_token()
@@ -71,11 +74,18 @@ class Gateway:
             model = cfg.model(b.model)
             assert model is not None  # validated
             if b.kind == "provider":
+                from deployments.provider_budget import get_budget
                 from deployments.providers import build_provider_backend
 
                 os.environ.update(b.env)  # the adapter runs here: its key's variable, for one
 
-                providers[b.name] = build_provider_backend(b, model, f"{replica}/{b.name}")
+                providers[b.name] = build_provider_backend(
+                    b,
+                    model,
+                    f"{replica}/{b.name}",
+                    budget=get_budget(b, (budgets or {}).get(b.name)),
+                    on_unsettled=functools.partial(_count_unsettled, b.name),
+                )
                 continue
             policy = AffinityRouter(block_size(b), b.model, AffinityParams())
             cap = b.max_in_flight_per_replica
@@ -193,6 +203,8 @@ class Gateway:
             return
         except ConnectionResetError:  # the client left while sending its body: nobody to answer
             return
+        # A client that leaves from here on cancels this task (Serve's direct ingress watches the
+        # connection): admission, the routing view and the attempts clean up on CancelledError.
         await self._run(prepared, send, t0)
 
     async def _run(self, prepared: Any, send: h.Send, t0: float) -> None:
@@ -276,6 +288,13 @@ class _Asgi:
 
     async def __call__(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
         await self.handler(scope, receive, send)
+
+
+def _count_unsettled(backend: str, req: GenerateRequest, usage: Usage, cost: float) -> None:
+    """A provider stream that ended without usage (cancelled, lost, stalled): billed all the same."""
+    metrics.record_usage(req.surface, backend, usage, outcome="cancelled")
+    if cost > 0:
+        metrics.COST.inc(cost, tags={"surface": req.surface, "backend": backend, "outcome": "cancelled"})
 
 
 def _stats_dict(s: BackendStats) -> dict[str, Any]:

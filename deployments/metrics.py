@@ -33,8 +33,12 @@ LATENCY = Histogram(
 )
 TOKENS = Counter(
     "llmc_tokens_total",
-    description="Tokens processed, by kind (prompt, completion, cached).",
-    tag_keys=("surface", "backend", "kind"),
+    description=(
+        "Tokens processed, by kind (prompt, completion, cached) and outcome: completed (the usage a "
+        "client was given) or cancelled (a provider stream that ended without usage: a client cancel, "
+        "a lost hedge, a stall; the provider bills it, counted as sent and received)."
+    ),
+    tag_keys=("surface", "backend", "kind", "outcome"),
 )
 ENDINGS = Counter(
     "llmc_requests_ended_total",
@@ -97,8 +101,8 @@ FAILOVERS = Counter(
 )
 COST = Counter(
     "llmc_cost_usd_total",
-    description="Estimated spend in USD, from configured per-token prices.",
-    tag_keys=("surface", "backend"),
+    description="Estimated spend in USD from configured per-token prices, by outcome (as llmc_tokens_total).",
+    tag_keys=("surface", "backend", "outcome"),
 )
 PREFIX_QUERIES = Gauge(
     "llmc_prefix_cache_queries",
@@ -128,8 +132,8 @@ def record_breakers(rows: list[tuple[str, str, int]]) -> None:
         BREAKER_STATE.set(state, tags={"backend": backend, "replica": replica})
 
 
-def record_usage(surface: str, backend: str, usage: Usage) -> None:
-    tags = {"surface": surface, "backend": backend}
+def record_usage(surface: str, backend: str, usage: Usage, outcome: str = "completed") -> None:
+    tags = {"surface": surface, "backend": backend, "outcome": outcome}
     for kind, n in (
         ("prompt", usage.prompt_tokens),
         ("completion", usage.completion_tokens),

@@ -1,10 +1,12 @@
 """Where a provider's RPM / TPM / in-flight budget lives: one place per backend, whatever the replicas.
 
-With Ray up, the budget is a named async actor per backend (``provider-budget:<backend>``), so
-that every replica of the adapter deployment draws from one budget, as the provider counts it.
-Without Ray (unit and adapter tests, a single process) it is an in-process object, one per
-backend per process. Both speak the same async interface: ``reserve`` (optionally waiting a
-bounded time for room), ``settle`` with the provider's usage, ``release`` without it.
+In a Serve app the budget is a deployment of the app (``budget-<backend>``, one replica), so every
+gateway replica draws from one budget, as the provider counts it; it is deployed, redeployed and
+deleted with its app, and two apps with a backend of the same name have one budget each.
+Without Serve (unit and adapter tests, a single process) it is an in-process object, one per
+backend per process. A backend with no limit has no shared state at all. All speak the same async
+interface: ``reserve`` (optionally waiting a bounded time for room), ``settle`` with the
+provider's usage, ``release`` without it.
 
 The pure accounting is :class:`cluster.providers.budget.ProviderBudget`; this module only adds
 the clock, the waiting and the place.
@@ -13,7 +15,6 @@ the clock, the waiting and the place.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -25,9 +26,6 @@ from cluster.protocol import Usage
 from cluster.providers.budget import Admission, Prices, ProviderBudget, cost_usd
 
 log = logging.getLogger(__name__)
-
-ACTOR_PREFIX = "provider-budget:"
-RAY_NAMESPACE = "llm-cluster-budgets"  # one namespace, so replicas of every Serve app find the actor
 
 
 class Budget(Protocol):
@@ -101,59 +99,25 @@ class LocalBudget:
             self._changed = None
 
 
-class BudgetActor:
-    """The Ray actor body: a LocalBudget behind async methods (waits happen inside the actor)."""
+class ServeBudget:
+    """The backend's budget deployment in this app (``budget-<backend>``, see
+    ``deployments/budget_deployment.py``), through a Serve handle: one call per reserve, settle or
+    release, never per chunk. A budget replica that is gone is a clean 503 for the request."""
 
-    def __init__(self, cfg: dict[str, Any], window_s: float = 60.0) -> None:
-        self._local = LocalBudget.from_config(ProviderConfig.model_validate(cfg), window_s=window_s)
-
-    async def reserve(
-        self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
-    ) -> Admission:
-        return await self._local.reserve(request_id, input_tokens, max_tokens, wait_s)
-
-    async def settle(self, request_id: str, usage: Usage) -> float:
-        return await self._local.settle(request_id, usage)
-
-    async def release(self, request_id: str, tokens_used: int = 0) -> None:
-        await self._local.release(request_id, tokens_used)
-
-    async def configure(self, cfg: dict[str, Any]) -> None:
-        self._local.configure(ProviderConfig.model_validate(cfg))
-
-    async def snapshot(self) -> dict[str, Any]:
-        return self._local.snapshot()
-
-
-class RemoteBudget:
-    """A handle to the backend's budget actor; refs are awaited, never ``ray.get`` on the loop."""
-
-    def __init__(self, backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -> None:
+    def __init__(self, backend: str, handle: Any) -> None:
         self.backend = backend
-        self._cfg = cfg
-        self._window_s = window_s
-        # Looked up now, in the replica's constructor, not on the event loop of the first request.
-        self._actor: Any = budget_actor(backend, cfg, window_s=window_s)
-
-    def _handle(self) -> Any:
-        if self._actor is None:
-            self._actor = budget_actor(self.backend, self._cfg, window_s=self._window_s)
-        return self._actor
+        self._handle = handle
 
     async def _call(self, method: str, *args: Any) -> Any:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayError
 
-        for attempt in range(2):
-            try:
-                return await getattr(self._handle(), method).remote(*args)
-            except RayActorError as exc:
-                self._actor = None  # died (node lost): get or create it again, once
-                if attempt:
-                    raise BackendUnavailable(
-                        f"provider backend '{self.backend}': its budget actor is unavailable",
-                        backend=self.backend,
-                    ) from exc
-        raise AssertionError("unreachable")
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except RayError as exc:  # died or restarting: Serve brings a new one up
+            raise BackendUnavailable(
+                f"provider backend '{self.backend}': its budget is unavailable ({type(exc).__name__})",
+                backend=self.backend,
+            ) from exc
 
     async def reserve(
         self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0
@@ -168,28 +132,6 @@ class RemoteBudget:
 
     async def snapshot(self) -> dict[str, Any]:
         return await self._call("snapshot")
-
-
-def budget_actor(backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -> Any:
-    """Get (or create) the named budget actor of ``backend`` and bring its limits up to date."""
-    import ray
-
-    cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=10_000)(BudgetActor)
-    actor = cls.options(
-        name=ACTOR_PREFIX + backend,
-        namespace=RAY_NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",  # outlives any one replica; removed with the cluster or kill_budget_actor
-    ).remote(cfg.model_dump(), window_s)
-    actor.configure.remote(cfg.model_dump())  # a redeploy may have changed the limits
-    return actor
-
-
-def kill_budget_actor(backend: str) -> None:
-    import ray
-
-    with contextlib.suppress(ValueError):
-        ray.kill(ray.get_actor(ACTOR_PREFIX + backend, namespace=RAY_NAMESPACE))
 
 
 class UnlimitedBudget:
@@ -227,18 +169,14 @@ def local_budget(backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -
     return b
 
 
-def get_budget(backend: BackendConfig) -> Budget:
-    """The Ray actor budget when Ray is up (every replica shares it), else the in-process one."""
+def get_budget(backend: BackendConfig, handle: Any = None) -> Budget:
+    """The app's budget deployment through ``handle`` (every gateway replica shares it), else the
+    in-process one (a single process: unit and adapter tests); nothing for a backend with no limit."""
     if backend.provider is None:
         raise ValueError(f"backend '{backend.name}' has no provider section")
     p = backend.provider
     if p.rpm is None and p.tpm is None and p.max_in_flight is None:
         return UnlimitedBudget(p)
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return RemoteBudget(backend.name, backend.provider)
-    except ImportError:
-        pass
-    return local_budget(backend.name, backend.provider)
+    if handle is not None:
+        return ServeBudget(backend.name, handle)
+    return local_budget(backend.name, p)

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import httpx
@@ -32,6 +32,7 @@ from cluster.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
+from cluster.providers.budget import Prices, cost_usd
 from cluster.providers.sse import SSEDecoder, SSEEvent
 from cluster.tokens_provider import provider_counter
 from deployments.provider_budget import Budget, get_budget
@@ -135,6 +136,7 @@ class ProviderBackend:
         budget: Budget | None = None,
         client: httpx.AsyncClient | None = None,
         admission_wait_s: float = 0.0,
+        on_unsettled: Callable[[GenerateRequest, Usage, float], None] | None = None,
     ) -> None:
         if backend.provider is None:
             raise ValueError(f"backend '{backend.name}' has no provider section")
@@ -168,6 +170,11 @@ class ProviderBackend:
         self.usage_estimated = 0
         self.cost_usd_total = 0.0
         self.prompt_tokens_total = self.completion_tokens_total = 0
+        self.prices = Prices.from_config(self.cfg)
+        self.on_unsettled = on_unsettled  # (request, usage, cost) for streams ended without usage
+        self.cancelled_requests = 0
+        self.cancelled_prompt_tokens_total = self.cancelled_completion_tokens_total = 0
+        self.cancelled_cost_usd_total = 0.0
         self._est_err_last: float | None = None
         self._est_err_ewma: float | None = None
         self._est_abs_err_sum = 0.0
@@ -334,13 +341,40 @@ class ProviderBackend:
                 flights.remove(flight)
             if not flights:
                 self._flights.pop(req.request_id, None)
-            # Shielded: a second cancellation must not leave the connection open or the slot taken.
-            if response is not None:
-                await asyncio.shield(response.aclose())
+            release: int | None = None  # tokens to charge when the slot goes back without usage
             if reserved and not settled:
+                release = 0
                 if charged:  # it reached the provider: the input, and what came back, may be billed
-                    charged += self._count_out(out_parts)
-                await asyncio.shield(self.budget.release(req.request_id, charged))
+                    out = self._count_out(out_parts)
+                    release = charged + out
+                    if response is not None and response.status_code == 200:
+                        self._count_unsettled(req, Usage(prompt_tokens=input_est, completion_tokens=out))
+            # One shielded task for both steps: a second cancellation while the connection closes
+            # must not skip the release (the slot would be held until the reservation expires).
+            await asyncio.shield(self._close(req.request_id, response, release))
+
+    async def _close(self, request_id: str, response: httpx.Response | None, release: int | None) -> None:
+        try:
+            if response is not None:
+                await response.aclose()
+        finally:
+            if release is not None:
+                await self.budget.release(request_id, release)
+
+    def _count_unsettled(self, req: GenerateRequest, usage: Usage) -> None:
+        """A stream that reached the provider and ended without its usage (cancelled by the client,
+        lost a hedge, stalled, broke): the provider bills what it read and wrote, so we count it too
+        (prompt tokens as sent, output tokens as received), apart from the settled totals."""
+        cost = cost_usd(usage, self.prices)
+        self.cancelled_requests += 1
+        self.cancelled_prompt_tokens_total += usage.prompt_tokens
+        self.cancelled_completion_tokens_total += usage.completion_tokens
+        self.cancelled_cost_usd_total += cost
+        if self.on_unsettled is not None:
+            try:
+                self.on_unsettled(req, usage, cost)
+            except Exception:  # metrics must never break the request's cleanup
+                log.exception("provider backend %s: on_unsettled hook failed", self.backend_name)
 
     async def abort(self, request_id: str) -> None:
         for flight in list(self._flights.get(request_id, [])):
@@ -380,6 +414,11 @@ class ProviderBackend:
             "cost_usd_total": self.cost_usd_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "completion_tokens_total": self.completion_tokens_total,
+            # streams that reached the provider and ended without usage (cancels, stalls, breaks)
+            "cancelled_requests": self.cancelled_requests,
+            "cancelled_prompt_tokens_total": self.cancelled_prompt_tokens_total,
+            "cancelled_completion_tokens_total": self.cancelled_completion_tokens_total,
+            "cancelled_cost_usd_total": self.cancelled_cost_usd_total,
             "auth_failures": self.auth_failures,
             "budget_denied": self.budget_denied,
         }

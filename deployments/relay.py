@@ -188,5 +188,6 @@ class Relay:
             metrics.record_usage(surface, acct.backend, acct.usage)
             prices = self.gw.prices.get(acct.backend)
             if prices is not None and (cost := cost_usd(acct.usage, prices)) > 0:
-                metrics.COST.inc(cost, tags={"surface": surface, "backend": acct.backend})
+                tags = {"surface": surface, "backend": acct.backend, "outcome": "completed"}
+                metrics.COST.inc(cost, tags=tags)
             metrics.LATENCY.observe(now - acct.t0, tags={"surface": surface, "outcome": "completed"})

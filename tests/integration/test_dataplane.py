@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from cluster.config import parse_config
+from tests.rawhttp import RawRequest
 
 pytestmark = pytest.mark.integration
 MODEL = "dp-model"
@@ -42,9 +43,39 @@ def _cfg(name: str, backend: dict[str, Any]) -> Any:
     )
 
 
+STALL_MODEL = "dp-stall-model"
+
+
+def _dp_cfg() -> Any:
+    """The module's app, plus a surface ``tab`` with one slot and a stalling backend to hold it."""
+    raw = _cfg("llm-cluster-dp", {"replicas": 1, "sim_options": {"speedup": 50.0}}).model_dump(
+        mode="json", exclude_unset=True
+    )
+    raw["models"].append({"name": STALL_MODEL, "tokenizer": "@tiny", "context_window": 8192})
+    raw["backends"].append(
+        {
+            "name": "dp-stall",
+            "kind": "sim",
+            "model": STALL_MODEL,
+            "replicas": 1,
+            "resources": {"num_cpus": 0.1},
+            "sim_profile": "llama-3.1-8b-h100",
+            "sim_options": {"stall_after_tokens": 2},
+        }
+    )
+    raw["surfaces"].append(
+        {"name": "tab", "priority": 0, "max_concurrency": 1, "max_queue": 8, "queue_deadline_ms": 60_000}
+    )
+    raw["policies"] = {"stream_idle_timeout_s": STALL_IDLE_S}
+    return parse_config(raw)
+
+
+STALL_IDLE_S = 30.0  # a stalled stream's idle timeout: far longer than a disconnect takes to act
+
+
 @pytest.fixture(scope="module")
 def dp(deploy):
-    return deploy(_cfg("llm-cluster-dp", {"replicas": 1, "sim_options": {"speedup": 50.0}}), "/dp")
+    return deploy(_dp_cfg(), "/dp")
 
 
 def _gateway_actor(cluster: Any) -> Any:
@@ -227,3 +258,55 @@ async def test_killing_a_gateway_replica_mid_load(deploy) -> None:
             except httpx.HTTPError:
                 await asyncio.sleep(0.5)
         assert served == 3, "new requests are served after a gateway replica died"
+
+
+def _admission(dp) -> dict[str, Any]:
+    return dp.status()["admission"]
+
+
+def _wait(pred: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return bool(pred())
+
+
+def test_a_client_that_leaves_while_queued_leaves_nothing_behind(dp) -> None:
+    """Issue 15 item 2: on the old path a request cancelled before it was admitted (queued, or
+    still being tokenized) never ran its routing cleanup. On the gateway a client that leaves
+    cancels its request's task wherever it is (Serve's direct ingress watches the connection); a
+    waiter that leaves the admission queue is counted once, and nothing of it is left in the
+    routing view or reaches an engine. Then the holder of tab's one slot leaves mid-stream while
+    its engine is silent: the slot comes back without waiting for the idle timeout."""
+    url = dp.base_url + "/chat/completions"
+    a0 = _admission(dp)
+    holder = RawRequest(
+        url,
+        {
+            "model": STALL_MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 64,
+            "stream": True,
+        },
+        {"x-surface": "tab"},
+    )
+    holder.read_until(b'"content":"')  # tab's one slot is held: the engine went silent after it
+    assert holder.status == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 4}
+    waiters = [RawRequest(url, body, {"x-surface": "tab"}) for _ in range(3)]  # queued, 60 s deadline
+    assert _wait(lambda: _admission(dp)["waiting"] == a0["waiting"] + 3, 20), _admission(dp)
+    for w in waiters:
+        w.close()  # the clients leave while queued
+    assert _wait(lambda: _admission(dp)["waiting"] == a0["waiting"], 20), _admission(dp)
+    a1 = _admission(dp)
+    assert a1["abandoned"] - a0["abandoned"] == 3, (a0, a1)
+    assert a1["admitted"] - a0["admitted"] == 1, (a0, a1)  # only the holder
+    routing = dp.status()["routing"]
+    assert sum(routing["dp-sim"]["in_flight"].values()) == 0, routing  # none reached the engine
+
+    holder.close()  # faster than the idle timeout: the disconnect itself ends it
+    assert _wait(lambda: _admission(dp)["in_flight"] == a0["in_flight"], STALL_IDLE_S / 2), _admission(dp)
+    a2 = _admission(dp)
+    assert a2["balanced"] and a2["cancelled"] - a0["cancelled"] == 1, (a0, a2)
+    routing = dp.status()["routing"]
+    assert all(sum(v["in_flight"].values()) == 0 for v in routing.values()), routing

@@ -592,8 +592,8 @@ def _make_probe() -> Any:
 
 
 def serve_actor_names(app: str) -> list[tuple[str, str]]:
-    """(name, namespace) of the app's replicas (gateways and engines), the Serve controller and
-    proxies, and the provider budgets' actors."""
+    """(name, namespace) of the app's replicas (gateways, engines, provider budgets), the Serve
+    controller and proxies."""
     import ray
 
     out = []
@@ -603,7 +603,6 @@ def serve_actor_names(app: str) -> list[tuple[str, str]]:
             name.startswith(f"SERVE_REPLICA::{app}#")
             or name in ("SERVE_CONTROLLER_ACTOR",)
             or name.startswith("SERVE_PROXY_ACTOR")
-            or (ns == "llm-cluster-budgets" and name.split(":", 1)[-1] in (OPENAI_BACKEND, ANTHROPIC_BACKEND))
         ):
             out.append((name, ns))
     return sorted(out)

@@ -398,8 +398,15 @@ def test_serve_config_args_are_the_cluster_config(which: str) -> None:
     assert set(app["args"]) == {"config"}
     assert ClusterConfig.model_validate(app["args"]["config"]) == cfg
     names = {d["name"] for d in app["deployments"]}
-    # Provider adapters run inside the gateway: only engines are deployments of their own.
-    assert names == {"Gateway", *(f"backend-{b.name}" for b in cfg.backends if b.kind != "provider")}
+    # Provider adapters run inside the gateway: engines are deployments of their own, and so is the
+    # shared budget of each provider backend with a limit (none for an unlimited one).
+    budgets = {f"budget-{b.name}" for b in cfg.backends if b.provider and (b.provider.rpm or b.provider.tpm)}
+    budgets |= {f"budget-{b.name}" for b in cfg.backends if b.provider and b.provider.max_in_flight}
+    assert names == {
+        "Gateway",
+        *(f"backend-{b.name}" for b in cfg.backends if b.kind != "provider"),
+        *budgets,
+    }
 
 
 def test_serve_options_agree_with_the_app_builder() -> None:
