@@ -155,6 +155,7 @@ class AttemptRunner:
         s = self.hedge.stats
         return {
             "breakers": [{"backend": b, "replica": r, "state": st} for b, r, st in self.board.metrics(now)],
+            "hedge_tokens": self.hedge.budget.tokens,
             "hedges_sent": s.hedges_sent,
             "hedges_won": s.hedges_won,
             "hedges_cancelled": s.hedges_cancelled,
