@@ -724,16 +724,22 @@ def gateway_policies(app: str) -> dict[str, dict[str, Any]]:
 
 
 def provider_totals(app: str, backends: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """The provider adapters' own totals (prompt and completion tokens, cost), summed over the
-    gateway replicas (each runs its own adapters)."""
+    """The provider adapters' own totals (prompt and completion tokens, cost; requests settled with
+    the provider's usage and requests that reached it but ended without), summed over the gateway
+    replicas (each runs its own adapters)."""
     out: dict[str, dict[str, float]] = {}
     for p in gateway_probes(app).values():
         for name, s in p["providers"].items():
             if name in backends:
-                t = out.setdefault(name, {"prompt": 0, "completion": 0, "cost": 0.0})
+                t = out.setdefault(
+                    name,
+                    {"prompt": 0, "completion": 0, "cost": 0.0, "requests": 0, "unsettled": 0},
+                )
                 t["prompt"] += s["extra"].get("prompt_tokens_total", 0)
                 t["completion"] += s["extra"].get("completion_tokens_total", 0)
                 t["cost"] += s["extra"].get("cost_usd_total", 0.0)
+                t["requests"] += s["requests_finished"]  # settled with the provider's usage
+                t["unsettled"] += s["extra"].get("cancelled_requests", 0)  # reached it, ended without
     return out
 
 

@@ -63,9 +63,14 @@ def test_clean_run_ends_cleanly(clean_run) -> None:
     ends = Counter(r.outcome for r in clean_run["records"])
     assert set(ends) <= {"completed", "failed_over", "cancelled", "error_status", "error_event"}, ends
     assert _errors(ends) <= 0.02 * len(clean_run["records"]), ends
-    assert ends["completed"] >= 10 and ends["cancelled"] > 0, (
-        ends
-    )  # load really ran (a starved box serves few)
+    # Each request ends as its client meant: the "cancel" shape's clients leave after 3 chunks,
+    # every other one reads to the end (or gets a clean error, counted above).
+    for r in clean_run["records"]:
+        if r.outcome in ("error_status", "error_event"):
+            continue
+        want = {"cancelled"} if r.shape == "cancel" else {"completed", "failed_over"}
+        assert r.outcome in want, r
+    assert ends["completed"] > 0 and ends["cancelled"] > 0, ends
 
 
 def test_gateway_counters_balance_and_match_the_clients(clean_run) -> None:
@@ -105,7 +110,14 @@ def test_adapter_totals_and_cost_match_the_providers(rel, clean_run) -> None:
         prompt = sum(x.prompt_tokens for x in ok)
         completion = sum(x.completion_tokens for x in ok)
         got_prompt, got_completion = t1["prompt"] - t0["prompt"], t1["completion"] - t0["completion"]
-        if _errors(Counter(r.outcome for r in clean_run["records"])):  # a timed-out answer may be billed
+        # Every request that reached the provider is in our books once: settled with its usage, or
+        # counted as ended without it (a client gone, a lost hedge, a timeout; issue 15 item 5).
+        reached = [x for x in server.stats().records if not x.outcome.startswith("status:")]
+        ours = (t1["requests"] - t0.get("requests", 0)) + (t1["unsettled"] - t0.get("unsettled", 0))
+        assert ours == len(reached), (backend, ours, Counter(x.outcome for x in reached))
+        if _errors(Counter(r.outcome for r in clean_run["records"])):
+            # A provider may finish an answer whose client timed out first: we counted that one as
+            # ended without usage (above), so the settled tokens are those of the rest.
             assert got_prompt <= prompt and got_completion <= completion, backend
             continue
         assert (got_prompt, got_completion) == (prompt, completion), backend
