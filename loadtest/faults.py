@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.provenance import git_state, provenance
 from tests.reliability.harness import (
     ANTHROPIC_BACKEND,
     GATEWAY,
@@ -429,6 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     from tests.servers.anthropic_server import AnthropicServer
     from tests.servers.openai_server import OpenAIServer
 
+    git, load0, t0 = git_state(), os.getloadavg(), time.monotonic()
     keys = Keys()  # exports the provider key to this process's environment, before Ray starts
     port = free_port()
     with (
@@ -444,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             local.stop()
     out = public(summary)
+    out["provenance"] = provenance(argv or sys.argv[1:], git, load0, t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(json.dumps({k: out[k] for k in ("duration_s", "requests", "endings", "accounting")}, indent=2))

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from loadtest.provenance import git_state, provenance
 from tests.reliability.harness import MIX_SHAPES, Keys, Load, actor_snapshot, wait_idle
 
 RESULTS = Path(__file__).parent / "results"
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     from tests.servers.anthropic_server import AnthropicServer
     from tests.servers.openai_server import OpenAIServer
 
+    git, load0, t0 = git_state(), os.getloadavg(), time.monotonic()
     keys = Keys()  # exports the provider key to this process's environment, before Ray starts
     port = free_port()
     with (
@@ -181,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         finally:
             local.stop()
+    out["provenance"] = provenance(argv or sys.argv[1:], git, load0, t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k not in ("actors", "gateway_counters")}, indent=2))
