@@ -71,11 +71,16 @@ def run_soak(
     workers: int = 4,
     think_s: float = 0.1,
     sample_every_s: float = 5.0,
+    rest_s: float = 0.0,
 ) -> dict[str, Any]:
+    """``rest_s``: how long to wait, once idle, before each at-rest snapshot. Past the pools'
+    keep-alive expiry (30 s: the gateway's connections to engines and providers) the idle pooled
+    connections have closed too, so the sockets at rest should match exactly; with 0 they count."""
     # Warm-up: pools, caches, lazily built things; then the baseline at rest.
     with Load(base_url, keys, workers=workers, think_s=think_s, max_s=warmup_s, shapes=MIX_SHAPES, seed=1):
         time.sleep(warmup_s)
     _idle(app)
+    time.sleep(rest_s)
     base = actor_snapshot(app)
     series: dict[str, list[tuple[float, float]]] = {k: [(0.0, v["rss_mb"])] for k, v in base.items()}
     t0 = time.monotonic()
@@ -97,6 +102,7 @@ def run_soak(
                 series.setdefault(name, []).append((t, v["rss_mb"]))
     records = load.snapshot()
     counters = _idle(app)
+    time.sleep(rest_s)
     end = actor_snapshot(app)
     actors: dict[str, Any] = {}
     for name in sorted(set(base) | set(end)):
@@ -139,6 +145,7 @@ def run_soak(
     return {
         "duration_s": round(time.monotonic() - t0, 1),
         "workers": workers,
+        "rest_s": rest_s,
         "requests": len(records),
         "rate_rps": round(len(records) / max(1e-9, time.monotonic() - t0), 2),
         "endings": dict(Counter(r.outcome if r.ended else "hung" for r in records)),
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--rest", type=float, default=35.0, help="seconds at rest before each snapshot")
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = p.parse_args(argv)
 
@@ -182,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
                 duration_s=args.minutes * 60,
                 workers=args.workers,
                 sample_every_s=15,
+                rest_s=args.rest,
             )
         finally:
             local.stop()
