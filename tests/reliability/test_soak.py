@@ -23,7 +23,11 @@ pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
 LONG = os.environ.get("LLMC_LONG") == "1"
 DURATION_S = 600 if LONG else 75
-RSS_BOUND_MB = 60 if LONG else 30  # per actor, baseline at rest to end at rest
+# Per actor, baseline at rest to end at rest. Measured: a gateway grows about 18 MB in 5 minutes
+# (0.8-1.0 MB/min in the second half, both runs; its routing index and session tables fill up to
+# their bounds, which these figures cannot tell from a slow leak); engines and Serve's actors 2-5 MB.
+# A 75 s run cannot resolve 1 MB/min against that noise: loadtest/soak.py reports the slope.
+RSS_BOUND_MB = 60 if LONG else 30
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,14 @@ def test_nothing_left_behind(soak) -> None:
     for name, a in soak["actors"].items():
         if "tasks_end" not in a:
             continue
-        assert a["sockets_end"] <= a["sockets_start"] + 4, (name, a)
-        assert a["fds_end"] <= a["fds_start"] + 8, (name, a)
+        # Measured on the gateway path (loadtest/results/soak*.json, two 5-minute runs, 2,517 and
+        # 3,601 requests): a gateway ends with 1-4 more sockets than it started with (its pooled,
+        # idle connections to the engines and providers; 1-2 still after 35 s at rest), an engine
+        # with 0-3 (the other end of those). A leak per request would be hundreds here; what is
+        # pooled is bounded by the peers. Every other descriptor stays where it was.
+        grew = a["sockets_end"] - a["sockets_start"]
+        assert grew <= 4, (name, a)
+        assert a["fds_end"] - a["fds_start"] <= max(grew, 0), (name, a)
         tables = a.get("routing_tables_end")
         if tables is not None:  # a gateway replica: its per-request entries are all forgotten at rest
             views_seen += 1
