@@ -166,6 +166,9 @@ class ApiKey(Strict):
 class ServerConfig(Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port.")
+    metrics_port: int = Field(
+        8080, gt=0, lt=65536, description="Prometheus port of Ray's metrics agent (GET /metrics), each node."
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Request bodies above this get a 413.")
     auth: bool = Field(False, description="Require API keys (maps keys to surfaces).")
     api_keys: list[ApiKey] = Field(default_factory=list, description="Accepted keys, hashed.")

@@ -89,13 +89,20 @@ class EngineReplica:
         return runner, url
 
     async def _report_metrics(self) -> None:
-        """The engine's own counters as gauges (prefix-cache queries and hits, KV use, queue),
-        once a second from here: the dashboard's per-replica and hit-rate panels read them."""
-        from deployments import metrics
+        """The engine's own counters (prefix-cache queries and hits, requests) and gauges (KV use,
+        queue), once a second from here: the dashboard's per-replica panels and ``cluster status``
+        read them. A failure is logged once, not swallowed: a silent one hid these metrics before."""
+        from deployments.metrics import EngineReporter
 
+        reporter = EngineReporter(self.replica_id)
+        warned = False
         while True:
-            with contextlib.suppress(Exception):
-                metrics.record_backend_stats({self.replica_id: self.backend.stats()})
+            try:
+                reporter.record(self.backend.stats())
+            except Exception:
+                if not warned:
+                    log.exception("engine %s replica %s: no metrics", self.cfg.name, self.replica_id)
+                    warned = True
             await asyncio.sleep(METRICS_PERIOD_S)
 
     # -- Serve hooks -------------------------------------------------------------------------------

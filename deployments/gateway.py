@@ -90,7 +90,7 @@ class Gateway:
         for m in cfg.models:  # load tokenizers now, not on the first request
             load_tokenizer(m.tokenizer)
         self._openapi = h.openapi_document()
-        self._breaker_task = asyncio.get_event_loop().create_task(self._report_breakers())
+        self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
@@ -100,11 +100,14 @@ class Gateway:
             ("GET", "/internal/status"): self._status,
         }
 
-    async def _report_breakers(self) -> None:
-        """Breaker states as gauges once a second (never per request or chunk)."""
+    async def _report_gauges(self) -> None:
+        """Breaker states and this replica's admission load as gauges once a second (never per
+        request or chunk)."""
         while True:
             with contextlib.suppress(Exception):
                 metrics.record_breakers(self.board.metrics(time.monotonic()))
+                c = self.admission.controller.counters()
+                metrics.record_gateway(self.replica_id, c.in_flight, c.waiting)
             await asyncio.sleep(1.0)
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -651,7 +651,7 @@ def serve_cluster(config_path: Path, port: int, ready_file: Path) -> int:
     try:
         from deployments import local
 
-        local.start(load_config(config_path), port=port)
+        local.start(load_config(config_path), port=port, metrics_port=0)
     except BaseException as exc:
         traceback.print_exc()
         ready_file.write_text(f"error: local.start failed: {type(exc).__name__}: {exc}"[:2000])

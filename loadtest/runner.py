@@ -412,11 +412,8 @@ def server_summary(before: Series, after: Series) -> dict[str, Any]:
     if not after:
         return {"available": False}
     d = metrics_delta(before, after)
-    hits = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_hits")
-    queries = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_queries")
-    hits0 = sum(v for (n, _), v in before.items() if n == "ray_llmc_prefix_cache_hits")
-    queries0 = sum(v for (n, _), v in before.items() if n == "ray_llmc_prefix_cache_queries")
-    dq = queries - queries0
+    hits = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_hits_total")
+    dq = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_queries_total")
     return {
         "available": True,
         "ttft_ms_by_surface": histogram_quantiles(d, "ray_llmc_ttft_seconds", "surface"),
@@ -427,7 +424,6 @@ def server_summary(before: Series, after: Series) -> dict[str, Any]:
         "rejections_by_code": sum_by(d, "ray_llmc_rejections_total", "code"),
         "failovers_by_backend": sum_by(d, "ray_llmc_failovers_total", "backend"),
         "routing_by_reason": sum_by(d, "ray_llmc_routing_decisions_total", "reason"),
-        # The engines' prefix-cache counters are gauges of running totals: the run's hit rate is
-        # the change in hits over the change in queries.
-        "prefix_cache_hit_rate": round((hits - hits0) / dq, 4) if dq > 0 else None,
+        # The engines' prefix-cache counters: the run's hit rate is their increases' ratio.
+        "prefix_cache_hit_rate": round(hits / dq, 4) if dq > 0 else None,
     }
