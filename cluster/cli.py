@@ -1,5 +1,5 @@
 """The ``cluster`` command: serve the local cluster, check a config, stream a demo answer, and the
-ops subcommands (``k8s``, ``plan``, ``bench``) that other modules add when present.
+ops subcommands (``k8s``, ``plan``, ``status``, ``bench``) that other modules add when present.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from cluster.config import ConfigError, load_config
 _PLUGINS = (
     ("cluster.cli_k8s", "add_k8s_parser"),
     ("cluster.cli_plan", "add_plan_parser"),
+    ("cluster.cli_status", "add_status_parser"),
     ("loadtest.cli_bench", "add_bench_parser"),
 )
 
