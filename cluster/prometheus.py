@@ -58,53 +58,76 @@ def family(name: str) -> str:
     return name
 
 
-# -- PromQL: which metrics and labels an expression names ------------------------------------------
+# -- PromQL: which metrics an expression selects, and the labels each must carry -------------------
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_RANGES = re.compile(r"\[[^\]]*\]")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_GROUPING = re.compile(r"\b(by|without|on|ignoring)\s*\(([^)]*)\)")
 _MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _KEYWORDS = {
     *("sum", "avg", "min", "max", "count", "stddev", "stdvar", "topk", "bottomk", "quantile"),
     *("count_values", "group", "by", "without", "on", "ignoring", "group_left", "group_right"),
-    *("and", "or", "unless", "bool", "offset", "inf", "nan", "le"),
-    *("rate", "irate", "increase", "delta", "idelta", "deriv", "histogram_quantile", "label_values"),
-    *("abs", "ceil", "floor", "round", "clamp", "clamp_min", "clamp_max", "vector", "scalar", "time"),
-    *("sort", "sort_desc", "absent", "absent_over_time", "changes", "resets", "label_replace"),
-    *("avg_over_time", "max_over_time", "min_over_time", "sum_over_time", "count_over_time"),
+    *("and", "or", "unless", "bool", "offset", "inf", "nan"),
 }
 
 
-def promql_metrics(expr: str) -> set[str]:
-    """Metric names an expression (or a Grafana ``label_values(metric, label)`` query) selects."""
-    text = _STRINGS.sub('""', expr)
-    text = re.sub(r"\{[^}]*\}", "{}", text)  # matchers name labels, not metrics
-    text = _RANGES.sub("", text)
-    text = _GROUPING.sub("", text)
-    text = re.sub(r"\$\{?\w+\}?", "", text)  # Grafana variables
-    text = re.sub(r"label_values\(([^,)]*),[^)]*\)", r"\1", text)
-    names = set()
-    for m in _IDENT.finditer(text):
+def promql_selectors(expr: str) -> dict[str, set[str]]:
+    """Each metric an expression (or a Grafana ``label_values(metric, label)`` query) selects →
+    the labels it must carry: those its own matchers name, and those of every ``by``/``without``
+    aggregation around it (``on``/``ignoring`` apply to both sides: to every metric)."""
+    lv = re.fullmatch(r"\s*label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*([a-zA-Z_]\w*)\s*\)\s*", expr)
+    if lv:
+        return {lv.group(1): {lv.group(2)}}
+    text = _STRINGS.sub(lambda m: '"' + " " * (len(m.group()) - 2) + '"', expr)  # keep offsets
+    text = re.sub(r"\$\{?\w+\}?", lambda m: " " * len(m.group()), text)  # Grafana variables
+    text = re.sub(r"\[[^\]]*\]", lambda m: " " * len(m.group()), text)  # range selectors
+    scopes: list[tuple[int, int, set[str]]] = []
+    everywhere: set[str] = set()
+    for g in _GROUPING.finditer(text):
+        labels = {x.strip() for x in g.group(2).split(",") if x.strip()}
+        if g.group(1) in ("on", "ignoring"):
+            everywhere |= labels
+        elif (start := text.find("(", g.end())) >= 0 and not text[g.end() : start].strip():
+            scopes.append((start, _closing(text, start), labels))
+    blanked = re.sub(r"\{[^}]*\}", lambda m: " " * len(m.group()), text)
+    blanked = _GROUPING.sub(lambda m: " " * len(m.group()), blanked)
+    out: dict[str, set[str]] = {}
+    for m in _IDENT.finditer(blanked):
         word, end = m.group(), m.end()
-        rest = text[end:].lstrip()
-        if word.lower() in _KEYWORDS or rest.startswith("("):
+        if word.lower() in _KEYWORDS or blanked[end:].lstrip().startswith("(") or _is_number(text, m.start()):
             continue
-        if re.fullmatch(r"\d[\w.]*|e\d+", word):
-            continue
-        names.add(word)
-    return names
+        labels = out.setdefault(word, set()) | everywhere
+        after = text[end:].lstrip()
+        if after.startswith("{"):
+            labels |= set(_MATCHER.findall(after[: after.index("}")]))
+        for lo, hi, scoped in scopes:
+            if lo < m.start() < hi:
+                labels |= scoped
+        out[word] = labels
+    return out
+
+
+def _closing(text: str, start: int) -> int:
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _is_number(text: str, at: int) -> bool:
+    """An identifier-looking piece of a number (the ``e6`` of ``1e6``)."""
+    return at > 0 and (text[at - 1].isdigit() or text[at - 1] == ".")
+
+
+def promql_metrics(expr: str) -> set[str]:
+    """Metric names an expression selects."""
+    return set(promql_selectors(expr))
 
 
 def promql_labels(expr: str) -> set[str]:
-    """Label names an expression matches on or groups by (``le`` of a histogram included)."""
-    labels: set[str] = set()
-    for group in _GROUPING.findall(expr):
-        labels.update(x.strip() for x in group.split(",") if x.strip())
-    for m in re.finditer(r"\{([^}]*)\}", expr):
-        labels.update(_MATCHER.findall(m.group(1)))
-    for m in re.finditer(r"label_values\([^,)]*,\s*([a-zA-Z_]\w*)\s*\)", expr):
-        labels.add(m.group(1))
-    return labels
+    """Every label name an expression matches on or groups by."""
+    return set().union(*promql_selectors(expr).values())
 
 
 # -- histograms --------------------------------------------------------------------------------
