@@ -70,7 +70,7 @@ def render(status: Status, source: str) -> Any:
             e.backend, e.replica, str(e.running), str(e.waiting), f"{100 * e.kv_usage:.0f} %", hit,
             _breaker(e.breaker), _f(e.rps, "{:.1f}"),
         )  # fmt: skip
-    be = Table(title="backends (TTFT at the gateway, requests/s with a first token)", title_justify="left")
+    be = Table(title="backends (first tokens/s and TTFT, at the gateway)", title_justify="left")
     for col in ("backend", "breaker", "req/s", "TTFT p50 ms", "TTFT p99 ms"):
         be.add_column(col, justify="left" if col in ("backend", "breaker") else "right")
     for b in status.backends:
