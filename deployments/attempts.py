@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from cluster.hedging import HedgePolicy
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import GenerateRequest
 from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.trace import AttemptTrace, RequestTrace, traceparent
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 
@@ -52,14 +54,24 @@ class AttemptRunner:
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
+        self.rng = random.Random()  # span ids
+        self.providers_api = {b.name: b.provider.api for b in cfg.backends if b.provider is not None}
+        self.kinds = {b.name: b.kind for b in cfg.backends}
 
     def slots(self, candidates: list[str]) -> list[str]:
         return expand_slots(candidates, self.cfg.backend)
 
     def hooks(
-        self, req: GenerateRequest, candidates: list[str], meta: ResponseMeta, collect: bool, hashes: Any
+        self,
+        req: GenerateRequest,
+        candidates: list[str],
+        meta: ResponseMeta,
+        collect: bool,
+        hashes: Any,
+        trace: RequestTrace | None = None,
     ) -> tuple[RaceHooks, float | None]:
-        """The race's hooks for one request, and its deadline on the monotonic clock."""
+        """The race's hooks for one request, and its deadline on the monotonic clock; with a trace,
+        each attempt and its routing decision are recorded in it (never per chunk)."""
         surface = self.cfg.surface(req.surface)
         hedging = bool(surface and surface.hedging)
         slots = self.slots(candidates)
@@ -68,11 +80,17 @@ class AttemptRunner:
         self.retry_budget.record_request(time.monotonic())
         self.hedge.on_request()
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
+        traced: dict[int, AttemptTrace] = {}
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=planned.attempt)
+            at = None
+            if trace is not None:
+                kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
+                at = trace.attempt(self.rng, backend, kind, planned.attempt, hedge, time.time_ns())
+                traced[id(planned)] = at
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
             avoid = avoid_replicas(
@@ -86,10 +104,13 @@ class AttemptRunner:
                 picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
                 reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
                 metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
+                if at is not None:
+                    at.replica, at.reason = choice.replica, reason
                 return choice
 
             body = request_body(attempt_req, meta, collect)
-            return EngineStream(self.session(), self.token, body, backend, choose)
+            parent = None if at is None or trace is None else traceparent(trace.trace_id, at.span_id)
+            return EngineStream(self.session(), self.token, body, backend, choose, parent)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -101,6 +122,12 @@ class AttemptRunner:
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt)
+            if (at := traced.get(id(att.planned))) is not None:
+                at.verdict = v
+                if v != "won":  # the winner's span lasts until the request ends
+                    at.end_ns = time.time_ns()
+                if err is not None:
+                    at.error = error_code(err) or type(err).__name__
 
         hooks = RaceHooks(
             next_attempt=lambda hedge: plan.next(time.monotonic(), breakers, hedge=hedge),
