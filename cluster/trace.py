@@ -85,6 +85,41 @@ class RequestTrace:
         return a
 
 
+class AttemptSpans:
+    """A request's attempts as the race starts and settles them, keyed by the planned attempt;
+    without a trace every method is a no-op (tracing off costs a None check per attempt)."""
+
+    def __init__(self, trace: RequestTrace | None, rng: random.Random) -> None:
+        self.trace, self.rng = trace, rng
+        self._by_key: dict[int, AttemptTrace] = {}
+
+    def start(
+        self, key: int, backend: str, provider: str, n: int, hedge: bool, now_ns: int
+    ) -> AttemptTrace | None:
+        if self.trace is None:
+            return None
+        at = self.trace.attempt(self.rng, backend, provider, n, hedge, now_ns)
+        self._by_key[key] = at
+        return at
+
+    @staticmethod
+    def routed(at: AttemptTrace | None, replica: str, reason: str) -> None:
+        if at is not None:
+            at.replica, at.reason = replica, reason
+
+    def traceparent(self, at: AttemptTrace | None) -> str | None:
+        """The header that makes the engine's span a child of this attempt's."""
+        return None if at is None or self.trace is None else traceparent(self.trace.trace_id, at.span_id)
+
+    def ended(self, key: int, verdict: str, error: str | None, now_ns: int) -> None:
+        at = self._by_key.get(key)
+        if at is None:
+            return
+        at.verdict, at.error = verdict, error
+        if verdict != "won":  # the winner's span lasts until the request ends
+            at.end_ns = now_ns
+
+
 @dataclass(frozen=True)
 class SpanData:
     name: str

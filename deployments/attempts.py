@@ -23,7 +23,7 @@ from cluster.hedging import HedgePolicy
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import GenerateRequest
 from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
-from cluster.trace import AttemptTrace, RequestTrace, traceparent
+from cluster.trace import AttemptSpans, AttemptTrace, RequestTrace
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 
@@ -80,37 +80,18 @@ class AttemptRunner:
         self.retry_budget.record_request(time.monotonic())
         self.hedge.on_request()
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
-        traced: dict[int, AttemptTrace] = {}
+        spans = AttemptSpans(trace, self.rng)
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=planned.attempt)
-            at = None
-            if trace is not None:
-                kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
-                at = trace.attempt(self.rng, backend, kind, planned.attempt, hedge, time.time_ns())
-                traced[id(planned)] = at
+            kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
+            at = spans.start(id(planned), backend, kind, planned.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
-            avoid = avoid_replicas(
-                backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
-            )
-            picker = self.pickers[backend]
-            block_hashes = hashes(backend)
-
-            async def choose() -> Any:
-                choice = await picker.pick(block_hashes, req.session_id, avoid)
-                picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
-                reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
-                metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
-                if at is not None:
-                    at.replica, at.reason = choice.replica, reason
-                return choice
-
             body = request_body(attempt_req, meta, collect)
-            parent = None if at is None or trace is None else traceparent(trace.trace_id, at.span_id)
-            return EngineStream(self.session(), self.token, body, backend, choose, parent)
+            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -122,12 +103,8 @@ class AttemptRunner:
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt)
-            if (at := traced.get(id(att.planned))) is not None:
-                at.verdict = v
-                if v != "won":  # the winner's span lasts until the request ends
-                    at.end_ns = time.time_ns()
-                if err is not None:
-                    at.error = error_code(err) or type(err).__name__
+            code = None if err is None else error_code(err) or type(err).__name__
+            spans.ended(id(att.planned), v, code, time.time_ns())
 
         hooks = RaceHooks(
             next_attempt=lambda hedge: plan.next(time.monotonic(), breakers, hedge=hedge),
@@ -138,6 +115,32 @@ class AttemptRunner:
             verdict=verdict,
         )
         return hooks, mono_deadline
+
+    def _engine_stream(
+        self,
+        backend: str,
+        req: GenerateRequest,
+        body: dict[str, Any],
+        block_hashes: Any,
+        prior: list[Attempt],
+        spans: AttemptSpans,
+        at: AttemptTrace | None,
+    ) -> EngineStream:
+        """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
+        avoid = avoid_replicas(
+            backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
+        )
+        picker = self.pickers[backend]
+
+        async def choose() -> Any:
+            choice = await picker.pick(block_hashes, req.session_id, avoid)
+            picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
+            reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
+            metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
+            spans.routed(at, choice.replica, reason)
+            return choice
+
+        return EngineStream(self.session(), self.token, body, backend, choose, spans.traceparent(at))
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
         if attempt > 0 and not hedge:  # hedges are counted when the budget allows them

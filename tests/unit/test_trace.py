@@ -6,6 +6,7 @@ import random
 
 from cluster.protocol import GenerateRequest, Sampling, Usage
 from cluster.trace import (
+    AttemptSpans,
     RequestTrace,
     engine_span,
     new_id,
@@ -79,3 +80,21 @@ def test_engine_span_is_a_child_of_the_attempt() -> None:
     assert s.events == (("gen_ai.first_token", 2, {}),) and (s.start_ns, s.end_ns) == (1, 3)
     failed = engine_span((0xA, 0xB), 0xD, request(), "rep", "sim", (1, None, 3), None, "CancelledError")
     assert failed.error == "CancelledError" and failed.events == ()
+
+
+def test_attempt_spans_record_only_with_a_trace() -> None:
+    off = AttemptSpans(None, random.Random(0))
+    assert off.start(1, "b", "vllm", 0, False, 5) is None and off.traceparent(None) is None
+    off.ended(1, "won", None, 9)  # no trace: nothing to record, nothing raised
+    t = RequestTrace(0xA, 0xB, 0, request())
+    on = AttemptSpans(t, random.Random(0))
+    first = on.start(1, "b", "vllm", 0, False, 5 * MS)
+    hedge = on.start(2, "b", "vllm", 1, True, 6 * MS)
+    assert first is not None and hedge is not None and t.attempts == [first, hedge]
+    on.routed(first, "r1", "prefix")
+    assert (first.replica, first.reason) == ("r1", "prefix")
+    assert parse_traceparent(on.traceparent(first)) == (0xA, first.span_id)
+    on.ended(2, "failed", "server_error", 7 * MS)
+    on.ended(1, "won", None, 8 * MS)
+    assert (hedge.verdict, hedge.error, hedge.end_ns) == ("failed", "server_error", 7 * MS)
+    assert (first.verdict, first.end_ns) == ("won", None)  # the winner ends with the request
