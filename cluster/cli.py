@@ -1,5 +1,5 @@
 """The ``cluster`` command: serve the local cluster, check a config, stream a demo answer, and the
-ops subcommands (``k8s``, ``plan``, ``bench``) that other modules add when present.
+ops subcommands (``k8s``, ``plan``, ``status``, ``bench``) that other modules add when present.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from cluster.config import ConfigError, load_config
 _PLUGINS = (
     ("cluster.cli_k8s", "add_k8s_parser"),
     ("cluster.cli_plan", "add_plan_parser"),
+    ("cluster.cli_status", "add_status_parser"),
     ("loadtest.cli_bench", "add_bench_parser"),
 )
 
@@ -36,12 +37,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     port = args.port or cfg.server.port
-    print(
-        f"[cluster] starting {cfg.name} from {args.config} on http://{cfg.server.host}:{port} …", flush=True
-    )
+    mport = args.metrics_port or cfg.server.metrics_port
+    api, prom = f"http://{cfg.server.host}:{port}", f"http://127.0.0.1:{mport}/metrics"
+    print(f"[cluster] starting {cfg.name} from {args.config}: API {api}, metrics {prom} …", flush=True)
     t0 = time.monotonic()
-    local.start(cfg, port=port)
+    local.start(cfg, port=port, metrics_port=mport)
     print(f"[cluster] ready in {time.monotonic() - t0:.0f} s", flush=True)
+    print(f"[cluster] API      {api}/v1", flush=True)
+    print(f"[cluster] metrics  {prom}   (Prometheus; `cluster status --watch` reads it)", flush=True)
     if args.demo:
         _stream_demo(f"http://{cfg.server.host}:{port}/v1", cfg.models[0].name, args.prompt)
     print(
@@ -105,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_check)
     p = sub.add_parser("serve", help="start the local cluster (Ray + Serve) from a config")
     p.add_argument("--config", default="configs/local.yaml")
-    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--port", type=int, default=None, help="API port (default: the config's server.port)")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus port (default: server.metrics_port, 8080)"
+    )
     p.add_argument("--demo", action="store_true", help="stream one answer once it is up")
     p.add_argument("--prompt", default="Write a Python function that reverses a string.")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the demo (CI, smoke checks)")

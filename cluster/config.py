@@ -166,6 +166,9 @@ class ApiKey(Strict):
 class ServerConfig(Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, gt=0, lt=65536, description="HTTP port.")
+    metrics_port: int = Field(
+        8080, gt=0, lt=65536, description="Prometheus port of Ray's metrics agent (GET /metrics), each node."
+    )
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Request bodies above this get a 413.")
     auth: bool = Field(False, description="Require API keys (maps keys to surfaces).")
     api_keys: list[ApiKey] = Field(default_factory=list, description="Accepted keys, hashed.")
@@ -192,6 +195,16 @@ class PolicyConfig(Strict):
     )
 
 
+class TracingConfig(Strict):
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces); None: tracing off."
+    )
+    service_name: str = Field("llm-cluster", description="The service.name resource attribute.")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="Share of requests traced.")
+    export_delay_ms: float = Field(1000.0, gt=0, description="Longest wait before a batch of spans goes.")
+    export_timeout_s: float = Field(10.0, gt=0, description="Per-export HTTP timeout.")
+
+
 class ClusterConfig(Strict):
     name: str = Field("llm-cluster", description="Serve application name.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="HTTP ingress settings.")
@@ -200,6 +213,9 @@ class ClusterConfig(Strict):
     surfaces: list[SurfaceConfig] = Field(min_length=1, description="Product surfaces and their limits.")
     routes: list[RouteConfig] = Field(default_factory=list, description="Candidate backends per model.")
     policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Failover and hedging policies.")
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig, description="OpenTelemetry traces per request (off by default)."
+    )
 
     @model_validator(mode="after")
     def _references(self) -> ClusterConfig:

@@ -6,8 +6,11 @@ library sources), has special tokens and a ChatML chat template; the model is a 
 Its output is gibberish; it exercises the real engine, scheduler, KV cache and prefix caching.
 
     python -m cluster.tiny_model            # builds once into the cache folder, prints the path
+    python -m cluster.tiny_model --shape gpu-1b   # the same tokenizer, a Llama big enough for a GPU
 
-Idempotent: a finished build leaves a marker file and is reused.
+Idempotent: a finished build leaves a marker file and is reused. ``gpu-1b`` (0.73 B parameters,
+1.5 GB in bf16, 8k positions) is what ``scripts/gpu-check.sh`` loads on a GPU; it is built the
+same way, on the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -31,14 +34,36 @@ CHAT_TEMPLATE = (
 )
 # The geometry the config's `kv:` section for this model must match.
 GEOMETRY = {"layers": 2, "kv_heads": 2, "head_dim": 32, "dtype_bytes": 2}
+# Llama shapes by name: hidden, intermediate, layers, heads, KV heads, head dim, positions.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 128, "intermediate": 256, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32,
+             "positions": CONTEXT},
+    # Llama-3.2-1B's layer geometry with our small vocabulary: ~0.73 B parameters.
+    "gpu-1b": {"hidden": 2048, "intermediate": 5632, "layers": 16, "heads": 32, "kv_heads": 8,
+               "head_dim": 64, "positions": 8192},
+}  # fmt: skip
+
+
+def kv_geometry(shape: str) -> dict[str, int]:
+    """The `kv:` section of a config serving this shape (bf16)."""
+    g = SHAPES[shape]
+    return {"layers": g["layers"], "kv_heads": g["kv_heads"], "head_dim": g["head_dim"], "dtype_bytes": 2}
+
+
+def param_count(shape: str) -> int:
+    g = SHAPES[shape]
+    h, kv = g["hidden"], g["kv_heads"] * g["head_dim"]
+    attn = h * g["heads"] * g["head_dim"] * 2 + h * kv * 2
+    layer = attn + 3 * h * g["intermediate"] + 2 * h
+    return g["layers"] * layer + 2 * VOCAB * h + h
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llm-cluster"))
 
 
-def tiny_model_path() -> Path:
-    return cache_root() / f"tiny-llama-{VERSION}"
+def tiny_model_path(shape: str = "tiny") -> Path:
+    return cache_root() / f"{shape}-llama-{VERSION}"
 
 
 def _corpus(limit_bytes: int = 3_000_000) -> list[str]:
@@ -85,32 +110,35 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int) -> None:
+def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int, shape: str = "tiny") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    g = SHAPES[shape]
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=GEOMETRY["layers"],
-        num_attention_heads=4,
-        num_key_value_heads=GEOMETRY["kv_heads"],
-        head_dim=GEOMETRY["head_dim"],
-        max_position_embeddings=CONTEXT,
+        hidden_size=g["hidden"],
+        intermediate_size=g["intermediate"],
+        num_hidden_layers=g["layers"],
+        num_attention_heads=g["heads"],
+        num_key_value_heads=g["kv_heads"],
+        head_dim=g["head_dim"],
+        max_position_embeddings=g["positions"],
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"  # random init is faster there
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
 
 
-def build(force: bool = False) -> Path:
-    out = tiny_model_path()
+def build(force: bool = False, shape: str = "tiny") -> Path:
+    out = tiny_model_path(shape)
     marker = out / ".complete"
     if marker.exists() and not force:
         return out
@@ -120,7 +148,7 @@ def build(force: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tmp))
-    _build_model(tmp, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id)
+    _build_model(tmp, tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, shape)
     (tmp / ".complete").write_text(VERSION)
     if out.exists():
         import shutil
@@ -134,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if a build exists")
     ap.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the Llama's size")
     args = ap.parse_args(argv)
-    path = build(force=args.force)
+    path = build(force=args.force, shape=args.shape)
     if not args.quiet:
         print(path)
     return 0

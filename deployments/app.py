@@ -93,7 +93,7 @@ def build_graph(cfg: ClusterConfig) -> Application:
         model = cfg.model(b.model)
         assert model is not None  # validated
         engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
-            b.model_dump(mode="json"), model.model_dump(mode="json")
+            b.model_dump(mode="json"), model.model_dump(mode="json"), cfg.tracing.model_dump(mode="json")
         )
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
     # No per-request access log line from Serve: it was 3 % of the gateway's CPU on the relay

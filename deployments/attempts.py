@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from cluster.hedging import HedgePolicy
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import GenerateRequest
 from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.trace import AttemptSpans, AttemptTrace, RequestTrace
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 
@@ -52,14 +54,24 @@ class AttemptRunner:
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
+        self.rng = random.Random()  # span ids
+        self.providers_api = {b.name: b.provider.api for b in cfg.backends if b.provider is not None}
+        self.kinds = {b.name: b.kind for b in cfg.backends}
 
     def slots(self, candidates: list[str]) -> list[str]:
         return expand_slots(candidates, self.cfg.backend)
 
     def hooks(
-        self, req: GenerateRequest, candidates: list[str], meta: ResponseMeta, collect: bool, hashes: Any
+        self,
+        req: GenerateRequest,
+        candidates: list[str],
+        meta: ResponseMeta,
+        collect: bool,
+        hashes: Any,
+        trace: RequestTrace | None = None,
     ) -> tuple[RaceHooks, float | None]:
-        """The race's hooks for one request, and its deadline on the monotonic clock."""
+        """The race's hooks for one request, and its deadline on the monotonic clock; with a trace,
+        each attempt and its routing decision are recorded in it (never per chunk)."""
         surface = self.cfg.surface(req.surface)
         hedging = bool(surface and surface.hedging)
         slots = self.slots(candidates)
@@ -68,28 +80,18 @@ class AttemptRunner:
         self.retry_budget.record_request(time.monotonic())
         self.hedge.on_request()
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
+        spans = AttemptSpans(trace, self.rng)
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=planned.attempt)
+            kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
+            at = spans.start(id(planned), backend, kind, planned.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
-            avoid = avoid_replicas(
-                backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
-            )
-            picker = self.pickers[backend]
-            block_hashes = hashes(backend)
-
-            async def choose() -> Any:
-                choice = await picker.pick(block_hashes, req.session_id, avoid)
-                picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
-                reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
-                metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
-                return choice
-
             body = request_body(attempt_req, meta, collect)
-            return EngineStream(self.session(), self.token, body, backend, choose)
+            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -101,6 +103,8 @@ class AttemptRunner:
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt)
+            code = None if err is None else error_code(err) or type(err).__name__
+            spans.ended(id(att.planned), v, code, time.time_ns())
 
         hooks = RaceHooks(
             next_attempt=lambda hedge: plan.next(time.monotonic(), breakers, hedge=hedge),
@@ -111,6 +115,32 @@ class AttemptRunner:
             verdict=verdict,
         )
         return hooks, mono_deadline
+
+    def _engine_stream(
+        self,
+        backend: str,
+        req: GenerateRequest,
+        body: dict[str, Any],
+        block_hashes: Any,
+        prior: list[Attempt],
+        spans: AttemptSpans,
+        at: AttemptTrace | None,
+    ) -> EngineStream:
+        """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
+        avoid = avoid_replicas(
+            backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
+        )
+        picker = self.pickers[backend]
+
+        async def choose() -> Any:
+            choice = await picker.pick(block_hashes, req.session_id, avoid)
+            picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
+            reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
+            metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
+            spans.routed(at, choice.replica, reason)
+            return choice
+
+        return EngineStream(self.session(), self.token, body, backend, choose, spans.traceparent(at))
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
         if attempt > 0 and not hedge:  # hedges are counted when the budget allows them

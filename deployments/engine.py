@@ -18,18 +18,20 @@ import json
 import logging
 import os
 import socket
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from aiohttp import web
 from ray import serve
 
 from cluster.backend import Backend
-from cluster.config import BackendConfig, ModelConfig
+from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.trace import engine_span, new_id, parse_traceparent
 from deployments.internal import internal_token, token_ok
 
 log = logging.getLogger("ray.serve")
@@ -60,7 +62,9 @@ def node_host() -> str:
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
-    async def __init__(self, backend: dict[str, Any], model: dict[str, Any]) -> None:
+    async def __init__(
+        self, backend: dict[str, Any], model: dict[str, Any], tracing: dict[str, Any] | None = None
+    ) -> None:
         self.cfg = BackendConfig.model_validate(backend)
         # Set here rather than through Ray's runtime_env, whose agent logs env_vars in full; before
         # the engine is built, so that its settings (OMP_NUM_THREADS …) take effect.
@@ -70,6 +74,12 @@ class EngineReplica:
         self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
         self._token = internal_token()
         self.ongoing = 0
+        self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
+        trace_cfg = TracingConfig.model_validate(tracing or {})
+        if trace_cfg.otlp_endpoint:
+            from deployments.tracing import Tracer
+
+            self.tracer = Tracer(trace_cfg, self.replica_id)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
@@ -89,13 +99,20 @@ class EngineReplica:
         return runner, url
 
     async def _report_metrics(self) -> None:
-        """The engine's own counters as gauges (prefix-cache queries and hits, KV use, queue),
-        once a second from here: the dashboard's per-replica and hit-rate panels read them."""
-        from deployments import metrics
+        """The engine's own counters (prefix-cache queries and hits, requests) and gauges (KV use,
+        queue), once a second from here: the dashboard's per-replica panels and ``cluster status``
+        read them. A failure is logged once, not swallowed: a silent one hid these metrics before."""
+        from deployments.metrics import EngineReporter
 
+        reporter = EngineReporter(self.replica_id)
+        warned = False
         while True:
-            with contextlib.suppress(Exception):
-                metrics.record_backend_stats({self.replica_id: self.backend.stats()})
+            try:
+                reporter.record(self.backend.stats())
+            except Exception:
+                if not warned:
+                    log.exception("engine %s replica %s: no metrics", self.cfg.name, self.replica_id)
+                    warned = True
             await asyncio.sleep(METRICS_PERIOD_S)
 
     # -- Serve hooks -------------------------------------------------------------------------------
@@ -137,25 +154,49 @@ class EngineReplica:
             err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
             return web.json_response({"error": to_wire(err)}, status=400)
         self.ongoing += 1
+        parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
+        span = _EngineSpan(time.time_ns()) if parent is not None else None
         try:
-            return await self._stream(request, req, meta, collect)
+            return await self._stream(request, req, meta, collect, span)
+        except BaseException as exc:
+            if span is not None:
+                span.error = type(exc).__name__
+            raise
         finally:
             self.ongoing -= 1
+            if span is not None and parent is not None:
+                times = (span.start, span.first, time.time_ns())
+                kind, rid = self.cfg.kind, self.replica_id
+                s = engine_span(
+                    parent, new_id(self.tracer.rng, 64), req, rid, kind, times, span.usage, span.error
+                )
+                self.tracer.export_spans([s])
 
     async def _stream(
-        self, request: web.Request, req: GenerateRequest, meta: ResponseMeta, collect: bool
+        self,
+        request: web.Request,
+        req: GenerateRequest,
+        meta: ResponseMeta,
+        collect: bool,
+        span: _EngineSpan | None = None,
     ) -> web.StreamResponse:
         gen = self.backend.generate(req)
         try:
             try:
                 first = await anext(gen)
             except ClusterError as err:  # before the first token: a status the gateway acts on
+                if span is not None:
+                    span.error = err.code or type(err).__name__
                 return web.json_response({"error": to_wire(err)}, status=err.status_code)
             except StopAsyncIteration:
                 first = Chunk(finish_reason="stop", usage=Usage(len(req.prompt_token_ids), 0))
+            if span is not None:
+                span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            await self._relay(resp, gen, first, meta, collect)
+            usage = await self._relay(resp, gen, first, meta, collect)
+            if span is not None:
+                span.usage = usage
             await resp.write_eof()
             return resp
         finally:
@@ -163,7 +204,8 @@ class EngineReplica:
 
     async def _relay(
         self, resp: web.StreamResponse, gen: Any, first: Chunk, meta: ResponseMeta, collect: bool
-    ) -> None:
+    ) -> Usage | None:
+        """The engine's chunks to the gateway as the client's SSE events; returns the usage."""
         parts: list[str] | None = [] if collect else None
         chunk: Chunk | None = first
         sent_first = False
@@ -182,14 +224,25 @@ class EngineReplica:
                 chunk = await anext(gen, None)
         except ClusterError as err:
             await resp.write(error_frame(err if isinstance(err, StreamInterrupted) else _broken(err)))
-            return
+            return usage
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the engine failed mid-stream
             await resp.write(error_frame(_broken(exc)))
-            return
+            return usage
         text = "".join(parts) if parts is not None else None
         await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id))
+        return usage
+
+
+@dataclass
+class _EngineSpan:
+    """What a traced request's engine span needs, filled as it runs (times in ns)."""
+
+    start: int
+    first: int | None = None
+    usage: Usage | None = None
+    error: str | None = None
 
 
 def _broken(exc: BaseException) -> StreamInterrupted:

@@ -105,6 +105,7 @@ class EngineStream:
         body: dict[str, Any],
         backend: str,
         choose: Any,  # an awaitable factory: () -> Choice
+        traceparent: str | None = None,  # the attempt's span, when the request is traced
     ) -> None:
         self.session, self.token, self.body, self.backend, self._choose = (
             session,
@@ -113,6 +114,9 @@ class EngineStream:
             backend,
             choose,
         )
+        self.headers = {INTERNAL_TOKEN_HEADER: token, "content-type": "application/json"}
+        if traceparent is not None:
+            self.headers["traceparent"] = traceparent
         self.choice: Choice | None = None
         self.splitter = FrameSplitter()
         self.events = 0
@@ -137,7 +141,7 @@ class EngineStream:
             resp = await self.session.post(
                 self.choice.url + "/generate",
                 data=data,
-                headers={INTERNAL_TOKEN_HEADER: self.token, "content-type": "application/json"},
+                headers=self.headers,
             )
         except (aiohttp.ClientError, OSError) as exc:
             raise BackendUnavailable(

@@ -31,6 +31,7 @@ from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequ
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
 from cluster.tokens import load_tokenizer
+from cluster.trace import RequestTrace, new_id, parse_traceparent
 from deployments import http_api as h
 from deployments import metrics
 from deployments.attempts import AttemptRunner
@@ -97,10 +98,15 @@ class Gateway:
         self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
         self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
         self.relay = Relay(self)
+        self.tracer: Any = None  # deployments.tracing.Tracer when an OTLP endpoint is configured
+        if cfg.tracing.otlp_endpoint:
+            from deployments.tracing import Tracer
+
+            self.tracer = Tracer(cfg.tracing, replica)
         for m in cfg.models:  # load tokenizers now, not on the first request
             load_tokenizer(m.tokenizer)
         self._openapi = h.openapi_document()
-        self._breaker_task = asyncio.get_event_loop().create_task(self._report_breakers())
+        self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
@@ -110,11 +116,14 @@ class Gateway:
             ("GET", "/internal/status"): self._status,
         }
 
-    async def _report_breakers(self) -> None:
-        """Breaker states as gauges once a second (never per request or chunk)."""
+    async def _report_gauges(self) -> None:
+        """Breaker states and this replica's admission load as gauges once a second (never per
+        request or chunk)."""
         while True:
             with contextlib.suppress(Exception):
                 metrics.record_breakers(self.board.metrics(time.monotonic()))
+                c = self.admission.controller.counters()
+                metrics.record_gateway(self.replica_id, c.in_flight, c.waiting)
             await asyncio.sleep(1.0)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -205,9 +214,20 @@ class Gateway:
             return
         # A client that leaves from here on cancels this task (Serve's direct ingress watches the
         # connection): admission, the routing view and the attempts clean up on CancelledError.
-        await self._run(prepared, send, t0)
+        trace = None
+        if self.tracer is not None and self.tracer.sampled():
+            trace = self._trace(prepared, t0, h.header(scope, b"traceparent"))
+        await self._run(prepared, send, t0, trace)
 
-    async def _run(self, prepared: Any, send: h.Send, t0: float) -> None:
+    def _trace(self, prepared: Any, t0: float, parent: str | None) -> RequestTrace:
+        """A request's trace, joined to the client's (its ``traceparent``) when it sent one."""
+        rng = self.attempts.rng
+        start_ns = time.time_ns() - int((time.perf_counter() - t0) * 1e9)
+        ids = parse_traceparent(parent)
+        trace_id, parent_id = ids if ids else (new_id(rng, 128), None)
+        return RequestTrace(trace_id, new_id(rng, 64), start_ns, prepared.req, parent_span_id=parent_id)
+
+    async def _run(self, prepared: Any, send: h.Send, t0: float, trace: RequestTrace | None = None) -> None:
         req = prepared.req
         surface = req.surface
         try:
@@ -215,19 +235,27 @@ class Gateway:
         except ClusterError as err:
             metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
             await h.send_error(send, err)
+            if trace is not None:
+                trace.admission_error, trace.outcome, trace.end_ns = err.code, "rejected", time.time_ns()
+                self.tracer.export(trace)
             return
+        if trace is not None:
+            trace.admitted_ns = time.time_ns()
         candidates = prepared.candidates
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         outcome = Outcome.CANCELLED
         try:
-            outcome = await self.relay.serve(prepared, candidates, send, t0, ticket.waited_s)
+            outcome = await self.relay.serve(prepared, candidates, send, t0, ticket.waited_s, trace)
         except Exception:
             outcome = Outcome.ERRORED
             raise
         finally:
             self.admission.release(ticket, outcome)
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
+            if trace is not None:
+                trace.outcome, trace.end_ns = outcome.value, time.time_ns()
+                self.tracer.export(trace)
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:

@@ -89,7 +89,12 @@ def start(
     route_prefix: str = "/",
     blocking_timeout_s: float = 300.0,
 ) -> ClusterConfig:
-    """Start Ray + Serve and deploy the app; returns once every deployment is healthy."""
+    """Start Ray + Serve and deploy the app; returns once every deployment is healthy.
+
+    ``metrics_port``: where Ray's metrics agent serves Prometheus (``metrics_url()``); by default the
+    config's ``server.metrics_port``, 0 for a free one (tests and benchmarks beside a running
+    cluster). It applies when this call starts Ray; a second app joins the running Ray's port.
+    """
     import ray
     from ray import serve
 
@@ -103,6 +108,10 @@ def start(
     # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404).
     env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
     env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
+    # Ray pushes metrics to its agent every 10 s by default; `cluster status --watch` and the tests
+    # read them sooner. A caller's own setting wins.
+    interval = "RAY_metrics_report_interval_ms"  # Ray's spelling of its config variables
+    env[interval] = os.environ.get(interval, "2000")
     os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
     init_kwargs: dict[str, Any] = {
         "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment
@@ -110,11 +119,11 @@ def start(
         "runtime_env": {"env_vars": env},
         "log_to_driver": os.environ.get("LLMC_RAY_LOGS", "0") == "1",
     }
-    if metrics_port is not None:
-        init_kwargs["_metrics_export_port"] = metrics_port
     if not ray.is_initialized():
         _check_port_free(cfg.server.host, cfg.server.port)
-        ray.init(_node_ip_address="127.0.0.1", **init_kwargs)
+        mport = cfg.server.metrics_port if metrics_port is None else metrics_port or _free_port()
+        _check_port_free("127.0.0.1", mport, "server.metrics_port or --metrics-port")
+        ray.init(_node_ip_address="127.0.0.1", _metrics_export_port=mport, **init_kwargs)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     deadline = time.monotonic() + blocking_timeout_s
     serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
@@ -153,15 +162,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, hint: str = "") -> None:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise RuntimeError(
-                f"port {port} on {host} is taken (a previous cluster's HAProxy? `pgrep -a haproxy`)"
-            ) from exc
+            why = f"choose another: {hint}" if hint else "a previous cluster's HAProxy? `pgrep -a haproxy`"
+            raise RuntimeError(f"port {port} on {host} is taken ({why})") from exc
+
+
+def metrics_url() -> str:
+    """Prometheus endpoint of this driver's Ray node (its metrics agent: Ray's, Serve's and ours)."""
+    import ray
+
+    node = ray._private.worker._global_node  # no public accessor for the port Ray bound
+    return f"http://127.0.0.1:{node.metrics_export_port}/metrics"
 
 
 def _internal_get(url: str, timeout: float = 10.0) -> Any:

@@ -1,12 +1,19 @@
 """Prometheus metrics through Ray's metrics agent, so they aggregate across replicas and nodes.
 
-Ray exports them with a ``ray_`` prefix (``ray_llmc_ttft_seconds`` …) on each node's metrics port.
-Names and tags are the contract with the Grafana dashboard in ``k8s/``.
+Ray exports them with a ``ray_`` prefix (``ray_llmc_ttft_seconds`` …) on each node's metrics port
+(``server.metrics_port``, 8080 by default; ``cluster serve`` prints it). Names follow vLLM's and
+Prometheus' conventions: counters end in ``_total``, latencies are histograms in seconds, shares are
+``_ratio``. Names and tags are the contract with the Grafana dashboard in ``k8s/monitoring`` (a live
+test checks every panel's metric is exported) and with ``cluster status``.
+
+Ray's own ``ray.util.metrics``, not ``ray.serve.metrics``: Serve's variant adds (and reserves) the
+``replica`` tag only when the module is first imported inside a replica, so whether a metric could
+be created depended on import order (the engine replicas' metrics used to fail to register).
 """
 
 from __future__ import annotations
 
-from ray.serve.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Gauge, Histogram
 
 from cluster.protocol import BackendStats, Usage
 
@@ -21,13 +28,13 @@ TTFT = Histogram(
 )
 ITL = Histogram(
     "llmc_itl_seconds",
-    description="Time between consecutive streamed chunks of one request.",
+    description="Mean time between consecutive streamed chunks, one sample per request (never per chunk).",
     boundaries=_ITL_BUCKETS,
     tag_keys=("surface",),
 )
 LATENCY = Histogram(
-    "llmc_request_latency_seconds",
-    description="Whole-request latency at the router.",
+    "llmc_e2e_request_latency_seconds",
+    description="End-to-end latency at the gateway, from receiving a request to its last byte.",
     boundaries=_LATENCY_BUCKETS,
     tag_keys=("surface", "outcome"),
 )
@@ -104,32 +111,56 @@ COST = Counter(
     description="Estimated spend in USD from configured per-token prices, by outcome (as llmc_tokens_total).",
     tag_keys=("surface", "backend", "outcome"),
 )
-PREFIX_QUERIES = Gauge(
-    "llmc_prefix_cache_queries",
-    description="Prompt tokens looked up in the engine's prefix cache (engine counter, per replica).",
+PREFIX_QUERIES = Counter(
+    "llmc_prefix_cache_queries_total",
+    description="Prompt tokens looked up in the engine's prefix cache (vLLM's counter, per replica).",
     tag_keys=("backend", "replica"),
 )
-PREFIX_HITS = Gauge(
-    "llmc_prefix_cache_hits",
-    description="Prompt tokens found in the engine's prefix cache (engine counter, per replica).",
+PREFIX_HITS = Counter(
+    "llmc_prefix_cache_hits_total",
+    description="Prompt tokens found in the engine's prefix cache (vLLM's counter, per replica).",
+    tag_keys=("backend", "replica"),
+)
+ENGINE_REQUESTS = Counter(
+    "llmc_engine_requests_total",
+    description="Requests an engine replica started (its own count: hedges and retries included).",
     tag_keys=("backend", "replica"),
 )
 KV_USAGE = Gauge(
-    "llmc_kv_cache_usage",
+    "llmc_kv_cache_usage_ratio",
     description="Share of the replica's KV cache in use (0..1).",
     tag_keys=("backend", "replica"),
 )
 RUNNING = Gauge(
-    "llmc_replica_running", description="Requests running in the engine.", tag_keys=("backend", "replica")
+    "llmc_engine_requests_running",
+    description="Requests running in the engine.",
+    tag_keys=("backend", "replica"),
 )
 WAITING = Gauge(
-    "llmc_replica_waiting", description="Requests waiting in the engine.", tag_keys=("backend", "replica")
+    "llmc_engine_requests_waiting",
+    description="Requests waiting in the engine.",
+    tag_keys=("backend", "replica"),
+)
+GATEWAY_IN_FLIGHT = Gauge(
+    "llmc_gateway_requests_in_flight",
+    description="Requests admitted and not yet ended, per gateway replica.",
+    tag_keys=("gateway",),
+)
+GATEWAY_WAITING = Gauge(
+    "llmc_gateway_requests_waiting",
+    description="Requests queued for admission, per gateway replica.",
+    tag_keys=("gateway",),
 )
 
 
 def record_breakers(rows: list[tuple[str, str, int]]) -> None:
     for backend, replica, state in rows:
         BREAKER_STATE.set(state, tags={"backend": backend, "replica": replica})
+
+
+def record_gateway(gateway: str, in_flight: int, waiting: int) -> None:
+    GATEWAY_IN_FLIGHT.set(in_flight, tags={"gateway": gateway})
+    GATEWAY_WAITING.set(waiting, tags={"gateway": gateway})
 
 
 def record_usage(surface: str, backend: str, usage: Usage, outcome: str = "completed") -> None:
@@ -143,15 +174,31 @@ def record_usage(surface: str, backend: str, usage: Usage, outcome: str = "compl
             TOKENS.inc(n, tags={**tags, "kind": kind})
 
 
-def record_backend_stats(stats: dict[str, BackendStats]) -> None:
-    """Replicas' engine counters. Each engine replica records its own, so the hit-rate gauge is
-    one series per replica process (Ray labels each), which the dashboard averages by backend."""
-    for rid, s in stats.items():
+class EngineReporter:
+    """One engine replica's counters and gauges, recorded once a second from its own process.
+
+    The engine keeps running totals; Prometheus counters take increments, so this remembers what it
+    last reported. The hit-rate gauge is one series per replica process (Ray labels each), which the
+    dashboard averages by backend; the exact rate is ``rate(hits_total) / rate(queries_total)``.
+    """
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self._last: dict[str, int] = {}
+
+    def record(self, s: BackendStats) -> None:
+        tags = {"backend": s.backend, "replica": self.replica}
         if s.prefix_cache_queries:
             PREFIX_HIT_RATE.set(s.prefix_cache_hits / s.prefix_cache_queries, tags={"backend": s.backend})
-        tags = {"backend": s.backend, "replica": rid}
-        PREFIX_QUERIES.set(s.prefix_cache_queries, tags=tags)
-        PREFIX_HITS.set(s.prefix_cache_hits, tags=tags)
+        for counter, key, total in (
+            (PREFIX_QUERIES, "queries", s.prefix_cache_queries),
+            (PREFIX_HITS, "hits", s.prefix_cache_hits),
+            (ENGINE_REQUESTS, "requests", s.requests_started),
+        ):
+            step = total - self._last.get(key, 0)
+            if step > 0:  # Ray's counters refuse increments of zero
+                counter.inc(step, tags=tags)
+            self._last[key] = total
         KV_USAGE.set(s.kv_usage, tags=tags)
         RUNNING.set(s.running, tags=tags)
         WAITING.set(s.waiting, tags=tags)

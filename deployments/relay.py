@@ -20,6 +20,7 @@ from cluster.openai_format import SSE_DONE, full_response, sse, stream_chunk, us
 from cluster.protocol import Chunk, Usage
 from cluster.providers.budget import cost_usd
 from cluster.race import RaceResult, first_token, follow
+from cluster.trace import RequestTrace
 from deployments import http_api as h
 from deployments import metrics
 from deployments.prepare import Prepared
@@ -87,10 +88,16 @@ class Relay:
         self.gw = gateway
 
     async def serve(
-        self, p: Prepared, candidates: list[str], send: h.Send, t0: float, waited_s: float
+        self,
+        p: Prepared,
+        candidates: list[str],
+        send: h.Send,
+        t0: float,
+        waited_s: float,
+        trace: RequestTrace | None = None,
     ) -> Outcome:
         gw = self.gw
-        hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes)
+        hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes, trace)
         result = RaceResult()
         acct = _Account(t0)
         try:
@@ -101,6 +108,8 @@ class Relay:
                 return Outcome.ERRORED
             acct.first_at = acct.last_at = time.perf_counter()
             acct.backend = backend_of_slot(winner.planned.backend)
+            if trace is not None:
+                trace.first_token_ns, trace.backend = time.time_ns(), acct.backend
             headers = {
                 "x-llmc-gateway": gw.replica_id,
                 "x-llmc-backend": acct.backend,
@@ -115,6 +124,8 @@ class Relay:
         finally:
             gw.attempts.finished(result)
             self._record(p, acct, waited_s)
+            if trace is not None:
+                trace.usage, trace.finish = acct.usage, acct.finish if acct.first_at is not None else None
 
     async def _stream(
         self, send: h.Send, p: Prepared, w: _Winner, framer: _Framer, acct: _Account

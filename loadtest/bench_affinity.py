@@ -384,7 +384,7 @@ def _deploy(policy: str, args: argparse.Namespace, port: int, wait: bool) -> tup
         app_module.Gateway = _proposed_gateway_deployment()
     try:
         if wait or not ray.is_initialized():
-            local.start(cfg, port=port, route_prefix=prefix)
+            local.start(cfg, port=port, metrics_port=0, route_prefix=prefix)
         else:
             serve.run(app_module.build_graph(cfg), name=cfg.name, route_prefix=prefix, blocking=False)
     finally:

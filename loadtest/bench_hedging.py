@@ -110,7 +110,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for cfg in variants.values():
-            local.start(cfg, port=port, route_prefix=f"/{cfg.name}")
+            local.start(cfg, port=port, metrics_port=0, route_prefix=f"/{cfg.name}")
         for key, cfg in variants.items():  # one after another, the same sequence each time
             url = f"http://127.0.0.1:{port}/{cfg.name}/v1/chat/completions"
             asyncio.run(drive(url, 20, args.concurrency))  # warm-up: fills the TTFT sketch

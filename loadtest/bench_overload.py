@@ -280,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = machine()
     limits = {s: cfg.surface(s).max_concurrency for s in SURFACES}
     timeout_s = max(cfg.surface(s).request_timeout_s for s in SURFACES) + args.margin_s
-    local.start(cfg, port=port)
+    local.start(cfg, port=port, metrics_port=0)
     try:
         asyncio.run(warm_up(url, 4))
         # 1. Capacity: every surface at its concurrency limit, closed loop.

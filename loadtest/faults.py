@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
     ):
         cfg = reliability_config("llmc-faults", oai.base_url, ant.base_url, keys)
-        local.start(cfg, port=port, route_prefix="/faults")
+        local.start(cfg, port=port, metrics_port=0, route_prefix="/faults")
         try:
             summary = run_faults(
                 cfg.name, f"http://127.0.0.1:{port}/faults/v1", keys, oai, ant, LONG if args.long else SHORT

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from cluster import prometheus
 from loadtest.surfaces import RequestSpec
 
 
@@ -304,8 +305,6 @@ def result_rows(results: list[Result]) -> list[dict[str, Any]]:
 
 # --- Prometheus -----------------------------------------------------------------------------------
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 DROP_LABELS = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "JobId", "instance"}
 
@@ -317,19 +316,9 @@ def parse_prometheus(text: str, prefix: str = "ray_llmc_") -> Series:
     a counter reads as the cluster's total.
     """
     out: Series = defaultdict(float)
-    for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        m = _LINE.match(line)
-        if not m:
-            continue
-        name, _, labels, value = m.groups()
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        lab = tuple(sorted((k, val) for k, val in _LABEL.findall(labels or "") if k not in DROP_LABELS))
-        out[(name, lab)] += v
+    for s in prometheus.parse(text, prefix):
+        lab = tuple(sorted((k, v) for k, v in s.labels.items() if k not in DROP_LABELS))
+        out[(s.name, lab)] += s.value
     return dict(out)
 
 
@@ -384,19 +373,8 @@ def histogram_quantiles(
 
 
 def _bucket_quantile(edges: list[float], b: dict[float, float], total: float, q: float) -> float | None:
-    if total <= 0:
-        return None
-    rank = q * total
-    prev_edge, prev_count = 0.0, 0.0
-    for e in edges:
-        c = b[e]
-        if c >= rank:
-            if math.isinf(e):
-                return round(1000 * prev_edge, 2)  # above the last finite bucket: its lower edge
-            frac = (rank - prev_count) / (c - prev_count) if c > prev_count else 0.0
-            return round(1000 * (prev_edge + (e - prev_edge) * frac), 2)
-        prev_edge, prev_count = e, c
-    return None
+    v = prometheus.quantile(q, b) if total > 0 else None
+    return None if v is None else round(1000 * v, 2)
 
 
 def sum_by(delta: Series, metric: str, label: str) -> dict[str, float]:
@@ -412,11 +390,8 @@ def server_summary(before: Series, after: Series) -> dict[str, Any]:
     if not after:
         return {"available": False}
     d = metrics_delta(before, after)
-    hits = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_hits")
-    queries = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_queries")
-    hits0 = sum(v for (n, _), v in before.items() if n == "ray_llmc_prefix_cache_hits")
-    queries0 = sum(v for (n, _), v in before.items() if n == "ray_llmc_prefix_cache_queries")
-    dq = queries - queries0
+    hits = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_hits_total")
+    dq = sum(v for (n, _), v in d.items() if n == "ray_llmc_prefix_cache_queries_total")
     return {
         "available": True,
         "ttft_ms_by_surface": histogram_quantiles(d, "ray_llmc_ttft_seconds", "surface"),
@@ -427,7 +402,6 @@ def server_summary(before: Series, after: Series) -> dict[str, Any]:
         "rejections_by_code": sum_by(d, "ray_llmc_rejections_total", "code"),
         "failovers_by_backend": sum_by(d, "ray_llmc_failovers_total", "backend"),
         "routing_by_reason": sum_by(d, "ray_llmc_routing_decisions_total", "reason"),
-        # The engines' prefix-cache counters are gauges of running totals: the run's hit rate is
-        # the change in hits over the change in queries.
-        "prefix_cache_hit_rate": round((hits - hits0) / dq, 4) if dq > 0 else None,
+        # The engines' prefix-cache counters: the run's hit rate is their increases' ratio.
+        "prefix_cache_hit_rate": round(hits / dq, 4) if dq > 0 else None,
     }

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
     ):
         cfg = reliability_config("llmc-soak", oai.base_url, ant.base_url, keys)
-        local.start(cfg, port=port, route_prefix="/soak")
+        local.start(cfg, port=port, metrics_port=0, route_prefix="/soak")
         try:
             out = run_soak(
                 cfg.name,

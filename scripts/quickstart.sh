@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/cluster serve --config "${LLMC_CONFIG:-configs/local.yaml}" --demo "$@"
+exec "${LLMC_VENV:-.venv}/bin/python" -m cluster serve --config "${LLMC_CONFIG:-configs/local.yaml}" --demo "$@"

@@ -34,6 +34,13 @@ class RunningCluster:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus endpoint of the session's Ray node (Ray's, Serve's and our metrics)."""
+        from deployments.local import metrics_url
+
+        return metrics_url()
+
     def replica_stats(self) -> dict[str, Any]:
         """What each engine replica reports now (replica id -> BackendStats)."""
         from deployments.local import replica_stats
@@ -70,7 +77,7 @@ def deploy(serve_port: int) -> Iterator[Callable[..., RunningCluster]]:
     started: list[str] = []
 
     def _deploy(cfg: ClusterConfig, route_prefix: str = "/") -> RunningCluster:
-        local.start(cfg, port=serve_port, route_prefix=route_prefix)
+        local.start(cfg, port=serve_port, metrics_port=0, route_prefix=route_prefix)
         started.append(cfg.name)
         return RunningCluster(cfg, serve_port, route_prefix)
 

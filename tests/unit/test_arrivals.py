@@ -251,8 +251,8 @@ ray_llmc_ttft_seconds_bucket{Component="core_worker",WorkerId="a",surface="tab",
 ray_llmc_ttft_seconds_count{WorkerId="a",surface="tab"} 4.0
 ray_llmc_tokens_total{WorkerId="a",kind="prompt",surface="tab",backend="b"} 100.0
 ray_llmc_tokens_total{WorkerId="b",kind="prompt",surface="tab",backend="b"} 50.0
-ray_llmc_prefix_cache_hits{backend="b",replica="r1"} 30.0
-ray_llmc_prefix_cache_queries{backend="b",replica="r1"} 100.0
+ray_llmc_prefix_cache_hits_total{backend="b",replica="r1"} 30.0
+ray_llmc_prefix_cache_queries_total{backend="b",replica="r1"} 100.0
 ray_serve_other 7
 """
 

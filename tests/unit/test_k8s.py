@@ -637,7 +637,7 @@ def test_kustomize_builds_monitoring_and_loadtest() -> None:
 REQUIRED_METRICS = [
     "ray_llmc_ttft_seconds_bucket",
     "ray_llmc_itl_seconds_bucket",
-    "ray_llmc_request_latency_seconds_bucket",
+    "ray_llmc_e2e_request_latency_seconds_bucket",
     "ray_llmc_tokens_total",
     "ray_llmc_cost_usd_total",
     "ray_llmc_prefix_cache_hit_rate",
