@@ -65,7 +65,29 @@ class EngineArgs(Strict):
         False, description="Skip graph capture/compilation (faster start, slower run)."
     )
     enable_prefix_caching: bool = Field(True, description="Keep the prefix cache on: routing depends on it.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Token budget of one engine step, i.e. the chunked-prefill size (None: the engine's default). "
+            "One step cannot hold a Tab token longer than this many prompt tokens take to compute."
+        ),
+    )
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        "priority",
+        description=(
+            "Engine queue order: 'priority' (each request carries its surface's priority, lower first, "
+            "lower-priority running work preempted first under KV pressure) or vLLM's 'fcfs'."
+        ),
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
+
+    @model_validator(mode="after")
+    def _no_shadowed_extra(self) -> EngineArgs:
+        for key in ("max_num_batched_tokens", "scheduling_policy"):
+            if key in self.extra:
+                raise ValueError(f"extra.{key}: set engine.{key} instead (the sim and the planner read it)")
+        return self
 
 
 class ProviderConfig(Strict):

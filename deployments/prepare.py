@@ -92,6 +92,7 @@ def prepare(
         session_id=session,
         timeout_s=surface.request_timeout_s,
         max_tokens=fit.max_tokens,
+        priority=surface.priority,
     )
     hashed: dict[str, list[int]] = {}
 
