@@ -14,14 +14,17 @@ the queues), so a new arrival is admitted at once only with capacity that no wai
 
 Rejections carry the errors of :mod:`cluster.errors`:
 
+* ``RateLimited`` (429) at once when the wait predicted for a new waiter (:mod:`cluster.queue_wait`:
+  waiters ahead + 1 over the surface's recent completion rate) exceeds its queue deadline, with
+  the prediction as ``retry_after_s``: waiting the deadline out would end in the same 429;
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
   ``retry_after_s = (waiting in that surface + 1) / recent completion rate of that surface``
   (completions over the last ``rate_window_s``), the surface's queue deadline when nothing completed
   lately, at most ``max_retry_after_s``.
-* ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface has a full
-  queue (``waiting >= max_queue``) and is blocked — at its own concurrency limit, or every capped
-  backend is at its cap. Then no surface can take work, and clients should back off rather than
-  retry with another key or surface.
+* ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface is blocked — at
+  its own concurrency limit, or every capped backend is at its cap — and cannot queue a new
+  request usefully (a full queue, or a predicted wait past its deadline). Then no surface can
+  take work, and clients should back off rather than retry with another key or surface.
 
 Accounting is exactly-once: each admitted ticket is released once as completed, errored or
 cancelled; a second release (or a foreign ticket) changes nothing and is counted in
@@ -55,6 +58,7 @@ from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.errors import ClusterError, Overloaded, RateLimited
+from cluster.queue_wait import predict_wait
 
 
 class Outcome(StrEnum):
@@ -93,7 +97,7 @@ class Queued:
 class Rejection:
     error: ClusterError  # RateLimited (429) or Overloaded (503), with retry_after_s
     surface: str
-    reason: Literal["queue_full", "deadline"]
+    reason: Literal["queue_full", "deadline", "predicted_wait"]
     entry_id: int | None = None  # the Queued id for deadline rejections
 
 
@@ -107,7 +111,8 @@ class Counters:
     cancelled: int = 0  # admitted, then cancelled (client gone)
     rejected_queue_full: int = 0
     rejected_deadline: int = 0
-    rejected_overloaded: int = 0  # of the two above, those answered 503 (cluster saturated)
+    rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
+    rejected_overloaded: int = 0  # of the three above, those answered 503 (cluster saturated)
     abandoned: int = 0  # waiters that left before admission
     double_release: int = 0
     in_flight: int = 0
@@ -143,6 +148,7 @@ class _Surface:
         self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
         self.counters = Counters()
         self.done_times: deque[float] = deque()
+        self.recent_done: deque[float] = deque()  # the wait predictor's own, shorter window
         self.rate_window_s = rate_window_s
 
     def completion_rate(self, now: float) -> float:
@@ -208,6 +214,9 @@ class AdmissionController:
             if found:
                 return self._admit(s, backend, self._new_id(), now, now)
         if len(s.queue) < s.max_queue:
+            if self._wait_exceeds_deadline(s, now):
+                s.counters.rejected_predicted += 1
+                return self._reject(s, "predicted_wait", now, None)
             entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
@@ -230,6 +239,7 @@ class AdmissionController:
         s.counters.in_flight -= 1
         setattr(s.counters, outcome.value, getattr(s.counters, outcome.value) + 1)
         s.done_times.append(now)
+        s.recent_done.append(now)
         if held.backend is not None and held.backend in self._caps:
             self._backend_in_flight[held.backend] -= 1
         return self._drain(now)
@@ -284,14 +294,23 @@ class AdmissionController:
         return self._drain(now)
 
     # Introspection -----------------------------------------------------------------------------
-    def saturated(self) -> bool:
-        """Every surface has a full queue and is blocked (at its limit, or all capped backends full)."""
+    def saturated(self, now: float | None = None) -> bool:
+        """Every surface is blocked (at its limit, or all capped backends full) and cannot usefully
+        queue: its queue is full or (given ``now``) a new waiter's predicted wait passes its deadline."""
         backends_full = bool(self._caps) and all(
             self._backend_in_flight[b] >= cap for b, cap in self._caps.items()
         )
-        return all(
-            len(s.queue) >= s.max_queue and (s.in_flight >= s.limit or backends_full) for s in self._order
-        )
+
+        def cannot_queue(s: _Surface) -> bool:
+            return len(s.queue) >= s.max_queue or (now is not None and self._wait_exceeds_deadline(s, now))
+
+        return all((s.in_flight >= s.limit or backends_full) and cannot_queue(s) for s in self._order)
+
+    def predicted_wait_s(self, surface: str, now: float) -> float | None:
+        """What a new waiter of ``surface`` would wait (None: no estimate yet)."""
+        s = self._surface(surface)
+        est = predict_wait(len(s.queue), s.recent_done, now)
+        return None if est is None else est.wait_s
 
     def counters(self, surface: str | None = None) -> Counters:
         """A snapshot: one surface's counters, or the sum over all surfaces."""
@@ -363,6 +382,10 @@ class AdmissionController:
         self._active[ticket_id] = ticket
         return ticket
 
+    def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
+        est = predict_wait(len(s.queue), s.recent_done, now)
+        return est is not None and est.wait_s > s.deadline_s
+
     def _drain(self, now: float) -> list[Ticket]:
         """Admit waiters while any fits: lowest priority number first, then the oldest."""
         admitted = []
@@ -390,17 +413,30 @@ class AdmissionController:
             admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now))
 
     def _reject(
-        self, s: _Surface, reason: Literal["queue_full", "deadline"], now: float, entry_id: int | None
+        self,
+        s: _Surface,
+        reason: Literal["queue_full", "deadline", "predicted_wait"],
+        now: float,
+        entry_id: int | None,
     ) -> Rejection:
+        est = predict_wait(len(s.queue), s.recent_done, now)
         rate = s.completion_rate(now)
-        if rate > 0:
+        if est is not None:
+            retry = min(self.max_retry_after_s, est.wait_s)
+        elif rate > 0:
             retry = min(self.max_retry_after_s, (len(s.queue) + 1) / rate)
         else:
             retry = min(self.max_retry_after_s, s.deadline_s)
-        if self.saturated():
+        if self.saturated(now):
             s.counters.rejected_overloaded += 1
             err: ClusterError = Overloaded(
                 "the cluster is saturated: every surface is blocked with a full queue",
+                retry_after_s=retry,
+            )
+        elif reason == "predicted_wait":
+            err = RateLimited(
+                f"surface '{s.name}': a slot is {retry:.1f} s away, past the queue deadline of "
+                f"{s.deadline_s * 1000:.0f} ms",
                 retry_after_s=retry,
             )
         elif reason == "queue_full":
