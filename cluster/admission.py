@@ -18,9 +18,9 @@ Rejections carry the errors of :mod:`cluster.errors`:
   waiters ahead + 1 over the surface's recent completion rate) exceeds its queue deadline, with
   the prediction as ``retry_after_s``: waiting the deadline out would end in the same 429;
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
-  ``retry_after_s = (waiting in that surface + 1) / recent completion rate of that surface``
-  (completions over the last ``rate_window_s``), the surface's queue deadline when nothing completed
-  lately, at most ``max_retry_after_s``.
+  ``retry_after_s`` is the predicted wait when there is an estimate, else ``(waiting in that surface
+  + 1) / recent completion rate of that surface`` (completions over the last ``rate_window_s``),
+  else the surface's queue deadline; at most ``max_retry_after_s``.
 * ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface is blocked — at
   its own concurrency limit, or every capped backend is at its cap — and cannot queue a new
   request usefully (a full queue, or a predicted wait past its deadline). Then no surface can
@@ -30,6 +30,11 @@ Accounting is exactly-once: each admitted ticket is released once as completed, 
 cancelled; a second release (or a foreign ticket) changes nothing and is counted in
 ``double_release``. :meth:`Counters.balanced` checks ``admitted == completed + errored + cancelled
 + in_flight`` and ``queued == admitted_after_wait + rejected_deadline + abandoned + waiting``.
+
+SLO-aware caps (:mod:`cluster.slo_guard`): :meth:`AdmissionController.set_guard_caps` caps the
+requests of *deferrable* surfaces (every surface but those with the lowest priority number) in
+flight on a backend; above the cap they wait in their queue (a backend at its guard cap has no room
+for them), the protected surface is never capped.
 
 Several router replicas: each router enforces ``ceil(limit / router_replicas)`` of every limit
 (surface concurrency and queue, backend caps, provider RPM/TPM), which is exact when the ingress
@@ -182,6 +187,10 @@ class AdmissionController:
         if not self._surfaces:
             raise ValueError("at least one surface is needed")
         self._order = sorted(self._surfaces.values(), key=lambda s: s.priority)
+        top = self._order[0].priority
+        self._deferrable = frozenset(s.name for s in self._order if s.priority != top)
+        self._guard_caps: dict[str, int] = {}
+        self._deferred_in_flight: dict[str, int] = {}  # by backend: deferrable surfaces' tickets
         self._caps: dict[str, int] = {}
         self._backend_in_flight: dict[str, int] = {}
         for name, cap in (backend_caps or {}).items():
@@ -210,7 +219,7 @@ class AdmissionController:
         s = self._surface(surface)
         cands = tuple(candidates)
         if s.in_flight < s.limit:
-            found, backend = self._pick_backend(cands)
+            found, backend = self._pick_backend(cands, s.name)
             if found:
                 return self._admit(s, backend, self._new_id(), now, now)
         if len(s.queue) < s.max_queue:
@@ -240,8 +249,7 @@ class AdmissionController:
         setattr(s.counters, outcome.value, getattr(s.counters, outcome.value) + 1)
         s.done_times.append(now)
         s.recent_done.append(now)
-        if held.backend is not None and held.backend in self._caps:
-            self._backend_in_flight[held.backend] -= 1
+        self._count_backend(held, -1)
         return self._drain(now)
 
     def transfer(self, ticket: Ticket, backend: str, now: float) -> tuple[Ticket | None, list[Ticket]]:
@@ -249,13 +257,11 @@ class AdmissionController:
         ticket (None when ``backend`` has no room or the ticket is not active) and waiters admitted
         into the slot it left."""
         held = self._active.get(ticket.id)
-        if held is None or not self._has_room(backend):
+        if held is None or not self._has_room(backend, held.surface):
             return None, []
-        if backend in self._caps:
-            self._backend_in_flight[backend] += 1
-        if held.backend is not None and held.backend in self._caps:
-            self._backend_in_flight[held.backend] -= 1
         moved = Ticket(held.id, held.surface, backend, held.enqueued_at, held.admitted_at)
+        self._count_backend(moved, +1)
+        self._count_backend(held, -1)
         self._active[held.id] = moved
         return moved, self._drain(now)
 
@@ -287,6 +293,24 @@ class AdmissionController:
     def next_deadline(self) -> float | None:
         heads = [next(iter(s.queue.values())).deadline for s in self._order if s.queue]
         return min(heads) if heads else None
+
+    def set_guard_caps(self, caps: Mapping[str, int | None], now: float) -> list[Ticket]:
+        """The SLO guard's caps on deferrable work per backend (None: uncapped); returns the waiters
+        admitted into room a raised cap made."""
+        for backend, cap in caps.items():
+            if cap is None:
+                self._guard_caps.pop(backend, None)
+            else:
+                self._guard_caps[backend] = cap
+        return self._drain(now)
+
+    def deferred_in_flight(self) -> dict[str, int]:
+        """Deferrable surfaces' requests in flight, by backend (what the guard caps)."""
+        return dict(self._deferred_in_flight)
+
+    def backend_cap(self, backend: str) -> int | None:
+        """This router's static share of a backend's cap (None: uncapped)."""
+        return self._caps.get(backend)
 
     def set_backend_cap(self, backend: str, cap: int | None, now: float) -> list[Ticket]:
         """Replicas came or went: the backend's cap (global, divided by router replicas) changes."""
@@ -356,17 +380,29 @@ class AdmissionController:
             self._caps[backend] = _share(cap, self.router_replicas)
             self._backend_in_flight.setdefault(backend, 0)
 
-    def _has_room(self, backend: str) -> bool:
+    def _has_room(self, backend: str, surface: str) -> bool:
         cap = self._caps.get(backend)
-        return cap is None or self._backend_in_flight[backend] < cap
+        if cap is not None and self._backend_in_flight[backend] >= cap:
+            return False
+        guard = self._guard_caps.get(backend) if surface in self._deferrable else None
+        return guard is None or self._deferred_in_flight.get(backend, 0) < guard
 
-    def _pick_backend(self, candidates: tuple[str, ...]) -> tuple[bool, str | None]:
+    def _count_backend(self, ticket: Ticket, delta: int) -> None:
+        b = ticket.backend
+        if b is None:
+            return
+        if b in self._caps:
+            self._backend_in_flight[b] += delta
+        if ticket.surface in self._deferrable:
+            self._deferred_in_flight[b] = self._deferred_in_flight.get(b, 0) + delta
+
+    def _pick_backend(self, candidates: tuple[str, ...], surface: str) -> tuple[bool, str | None]:
         """(found, backend): the first candidate with room; (True, None) with no candidates, as no
         backend cap applies then."""
         if not candidates:
             return True, None
         for b in candidates:
-            if self._has_room(b):
+            if self._has_room(b, surface):
                 return True, b
         return False, None
 
@@ -376,9 +412,8 @@ class AdmissionController:
         s.in_flight += 1
         s.counters.in_flight += 1
         s.counters.admitted += 1
-        if backend is not None and backend in self._caps:
-            self._backend_in_flight[backend] += 1
         ticket = Ticket(ticket_id, s.name, backend, enqueued_at, now)
+        self._count_backend(ticket, +1)
         self._active[ticket_id] = ticket
         return ticket
 
@@ -399,7 +434,7 @@ class AdmissionController:
                 for e in s.queue.values():
                     if e.deadline <= now:
                         continue  # never admitted past its deadline: expire() rejects it
-                    found, backend = self._pick_backend(e.candidates)
+                    found, backend = self._pick_backend(e.candidates, s.name)
                     if found:
                         if best is None or (s.priority, e.id) < best[0]:
                             best = ((s.priority, e.id), s, e, backend)
@@ -498,6 +533,9 @@ class AsyncAdmission:
         now = self.clock()
         admitted = self.controller.release(ticket, outcome, now)
         self._settle(self.controller.expire(now), admitted)
+
+    def set_guard_caps(self, caps: Mapping[str, int | None]) -> None:
+        self._settle([], self.controller.set_guard_caps(caps, self.clock()))
 
     def transfer(self, ticket: Ticket, backend: str) -> Ticket | None:
         moved, admitted = self.controller.transfer(ticket, backend, self.clock())

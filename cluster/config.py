@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from cluster.base import Strict
 from cluster.failover import FailoverConfig
 from cluster.hedging import HedgeConfig
+from cluster.slo_guard import SloGuardConfig
 
 TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
 
@@ -211,6 +212,10 @@ class PolicyConfig(Strict):
     )
     hedging: HedgeConfig = Field(
         default_factory=HedgeConfig, description="Hedge delay (TTFT quantile or fixed) and hedge budget."
+    )
+    slo_guard: SloGuardConfig = Field(
+        default_factory=SloGuardConfig,
+        description="Cap lower-priority work on a backend while the top surface's TTFT nears its SLO.",
     )
 
 

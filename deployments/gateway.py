@@ -16,7 +16,7 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from ray import serve
@@ -29,6 +29,7 @@ from cluster.failover import BreakerBoard
 from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
+from cluster.slo_guard import SloGuard
 from cluster.tokens import load_tokenizer
 from deployments import http_api as h
 from deployments import metrics
@@ -62,6 +63,8 @@ class Gateway:
         self._keys = {k.sha256: k.surface for k in cfg.server.api_keys}
         self._token = internal_token()
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
+        backends = [b.name for b in cfg.backends]
+        self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
         self.views: dict[str, BackendView] = {}
         pickers: dict[str, ReplicaPicker] = {}
@@ -91,6 +94,7 @@ class Gateway:
             load_tokenizer(m.tokenizer)
         self._openapi = h.openapi_document()
         self._breaker_task = asyncio.get_event_loop().create_task(self._report_breakers())
+        self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
@@ -106,6 +110,19 @@ class Gateway:
             with contextlib.suppress(Exception):
                 metrics.record_breakers(self.board.metrics(time.monotonic()))
             await asyncio.sleep(1.0)
+
+    async def _drive_guard(self, backends: list[str]) -> None:
+        """The SLO guard's caps on lower-priority work, revised every interval (never per chunk)."""
+        ctl = self.admission.controller
+        period = self.cfg.policies.slo_guard.interval_s
+        while True:
+            try:
+                ceilings = {b: ctl.backend_cap(b) for b in backends}
+                caps = self.guard.update(time.monotonic(), ctl.deferred_in_flight(), ceilings)
+                self.admission.set_guard_caps(caps)
+            except Exception:  # a bug here must not stop admission; the caps hold as they were
+                log.exception("gateway: SLO guard update failed")
+            await asyncio.sleep(period)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self._asgi)
@@ -198,6 +215,7 @@ class Gateway:
     async def _run(self, prepared: Any, send: h.Send, t0: float) -> None:
         req = prepared.req
         surface = req.surface
+        self.guard.arrived(surface, time.monotonic())
         try:
             ticket = await self.admission.acquire(surface, prepared.candidates)
         except ClusterError as err:
@@ -256,6 +274,7 @@ class Gateway:
             "replica": serve.get_replica_context().replica_id.unique_id,
             "admission": {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}},
             "policy": self.attempts.snapshot(),
+            "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in v.live.items()},

@@ -101,6 +101,7 @@ class Relay:
                 return Outcome.ERRORED
             acct.first_at = acct.last_at = time.perf_counter()
             acct.backend = backend_of_slot(winner.planned.backend)
+            gw.guard.observe(p.req.surface, acct.backend, acct.first_at - t0, time.monotonic())
             headers = {
                 "x-llmc-gateway": gw.replica_id,
                 "x-llmc-backend": acct.backend,
