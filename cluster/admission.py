@@ -15,8 +15,9 @@ the queues), so a new arrival is admitted at once only with capacity that no wai
 Rejections carry the errors of :mod:`cluster.errors`:
 
 * ``RateLimited`` (429) at once when the wait predicted for a new waiter (:mod:`cluster.queue_wait`:
-  waiters ahead + 1 over the surface's recent completion rate) exceeds its queue deadline, with
-  the prediction as ``retry_after_s``: waiting the deadline out would end in the same 429;
+  when the slot it would get frees, from the surface's requests in flight and its recent request
+  durations) exceeds its queue deadline, with the prediction as ``retry_after_s``: waiting the
+  deadline out would end in the same 429;
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
   ``retry_after_s`` is the predicted wait when there is an estimate, else ``(waiting in that surface
   + 1) / recent completion rate of that surface`` (completions over the last ``rate_window_s``),
@@ -63,7 +64,7 @@ from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.errors import ClusterError, Overloaded, RateLimited
-from cluster.queue_wait import predict_wait
+from cluster.queue_wait import DurationWindow, WaitEstimate, predict_wait
 
 
 class Outcome(StrEnum):
@@ -153,7 +154,8 @@ class _Surface:
         self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
         self.counters = Counters()
         self.done_times: deque[float] = deque()
-        self.recent_done: deque[float] = deque()  # the wait predictor's own, shorter window
+        self.durations = DurationWindow()  # admitted -> ended, for the wait predictor
+        self.admitted_at: dict[int, float] = {}  # tickets in flight
         self.rate_window_s = rate_window_s
 
     def completion_rate(self, now: float) -> float:
@@ -248,7 +250,7 @@ class AdmissionController:
         s.counters.in_flight -= 1
         setattr(s.counters, outcome.value, getattr(s.counters, outcome.value) + 1)
         s.done_times.append(now)
-        s.recent_done.append(now)
+        s.durations.add(now, now - s.admitted_at.pop(held.id, now))
         self._count_backend(held, -1)
         return self._drain(now)
 
@@ -332,8 +334,7 @@ class AdmissionController:
 
     def predicted_wait_s(self, surface: str, now: float) -> float | None:
         """What a new waiter of ``surface`` would wait (None: no estimate yet)."""
-        s = self._surface(surface)
-        est = predict_wait(len(s.queue), s.recent_done, now)
+        est = self._predict(self._surface(surface), now)
         return None if est is None else est.wait_s
 
     def counters(self, surface: str | None = None) -> Counters:
@@ -413,12 +414,16 @@ class AdmissionController:
         s.counters.in_flight += 1
         s.counters.admitted += 1
         ticket = Ticket(ticket_id, s.name, backend, enqueued_at, now)
+        s.admitted_at[ticket_id] = now
         self._count_backend(ticket, +1)
         self._active[ticket_id] = ticket
         return ticket
 
+    def _predict(self, s: _Surface, now: float) -> WaitEstimate | None:
+        return predict_wait(len(s.queue), (now - t for t in s.admitted_at.values()), s.durations, now)
+
     def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
-        est = predict_wait(len(s.queue), s.recent_done, now)
+        est = self._predict(s, now)
         return est is not None and est.wait_s > s.deadline_s
 
     def _drain(self, now: float) -> list[Ticket]:
@@ -454,7 +459,7 @@ class AdmissionController:
         now: float,
         entry_id: int | None,
     ) -> Rejection:
-        est = predict_wait(len(s.queue), s.recent_done, now)
+        est = self._predict(s, now)
         rate = s.completion_rate(now)
         if est is not None:
             retry = min(self.max_retry_after_s, est.wait_s)
