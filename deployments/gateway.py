@@ -21,7 +21,8 @@ from typing import Any
 
 from ray import serve
 
-from cluster.admission import AdmissionController, AsyncAdmission, Outcome
+from cluster.admission import AdmissionController, Outcome
+from cluster.admission_async import AsyncAdmission
 from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
 from cluster.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized

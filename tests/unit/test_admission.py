@@ -8,20 +8,11 @@ import random
 
 import pytest
 
-from cluster.admission import (
-    AdmissionController,
-    AsyncAdmission,
-    BucketBudget,
-    Counters,
-    Outcome,
-    Queued,
-    Rejection,
-    Reservation,
-    Ticket,
-    TokenBucket,
-)
+from cluster.admission import AdmissionController, Counters, Outcome, Queued, Rejection, Ticket
+from cluster.admission_async import AsyncAdmission
 from cluster.config import SurfaceConfig, parse_config
 from cluster.errors import Overloaded, RateLimited
+from cluster.token_bucket import BucketBudget, Reservation, TokenBucket
 
 
 def surf(name: str, priority: int, conc: int, queue: int, deadline_ms: float) -> SurfaceConfig:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.admission import AdmissionController, AsyncAdmission, Queued, Rejection, Ticket
+from cluster.admission import AdmissionController, Queued, Rejection, Ticket
+from cluster.admission_async import AsyncAdmission
 from cluster.config import SurfaceConfig
 from cluster.errors import Overloaded, RateLimited
 from cluster.queue_wait import DurationWindow, predict_wait
