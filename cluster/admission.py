@@ -58,7 +58,7 @@ from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.errors import ClusterError, Overloaded, RateLimited
-from cluster.queue_wait import DurationWindow, WaitEstimate, predict_wait
+from cluster.queue_wait import DurationWindow, WaitEstimate, predict_wait, slot_times
 
 
 class Outcome(StrEnum):
@@ -112,7 +112,8 @@ class Counters:
     rejected_queue_full: int = 0
     rejected_deadline: int = 0
     rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
-    rejected_overloaded: int = 0  # of the three above, those answered 503 (cluster saturated)
+    rejected_unreachable: int = 0  # waiters rejected early: a lowered guard cap put them past it
+    rejected_overloaded: int = 0  # of the four above, those answered 503 (cluster saturated)
     abandoned: int = 0  # waiters that left before admission
     double_release: int = 0
     in_flight: int = 0
@@ -120,7 +121,9 @@ class Counters:
 
     def balanced(self) -> bool:
         ended = self.completed + self.errored + self.cancelled
-        left_queue = self.admitted_after_wait + self.rejected_deadline + self.abandoned
+        left_queue = (
+            self.admitted_after_wait + self.rejected_deadline + self.rejected_unreachable + self.abandoned
+        )
         return self.admitted == ended + self.in_flight and self.queued == left_queue + self.waiting
 
     def add(self, other: Counters) -> None:
@@ -290,15 +293,42 @@ class AdmissionController:
         heads = [next(iter(s.queue.values())).deadline for s in self._order if s.queue]
         return min(heads) if heads else None
 
-    def set_guard_caps(self, caps: Mapping[str, int | None], now: float) -> list[Ticket]:
-        """The SLO guard's caps on deferrable work per backend (None: uncapped); returns the waiters
-        admitted into room a raised cap made."""
+    def set_guard_caps(
+        self, caps: Mapping[str, int | None], now: float
+    ) -> tuple[list[Ticket], list[Rejection]]:
+        """The SLO guard's caps on deferrable work per backend (None: uncapped). Returns the waiters
+        admitted into room a raised cap made, and those rejected at once because a lowered cap put
+        their slot past their deadline (they would only have waited it out)."""
+        lowered = False
         for backend, cap in caps.items():
+            old = self._guard_caps.get(backend)
             if cap is None:
                 self._guard_caps.pop(backend, None)
             else:
+                lowered = lowered or old is None or cap < old
                 self._guard_caps[backend] = cap
-        return self._drain(now)
+        rejected = self._reject_unreachable(now) if lowered else []
+        return self._drain(now), rejected
+
+    def _reject_unreachable(self, now: float) -> list[Rejection]:
+        out: list[Rejection] = []
+        for s in self._order:
+            if s.name not in self._deferrable or not s.queue:
+                continue
+            elapsed = [now - t for t in s.admitted_at.values()]
+            got = slot_times(elapsed, s.durations, now, len(s.queue), skip=self._over_cap(s))
+            if got is None:
+                continue
+            kept = 0  # the waiters kept so far take the earliest slots
+            for entry in list(s.queue.values()):
+                if got[0][kept] <= entry.deadline - now:
+                    kept += 1
+                else:
+                    del s.queue[entry.id]
+                    s.counters.waiting -= 1
+                    s.counters.rejected_unreachable += 1
+                    out.append(self._reject(s, "predicted_wait", now, entry.id))
+        return out
 
     def deferred_in_flight(self) -> dict[str, int]:
         """Deferrable surfaces' requests in flight, by backend (what the guard caps)."""
@@ -414,7 +444,15 @@ class AdmissionController:
         return ticket
 
     def _predict(self, s: _Surface, now: float) -> WaitEstimate | None:
-        return predict_wait(len(s.queue), (now - t for t in s.admitted_at.values()), s.durations, now)
+        elapsed = (now - t for t in s.admitted_at.values())
+        return predict_wait(len(s.queue), elapsed, s.durations, now, skip=self._over_cap(s))
+
+    def _over_cap(self, s: _Surface) -> int:
+        """Completions that will free no slot for ``s``: deferrable work in flight above a guard cap."""
+        if s.name not in self._deferrable:
+            return 0
+        over = [self._deferred_in_flight.get(b, 0) - cap for b, cap in self._guard_caps.items()]
+        return max(0, *over) if over else 0
 
     def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
         est = self._predict(s, now)

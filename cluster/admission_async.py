@@ -53,7 +53,8 @@ class AsyncAdmission:
         self._settle(self.controller.expire(now), admitted)
 
     def set_guard_caps(self, caps: Mapping[str, int | None]) -> None:
-        self._settle([], self.controller.set_guard_caps(caps, self.clock()))
+        admitted, rejected = self.controller.set_guard_caps(caps, self.clock())
+        self._settle(rejected, admitted)
 
     def transfer(self, ticket: Ticket, backend: str) -> Ticket | None:
         moved, admitted = self.controller.transfer(ticket, backend, self.clock())

@@ -5,7 +5,9 @@ A request that joins a surface's queue behind ``ahead`` others gets a slot when 
 or the SLO guard's cap on lower-priority work, its slots come back as its own requests end). Each
 of the surface's requests in flight is expected to end after the surface's recent mean request
 duration ``D``, so a slot frees at ``max(0, D - elapsed)`` for each request in flight, and then
-every ``D`` again as the waiters before this one take it and end in turn. When that time exceeds
+every ``D`` again as the waiters before this one take it and end in turn (when a cap on the
+surface's work was lowered below what it has in flight, the first completions free nothing: they
+are skipped). When that time exceeds
 the queue deadline, the request would only wait the deadline out and then get a 429: admission
 answers the 429 at once instead, with the estimate as ``Retry-After``.
 
@@ -48,21 +50,43 @@ class DurationWindow:
         return sum(d for _, d in self._samples) / len(self._samples)
 
 
+def slot_times(
+    elapsed_in_flight: Iterable[float],
+    durations: DurationWindow,
+    now: float,
+    count: int,
+    *,
+    skip: int = 0,
+    min_samples: int = 3,
+) -> tuple[list[float], float] | None:
+    """When the next ``count`` slots free for the waiters in order (and the mean duration), given
+    how long each of the surface's requests in flight has run; ``skip``: the first completions free
+    no slot (work over a cap that was lowered). None when there is no estimate."""
+    mean = durations.mean(now, min_samples)
+    if mean is None:
+        return None
+    frees = [max(0.0, mean - e) for e in elapsed_in_flight]
+    heapq.heapify(frees)
+    for _ in range(min(skip, len(frees))):
+        heapq.heappop(frees)
+    if not frees:
+        return None
+    out = []
+    for _ in range(count):  # each waiter takes the next free slot and holds it for ``mean``
+        out.append(frees[0])
+        heapq.heapreplace(frees, frees[0] + mean)
+    return out, mean
+
+
 def predict_wait(
     ahead: int,
     elapsed_in_flight: Iterable[float],
     durations: DurationWindow,
     now: float,
     *,
+    skip: int = 0,
     min_samples: int = 3,
 ) -> WaitEstimate | None:
-    """The wait of a waiter joining behind ``ahead`` others, given how long each of the surface's
-    requests in flight has run; None when there is no estimate."""
-    mean = durations.mean(now, min_samples)
-    frees = [max(0.0, mean - e) for e in elapsed_in_flight] if mean is not None else []
-    if mean is None or not frees:
-        return None
-    heapq.heapify(frees)
-    for _ in range(ahead):  # each waiter ahead takes the next free slot and holds it for ``mean``
-        heapq.heapreplace(frees, frees[0] + mean)
-    return WaitEstimate(frees[0], mean)
+    """The wait of a waiter joining behind ``ahead`` others; None when there is no estimate."""
+    got = slot_times(elapsed_in_flight, durations, now, ahead + 1, skip=skip, min_samples=min_samples)
+    return None if got is None else WaitEstimate(got[0][ahead], got[1])

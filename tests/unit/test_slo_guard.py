@@ -76,7 +76,7 @@ def test_admission_defers_capped_work_and_resumes_it_when_the_cap_lifts() -> Non
     agents = [c.try_admit("agent", 0.0, ["gpu"]) for _ in range(4)]
     assert all(isinstance(t, Ticket) for t in agents)
     assert c.deferred_in_flight() == {"gpu": 4} and c.backend_cap("gpu") == 100
-    assert c.set_guard_caps({"gpu": 2}, 0.1) == []
+    assert c.set_guard_caps({"gpu": 2}, 0.1) == ([], [])
     deferred = c.try_admit("agent", 0.2, ["gpu"])
     assert isinstance(deferred, Queued)  # 4 in flight > cap 2: waits
     assert isinstance(c.try_admit("tab", 0.2, ["gpu"]), Ticket)  # Tab is never capped
@@ -86,5 +86,29 @@ def test_admission_defers_capped_work_and_resumes_it_when_the_cap_lifts() -> Non
     assert [t.id for t in admitted] == [deferred.id]  # 1 in flight < 2: the waiter goes
     queued = c.try_admit("agent", 0.5, ["gpu"])
     assert isinstance(queued, Queued)
-    assert [t.id for t in c.set_guard_caps({"gpu": None}, 0.6)] == [queued.id]  # lifted: resumes
+    admitted, rejected = c.set_guard_caps({"gpu": None}, 0.6)
+    assert [t.id for t in admitted] == [queued.id] and rejected == []  # lifted: resumes
     assert c.counters().balanced()
+
+
+def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline() -> None:
+    agent = SurfaceConfig(
+        name="agent", priority=2, max_concurrency=100, max_queue=100, queue_deadline_ms=1500
+    )
+    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100})
+    for i in range(3):  # requests of 1 s
+        t = c.try_admit("agent", float(i), ["gpu"])
+        assert isinstance(t, Ticket)
+        c.release(t, "completed", i + 1.0)
+    running = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(4)]
+    assert all(isinstance(t, Ticket) for t in running)
+    c.set_guard_caps({"gpu": 4}, 10.0)
+    waiters = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(3)]
+    assert all(isinstance(w, Queued) for w in waiters)  # 4 slots free in 1 s: all fit
+    # Cap cut to 2: the first two completions free nothing, so slots come at 1, 1, 2 s.
+    assert c.predicted_wait_s("agent", 10.0) == 1.0  # before the cut: a 4th waiter at 1 s
+    admitted, rejected = c.set_guard_caps({"gpu": 2}, 10.0)
+    assert admitted == [] and [r.entry_id for r in rejected] == [waiters[2].id]
+    assert rejected[0].reason == "predicted_wait" and rejected[0].error.status_code == 429
+    n = c.counters("agent")
+    assert (n.rejected_unreachable, n.waiting) == (1, 2) and n.balanced()
