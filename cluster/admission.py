@@ -138,6 +138,7 @@ class _Entry:
     enqueued_at: float
     deadline: float
     candidates: tuple[str, ...]
+    tenant: str | None = None
 
 
 class _Surface:
@@ -154,6 +155,8 @@ class _Surface:
         self.durations = DurationWindow()  # admitted -> ended, for the wait predictor
         self.admitted_at: dict[int, float] = {}  # tickets in flight
         self.rate_window_s = rate_window_s
+        self.vclock = 0.0  # fair queuing: the virtual time of the last admission
+        self.vtime: dict[str, float] = {}  # by tenant: its virtual finish time
 
     def completion_rate(self, now: float) -> float:
         cutoff = now - self.rate_window_s
@@ -177,11 +180,13 @@ class AdmissionController:
         router_replicas: int = 1,
         rate_window_s: float = 30.0,
         max_retry_after_s: float = 60.0,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         if router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         self.router_replicas = router_replicas
         self.max_retry_after_s = max_retry_after_s
+        self._weights = dict(tenant_weights or {})
         self._surfaces = {s.name: _Surface(s, router_replicas, rate_window_s) for s in surfaces}
         if not self._surfaces:
             raise ValueError("at least one surface is needed")
@@ -208,24 +213,32 @@ class AdmissionController:
             else:
                 replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas
                 caps[b.name] = replicas * b.max_in_flight_per_replica
-        return cls(cfg.surfaces, caps, router_replicas=cfg.server.router_replicas, **kwargs)  # type: ignore[arg-type]
+        weights = {t.name: t.weight for t in cfg.tenants}
+        return cls(
+            cfg.surfaces,
+            caps,
+            router_replicas=cfg.server.router_replicas,
+            tenant_weights=weights,
+            **kwargs,  # type: ignore[arg-type]
+        )
 
     # Admission ---------------------------------------------------------------------------------
     def try_admit(
-        self, surface: str, now: float, candidates: Sequence[str] = ()
+        self, surface: str, now: float, candidates: Sequence[str] = (), tenant: str | None = None
     ) -> Ticket | Queued | Rejection:
-        """Admit now, queue, or reject. ``candidates``: backends that could serve it, in order."""
+        """Admit now, queue, or reject. ``candidates``: backends that could serve it, in order;
+        ``tenant``: whose it is (freed slots go to the queued tenants by their weights)."""
         s = self._surface(surface)
         cands = tuple(candidates)
         if s.in_flight < s.limit:
             found, backend = self._pick_backend(cands, s.name)
             if found:
-                return self._admit(s, backend, self._new_id(), now, now)
+                return self._admit(s, backend, self._new_id(), now, now, tenant)
         if len(s.queue) < s.max_queue:
             if self._wait_exceeds_deadline(s, now):
                 s.counters.rejected_predicted += 1
                 return self._reject(s, "predicted_wait", now, None)
-            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands)
+            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
             s.counters.queued += 1
@@ -432,8 +445,18 @@ class AdmissionController:
         return False, None
 
     def _admit(
-        self, s: _Surface, backend: str | None, ticket_id: int, enqueued_at: float, now: float
+        self,
+        s: _Surface,
+        backend: str | None,
+        ticket_id: int,
+        enqueued_at: float,
+        now: float,
+        tenant: str | None = None,
     ) -> Ticket:
+        if tenant is not None:  # start-time fair queuing: a tenant's share is its weight
+            tag = self._tag(s, tenant)
+            s.vclock = tag
+            s.vtime[tenant] = tag + 1.0 / self._weights.get(tenant, 1.0)
         s.in_flight += 1
         s.counters.in_flight += 1
         s.counters.admitted += 1
@@ -458,11 +481,19 @@ class AdmissionController:
         est = self._predict(s, now)
         return est is not None and est.wait_s > s.deadline_s
 
+    def _tag(self, s: _Surface, tenant: str | None) -> float:
+        """A waiter's fair-queuing start tag (0 without tenants: then the oldest goes first)."""
+        if not self._weights:
+            return 0.0
+        return max(s.vtime.get(tenant, 0.0), s.vclock) if tenant is not None else s.vclock
+
     def _drain(self, now: float) -> list[Ticket]:
-        """Admit waiters while any fits: lowest priority number first, then the oldest."""
+        """Admit waiters while any fits: lowest priority number first, then (with tenants) the
+        lowest fair-queuing tag, then the oldest."""
         admitted = []
+        fair = bool(self._weights)
         while True:
-            best: tuple[tuple[int, int], _Surface, _Entry, str | None] | None = None
+            best: tuple[tuple[int, float, int], _Surface, _Entry, str | None] | None = None
             for s in self._order:
                 if best is not None and s.priority > best[0][0]:
                     break
@@ -473,16 +504,18 @@ class AdmissionController:
                         continue  # never admitted past its deadline: expire() rejects it
                     found, backend = self._pick_backend(e.candidates, s.name)
                     if found:
-                        if best is None or (s.priority, e.id) < best[0]:
-                            best = ((s.priority, e.id), s, e, backend)
-                        break
+                        key = (s.priority, self._tag(s, e.tenant), e.id)
+                        if best is None or key < best[0]:
+                            best = (key, s, e, backend)
+                        if not fair:
+                            break
             if best is None:
                 return admitted
             _, s, e, backend = best
             del s.queue[e.id]
             s.counters.waiting -= 1
             s.counters.admitted_after_wait += 1
-            admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now))
+            admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now, e.tenant))
 
     def _reject(
         self,

@@ -25,11 +25,13 @@ class AsyncAdmission:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
 
-    async def acquire(self, surface: str, candidates: Sequence[str] = ()) -> Ticket:
+    async def acquire(
+        self, surface: str, candidates: Sequence[str] = (), tenant: str | None = None
+    ) -> Ticket:
         """A ticket, or raises ``RateLimited``/``Overloaded``."""
         now = self.clock()
         self._settle(self.controller.expire(now), [])
-        result = self.controller.try_admit(surface, now, candidates)
+        result = self.controller.try_admit(surface, now, candidates, tenant)
         if isinstance(result, Ticket):
             return result
         if isinstance(result, Rejection):

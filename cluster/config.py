@@ -184,6 +184,18 @@ class RouteConfig(Strict):
 class ApiKey(Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key (never the key).")
     surface: str = Field(description="Surface the key's requests belong to.")
+    tenant: str | None = Field(None, description="Tenant (from `tenants`) billed for the key's requests.")
+
+
+class TenantConfig(Strict):
+    name: str = Field(min_length=1, description="Tenant id (a customer, a team, an agent fleet).")
+    rpm: int | None = Field(None, gt=0, description="Requests per minute across its keys (None: unlimited).")
+    tpm: int | None = Field(
+        None, gt=0, description="Tokens per minute, prompt + max_tokens reserved, settled with usage."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Fair-queuing weight: its share of a surface's freed slots when tenants queue."
+    )
 
 
 class ServerConfig(Strict):
@@ -226,6 +238,9 @@ class ClusterConfig(Strict):
     backends: list[BackendConfig] = Field(min_length=1, description="Engines and providers.")
     surfaces: list[SurfaceConfig] = Field(min_length=1, description="Product surfaces and their limits.")
     routes: list[RouteConfig] = Field(default_factory=list, description="Candidate backends per model.")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="Tenants API keys belong to: budgets and fair-queuing weights."
+    )
     policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Failover and hedging policies.")
 
     @model_validator(mode="after")
@@ -253,9 +268,12 @@ class ClusterConfig(Strict):
                     )
         if self.server.default_surface not in surfaces:
             raise ValueError(f"server.default_surface: unknown surface '{self.server.default_surface}'")
+        tenants = _by_name("tenants", self.tenants)
         for i, k in enumerate(self.server.api_keys):
             if k.surface not in surfaces:
                 raise ValueError(f"server.api_keys[{i}].surface: unknown surface '{k.surface}'")
+            if k.tenant is not None and k.tenant not in tenants:
+                raise ValueError(f"server.api_keys[{i}].tenant: unknown tenant '{k.tenant}'")
         return self
 
     # Lookups -------------------------------------------------------------------------------
@@ -267,6 +285,9 @@ class ClusterConfig(Strict):
 
     def surface(self, name: str) -> SurfaceConfig | None:
         return next((s for s in self.surfaces if s.name == name), None)
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.name == name), None)
 
     def candidates(self, model: str, surface: str) -> list[str]:
         """Backends to try for a model and surface: a surface-specific route wins over a general one;

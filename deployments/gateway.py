@@ -31,6 +31,7 @@ from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequ
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
 from cluster.slo_guard import SloGuard
+from cluster.tenants import TenantBudgets, TenantReservation
 from cluster.tokens import load_tokenizer
 from deployments import http_api as h
 from deployments import metrics
@@ -61,9 +62,12 @@ def block_size(b: BackendConfig) -> int:
 class Gateway:
     def __init__(self, config: dict[str, Any], engines: dict[str, Any]) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
-        self._keys = {k.sha256: k.surface for k in cfg.server.api_keys}
+        self._keys = {k.sha256: (k.surface, k.tenant) for k in cfg.server.api_keys}
         self._token = internal_token()
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
+        self.tenants = TenantBudgets(
+            cfg.tenants, time.monotonic(), router_replicas=cfg.server.router_replicas
+        )
         backends = [b.name for b in cfg.backends]
         self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
@@ -175,28 +179,33 @@ class Gateway:
             with contextlib.suppress(RuntimeError):  # the response may have started already
                 await h.send_error(send, ClusterError(f"internal error: {type(exc).__name__}"))
 
-    def _surface(self, scope: h.Scope) -> str:
+    def _caller(self, scope: h.Scope) -> tuple[str, str | None]:
+        """(surface, tenant): from the API key with auth on; else from x-surface and x-tenant (a
+        development cluster, where callers say who they are)."""
         if self.cfg.server.auth:
             auth = h.header(scope, b"authorization") or ""
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            surface = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
-            if surface is None:
+            found = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
+            if found is None:
                 raise Unauthorized("Missing or invalid API key. Pass it as 'Authorization: Bearer <key>'.")
-            return surface
+            return found
         surface = h.header(scope, b"x-surface") or self.cfg.server.default_surface
         if self.cfg.surface(surface) is None:
             known = ", ".join(s.name for s in self.cfg.surfaces)
             raise InvalidRequest(
                 f"Unknown surface '{surface[:64]}' in x-surface (known: {known}).", param="x-surface"
             )
-        return surface
+        tenant = h.header(scope, b"x-tenant")
+        if tenant is not None and self.cfg.tenant(tenant) is None:
+            raise InvalidRequest(f"Unknown tenant '{tenant[:64]}' in x-tenant.", param="x-tenant")
+        return surface, tenant
 
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str) -> None:
         t0 = time.perf_counter()
         rid = h.new_request_id()
         try:
-            surface = self._surface(scope)
+            surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
             raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -211,15 +220,23 @@ class Gateway:
             return
         except ConnectionResetError:  # the client left while sending its body: nobody to answer
             return
-        await self._run(prepared, send, t0)
+        await self._run(prepared, send, t0, tenant)
 
-    async def _run(self, prepared: Any, send: h.Send, t0: float) -> None:
+    async def _run(self, prepared: Any, send: h.Send, t0: float, tenant: str | None = None) -> None:
         req = prepared.req
         surface = req.surface
-        self.guard.arrived(surface, time.monotonic())
+        now = time.monotonic()
+        self.guard.arrived(surface, now)
+        budget = self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens, now)
         try:
-            ticket = await self.admission.acquire(surface, prepared.candidates)
-        except ClusterError as err:
+            if isinstance(budget, ClusterError):  # the tenant is over its budget: at once
+                raise budget
+            ticket = await self.admission.acquire(surface, prepared.candidates, tenant)
+        except BaseException as err:
+            if isinstance(budget, TenantReservation):  # never served: the budget gets it back
+                self.tenants.cancel(budget, time.monotonic())
+            if not isinstance(err, ClusterError):
+                raise
             metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
             await h.send_error(send, err)
             return
@@ -234,11 +251,14 @@ class Gateway:
             raise
         finally:
             self.admission.release(ticket, outcome)
+            if isinstance(budget, TenantReservation):
+                used = prepared.usage.total_tokens if prepared.usage is not None else 0
+                self.tenants.settle(budget, used, time.monotonic())
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
-        self._surface(scope)  # with auth on, listing models needs a key too
+        self._caller(scope)  # with auth on, listing models needs a key too
         data = []
         for m in self.cfg.models:
             kinds = sorted({b.kind for b in self.cfg.backends if b.model == m.name})

@@ -177,6 +177,7 @@ class Relay:
 
     def _record(self, p: Prepared, acct: _Account, waited_s: float) -> None:
         surface = p.req.surface
+        p.usage = acct.usage
         metrics.ADMISSIONS.inc(tags={"surface": surface})
         metrics.QUEUE_WAIT.observe(waited_s, tags={"surface": surface})
         now = time.perf_counter()

@@ -1,6 +1,7 @@
 """Tab and Agent on the same simulated replica (issue 16): the SLO guard caps Agent only while
 Tab is active and lifts the cap when Tab goes quiet; a request whose predicted queue wait passes
-its deadline is answered 429 with Retry-After at once (counted as such, not as a deadline expiry).
+its deadline is answered 429 with Retry-After at once (counted as such, not as a deadline expiry);
+a tenant over its budget gets 429s with Retry-After while another tenant's requests go through.
 
 What is checked is the policy's own state (one gateway's status), never a latency: Tab's objective
 is set to 1 ms here, so any Tab traffic is "near its SLO" and the guard must act."""
@@ -34,6 +35,7 @@ def shared(deploy):
     chat.update(max_concurrency=2, max_queue=64, queue_deadline_ms=300)  # for the fast rejects
     agent.update(max_concurrency=24, max_queue=64, queue_deadline_ms=30000)
     raw["policies"]["slo_guard"].update(min_samples=2, quiet_s=1.5, interval_s=0.2)
+    raw["tenants"] = [{"name": "heavy", "rpm": 20}, {"name": "light"}]  # one gateway: all 20 are its
     return deploy(parse_config(raw), route_prefix="/shared")
 
 
@@ -116,3 +118,19 @@ async def test_a_wait_past_the_deadline_is_rejected_at_once_with_retry_after(sha
     assert adm["rejected_predicted"] - before["rejected_predicted"] == codes[429], adm
     assert adm["rejected_deadline"] == before["rejected_deadline"], adm
     assert adm["balanced"] and adm["in_flight"] == 0
+
+
+async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> None:
+    url = shared.base_url + "/chat/completions"
+    heavy = {"x-surface": "agent", "x-tenant": "heavy"}
+    light = {"x-surface": "tab", "x-tenant": "light"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        flood = [c.post(url, json=_body(4, f"loop {i}"), headers=heavy) for i in range(30)]  # 1.5x a minute's
+        calm = [c.post(url, json=_body(2, f"tab {i}"), headers=light) for i in range(5)]
+        rs = await asyncio.gather(*flood, *calm)
+    heavy_rs, light_rs = rs[:30], rs[30:]
+    assert [r.status_code for r in light_rs] == [200] * 5
+    over = [r for r in heavy_rs if r.status_code == 429 and "tenant 'heavy'" in r.json()["error"]["message"]]
+    assert 9 <= len(over) <= 10, collections.Counter(r.status_code for r in heavy_rs)  # 20 + refill
+    assert all(int(r.headers["retry-after"]) >= 1 for r in over)
+    assert {r.status_code for r in heavy_rs} <= {200, 429}
