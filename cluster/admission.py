@@ -247,6 +247,22 @@ class AdmissionController:
         s.counters.rejected_queue_full += 1
         return self._reject(s, "queue_full", now, None)
 
+    def precheck(self, surface: str, now: float) -> Rejection | None:
+        """The rejection any new request of ``surface`` gets, whatever it asks for: the surface is at
+        its own limit and cannot usefully queue (a full queue, or a wait past its deadline). The
+        gateway asks before parsing and tokenizing, so such a request costs it almost nothing;
+        None: go on (:meth:`try_admit` decides)."""
+        s = self._surface(surface)
+        if s.in_flight < s.limit:
+            return None
+        if len(s.queue) >= s.max_queue:
+            s.counters.rejected_queue_full += 1
+            return self._reject(s, "queue_full", now, None)
+        if self._wait_exceeds_deadline(s, now):
+            s.counters.rejected_predicted += 1
+            return self._reject(s, "predicted_wait", now, None)
+        return None
+
     def release(self, ticket: Ticket, outcome: Outcome | str, now: float) -> list[Ticket]:
         """End an admitted request exactly once; returns the waiters admitted into the freed room."""
         outcome = Outcome(outcome)

@@ -49,6 +49,14 @@ class AsyncAdmission:
                 self._arm()
             raise
 
+    def precheck(self, surface: str) -> None:
+        """Raises the rejection a new request of ``surface`` would get whatever it asks for."""
+        now = self.clock()
+        self._settle(self.controller.expire(now), [])
+        rejection = self.controller.precheck(surface, now)
+        if rejection is not None:
+            raise rejection.error
+
     def release(self, ticket: Ticket, outcome: Outcome | str) -> None:
         now = self.clock()
         admitted = self.controller.release(ticket, outcome, now)

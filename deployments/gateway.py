@@ -208,6 +208,7 @@ class Gateway:
             surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
             raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
+            self._precheck(surface)
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
             args = (self.cfg, raw, schema, kind, rid, surface, session, self.views)
@@ -222,11 +223,20 @@ class Gateway:
             return
         await self._run(prepared, send, t0, tenant)
 
+    def _precheck(self, surface: str) -> None:
+        """A request admission would refuse whatever it asks for is refused before it is parsed and
+        tokenized (a long Agent prompt costs milliseconds to tokenize; the 429 should not)."""
+        self.guard.arrived(surface, time.monotonic())
+        try:
+            self.admission.precheck(surface)
+        except ClusterError as err:
+            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
+            raise
+
     async def _run(self, prepared: Any, send: h.Send, t0: float, tenant: str | None = None) -> None:
         req = prepared.req
         surface = req.surface
         now = time.monotonic()
-        self.guard.arrived(surface, now)
         budget = self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens, now)
         try:
             if isinstance(budget, ClusterError):  # the tenant is over its budget: at once

@@ -92,3 +92,15 @@ async def test_the_async_wrapper_raises_without_queueing() -> None:
     assert exc.value.retry_after_s == pytest.approx(2.0)
     assert adm.pending() == 0 and c.counters("agent").rejected_predicted == 1
     adm.close()
+
+
+def test_the_precheck_refuses_only_what_try_admit_would_refuse_whatever_was_asked() -> None:
+    c = _busy(deadline_ms=2500, duration_s=1.0)  # agent at its limit of 2, a waiter 1 s away
+    assert c.precheck("tab", 6.0) is None  # tab has room: go on
+    assert c.precheck("agent", 6.0) is None  # agent can still queue usefully
+    for _ in range(4):
+        assert isinstance(c.try_admit("agent", 6.0), Queued)  # waits of 1, 1, 2, 2 s
+    r = c.precheck("agent", 6.0)
+    assert isinstance(r, Rejection) and r.reason == "predicted_wait" and r.error.retry_after_s == 3.0
+    assert c.try_admit("agent", 6.0).reason == "predicted_wait"  # type: ignore[union-attr]
+    assert c.counters("agent").rejected_predicted == 2 and c.counters().balanced()
