@@ -6,6 +6,7 @@ arrives, and Tab's first token comes before any waiting Agent request's."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -91,5 +92,7 @@ async def test_tab_is_scheduled_before_waiting_agent_work(backend_cfg: tuple[Bac
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
     finally:
         backend.shutdown()
+        backend.engine = None  # dropped here, not at interpreter exit (where its __del__ fails)
+        gc.collect()
     waiting_firsts = [firsts.index(f"agent-wait-{i}") for i in range(WAITING)]
     assert firsts.index("tab") < min(waiting_firsts), firsts
