@@ -103,6 +103,11 @@ def start(
     # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404).
     env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
     env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
+    # The same for the Serve proxy's fallback ports behind HAProxy (8500/9500 by default): another
+    # cluster on this machine held 8500 while a test run here started (seen 2026-12-01), and a
+    # fallback proxy that cannot bind never turns healthy.
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(_free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(_free_port()))
     os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
     init_kwargs: dict[str, Any] = {
         "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment
