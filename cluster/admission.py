@@ -1,4 +1,4 @@
-"""Admission: per-surface concurrency and bounded priority queues, per-backend caps, provider budgets.
+"""Admission: per-surface concurrency and bounded priority queues, per-backend caps, fast rejects.
 
 A request needs a slot of its surface (``SurfaceConfig.max_concurrency``) and, when it names
 candidate backends, a slot of the first candidate with room (per-backend in-flight caps). With no
@@ -14,19 +14,28 @@ the queues), so a new arrival is admitted at once only with capacity that no wai
 
 Rejections carry the errors of :mod:`cluster.errors`:
 
+* ``RateLimited`` (429) at once when the wait predicted for a new waiter (:mod:`cluster.queue_wait`:
+  when the slot it would get frees, from the surface's requests in flight and its recent request
+  durations) exceeds its queue deadline, with the prediction as ``retry_after_s``: waiting the
+  deadline out would end in the same 429;
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
-  ``retry_after_s = (waiting in that surface + 1) / recent completion rate of that surface``
-  (completions over the last ``rate_window_s``), the surface's queue deadline when nothing completed
-  lately, at most ``max_retry_after_s``.
-* ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface has a full
-  queue (``waiting >= max_queue``) and is blocked — at its own concurrency limit, or every capped
-  backend is at its cap. Then no surface can take work, and clients should back off rather than
-  retry with another key or surface.
+  ``retry_after_s`` is the predicted wait when there is an estimate, else ``(waiting in that surface
+  + 1) / recent completion rate of that surface`` (completions over the last ``rate_window_s``),
+  else the surface's queue deadline; at most ``max_retry_after_s``.
+* ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface is blocked — at
+  its own concurrency limit, or every capped backend is at its cap — and cannot queue a new
+  request usefully (a full queue, or a predicted wait past its deadline). Then no surface can
+  take work, and clients should back off rather than retry with another key or surface.
 
 Accounting is exactly-once: each admitted ticket is released once as completed, errored or
 cancelled; a second release (or a foreign ticket) changes nothing and is counted in
 ``double_release``. :meth:`Counters.balanced` checks ``admitted == completed + errored + cancelled
 + in_flight`` and ``queued == admitted_after_wait + rejected_deadline + abandoned + waiting``.
+
+SLO-aware caps (:mod:`cluster.slo_guard`): :meth:`AdmissionController.set_guard_caps` caps the
+requests of *deferrable* surfaces (every surface but those with the lowest priority number) in
+flight on a backend; above the cap they wait in their queue (a backend at its guard cap has no room
+for them), the protected surface is never capped.
 
 Several router replicas: each router enforces ``ceil(limit / router_replicas)`` of every limit
 (surface concurrency and queue, backend caps, provider RPM/TPM), which is exact when the ingress
@@ -34,27 +43,22 @@ spreads requests evenly and errs by less than one request per router otherwise (
 small limit from rounding to zero). A shared counter actor for exact global limits is future work:
 it costs a round trip per request.
 
-Provider budgets: :class:`TokenBucket` is the reusable refill-per-second bucket;
-:class:`BucketBudget` reserves one request and ``input estimate + max_tokens`` tokens up front and
-settles with the actual usage afterwards (giving back the unused part, or taking the overrun as debt).
-(``cluster.providers.budget.ProviderBudget`` is the provider adapters' sliding-window variant with
-in-flight counting; this one is the token-bucket form, smooth refill instead of a window edge.)
+The asyncio wrapper is :mod:`cluster.admission_async`; provider token buckets are
+:mod:`cluster.token_bucket`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.errors import ClusterError, Overloaded, RateLimited
+from cluster.queue_wait import DurationWindow, WaitEstimate, predict_wait, slot_times
 
 
 class Outcome(StrEnum):
@@ -93,7 +97,7 @@ class Queued:
 class Rejection:
     error: ClusterError  # RateLimited (429) or Overloaded (503), with retry_after_s
     surface: str
-    reason: Literal["queue_full", "deadline"]
+    reason: Literal["queue_full", "deadline", "predicted_wait"]
     entry_id: int | None = None  # the Queued id for deadline rejections
 
 
@@ -107,7 +111,9 @@ class Counters:
     cancelled: int = 0  # admitted, then cancelled (client gone)
     rejected_queue_full: int = 0
     rejected_deadline: int = 0
-    rejected_overloaded: int = 0  # of the two above, those answered 503 (cluster saturated)
+    rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
+    rejected_unreachable: int = 0  # waiters rejected early: a lowered guard cap put them past it
+    rejected_overloaded: int = 0  # of the four above, those answered 503 (cluster saturated)
     abandoned: int = 0  # waiters that left before admission
     double_release: int = 0
     in_flight: int = 0
@@ -115,7 +121,9 @@ class Counters:
 
     def balanced(self) -> bool:
         ended = self.completed + self.errored + self.cancelled
-        left_queue = self.admitted_after_wait + self.rejected_deadline + self.abandoned
+        left_queue = (
+            self.admitted_after_wait + self.rejected_deadline + self.rejected_unreachable + self.abandoned
+        )
         return self.admitted == ended + self.in_flight and self.queued == left_queue + self.waiting
 
     def add(self, other: Counters) -> None:
@@ -130,6 +138,7 @@ class _Entry:
     enqueued_at: float
     deadline: float
     candidates: tuple[str, ...]
+    tenant: str | None = None
 
 
 class _Surface:
@@ -143,7 +152,11 @@ class _Surface:
         self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
         self.counters = Counters()
         self.done_times: deque[float] = deque()
+        self.durations = DurationWindow()  # admitted -> ended, for the wait predictor
+        self.admitted_at: dict[int, float] = {}  # tickets in flight
         self.rate_window_s = rate_window_s
+        self.vclock = 0.0  # fair queuing: the virtual time of the last admission
+        self.vtime: dict[str, float] = {}  # by tenant: its virtual finish time
 
     def completion_rate(self, now: float) -> float:
         cutoff = now - self.rate_window_s
@@ -167,15 +180,21 @@ class AdmissionController:
         router_replicas: int = 1,
         rate_window_s: float = 30.0,
         max_retry_after_s: float = 60.0,
+        tenant_weights: Mapping[str, float] | None = None,
     ) -> None:
         if router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
         self.router_replicas = router_replicas
         self.max_retry_after_s = max_retry_after_s
+        self._weights = dict(tenant_weights or {})
         self._surfaces = {s.name: _Surface(s, router_replicas, rate_window_s) for s in surfaces}
         if not self._surfaces:
             raise ValueError("at least one surface is needed")
         self._order = sorted(self._surfaces.values(), key=lambda s: s.priority)
+        top = self._order[0].priority
+        self._deferrable = frozenset(s.name for s in self._order if s.priority != top)
+        self._guard_caps: dict[str, int] = {}
+        self._deferred_in_flight: dict[str, int] = {}  # by backend: deferrable surfaces' tickets
         self._caps: dict[str, int] = {}
         self._backend_in_flight: dict[str, int] = {}
         for name, cap in (backend_caps or {}).items():
@@ -194,21 +213,32 @@ class AdmissionController:
             else:
                 replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas
                 caps[b.name] = replicas * b.max_in_flight_per_replica
-        return cls(cfg.surfaces, caps, router_replicas=cfg.server.router_replicas, **kwargs)  # type: ignore[arg-type]
+        weights = {t.name: t.weight for t in cfg.tenants}
+        return cls(
+            cfg.surfaces,
+            caps,
+            router_replicas=cfg.server.router_replicas,
+            tenant_weights=weights,
+            **kwargs,  # type: ignore[arg-type]
+        )
 
     # Admission ---------------------------------------------------------------------------------
     def try_admit(
-        self, surface: str, now: float, candidates: Sequence[str] = ()
+        self, surface: str, now: float, candidates: Sequence[str] = (), tenant: str | None = None
     ) -> Ticket | Queued | Rejection:
-        """Admit now, queue, or reject. ``candidates``: backends that could serve it, in order."""
+        """Admit now, queue, or reject. ``candidates``: backends that could serve it, in order;
+        ``tenant``: whose it is (freed slots go to the queued tenants by their weights)."""
         s = self._surface(surface)
         cands = tuple(candidates)
         if s.in_flight < s.limit:
-            found, backend = self._pick_backend(cands)
+            found, backend = self._pick_backend(cands, s.name)
             if found:
-                return self._admit(s, backend, self._new_id(), now, now)
+                return self._admit(s, backend, self._new_id(), now, now, tenant)
         if len(s.queue) < s.max_queue:
-            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands)
+            if self._wait_exceeds_deadline(s, now):
+                s.counters.rejected_predicted += 1
+                return self._reject(s, "predicted_wait", now, None)
+            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
             s.counters.queued += 1
@@ -216,6 +246,22 @@ class AdmissionController:
             return Queued(entry.id, s.name, now, entry.deadline, ahead)
         s.counters.rejected_queue_full += 1
         return self._reject(s, "queue_full", now, None)
+
+    def precheck(self, surface: str, now: float) -> Rejection | None:
+        """The rejection any new request of ``surface`` gets, whatever it asks for: the surface is at
+        its own limit and cannot usefully queue (a full queue, or a wait past its deadline). The
+        gateway asks before parsing and tokenizing, so such a request costs it almost nothing;
+        None: go on (:meth:`try_admit` decides)."""
+        s = self._surface(surface)
+        if s.in_flight < s.limit:
+            return None
+        if len(s.queue) >= s.max_queue:
+            s.counters.rejected_queue_full += 1
+            return self._reject(s, "queue_full", now, None)
+        if self._wait_exceeds_deadline(s, now):
+            s.counters.rejected_predicted += 1
+            return self._reject(s, "predicted_wait", now, None)
+        return None
 
     def release(self, ticket: Ticket, outcome: Outcome | str, now: float) -> list[Ticket]:
         """End an admitted request exactly once; returns the waiters admitted into the freed room."""
@@ -230,8 +276,8 @@ class AdmissionController:
         s.counters.in_flight -= 1
         setattr(s.counters, outcome.value, getattr(s.counters, outcome.value) + 1)
         s.done_times.append(now)
-        if held.backend is not None and held.backend in self._caps:
-            self._backend_in_flight[held.backend] -= 1
+        s.durations.add(now, now - s.admitted_at.pop(held.id, now))
+        self._count_backend(held, -1)
         return self._drain(now)
 
     def transfer(self, ticket: Ticket, backend: str, now: float) -> tuple[Ticket | None, list[Ticket]]:
@@ -239,13 +285,11 @@ class AdmissionController:
         ticket (None when ``backend`` has no room or the ticket is not active) and waiters admitted
         into the slot it left."""
         held = self._active.get(ticket.id)
-        if held is None or not self._has_room(backend):
+        if held is None or not self._has_room(backend, held.surface):
             return None, []
-        if backend in self._caps:
-            self._backend_in_flight[backend] += 1
-        if held.backend is not None and held.backend in self._caps:
-            self._backend_in_flight[held.backend] -= 1
         moved = Ticket(held.id, held.surface, backend, held.enqueued_at, held.admitted_at)
+        self._count_backend(moved, +1)
+        self._count_backend(held, -1)
         self._active[held.id] = moved
         return moved, self._drain(now)
 
@@ -278,20 +322,73 @@ class AdmissionController:
         heads = [next(iter(s.queue.values())).deadline for s in self._order if s.queue]
         return min(heads) if heads else None
 
+    def set_guard_caps(
+        self, caps: Mapping[str, int | None], now: float
+    ) -> tuple[list[Ticket], list[Rejection]]:
+        """The SLO guard's caps on deferrable work per backend (None: uncapped). Returns the waiters
+        admitted into room a raised cap made, and those rejected at once because a lowered cap put
+        their slot past their deadline (they would only have waited it out)."""
+        lowered = False
+        for backend, cap in caps.items():
+            old = self._guard_caps.get(backend)
+            if cap is None:
+                self._guard_caps.pop(backend, None)
+            else:
+                lowered = lowered or old is None or cap < old
+                self._guard_caps[backend] = cap
+        rejected = self._reject_unreachable(now) if lowered else []
+        return self._drain(now), rejected
+
+    def _reject_unreachable(self, now: float) -> list[Rejection]:
+        out: list[Rejection] = []
+        for s in self._order:
+            if s.name not in self._deferrable or not s.queue:
+                continue
+            elapsed = [now - t for t in s.admitted_at.values()]
+            got = slot_times(elapsed, s.durations, now, len(s.queue), skip=self._over_cap(s))
+            if got is None:
+                continue
+            kept = 0  # the waiters kept so far take the earliest slots
+            for entry in list(s.queue.values()):
+                if got[0][kept] <= entry.deadline - now:
+                    kept += 1
+                else:
+                    del s.queue[entry.id]
+                    s.counters.waiting -= 1
+                    s.counters.rejected_unreachable += 1
+                    out.append(self._reject(s, "predicted_wait", now, entry.id))
+        return out
+
+    def deferred_in_flight(self) -> dict[str, int]:
+        """Deferrable surfaces' requests in flight, by backend (what the guard caps)."""
+        return dict(self._deferred_in_flight)
+
+    def backend_cap(self, backend: str) -> int | None:
+        """This router's static share of a backend's cap (None: uncapped)."""
+        return self._caps.get(backend)
+
     def set_backend_cap(self, backend: str, cap: int | None, now: float) -> list[Ticket]:
         """Replicas came or went: the backend's cap (global, divided by router replicas) changes."""
         self._set_cap(backend, cap)
         return self._drain(now)
 
     # Introspection -----------------------------------------------------------------------------
-    def saturated(self) -> bool:
-        """Every surface has a full queue and is blocked (at its limit, or all capped backends full)."""
+    def saturated(self, now: float | None = None) -> bool:
+        """Every surface is blocked (at its limit, or all capped backends full) and cannot usefully
+        queue: its queue is full or (given ``now``) a new waiter's predicted wait passes its deadline."""
         backends_full = bool(self._caps) and all(
             self._backend_in_flight[b] >= cap for b, cap in self._caps.items()
         )
-        return all(
-            len(s.queue) >= s.max_queue and (s.in_flight >= s.limit or backends_full) for s in self._order
-        )
+
+        def cannot_queue(s: _Surface) -> bool:
+            return len(s.queue) >= s.max_queue or (now is not None and self._wait_exceeds_deadline(s, now))
+
+        return all((s.in_flight >= s.limit or backends_full) and cannot_queue(s) for s in self._order)
+
+    def predicted_wait_s(self, surface: str, now: float) -> float | None:
+        """What a new waiter of ``surface`` would wait (None: no estimate yet)."""
+        est = self._predict(self._surface(surface), now)
+        return None if est is None else est.wait_s
 
     def counters(self, surface: str | None = None) -> Counters:
         """A snapshot: one surface's counters, or the sum over all surfaces."""
@@ -337,37 +434,82 @@ class AdmissionController:
             self._caps[backend] = _share(cap, self.router_replicas)
             self._backend_in_flight.setdefault(backend, 0)
 
-    def _has_room(self, backend: str) -> bool:
+    def _has_room(self, backend: str, surface: str) -> bool:
         cap = self._caps.get(backend)
-        return cap is None or self._backend_in_flight[backend] < cap
+        if cap is not None and self._backend_in_flight[backend] >= cap:
+            return False
+        guard = self._guard_caps.get(backend) if surface in self._deferrable else None
+        return guard is None or self._deferred_in_flight.get(backend, 0) < guard
 
-    def _pick_backend(self, candidates: tuple[str, ...]) -> tuple[bool, str | None]:
+    def _count_backend(self, ticket: Ticket, delta: int) -> None:
+        b = ticket.backend
+        if b is None:
+            return
+        if b in self._caps:
+            self._backend_in_flight[b] += delta
+        if ticket.surface in self._deferrable:
+            self._deferred_in_flight[b] = self._deferred_in_flight.get(b, 0) + delta
+
+    def _pick_backend(self, candidates: tuple[str, ...], surface: str) -> tuple[bool, str | None]:
         """(found, backend): the first candidate with room; (True, None) with no candidates, as no
         backend cap applies then."""
         if not candidates:
             return True, None
         for b in candidates:
-            if self._has_room(b):
+            if self._has_room(b, surface):
                 return True, b
         return False, None
 
     def _admit(
-        self, s: _Surface, backend: str | None, ticket_id: int, enqueued_at: float, now: float
+        self,
+        s: _Surface,
+        backend: str | None,
+        ticket_id: int,
+        enqueued_at: float,
+        now: float,
+        tenant: str | None = None,
     ) -> Ticket:
+        if tenant is not None:  # start-time fair queuing: a tenant's share is its weight
+            tag = self._tag(s, tenant)
+            s.vclock = tag
+            s.vtime[tenant] = tag + 1.0 / self._weights.get(tenant, 1.0)
         s.in_flight += 1
         s.counters.in_flight += 1
         s.counters.admitted += 1
-        if backend is not None and backend in self._caps:
-            self._backend_in_flight[backend] += 1
         ticket = Ticket(ticket_id, s.name, backend, enqueued_at, now)
+        s.admitted_at[ticket_id] = now
+        self._count_backend(ticket, +1)
         self._active[ticket_id] = ticket
         return ticket
 
+    def _predict(self, s: _Surface, now: float) -> WaitEstimate | None:
+        elapsed = (now - t for t in s.admitted_at.values())
+        return predict_wait(len(s.queue), elapsed, s.durations, now, skip=self._over_cap(s))
+
+    def _over_cap(self, s: _Surface) -> int:
+        """Completions that will free no slot for ``s``: deferrable work in flight above a guard cap."""
+        if s.name not in self._deferrable:
+            return 0
+        over = [self._deferred_in_flight.get(b, 0) - cap for b, cap in self._guard_caps.items()]
+        return max(0, *over) if over else 0
+
+    def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
+        est = self._predict(s, now)
+        return est is not None and est.wait_s > s.deadline_s
+
+    def _tag(self, s: _Surface, tenant: str | None) -> float:
+        """A waiter's fair-queuing start tag (0 without tenants: then the oldest goes first)."""
+        if not self._weights:
+            return 0.0
+        return max(s.vtime.get(tenant, 0.0), s.vclock) if tenant is not None else s.vclock
+
     def _drain(self, now: float) -> list[Ticket]:
-        """Admit waiters while any fits: lowest priority number first, then the oldest."""
+        """Admit waiters while any fits: lowest priority number first, then (with tenants) the
+        lowest fair-queuing tag, then the oldest."""
         admitted = []
+        fair = bool(self._weights)
         while True:
-            best: tuple[tuple[int, int], _Surface, _Entry, str | None] | None = None
+            best: tuple[tuple[int, float, int], _Surface, _Entry, str | None] | None = None
             for s in self._order:
                 if best is not None and s.priority > best[0][0]:
                     break
@@ -376,31 +518,46 @@ class AdmissionController:
                 for e in s.queue.values():
                     if e.deadline <= now:
                         continue  # never admitted past its deadline: expire() rejects it
-                    found, backend = self._pick_backend(e.candidates)
+                    found, backend = self._pick_backend(e.candidates, s.name)
                     if found:
-                        if best is None or (s.priority, e.id) < best[0]:
-                            best = ((s.priority, e.id), s, e, backend)
-                        break
+                        key = (s.priority, self._tag(s, e.tenant), e.id)
+                        if best is None or key < best[0]:
+                            best = (key, s, e, backend)
+                        if not fair:
+                            break
             if best is None:
                 return admitted
             _, s, e, backend = best
             del s.queue[e.id]
             s.counters.waiting -= 1
             s.counters.admitted_after_wait += 1
-            admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now))
+            admitted.append(self._admit(s, backend, e.id, e.enqueued_at, now, e.tenant))
 
     def _reject(
-        self, s: _Surface, reason: Literal["queue_full", "deadline"], now: float, entry_id: int | None
+        self,
+        s: _Surface,
+        reason: Literal["queue_full", "deadline", "predicted_wait"],
+        now: float,
+        entry_id: int | None,
     ) -> Rejection:
+        est = self._predict(s, now)
         rate = s.completion_rate(now)
-        if rate > 0:
+        if est is not None:
+            retry = min(self.max_retry_after_s, est.wait_s)
+        elif rate > 0:
             retry = min(self.max_retry_after_s, (len(s.queue) + 1) / rate)
         else:
             retry = min(self.max_retry_after_s, s.deadline_s)
-        if self.saturated():
+        if self.saturated(now):
             s.counters.rejected_overloaded += 1
             err: ClusterError = Overloaded(
                 "the cluster is saturated: every surface is blocked with a full queue",
+                retry_after_s=retry,
+            )
+        elif reason == "predicted_wait":
+            err = RateLimited(
+                f"surface '{s.name}': a slot is {retry:.1f} s away, past the queue deadline of "
+                f"{s.deadline_s * 1000:.0f} ms",
                 retry_after_s=retry,
             )
         elif reason == "queue_full":
@@ -414,228 +571,3 @@ class AdmissionController:
                 retry_after_s=retry,
             )
         return Rejection(err, s.name, reason, entry_id)
-
-
-# --------------------------------------------------------------------------------------------
-# asyncio wrapper
-# --------------------------------------------------------------------------------------------
-
-
-class AsyncAdmission:
-    """Awaitable slots over an :class:`AdmissionController`: ``async with adm.slot(surface): ...``.
-
-    Waiters are futures resolved by releases and by a timer armed on the earliest deadline, so a
-    waiter always ends by its deadline. A waiter cancelled while queued is abandoned; one cancelled
-    just after being admitted releases its ticket as cancelled (exactly once).
-    """
-
-    def __init__(self, controller: AdmissionController, clock: Callable[[], float] = time.monotonic) -> None:
-        self.controller = controller
-        self.clock = clock
-        self._waiters: dict[int, asyncio.Future[Ticket]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
-
-    async def acquire(self, surface: str, candidates: Sequence[str] = ()) -> Ticket:
-        """A ticket, or raises ``RateLimited``/``Overloaded``."""
-        now = self.clock()
-        self._settle(self.controller.expire(now), [])
-        result = self.controller.try_admit(surface, now, candidates)
-        if isinstance(result, Ticket):
-            return result
-        if isinstance(result, Rejection):
-            raise result.error
-        fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        self._waiters[result.id] = fut
-        self._arm()
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._waiters.pop(result.id, None)
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(fut.result(), Outcome.CANCELLED)  # admitted, but nobody will use it
-            elif self.controller.cancel(result.id, self.clock()):
-                self._arm()
-            raise
-
-    def release(self, ticket: Ticket, outcome: Outcome | str) -> None:
-        now = self.clock()
-        admitted = self.controller.release(ticket, outcome, now)
-        self._settle(self.controller.expire(now), admitted)
-
-    def transfer(self, ticket: Ticket, backend: str) -> Ticket | None:
-        moved, admitted = self.controller.transfer(ticket, backend, self.clock())
-        self._settle([], admitted)
-        return moved
-
-    @asynccontextmanager
-    async def slot(self, surface: str, candidates: Sequence[str] = ()) -> AsyncIterator[Ticket]:
-        """Holds a slot for the block; its outcome is completed, errored (an exception) or
-        cancelled (``CancelledError``, e.g. the client went away)."""
-        ticket = await self.acquire(surface, candidates)
-        outcome = Outcome.COMPLETED
-        try:
-            yield ticket
-        except asyncio.CancelledError:
-            outcome = Outcome.CANCELLED
-            raise
-        except BaseException:
-            outcome = Outcome.ERRORED
-            raise
-        finally:
-            self.release(ticket, outcome)
-
-    def pending(self) -> int:
-        return len(self._waiters)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
-
-    def _settle(self, rejected: list[Rejection], admitted: list[Ticket]) -> None:
-        for rej in rejected:
-            fut = self._waiters.pop(rej.entry_id, None) if rej.entry_id is not None else None
-            if fut is not None and not fut.done():
-                fut.set_exception(rej.error)
-        for ticket in admitted:
-            fut = self._waiters.pop(ticket.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(ticket)
-            else:  # the waiter was cancelled in the meantime: give the slot back at once
-                more = self.controller.release(ticket, Outcome.CANCELLED, self.clock())
-                self._settle([], more)
-        self._arm()
-
-    def _arm(self) -> None:
-        deadline = self.controller.next_deadline()
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
-        if deadline is not None:
-            delay = max(0.0, deadline - self.clock())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-            self._timer_at = deadline
-
-    def _on_timer(self) -> None:
-        self._timer = self._timer_at = None
-        self._settle(self.controller.expire(self.clock()), [])
-
-
-# --------------------------------------------------------------------------------------------
-# Token buckets and provider budgets
-# --------------------------------------------------------------------------------------------
-
-
-class TokenBucket:
-    """``capacity`` tokens, refilled at ``refill_per_s``; the level may go below zero (debt) when a
-    settlement takes more than was reserved. Pure: every call passes ``now``."""
-
-    def __init__(self, capacity: float, refill_per_s: float, now: float, level: float | None = None) -> None:
-        if capacity <= 0 or refill_per_s < 0:
-            raise ValueError("capacity must be > 0 and refill_per_s >= 0")
-        self.capacity = float(capacity)
-        self.refill_per_s = float(refill_per_s)
-        self._level = self.capacity if level is None else float(level)
-        self._t = now
-
-    def _refill(self, now: float) -> None:
-        if now > self._t:  # a clock that steps back refills nothing
-            self._level = min(self.capacity, self._level + (now - self._t) * self.refill_per_s)
-            self._t = now
-
-    def level(self, now: float) -> float:
-        self._refill(now)
-        return self._level
-
-    def try_take(self, n: float, now: float) -> bool:
-        self._refill(now)
-        if n <= self._level:
-            self._level -= n
-            return True
-        return False
-
-    def take(self, n: float, now: float) -> None:
-        """Take unconditionally (an overrun found when settling): the level may go negative."""
-        self._refill(now)
-        self._level -= n
-
-    def give_back(self, n: float, now: float) -> None:
-        self._refill(now)
-        self._level = min(self.capacity, self._level + n)
-
-    def time_until(self, n: float, now: float) -> float:
-        """Seconds until ``n`` tokens are there (0: now; inf: never, ``n`` exceeds the capacity)."""
-        self._refill(now)
-        if n <= self._level:
-            return 0.0
-        if n > self.capacity or self.refill_per_s == 0:
-            return math.inf
-        return (n - self._level) / self.refill_per_s
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    tokens: int  # input estimate + max_tokens, taken from the TPM bucket
-
-
-class BucketBudget:
-    """A provider's RPM and TPM budgets (this router's share). ``burst_s`` sizes the buckets: 60 s
-    is the provider's own minute; lower it where a provider enforces the limit on shorter windows
-    (OpenAI documents that 60,000 RPM may be enforced as 1,000 per second)."""
-
-    def __init__(
-        self,
-        rpm: int | None,
-        tpm: int | None,
-        now: float,
-        *,
-        router_replicas: int = 1,
-        burst_s: float = 60.0,
-    ) -> None:
-        self.rpm = self._bucket(rpm, router_replicas, burst_s, now)
-        self.tpm = self._bucket(tpm, router_replicas, burst_s, now)
-
-    @staticmethod
-    def _bucket(per_min: int | None, routers: int, burst_s: float, now: float) -> TokenBucket | None:
-        if per_min is None:
-            return None
-        rate = per_min / routers / 60.0
-        return TokenBucket(max(1.0, rate * burst_s), rate, now)
-
-    def try_reserve(self, input_tokens: int, max_tokens: int, now: float) -> Reservation | RateLimited:
-        """Both budgets or neither: one request and ``input_tokens + max_tokens`` tokens."""
-        tokens = input_tokens + max_tokens
-        waits = [b.time_until(n, now) for b, n in ((self.rpm, 1), (self.tpm, tokens)) if b is not None]
-        wait = max(waits, default=0.0)
-        if wait == math.inf:
-            return RateLimited(
-                f"request of {tokens} tokens exceeds the provider's token budget per window",
-                retry_after_s=None,
-            )
-        if wait > 0:
-            return RateLimited("provider rate budget exhausted", retry_after_s=wait)
-        if self.rpm is not None:
-            self.rpm.take(1, now)
-        if self.tpm is not None:
-            self.tpm.take(tokens, now)
-        return Reservation(tokens)
-
-    def settle(self, reservation: Reservation, actual_tokens: int, now: float) -> None:
-        """The request ended: give back what it did not use, or take its overrun as debt."""
-        if self.tpm is None:
-            return
-        diff = reservation.tokens - actual_tokens
-        if diff > 0:
-            self.tpm.give_back(diff, now)
-        elif diff < 0:
-            self.tpm.take(-diff, now)
-
-    def cancel(self, reservation: Reservation, now: float) -> None:
-        """Never sent upstream: both budgets get their share back."""
-        if self.rpm is not None:
-            self.rpm.give_back(1, now)
-        if self.tpm is not None:
-            self.tpm.give_back(reservation.tokens, now)

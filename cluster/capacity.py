@@ -661,7 +661,7 @@ def _with_engine(profile: Profile, backend: BackendConfig, model: ModelConfig) -
         "max_model_len": e.max_model_len or model.context_window,
         "kv_cache_bytes": e.kv_cache_memory_bytes,
         "gpu_memory_utilization": e.gpu_memory_utilization,
-        "max_num_batched_tokens": e.extra.get("max_num_batched_tokens"),
+        "max_num_batched_tokens": e.max_num_batched_tokens,
     }
     if e.tensor_parallel_size != 1:
         changes["tensor_parallel_size"] = e.tensor_parallel_size

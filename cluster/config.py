@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from cluster.base import Strict
 from cluster.failover import FailoverConfig
 from cluster.hedging import HedgeConfig
+from cluster.slo_guard import SloGuardConfig
 
 TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
 
@@ -65,7 +66,29 @@ class EngineArgs(Strict):
         False, description="Skip graph capture/compilation (faster start, slower run)."
     )
     enable_prefix_caching: bool = Field(True, description="Keep the prefix cache on: routing depends on it.")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Token budget of one engine step, i.e. the chunked-prefill size (None: the engine's default). "
+            "One step cannot hold a Tab token longer than this many prompt tokens take to compute."
+        ),
+    )
+    scheduling_policy: Literal["priority", "fcfs"] = Field(
+        "priority",
+        description=(
+            "Engine queue order: 'priority' (each request carries its surface's priority, lower first, "
+            "lower-priority running work preempted first under KV pressure) or vLLM's 'fcfs'."
+        ),
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
+
+    @model_validator(mode="after")
+    def _no_shadowed_extra(self) -> EngineArgs:
+        for key in ("max_num_batched_tokens", "scheduling_policy"):
+            if key in self.extra:
+                raise ValueError(f"extra.{key}: set engine.{key} instead (the sim and the planner read it)")
+        return self
 
 
 class ProviderConfig(Strict):
@@ -161,6 +184,18 @@ class RouteConfig(Strict):
 class ApiKey(Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key (never the key).")
     surface: str = Field(description="Surface the key's requests belong to.")
+    tenant: str | None = Field(None, description="Tenant (from `tenants`) billed for the key's requests.")
+
+
+class TenantConfig(Strict):
+    name: str = Field(min_length=1, description="Tenant id (a customer, a team, an agent fleet).")
+    rpm: int | None = Field(None, gt=0, description="Requests per minute across its keys (None: unlimited).")
+    tpm: int | None = Field(
+        None, gt=0, description="Tokens per minute, prompt + max_tokens reserved, settled with usage."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Fair-queuing weight: its share of a surface's freed slots when tenants queue."
+    )
 
 
 class ServerConfig(Strict):
@@ -193,6 +228,10 @@ class PolicyConfig(Strict):
     hedging: HedgeConfig = Field(
         default_factory=HedgeConfig, description="Hedge delay (TTFT quantile or fixed) and hedge budget."
     )
+    slo_guard: SloGuardConfig = Field(
+        default_factory=SloGuardConfig,
+        description="Cap lower-priority work on a backend while the top surface's TTFT nears its SLO.",
+    )
 
 
 class TracingConfig(Strict):
@@ -212,6 +251,9 @@ class ClusterConfig(Strict):
     backends: list[BackendConfig] = Field(min_length=1, description="Engines and providers.")
     surfaces: list[SurfaceConfig] = Field(min_length=1, description="Product surfaces and their limits.")
     routes: list[RouteConfig] = Field(default_factory=list, description="Candidate backends per model.")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="Tenants API keys belong to: budgets and fair-queuing weights."
+    )
     policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Failover and hedging policies.")
     tracing: TracingConfig = Field(
         default_factory=TracingConfig, description="OpenTelemetry traces per request (off by default)."
@@ -242,9 +284,12 @@ class ClusterConfig(Strict):
                     )
         if self.server.default_surface not in surfaces:
             raise ValueError(f"server.default_surface: unknown surface '{self.server.default_surface}'")
+        tenants = _by_name("tenants", self.tenants)
         for i, k in enumerate(self.server.api_keys):
             if k.surface not in surfaces:
                 raise ValueError(f"server.api_keys[{i}].surface: unknown surface '{k.surface}'")
+            if k.tenant is not None and k.tenant not in tenants:
+                raise ValueError(f"server.api_keys[{i}].tenant: unknown tenant '{k.tenant}'")
         return self
 
     # Lookups -------------------------------------------------------------------------------
@@ -256,6 +301,9 @@ class ClusterConfig(Strict):
 
     def surface(self, name: str) -> SurfaceConfig | None:
         return next((s for s in self.surfaces if s.name == name), None)
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        return next((t for t in self.tenants if t.name == name), None)
 
     def candidates(self, model: str, surface: str) -> list[str]:
         """Backends to try for a model and surface: a surface-specific route wins over a general one;

@@ -3,9 +3,11 @@ times from a profile (:mod:`cluster.profiles`). Plain synchronous Python on a vi
 
 The model
 ---------
-* **Requests** arrive with prompt token ids and ``max_tokens``. They wait (FCFS) until the
-  scheduler admits them, then run until they have produced their output; each output token is a
-  deterministic fake id, so a sequence's blocks hash the same way every time it is recomputed.
+* **Requests** arrive with prompt token ids, ``max_tokens`` and a ``priority``. They wait until the
+  scheduler admits them, in vLLM's order (``scheduling_policy``, :mod:`cluster.engine_queue`):
+  arrival order (``fcfs``), or lowest priority number first, then arrival (``priority``). Then
+  they run until they have produced their output; each output token is a deterministic fake id,
+  so a sequence's blocks hash the same way every time it is recomputed.
 * **A step** is one forward pass of the batch. Its token budget is ``max_num_batched_tokens``,
   spent Sarathi-style: first one token for every decoding sequence, then the remaining prompt
   chunks of running sequences, then new (waiting) sequences, each prompt cut to what is left of
@@ -15,11 +17,15 @@ The model
   KV read) + fixed overhead; fitted-linear for the CPU tiny model). Everything a step produces
   happens at its end: the sequences that finished their prompt or decoded get one new token then.
 * **KV exhaustion** never crashes: a running sequence that needs a block it cannot get preempts
-  the newest running sequence not yet scheduled in this step (possibly itself). Preemption is
-  vLLM v1's recompute style: its blocks are freed (full ones stay in the prefix cache), it goes to
-  the front of the queue and later recomputes prompt + output so far, usually hitting its own
-  blocks. No new sequence is admitted in a step that preempted; a new sequence that does not fit
-  waits.
+  another (possibly itself): under ``fcfs`` the newest running sequence not yet scheduled in this
+  step; under ``priority`` the running sequence with the highest priority number, latest arrival
+  first, even one already scheduled in this step (its tokens go back to the budget), as vLLM v1
+  does. As in vLLM, a waiting request never preempts: when ``max_num_seqs`` are running, a
+  waiting Tab request takes the next free seat ahead of every waiting Agent request. Preemption is
+  vLLM v1's recompute style: its blocks are freed (full ones stay in the prefix cache), it goes
+  back to the queue (``fcfs``: its front; ``priority``: by its key) and later recomputes prompt +
+  output so far, usually hitting its own blocks. No new sequence is admitted in a step that
+  preempted; a new sequence that does not fit waits.
 * **Prefix-cache counters** follow vLLM: on admission ``prefix_cache_queries += num_tokens`` and
   ``prefix_cache_hits += cached tokens`` (a multiple of the block size, at most num_tokens - 1).
   Re-admissions of preempted sequences count apart (``preempted_queries``/``preempted_hits``), as
@@ -41,12 +47,12 @@ import heapq
 import itertools
 import math
 import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from cluster.engine_kv import BlockHash, KVCacheManager, hash_request_tokens
+from cluster.engine_queue import SchedulingPolicy, WaitQueue
 from cluster.profiles import BatchShape, Profile, StepTimeModel
 
 _MASK64 = (1 << 64) - 1
@@ -79,6 +85,7 @@ class SimRequest:
     seed: int
     stop_after: int | None = None  # a sampled output length that ends with finish_reason "stop"
     extra_keys: tuple[Any, ...] | None = None
+    priority: int = 0  # lower is scheduled first under the priority policy
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -166,6 +173,7 @@ class EngineModel:
         keep_finished: bool = True,
         start_time: float = 0.0,
         step_time_model: StepTimeModel | None = None,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         e = profile.engine
         self.profile = profile
@@ -186,7 +194,8 @@ class EngineModel:
         self.counters = EngineCounters()
         self.keep_finished = keep_finished
         self.requests: dict[str, SimRequest] = {}  # unfinished (and finished, if keep_finished)
-        self.waiting: deque[SimRequest] = deque()
+        self.scheduling_policy = scheduling_policy
+        self.waiting: WaitQueue[SimRequest] = WaitQueue(scheduling_policy)
         self.running: list[SimRequest] = []
         self._pending: list[tuple[float, int, SimRequest]] = []  # heap of future arrivals
         self._arrivals = itertools.count()
@@ -202,6 +211,7 @@ class EngineModel:
         stop_after: int | None = None,
         extra_keys: tuple[Any, ...] | None = None,
         seed: int | None = None,
+        priority: int = 0,
     ) -> SimRequest:
         """Queue a request; it joins the waiting queue at ``arrival_time`` (default: now)."""
         if request_id in self.requests:
@@ -224,6 +234,7 @@ class EngineModel:
             seed=zlib.crc32(request_id.encode()) if seed is None else seed,
             stop_after=stop_after,
             extra_keys=extra_keys,
+            priority=priority,
         )
         hash_request_tokens(req.token_ids, self.block_size, extra_keys, req.block_hashes)
         self.requests[request_id] = req
@@ -232,7 +243,7 @@ class EngineModel:
             req.status = Status.PENDING
             heapq.heappush(self._pending, (arrival, next(self._arrivals), req))
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -323,7 +334,7 @@ class EngineModel:
         while self._pending and self._pending[0][0] <= self.now:
             _, _, req = heapq.heappop(self._pending)
             req.status = Status.WAITING
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def _schedule(self) -> tuple[dict[SimRequest, int], list[str]]:
         budget = self.max_num_batched_tokens
@@ -338,7 +349,8 @@ class EngineModel:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                victim = next(r for r in reversed(self.running) if r not in scheduled)
+                victim = self._victim(scheduled)
+                budget += scheduled.pop(victim, 0)  # priority: a victim scheduled earlier gives back
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -351,13 +363,13 @@ class EngineModel:
         if preempted:
             return scheduled, preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hits = self.kv.computed_blocks(req.block_hashes, req.num_tokens)
             num_hit = len(hits) * self.block_size
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req.request_id, num_hit + n, hits):
                 break  # no memory: wait for running sequences to finish
-            self.waiting.popleft()
+            self.waiting.pop()
             self._count_lookup(req, num_hit)
             req.status = Status.RUNNING
             req.num_computed_tokens = num_hit
@@ -367,6 +379,12 @@ class EngineModel:
             scheduled[req] = n
             budget -= n
         return scheduled, preempted
+
+    def _victim(self, scheduled: dict[SimRequest, int]) -> SimRequest:
+        """Whom to preempt for memory: vLLM v1's choice under each policy."""
+        if self.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return next(r for r in reversed(self.running) if r not in scheduled)
 
     def _count_lookup(self, req: SimRequest, num_hit: int) -> None:
         c = self.counters
@@ -385,7 +403,7 @@ class EngineModel:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.counters.preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     def _apply(self, scheduled: dict[SimRequest, int], end: float) -> list[TokenEvent]:
         """Effects of a step, at its end: computed tokens cached, new tokens sampled, finishes."""

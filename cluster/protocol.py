@@ -116,6 +116,7 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat requests, for provider adapters
     prompt_text: str | None = None  # completion requests (or the rendered chat prompt)
     surface: str = "chat"
+    priority: int = 0  # the surface's: the engine schedules lower numbers first (vLLM's priority policy)
     session_id: str | None = None
     deadline: float | None = None  # epoch seconds
     attempt: int = 0  # 0 for the first try, 1.. for failovers and hedges

@@ -72,6 +72,7 @@ def build_generate_request(
     session_id: str | None,
     timeout_s: float,
     max_tokens: int,
+    priority: int = 0,
 ) -> GenerateRequest:
     return GenerateRequest(
         request_id=request_id,
@@ -91,6 +92,7 @@ def build_generate_request(
         messages=messages,
         prompt_text=text,
         surface=surface,
+        priority=priority,
         session_id=session_id,
         deadline=time.time() + timeout_s,
     )

@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.engine_model import EngineModel, SimRequest, TokenEvent
+from cluster.engine_model import EngineModel, SchedulingPolicy, SimRequest, TokenEvent
 from cluster.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -99,11 +99,17 @@ class SimBackend:
         replica: str = "sim-0",
         backend: str = "sim",
         enable_prefix_caching: bool = True,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         self.options = (
             options if isinstance(options, SimOptions) else SimOptions.model_validate(options or {})
         )
-        self.engine = EngineModel(profile, enable_prefix_caching=enable_prefix_caching, keep_finished=False)
+        self.engine = EngineModel(
+            profile,
+            enable_prefix_caching=enable_prefix_caching,
+            keep_finished=False,
+            scheduling_policy=scheduling_policy,
+        )
         self.replica = replica
         self.backend = backend
         self._rng = random.Random(self.options.seed)
@@ -120,9 +126,9 @@ class SimBackend:
     ) -> SimBackend:
         """Profile ``backend.sim_profile`` (default cpu-tiny) with the backend's engine arguments that
         are set laid over it (block_size, max_num_seqs, max_model_len, kv_cache_memory_bytes,
-        gpu_memory_utilization, a tensor_parallel_size other than 1, and
-        ``extra["max_num_batched_tokens"]``), the model's context window as max_model_len unless the
-        engine sets one, and ``sim_options``. Raises ValueError if the KV cache cannot hold
+        gpu_memory_utilization, a tensor_parallel_size other than 1, max_num_batched_tokens), the
+        engine's scheduling policy, the model's context window as max_model_len unless the engine
+        sets one, and ``sim_options``. Raises ValueError if the KV cache cannot hold
         max_model_len, pydantic's ValidationError for bad options."""
         profile = get_profile(backend.sim_profile or DEFAULT_PROFILE)
         e = backend.engine
@@ -132,7 +138,7 @@ class SimBackend:
             "max_model_len": e.max_model_len or (model.context_window if model else None),
             "kv_cache_bytes": e.kv_cache_memory_bytes,
             "gpu_memory_utilization": e.gpu_memory_utilization,
-            "max_num_batched_tokens": e.extra.get("max_num_batched_tokens"),
+            "max_num_batched_tokens": e.max_num_batched_tokens,
         }
         if e.tensor_parallel_size != 1:
             changes["tensor_parallel_size"] = e.tensor_parallel_size
@@ -143,6 +149,7 @@ class SimBackend:
             replica=replica or f"{backend.name}-0",
             backend=backend.name,
             enable_prefix_caching=e.enable_prefix_caching,
+            scheduling_policy=e.scheduling_policy,
         )
 
     # --- Backend protocol -----------------------------------------------------------------
@@ -284,6 +291,7 @@ class SimBackend:
             arrival_time=self._vnow(),
             stop_after=stop_after,
             seed=s.seed,
+            priority=req.priority,
         )
         stream = _Stream(sim_req)
         self._streams[req.request_id] = stream

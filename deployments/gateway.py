@@ -17,12 +17,13 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from ray import serve
 
-from cluster.admission import AdmissionController, AsyncAdmission, Outcome
+from cluster.admission import AdmissionController, Outcome
+from cluster.admission_async import AsyncAdmission
 from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
 from cluster.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
@@ -30,6 +31,8 @@ from cluster.failover import BreakerBoard
 from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
+from cluster.slo_guard import SloGuard
+from cluster.tenants import TenantBudgets, TenantReservation
 from cluster.tokens import load_tokenizer
 from cluster.trace import RequestTrace, new_id, parse_traceparent
 from deployments import http_api as h
@@ -63,9 +66,14 @@ class Gateway:
         self, config: dict[str, Any], engines: dict[str, Any], budgets: dict[str, Any] | None = None
     ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
-        self._keys = {k.sha256: k.surface for k in cfg.server.api_keys}
+        self._keys = {k.sha256: (k.surface, k.tenant) for k in cfg.server.api_keys}
         self._token = internal_token()
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
+        self.tenants = TenantBudgets(
+            cfg.tenants, time.monotonic(), router_replicas=cfg.server.router_replicas
+        )
+        backends = [b.name for b in cfg.backends]
+        self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
         self.views: dict[str, BackendView] = {}
         pickers: dict[str, ReplicaPicker] = {}
@@ -107,6 +115,7 @@ class Gateway:
             load_tokenizer(m.tokenizer)
         self._openapi = h.openapi_document()
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
+        self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
@@ -125,6 +134,19 @@ class Gateway:
                 c = self.admission.controller.counters()
                 metrics.record_gateway(self.replica_id, c.in_flight, c.waiting)
             await asyncio.sleep(1.0)
+
+    async def _drive_guard(self, backends: list[str]) -> None:
+        """The SLO guard's caps on lower-priority work, revised every interval (never per chunk)."""
+        ctl = self.admission.controller
+        period = self.cfg.policies.slo_guard.interval_s
+        while True:
+            try:
+                ceilings = {b: ctl.backend_cap(b) for b in backends}
+                caps = self.guard.update(time.monotonic(), ctl.deferred_in_flight(), ceilings)
+                self.admission.set_guard_caps(caps)
+            except Exception:  # a bug here must not stop admission; the caps hold as they were
+                log.exception("gateway: SLO guard update failed")
+            await asyncio.sleep(period)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self._asgi)
@@ -176,30 +198,36 @@ class Gateway:
             with contextlib.suppress(RuntimeError):  # the response may have started already
                 await h.send_error(send, ClusterError(f"internal error: {type(exc).__name__}"))
 
-    def _surface(self, scope: h.Scope) -> str:
+    def _caller(self, scope: h.Scope) -> tuple[str, str | None]:
+        """(surface, tenant): from the API key with auth on; else from x-surface and x-tenant (a
+        development cluster, where callers say who they are)."""
         if self.cfg.server.auth:
             auth = h.header(scope, b"authorization") or ""
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            surface = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
-            if surface is None:
+            found = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
+            if found is None:
                 raise Unauthorized("Missing or invalid API key. Pass it as 'Authorization: Bearer <key>'.")
-            return surface
+            return found
         surface = h.header(scope, b"x-surface") or self.cfg.server.default_surface
         if self.cfg.surface(surface) is None:
             known = ", ".join(s.name for s in self.cfg.surfaces)
             raise InvalidRequest(
                 f"Unknown surface '{surface[:64]}' in x-surface (known: {known}).", param="x-surface"
             )
-        return surface
+        tenant = h.header(scope, b"x-tenant")
+        if tenant is not None and self.cfg.tenant(tenant) is None:
+            raise InvalidRequest(f"Unknown tenant '{tenant[:64]}' in x-tenant.", param="x-tenant")
+        return surface, tenant
 
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str) -> None:
         t0 = time.perf_counter()
         rid = h.new_request_id()
         try:
-            surface = self._surface(scope)
+            surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
             raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
+            self._precheck(surface)
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
             args = (self.cfg, raw, schema, kind, rid, surface, session, self.views)
@@ -217,7 +245,7 @@ class Gateway:
         trace = None
         if self.tracer is not None and self.tracer.sampled():
             trace = self._trace(prepared, t0, h.header(scope, b"traceparent"))
-        await self._run(prepared, send, t0, trace)
+        await self._run(prepared, send, t0, tenant, trace)
 
     def _trace(self, prepared: Any, t0: float, parent: str | None) -> RequestTrace:
         """A request's trace, joined to the client's (its ``traceparent``) when it sent one."""
@@ -227,12 +255,37 @@ class Gateway:
         trace_id, parent_id = ids if ids else (new_id(rng, 128), None)
         return RequestTrace(trace_id, new_id(rng, 64), start_ns, prepared.req, parent_span_id=parent_id)
 
-    async def _run(self, prepared: Any, send: h.Send, t0: float, trace: RequestTrace | None = None) -> None:
+    def _precheck(self, surface: str) -> None:
+        """A request admission would refuse whatever it asks for is refused before it is parsed and
+        tokenized (a long Agent prompt costs milliseconds to tokenize; the 429 should not)."""
+        self.guard.arrived(surface, time.monotonic())
+        try:
+            self.admission.precheck(surface)
+        except ClusterError as err:
+            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
+            raise
+
+    async def _run(
+        self,
+        prepared: Any,
+        send: h.Send,
+        t0: float,
+        tenant: str | None = None,
+        trace: RequestTrace | None = None,
+    ) -> None:
         req = prepared.req
         surface = req.surface
+        now = time.monotonic()
+        budget = self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens, now)
         try:
-            ticket = await self.admission.acquire(surface, prepared.candidates)
-        except ClusterError as err:
+            if isinstance(budget, ClusterError):  # the tenant is over its budget: at once
+                raise budget
+            ticket = await self.admission.acquire(surface, prepared.candidates, tenant)
+        except BaseException as err:
+            if isinstance(budget, TenantReservation):  # never served: the budget gets it back
+                self.tenants.cancel(budget, time.monotonic())
+            if not isinstance(err, ClusterError):
+                raise
             metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
             await h.send_error(send, err)
             if trace is not None:
@@ -252,6 +305,9 @@ class Gateway:
             raise
         finally:
             self.admission.release(ticket, outcome)
+            if isinstance(budget, TenantReservation):
+                used = prepared.usage.total_tokens if prepared.usage is not None else 0
+                self.tenants.settle(budget, used, time.monotonic())
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()
@@ -259,7 +315,7 @@ class Gateway:
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
-        self._surface(scope)  # with auth on, listing models needs a key too
+        self._caller(scope)  # with auth on, listing models needs a key too
         data = []
         for m in self.cfg.models:
             kinds = sorted({b.kind for b in self.cfg.backends if b.model == m.name})
@@ -296,6 +352,7 @@ class Gateway:
             "replica": serve.get_replica_context().replica_id.unique_id,
             "admission": {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}},
             "policy": self.attempts.snapshot(),
+            "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in v.live.items()},

@@ -112,6 +112,11 @@ def start(
     # read them sooner. A caller's own setting wins.
     interval = "RAY_metrics_report_interval_ms"  # Ray's spelling of its config variables
     env[interval] = os.environ.get(interval, "2000")
+    # The same for the Serve proxy's fallback ports behind HAProxy (8500/9500 by default): another
+    # cluster on this machine held 8500 while a test run here started (seen 2026-12-01), and a
+    # fallback proxy that cannot bind never turns healthy.
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(_free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(_free_port()))
     os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
     init_kwargs: dict[str, Any] = {
         "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment

@@ -16,7 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from cluster.openai_format import ResponseMeta
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from cluster.routing_view import BackendView
 from cluster.tokens import load_tokenizer
@@ -31,6 +31,7 @@ class Prepared:
     meta: ResponseMeta
     candidates: list[str]
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
+    usage: Usage | None = None  # set by the relay when the request ends (tenant budgets settle it)
 
     @property
     def stream(self) -> bool:
@@ -92,6 +93,7 @@ def prepare(
         session_id=session,
         timeout_s=surface.request_timeout_s,
         max_tokens=fit.max_tokens,
+        priority=surface.priority,
     )
     hashed: dict[str, list[int]] = {}
 

@@ -110,6 +110,7 @@ class Relay:
             acct.backend = backend_of_slot(winner.planned.backend)
             if trace is not None:
                 trace.first_token_ns, trace.backend = time.time_ns(), acct.backend
+            gw.guard.observe(p.req.surface, acct.backend, acct.first_at - t0, time.monotonic())
             headers = {
                 "x-llmc-gateway": gw.replica_id,
                 "x-llmc-backend": acct.backend,
@@ -187,6 +188,7 @@ class Relay:
 
     def _record(self, p: Prepared, acct: _Account, waited_s: float) -> None:
         surface = p.req.surface
+        p.usage = acct.usage
         metrics.ADMISSIONS.inc(tags={"surface": surface})
         metrics.QUEUE_WAIT.observe(waited_s, tags={"surface": surface})
         now = time.perf_counter()

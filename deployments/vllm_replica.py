@@ -1,9 +1,12 @@
 """A vLLM v1 engine (``AsyncLLM``) behind the backend interface: token ids in, typed chunks out.
 
-One engine per replica, prefix caching on. Cancelling the consumer aborts the engine request
-(closing vLLM's generator aborts it; we also call ``abort`` explicitly so the engine frees the
-request's KV blocks at once). ``stats()`` reads a snapshot that a custom stat logger keeps from
-vLLM's own scheduler stats, so it costs nothing and never awaits the engine.
+One engine per replica, prefix caching on, vLLM's priority scheduling policy by default: each
+request carries its surface's priority (``GenerateRequest.priority``), so a Tab request waiting in
+the engine goes before waiting Agent work and Agent work is preempted first under KV pressure.
+Cancelling the consumer aborts the engine request (closing vLLM's generator aborts it; we also
+call ``abort`` explicitly so the engine frees the request's KV blocks at once). ``stats()`` reads a
+snapshot that a custom stat logger keeps from vLLM's own scheduler stats, so it costs nothing and
+never awaits the engine.
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, Any]:
         "tensor_parallel_size": e.tensor_parallel_size,
         "max_model_len": e.max_model_len or model.context_window,
         "disable_log_stats": False,
+        "scheduling_policy": e.scheduling_policy,
     }
     optional = {
         "block_size": e.block_size,
         "max_num_seqs": e.max_num_seqs,
         "kv_cache_memory_bytes": e.kv_cache_memory_bytes,
         "gpu_memory_utilization": e.gpu_memory_utilization,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
     }
     kw.update({k: v for k, v in optional.items() if v is not None})
     kw.update(e.extra)
@@ -93,6 +98,8 @@ class VLLMBackend:
 
         self.backend = backend.name
         self.replica = replica
+        # vLLM reads a request's priority only under its priority policy; under fcfs it stays 0.
+        self._priorities = backend.engine.scheduling_policy == "priority"
         self._counters = _EngineCounters()
         self._started = self._finished = self._aborted = 0
         # The last aborted requests and how far they got: operators and tests see the abort land.
@@ -123,7 +130,10 @@ class VLLMBackend:
         finished = False
         try:
             stream = self.engine.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, request_id=engine_id
+                TokensPrompt(prompt_token_ids=req.prompt_token_ids),
+                params,
+                request_id=engine_id,
+                priority=req.priority if self._priorities else 0,
             )
             async for out in stream:
                 if out.num_cached_tokens is not None:

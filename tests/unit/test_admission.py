@@ -8,20 +8,11 @@ import random
 
 import pytest
 
-from cluster.admission import (
-    AdmissionController,
-    AsyncAdmission,
-    BucketBudget,
-    Counters,
-    Outcome,
-    Queued,
-    Rejection,
-    Reservation,
-    Ticket,
-    TokenBucket,
-)
+from cluster.admission import AdmissionController, Counters, Outcome, Queued, Rejection, Ticket
+from cluster.admission_async import AsyncAdmission
 from cluster.config import SurfaceConfig, parse_config
 from cluster.errors import Overloaded, RateLimited
+from cluster.token_bucket import BucketBudget, Reservation, TokenBucket
 
 
 def surf(name: str, priority: int, conc: int, queue: int, deadline_ms: float) -> SurfaceConfig:
@@ -146,13 +137,13 @@ def test_retry_after_comes_from_the_recent_completion_rate():
     c = ctl(surf("s", 0, 5, 2, 4000), rate_window_s=10.0)
     tickets = [c.try_admit("s", 0.0) for _ in range(5)]
     for i, t in enumerate(tickets):
-        c.release(t, "completed", 1.0 + i)  # 5 completions in the last 10 s: 0.5 per second
+        c.release(t, "completed", 1.0 + i)  # durations of 1 to 5 s: 3 s on average
     for _ in range(5):
-        c.try_admit("s", 6.0)
+        c.try_admit("s", 6.0)  # five in flight, just admitted: each slot frees in 3 s
     c.try_admit("s", 6.0)
-    c.try_admit("s", 6.0)  # two waiting
+    c.try_admit("s", 6.0)  # two waiting (3 s each: inside the 4 s deadline)
     r = c.try_admit("s", 6.0)
-    assert r.error.retry_after_s == pytest.approx((2 + 1) / 0.5)
+    assert r.reason == "queue_full" and r.error.retry_after_s == pytest.approx(3.0)
     # completions age out of the window; with none left, back to the queue deadline
     c2 = ctl(surf("s", 0, 1, 0, 4000), rate_window_s=10.0)
     c2.release(c2.try_admit("s", 0.0), "completed", 1.0)

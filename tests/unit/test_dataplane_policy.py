@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
 from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.attempt_policy import avoid_replicas, effects, expand_slots
-from cluster.config import BackendConfig
+from cluster.config import BackendConfig, load_config
 from cluster.engine_wire import (
     FrameSplitter,
     end_frame,
@@ -15,7 +20,7 @@ from cluster.engine_wire import (
 from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.failover import ReplicaEjector
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.protocol import GenerateRequest, Sampling, Usage
+from cluster.protocol import ChatCompletionRequest, GenerateRequest, Sampling, Usage
 from cluster.routing_view import BackendView, ReplicaInfo
 
 META = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
@@ -46,9 +51,13 @@ def test_a_typed_error_crosses_the_wire() -> None:
 
 
 def test_the_internal_request_round_trips() -> None:
-    req = GenerateRequest("r1", "m", "chat", [1, 2, 3], Sampling(max_tokens=5, seed=7), surface="tab")
+    req = GenerateRequest(
+        "r1", "m", "chat", [1, 2, 3], Sampling(max_tokens=5, seed=7), surface="tab", priority=0
+    )
     back, meta, collect = parse_request(request_body(req, META, True))
     assert back == req and meta == META and collect
+    agent = GenerateRequest("r2", "m", "chat", [1], Sampling(max_tokens=1), surface="agent", priority=2)
+    assert parse_request(request_body(agent, META, False))[0].priority == 2  # the engine's queue key
 
 
 def _view(n_blocks_capacity: int = 1000) -> BackendView:
@@ -110,3 +119,13 @@ def test_power_of_two_picks_the_less_loaded_of_two() -> None:
     v.sync([ReplicaInfo("r1", "http://a", waiting=5), ReplicaInfo("r2", "http://b", waiting=0)])
     chosen = {v.choose([], 0.0).replica for _ in range(20)}  # type: ignore[union-attr]
     assert chosen == {"r2"}  # with two replicas both are drawn: the less loaded wins every time
+
+
+@pytest.mark.parametrize(("surface", "priority"), [("tab", 0), ("chat", 1), ("agent", 2)])
+def test_a_request_carries_its_surfaces_priority(surface: str, priority: int) -> None:
+    from deployments.prepare import prepare
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "sim-local.yaml")
+    body = json.dumps({"model": "sim-llama-8b", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    p = prepare(cfg, body, ChatCompletionRequest, "chat", "r1", surface, None, {})
+    assert p.req.priority == priority

@@ -303,7 +303,8 @@ def test_from_config_lays_engine_args_and_options_over_the_profile() -> None:
             max_num_seqs=8,
             kv_cache_memory_bytes=4 * 2**20,
             enable_prefix_caching=False,
-            extra={"max_num_batched_tokens": 512},
+            max_num_batched_tokens=512,
+            scheduling_policy="priority",
         ),
         sim_options={"speedup": 5, "seed": 3, "error_rate": 0.1},
     )
@@ -311,6 +312,7 @@ def test_from_config_lays_engine_args_and_options_over_the_profile() -> None:
     b = SimBackend.from_config(cfg, model)
     e = b.engine
     assert (e.block_size, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len) == (32, 8, 512, 1024)
+    assert e.scheduling_policy == "priority"
     assert e.kv.pool.num_blocks == 4 * 2**20 // (512 * 32)
     assert not e.kv.enable_caching
     assert b.options == SimOptions(speedup=5, seed=3, error_rate=0.1)

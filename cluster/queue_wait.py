@@ -1,0 +1,92 @@
+"""How long a new waiter would wait: the estimate behind admission's fast, honest rejects.
+
+A request that joins a surface's queue behind ``ahead`` others gets a slot when the
+``ahead + 1``-th slot of that surface frees (whatever binds it: the surface's limit, a backend cap,
+or the SLO guard's cap on lower-priority work, its slots come back as its own requests end). Each
+of the surface's requests in flight is expected to end after the surface's recent mean request
+duration ``D``, so a slot frees at ``max(0, D - elapsed)`` for each request in flight, and then
+every ``D`` again as the waiters before this one take it and end in turn (when a cap on the
+surface's work was lowered below what it has in flight, the first completions free nothing: they
+are skipped). When that time exceeds
+the queue deadline, the request would only wait the deadline out and then get a 429: admission
+answers the 429 at once instead, with the estimate as ``Retry-After``.
+
+Durations, not a completion rate: requests admitted together end together, and a rate counted
+over such bursts overstates how soon the next slot frees. With fewer than ``min_samples`` recent
+durations, or nothing of the surface in flight, there is no estimate: the request queues and its
+deadline still bounds the wait. Pure: ``now`` and the samples are passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WaitEstimate:
+    wait_s: float  # predicted time until a slot
+    mean_duration_s: float  # the recent mean request duration it was computed from
+
+
+class DurationWindow:
+    """The surface's recent request durations (admitted → ended), at most ``maxlen`` of the last
+    ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 30.0, maxlen: int = 64) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (ended at, duration)
+
+    def add(self, ended_at: float, duration_s: float) -> None:
+        self._samples.append((ended_at, max(0.0, duration_s)))
+
+    def mean(self, now: float, min_samples: int) -> float | None:
+        while self._samples and self._samples[0][0] <= now - self.window_s:
+            self._samples.popleft()
+        if len(self._samples) < min_samples:
+            return None
+        return sum(d for _, d in self._samples) / len(self._samples)
+
+
+def slot_times(
+    elapsed_in_flight: Iterable[float],
+    durations: DurationWindow,
+    now: float,
+    count: int,
+    *,
+    skip: int = 0,
+    min_samples: int = 3,
+) -> tuple[list[float], float] | None:
+    """When the next ``count`` slots free for the waiters in order (and the mean duration), given
+    how long each of the surface's requests in flight has run; ``skip``: the first completions free
+    no slot (work over a cap that was lowered). None when there is no estimate."""
+    mean = durations.mean(now, min_samples)
+    if mean is None:
+        return None
+    frees = [max(0.0, mean - e) for e in elapsed_in_flight]
+    heapq.heapify(frees)
+    for _ in range(min(skip, len(frees))):
+        heapq.heappop(frees)
+    if not frees:
+        return None
+    out = []
+    for _ in range(count):  # each waiter takes the next free slot and holds it for ``mean``
+        out.append(frees[0])
+        heapq.heapreplace(frees, frees[0] + mean)
+    return out, mean
+
+
+def predict_wait(
+    ahead: int,
+    elapsed_in_flight: Iterable[float],
+    durations: DurationWindow,
+    now: float,
+    *,
+    skip: int = 0,
+    min_samples: int = 3,
+) -> WaitEstimate | None:
+    """The wait of a waiter joining behind ``ahead`` others; None when there is no estimate."""
+    got = slot_times(elapsed_in_flight, durations, now, ahead + 1, skip=skip, min_samples=min_samples)
+    return None if got is None else WaitEstimate(got[0][ahead], got[1])

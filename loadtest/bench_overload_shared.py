@@ -1,0 +1,188 @@
+"""Tab and Agent on the same simulated replicas in wall-clock time (issue 16): the engine's priority
+policy and the SLO guard on, against both off, in one run.
+
+    python -m loadtest.bench_overload_shared                       # ~4 minutes, factor 3
+    python -m loadtest.bench_overload_shared --factors 1,2,3 --duration-s 40
+
+The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
+(simulated Llama-3.1-8B on H100s at their own speed, three replicas that Tab and Agent share,
+product limits of :data:`loadtest.bench_overload.SURFACE_LIMITS`, 1k-token prefill chunks in both
+variants). Variants:
+
+* ``on``: ``engine.scheduling_policy: priority`` and ``policies.slo_guard.enabled: true``;
+* ``off``: ``fcfs`` and the guard disabled (admission's fast rejects stay, they are not a variant).
+
+Per variant: deploy, warm up, Tab alone at ``--tab-rate`` for ``--alone-s`` (its own baseline),
+then for each factor Tab at the same rate with Agent at factor x Agent's capacity. Agent's capacity
+is measured once, in the first variant, closed loop at its concurrency limit for ``--calib-s``, and
+used for both. Keys per phase: ``surfaces.tab.ttft_p99_wall_ms``, ``surfaces.agent.goodput_tok_s``
+(output tokens/s of Agent requests answered 200 whose TTFT met Agent's SLO), ``reject_p99_ms``
+(client-side latency of 429/503 answers, every surface), ``hung``, ``checks.admitted_equals_ended``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench_affinity import RESULTS, Result, machine, ms, percentile, replay, warm_up
+from loadtest.bench_overload import (
+    APP,
+    _free_port,
+    admission_counters,
+    closed_loop,
+    overload_config,
+    per_surface,
+    workloads,
+)
+
+VARIANTS = ("off", "on")
+
+
+def variant_config(variant: str) -> Any:
+    from cluster.config import parse_config
+
+    raw = overload_config("shared", 1.0).model_dump(mode="json")
+    raw["name"] = f"{APP}-{variant}"
+    on = variant == "on"
+    raw["backends"][0]["engine"]["scheduling_policy"] = "priority" if on else "fcfs"
+    raw["policies"]["slo_guard"]["enabled"] = on
+    return parse_config(raw)
+
+
+def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters: tuple[dict, dict]) -> dict:
+    before, after = counters
+    surfaces = per_surface(results, cfg, 5.0, window_s, 1.0)
+    agent_slo_s = cfg.surface("agent").ttft_slo_ms / 1000
+    good = [
+        r
+        for r in results
+        if r.surface == "agent" and r.status == 200 and r.error is None and (r.ttft_s or 1e9) <= agent_slo_s
+    ]
+    surfaces["agent"]["goodput_tok_s"] = round(sum(r.output_tokens for r in good) / window_s, 1)
+    rejects = [r.latency_s for r in results if r.status in (429, 503) and r.latency_s is not None]
+    delta = {k: v - before[k] for k, v in after.items() if type(v) is int}
+    ended = delta["completed"] + delta["errored"] + delta["cancelled"]
+    return {
+        "surfaces": surfaces,
+        "reject_p99_ms": ms(percentile(rejects, 99)),
+        "rejects": len(rejects),
+        "hung": sum(v["hung"] for v in surfaces.values()),
+        "checks": {
+            "admitted_equals_ended": delta["admitted"] == ended,
+            "nothing_in_flight_or_waiting_after": after["in_flight"] == 0 and after["waiting"] == 0,
+            "counters_balanced": bool(after["balanced"]),
+        },
+        "admission_delta": delta,
+    }
+
+
+def run_phase(url: str, app_url: str, cfg: Any, rates: dict[str, float], window_s: float, seed: int) -> dict:
+    specs = workloads(rates, window_s, seed)
+    before = admission_counters(app_url)
+    timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
+    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
+    time.sleep(1.0)  # the last releases settle
+    rep = phase_report(results, cfg, window_s, (before, admission_counters(app_url)))
+    rep["offered_per_s"] = {s: round(r, 3) for s, r in rates.items()}
+    rep["guard"] = _guard(app_url)
+    return rep
+
+
+def _guard(app_url: str) -> dict[str, Any]:
+    from deployments.local import gateway_status
+
+    return gateway_status(app_url).get("slo_guard", {})
+
+
+def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) -> tuple[dict, float]:
+    """One variant as its own app on the run's Ray Serve, deleted afterwards (one at a time: the
+    two never share the machine's two cores)."""
+    from ray import serve
+
+    from deployments import local
+
+    cfg = variant_config(variant)
+    app_url = f"http://127.0.0.1:{args.port}/{variant}"
+    url = app_url + "/v1/chat/completions"
+    out: dict[str, Any] = {"load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    local.start(cfg, port=args.port, route_prefix=f"/{variant}")
+    try:
+        asyncio.run(warm_up(url, 4))
+        if capacity is None:
+            limit = cfg.surface("agent").max_concurrency
+            calib = asyncio.run(
+                closed_loop(
+                    url, workloads({"agent": 10.0}, 30.0, args.seed + 100), {"agent": limit}, args.calib_s, 60
+                )
+            )
+            capacity = sum(1 for r in calib if r.status == 200) / args.calib_s
+            out["agent_capacity_measured_here"] = True
+        print(f"[{variant}] agent capacity {capacity:.2f} req/s", flush=True)
+        out["tab_alone"] = run_phase(url, app_url, cfg, {"tab": args.tab_rate}, args.alone_s, args.seed)
+        for f in args.factors:
+            rates = {"tab": args.tab_rate, "agent": f * capacity}
+            out[f"agent_x{f:g}"] = rep = run_phase(url, app_url, cfg, rates, args.duration_s, args.seed + 1)
+            t = rep["surfaces"]["tab"]
+            print(
+                f"[{variant}] x{f:g}: tab p99 {t['ttft_p99_wall_ms']} ms, agent goodput "
+                f"{rep['surfaces']['agent']['goodput_tok_s']} tok/s, reject p99 {rep['reject_p99_ms']} ms, "
+                f"hung {rep['hung']}",
+                flush=True,
+            )
+    finally:
+        serve.delete(cfg.name)
+    out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return out, capacity
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--factors", default="3", help="Agent load / measured capacity, comma-separated")
+    ap.add_argument("--tab-rate", type=float, default=4.0, help="Tab requests per second (Poisson)")
+    ap.add_argument("--calib-s", type=float, default=20.0)
+    ap.add_argument("--alone-s", type=float, default=15.0)
+    ap.add_argument("--duration-s", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "overload_shared.json"))
+    args = ap.parse_args(argv)
+    args.factors = [float(x) for x in args.factors.split(",")]
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"benchmark": "overload_shared", "pools": "shared", "speedup": 1.0}
+    report["machine"] = machine()
+    from deployments import local
+
+    args.port = args.port or _free_port()
+    capacity = None
+    variants: dict[str, Any] = {}
+    try:
+        for v in VARIANTS:
+            variants[v], capacity = run_variant(v, args, capacity)
+    finally:
+        local.stop()
+    report.update(
+        agent_capacity_per_s=round(capacity or 0.0, 3),
+        tab_rate_per_s=args.tab_rate,
+        factors=args.factors,
+        variants=variants,
+        runtime_s=round(time.perf_counter() - t0, 1),
+    )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} in {report['runtime_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Tab and Agent on the same simulated replica (issue 16): the SLO guard caps Agent only while
+Tab is active and lifts the cap when Tab goes quiet; a request whose predicted queue wait passes
+its deadline is answered 429 with Retry-After at once (counted as such, not as a deadline expiry);
+a tenant over its budget gets 429s with Retry-After while another tenant's requests go through.
+
+What is checked is the policy's own state (one gateway's status), never a latency: Tab's objective
+is set to 1 ms here, so any Tab traffic is "near its SLO" and the guard must act."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.config import load_config, parse_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "sim-llama-8b"
+BACKEND = "sim-h100"
+
+
+@pytest.fixture(scope="module")
+def shared(deploy):
+    raw = load_config("configs/sim-local.yaml").model_dump(mode="json")
+    raw["name"] = "llm-cluster-shared"
+    raw["server"]["gateway_replicas"] = 1  # the status below is one gateway's
+    raw["backends"][0]["replicas"] = 1  # Tab, Chat and Agent on the same replica
+    tab, chat, agent = raw["surfaces"]
+    tab.update(ttft_slo_ms=1)  # always "near the objective" while Tab is active
+    chat.update(max_concurrency=2, max_queue=64, queue_deadline_ms=300)  # for the fast rejects
+    agent.update(max_concurrency=24, max_queue=64, queue_deadline_ms=30000)
+    raw["policies"]["slo_guard"].update(min_samples=2, quiet_s=1.5, interval_s=0.2)
+    raw["tenants"] = [{"name": "heavy", "rpm": 20}, {"name": "light"}]  # one gateway: all 20 are its
+    return deploy(parse_config(raw), route_prefix="/shared")
+
+
+def _body(max_tokens: int, content: str = "hi") -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+
+
+def _poll(cluster, pred, limit_s: float = 20.0) -> dict[str, Any]:
+    """The gateway's status once ``pred`` holds for it (or after ``limit_s``: nothing hangs)."""
+    end = time.monotonic() + limit_s
+    status = cluster.status()
+    while not pred(status) and time.monotonic() < end:
+        time.sleep(0.1)
+        status = cluster.status()
+    return status
+
+
+def _guard(status: dict[str, Any]) -> dict[str, Any]:
+    return status["slo_guard"].get(BACKEND, {})
+
+
+async def test_agent_is_deferred_only_while_tab_is_active(shared) -> None:
+    url = shared.base_url + "/chat/completions"
+    agent = {"x-surface": "agent"}
+    tab_active = True
+
+    async def tab_loop(c: httpx.AsyncClient) -> int:
+        n = 0
+        while tab_active:
+            r = await c.post(url, json=_body(2, f"tab {n}"), headers={"x-surface": "tab"})
+            assert r.status_code == 200
+            n += 1
+        return n
+
+    async with httpx.AsyncClient(timeout=120) as c:
+        flood = [asyncio.create_task(c.post(url, json=_body(300), headers=agent)) for _ in range(12)]
+        s = await asyncio.to_thread(_poll, shared, lambda s: s["admission"]["in_flight"] == 12)
+        assert _guard(s).get("cap") is None  # no Tab yet: Agent has the replica to itself
+        tabs = asyncio.create_task(tab_loop(c))
+        s = await asyncio.to_thread(_poll, shared, lambda s: _guard(s).get("cap") is not None)
+        capped = _guard(s)
+        assert capped["cap"] is not None and capped["cap"] < 12, capped
+        # New Agent work waits in the queue while Tab is active ...
+        late = [asyncio.create_task(c.post(url, json=_body(8), headers=agent)) for _ in range(2)]
+        s = await asyncio.to_thread(_poll, shared, lambda s: s["admission"]["waiting"] == 2)
+        assert s["admission"]["waiting"] == 2 and _guard(s)["cap"] is not None, s
+        # ... and goes once Tab is quiet: the cap is lifted.
+        tab_active = False
+        assert await tabs > 0
+        s = await asyncio.to_thread(_poll, shared, lambda s: _guard(s).get("reason") == "quiet")
+        assert _guard(s)["cap"] is None and _guard(s)["reason"] == "quiet", s
+        rs = await asyncio.gather(*flood, *late)
+    assert collections.Counter(r.status_code for r in rs) == {200: 14}
+    adm = shared.status()["admission"]
+    assert adm["balanced"] and adm["in_flight"] == 0 and adm["rejected_predicted"] == 0
+
+
+async def test_a_wait_past_the_deadline_is_rejected_at_once_with_retry_after(shared) -> None:
+    url = shared.base_url + "/chat/completions"
+    chat = {"x-surface": "chat"}
+    before = shared.status()["admission"]
+    async with httpx.AsyncClient(timeout=60) as c:
+        for _ in range(2):  # completions give admission its durations: 2 at a time, ~0.4 s each
+            warm = await asyncio.gather(*(c.post(url, json=_body(60), headers=chat) for _ in range(2)))
+            assert all(r.status_code == 200 for r in warm)
+        # Two slots, each ~0.4 s from free: a waiter would pass its 300 ms deadline.
+        rs = await asyncio.gather(*(c.post(url, json=_body(60), headers=chat) for _ in range(12)))
+    codes = collections.Counter(r.status_code for r in rs)
+    assert codes[200] >= 2 and codes[429] >= 1 and set(codes) <= {200, 429}, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert "away, past the queue deadline" in r.json()["error"]["message"]
+    adm = shared.status()["admission"]
+    assert adm["rejected_predicted"] - before["rejected_predicted"] == codes[429], adm
+    assert adm["rejected_deadline"] == before["rejected_deadline"], adm
+    assert adm["balanced"] and adm["in_flight"] == 0
+
+
+async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> None:
+    url = shared.base_url + "/chat/completions"
+    heavy = {"x-surface": "agent", "x-tenant": "heavy"}
+    light = {"x-surface": "tab", "x-tenant": "light"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        flood = [c.post(url, json=_body(4, f"loop {i}"), headers=heavy) for i in range(30)]  # 1.5x a minute's
+        calm = [c.post(url, json=_body(2, f"tab {i}"), headers=light) for i in range(5)]
+        rs = await asyncio.gather(*flood, *calm)
+    heavy_rs, light_rs = rs[:30], rs[30:]
+    assert [r.status_code for r in light_rs] == [200] * 5
+    over = [r for r in heavy_rs if r.status_code == 429 and "tenant 'heavy'" in r.json()["error"]["message"]]
+    assert 9 <= len(over) <= 10, collections.Counter(r.status_code for r in heavy_rs)  # 20 + refill
+    assert all(int(r.headers["retry-after"]) >= 1 for r in over)
+    assert {r.status_code for r in heavy_rs} <= {200, 429}

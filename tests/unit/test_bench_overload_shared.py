@@ -1,0 +1,40 @@
+"""The shared-pool overload benchmark's pure parts: the two variants' configs and a phase's keys."""
+
+from __future__ import annotations
+
+from loadtest.bench_affinity import Result
+from loadtest.bench_overload_shared import phase_report, variant_config
+
+
+def test_variants_differ_only_in_engine_priority_and_the_guard() -> None:
+    on, off = variant_config("on"), variant_config("off")
+    assert [b.name for b in on.backends] == [b.name for b in off.backends] == ["sim-shared"]
+    assert on.backends[0].engine.scheduling_policy == "priority" and on.policies.slo_guard.enabled
+    assert off.backends[0].engine.scheduling_policy == "fcfs" and not off.policies.slo_guard.enabled
+    assert on.backends[0].engine.max_num_batched_tokens == off.backends[0].engine.max_num_batched_tokens
+    assert on.surfaces == off.surfaces and on.routes == off.routes
+
+
+def _r(i: int, surface: str, status: int, ttft: float | None, latency: float, tokens: int) -> Result:
+    return Result(i, f"s{i}", surface, status=status, ttft_s=ttft, latency_s=latency, output_tokens=tokens)
+
+
+def test_phase_report_keys() -> None:
+    cfg = variant_config("on")
+    results = [
+        _r(0, "tab", 200, 0.05, 0.1, 16),
+        _r(1, "agent", 200, 1.0, 2.0, 64),  # within Agent's 3 s objective: goodput
+        _r(2, "agent", 200, 4.0, 5.0, 64),  # late: not goodput
+        _r(3, "agent", 429, None, 0.002, 0),
+    ]
+    counters = {"admitted": 0, "completed": 0, "errored": 0, "cancelled": 0, "in_flight": 0, "waiting": 0}
+    after = {**counters, "admitted": 3, "completed": 3, "balanced": True}
+    rep = phase_report(results, cfg, 10.0, ({**counters, "balanced": True}, after))
+    assert rep["surfaces"]["agent"]["goodput_tok_s"] == 6.4
+    assert rep["surfaces"]["tab"]["ttft_p99_wall_ms"] == 50.0
+    assert rep["reject_p99_ms"] == 2.0 and rep["hung"] == 0
+    assert rep["checks"] == {
+        "admitted_equals_ended": True,
+        "nothing_in_flight_or_waiting_after": True,
+        "counters_balanced": True,
+    }

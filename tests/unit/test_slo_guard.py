@@ -1,0 +1,114 @@
+"""SLO-aware admission: lower-priority work on a backend is capped while Tab's recent TTFT nears its
+objective, raised again as Tab recovers, and uncapped as soon as Tab is quiet."""
+
+from __future__ import annotations
+
+from cluster.admission import AdmissionController, Queued, Ticket
+from cluster.config import SurfaceConfig
+from cluster.slo_guard import SloGuard, SloGuardConfig
+
+SURFACES = {"tab": (0, 0.1), "chat": (1, 1.0), "agent": (2, 3.0)}
+CFG = SloGuardConfig(min_samples=2, quiet_s=2.0, increase_step=2, decrease_factor=0.5)
+
+
+def guard() -> SloGuard:
+    return SloGuard(CFG, SURFACES, ["gpu"])
+
+
+def tab_ttfts(g: SloGuard, now: float, *ttfts_s: float) -> None:
+    g.arrived("tab", now)
+    for t in ttfts_s:
+        g.observe("tab", "gpu", t, now)
+
+
+def test_only_the_top_priority_surface_is_protected() -> None:
+    g = guard()
+    assert set(g.slo_s) == {"tab"} and g.deferrable == {"chat", "agent"}
+    g.arrived("agent", 0.0)
+    g.observe("agent", "gpu", 99.0, 0.0)  # not protected: never a reason to cap
+    assert g.update(0.1, {"gpu": 10}, {"gpu": 64}) == {"gpu": None}
+
+
+def test_pressure_halves_then_recovery_raises_then_quiet_lifts() -> None:
+    g = guard()
+    tab_ttfts(g, 1.0, 0.05, 0.09)  # p90 0.09 s: 90 % of 100 ms
+    assert g.update(1.0, {"gpu": 16}, {"gpu": 64}) == {"gpu": 8}
+    assert g.last["gpu"].reason == "pressure"
+    # The same samples do not cut again: only samples after a change count.
+    assert g.update(1.5, {"gpu": 8}, {"gpu": 64}) == {"gpu": 8}
+    tab_ttfts(g, 2.0, 0.085, 0.09)
+    assert g.update(2.0, {"gpu": 8}, {"gpu": 64}) == {"gpu": 4}
+    tab_ttfts(g, 2.5, 0.02, 0.03)  # well under half the objective
+    assert g.update(2.5, {"gpu": 4}, {"gpu": 64}) == {"gpu": 6}
+    assert g.last["gpu"].reason == "recovered"
+    tab_ttfts(g, 3.0, 0.06, 0.065)  # between the fractions: hold
+    assert g.update(3.0, {"gpu": 6}, {"gpu": 64}) == {"gpu": 6}
+    # Tab goes quiet: the cap goes at once, spare capacity is Agent's again.
+    assert g.update(5.0, {"gpu": 6}, {"gpu": 64}) == {"gpu": None}
+    assert g.last["gpu"].reason == "quiet"
+
+
+def test_the_cap_goes_once_it_no_longer_binds_or_reaches_the_static_limit() -> None:
+    g = guard()
+    tab_ttfts(g, 1.0, 0.09, 0.09)
+    assert g.update(1.0, {"gpu": 4}, {"gpu": 4}) == {"gpu": 2}
+    tab_ttfts(g, 1.5, 0.01, 0.01)
+    assert g.update(1.5, {"gpu": 2}, {"gpu": 4}) == {"gpu": None}  # 4: the static limit
+    g2 = guard()
+    tab_ttfts(g2, 1.0, 0.09, 0.09)
+    assert g2.update(1.0, {"gpu": 20}, {"gpu": None}) == {"gpu": 10}
+    tab_ttfts(g2, 1.5, 0.01, 0.01)
+    assert g2.update(1.5, {"gpu": 3}, {"gpu": None}) == {"gpu": None}  # demand fell under the cap
+
+
+def test_disabled_never_caps() -> None:
+    g = SloGuard(SloGuardConfig(enabled=False, min_samples=1), SURFACES, ["gpu"])
+    tab_ttfts(g, 1.0, 5.0, 5.0)
+    assert g.update(1.0, {"gpu": 16}, {"gpu": 64}) == {"gpu": None}
+
+
+def _surf(name: str, priority: int) -> SurfaceConfig:
+    return SurfaceConfig(name=name, priority=priority, max_concurrency=100, max_queue=100)
+
+
+def test_admission_defers_capped_work_and_resumes_it_when_the_cap_lifts() -> None:
+    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100})
+    agents = [c.try_admit("agent", 0.0, ["gpu"]) for _ in range(4)]
+    assert all(isinstance(t, Ticket) for t in agents)
+    assert c.deferred_in_flight() == {"gpu": 4} and c.backend_cap("gpu") == 100
+    assert c.set_guard_caps({"gpu": 2}, 0.1) == ([], [])
+    deferred = c.try_admit("agent", 0.2, ["gpu"])
+    assert isinstance(deferred, Queued)  # 4 in flight > cap 2: waits
+    assert isinstance(c.try_admit("tab", 0.2, ["gpu"]), Ticket)  # Tab is never capped
+    for t in agents[:2]:
+        assert c.release(t, "completed", 0.3) == []  # 3, then 2 in flight: still at the cap
+    admitted = c.release(agents[2], "completed", 0.4)
+    assert [t.id for t in admitted] == [deferred.id]  # 1 in flight < 2: the waiter goes
+    queued = c.try_admit("agent", 0.5, ["gpu"])
+    assert isinstance(queued, Queued)
+    admitted, rejected = c.set_guard_caps({"gpu": None}, 0.6)
+    assert [t.id for t in admitted] == [queued.id] and rejected == []  # lifted: resumes
+    assert c.counters().balanced()
+
+
+def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline() -> None:
+    agent = SurfaceConfig(
+        name="agent", priority=2, max_concurrency=100, max_queue=100, queue_deadline_ms=1500
+    )
+    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100})
+    for i in range(3):  # requests of 1 s
+        t = c.try_admit("agent", float(i), ["gpu"])
+        assert isinstance(t, Ticket)
+        c.release(t, "completed", i + 1.0)
+    running = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(4)]
+    assert all(isinstance(t, Ticket) for t in running)
+    c.set_guard_caps({"gpu": 4}, 10.0)
+    waiters = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(3)]
+    assert all(isinstance(w, Queued) for w in waiters)  # 4 slots free in 1 s: all fit
+    # Cap cut to 2: the first two completions free nothing, so slots come at 1, 1, 2 s.
+    assert c.predicted_wait_s("agent", 10.0) == 1.0  # before the cut: a 4th waiter at 1 s
+    admitted, rejected = c.set_guard_caps({"gpu": 2}, 10.0)
+    assert admitted == [] and [r.entry_id for r in rejected] == [waiters[2].id]
+    assert rejected[0].reason == "predicted_wait" and rejected[0].error.status_code == 429
+    n = c.counters("agent")
+    assert (n.rejected_unreachable, n.waiting) == (1, 2) and n.balanced()

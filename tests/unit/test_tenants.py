@@ -1,0 +1,88 @@
+"""Tenants: budgets per minute (429 + Retry-After at once), settled with usage, and fair queuing by
+weight inside a surface, so a heavy tenant cannot take every freed slot from a light one."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.admission import AdmissionController, Queued, Ticket
+from cluster.config import ConfigError, SurfaceConfig, TenantConfig, parse_config
+from cluster.errors import RateLimited
+from cluster.tenants import TenantBudgets, TenantReservation
+
+
+def test_a_tenant_over_its_request_budget_gets_a_429_with_retry_after() -> None:
+    b = TenantBudgets([TenantConfig(name="a", rpm=60), TenantConfig(name="b")], 0.0)
+    got = [b.reserve("a", 10, 10, 0.0) for _ in range(61)]
+    assert all(isinstance(r, TenantReservation) for r in got[:60])
+    refused = got[60]
+    assert isinstance(refused, RateLimited) and refused.status_code == 429
+    assert refused.retry_after_s == pytest.approx(1.0)  # one request a second comes back
+    assert "tenant 'a'" in refused.message
+    assert b.reserve("b", 10, 10, 0.0) is None and b.reserve(None, 10, 10, 0.0) is None  # no budget
+
+
+def test_token_budget_is_reserved_then_settled_with_usage() -> None:
+    b = TenantBudgets([TenantConfig(name="a", tpm=1000)], 0.0)
+    r1 = b.reserve("a", 300, 500, 0.0)  # 800 reserved
+    assert isinstance(r1, TenantReservation)
+    assert isinstance(b.reserve("a", 100, 200, 0.0), RateLimited)  # 300 more: over
+    b.settle(r1, 350, 0.0)  # used 350: 450 back, 650 left
+    assert isinstance(b.reserve("a", 100, 200, 0.0), TenantReservation)  # 350 left
+    assert isinstance(b.reserve("a", 100, 200, 0.0), TenantReservation)  # 50 left
+    assert isinstance(b.reserve("a", 100, 200, 0.0), RateLimited)
+    b2 = TenantBudgets([TenantConfig(name="a", rpm=1)], 0.0)
+    r = b2.reserve("a", 1, 1, 0.0)
+    assert isinstance(r, TenantReservation)
+    b2.cancel(r, 0.0)  # refused by admission: the request comes back
+    assert isinstance(b2.reserve("a", 1, 1, 0.0), TenantReservation)
+
+
+def test_keys_name_known_tenants() -> None:
+    base = {
+        "models": [{"name": "m", "tokenizer": "estimate:4", "context_window": 100}],
+        "backends": [{"name": "b", "kind": "sim", "model": "m"}],
+        "surfaces": [{"name": "chat"}],
+        "tenants": [{"name": "acme", "rpm": 10, "weight": 2}],
+    }
+    key = {"sha256": "0" * 64, "surface": "chat", "tenant": "acme"}
+    cfg = parse_config({**base, "server": {"api_keys": [key]}})
+    assert cfg.tenant("acme") is not None and cfg.tenant("acme").weight == 2  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match=r"api_keys\.0\.tenant|unknown tenant 'nobody'"):
+        parse_config({**base, "server": {"api_keys": [{**key, "tenant": "nobody"}]}})
+
+
+def test_freed_slots_go_to_queued_tenants_by_weight() -> None:
+    s = SurfaceConfig(name="agent", priority=2, max_concurrency=1, max_queue=100, queue_deadline_ms=60_000)
+    c = AdmissionController([s], tenant_weights={"heavy": 1.0, "light": 1.0, "gold": 2.0})
+    running = c.try_admit("agent", 0.0, tenant="heavy")
+    assert isinstance(running, Ticket)
+    heavy = [c.try_admit("agent", 0.1, tenant="heavy") for _ in range(10)]  # a runaway loop
+    light = [c.try_admit("agent", 0.2, tenant="light") for _ in range(2)]  # arrives after all of it
+    assert all(isinstance(q, Queued) for q in heavy + light)
+    order: list[str] = []
+    ticket = running
+    for i in range(6):
+        (ticket,) = c.release(ticket, "completed", 1.0 + i)
+        order.append("light" if ticket.id in {q.id for q in light} else "heavy")
+    # Alternating from the first freed slot, instead of after the heavy tenant's ten.
+    assert order[:4] == ["light", "heavy", "light", "heavy"]
+    assert c.counters().balanced()
+
+
+def test_a_heavier_weight_gets_more_of_the_freed_slots() -> None:
+    s = SurfaceConfig(name="agent", priority=2, max_concurrency=1, max_queue=100, queue_deadline_ms=60_000)
+    c = AdmissionController([s], tenant_weights={"std": 1.0, "gold": 2.0})
+    ticket = c.try_admit("agent", 0.0)
+    assert isinstance(ticket, Ticket)
+    ids = {"std": set(), "gold": set()}
+    for _ in range(12):
+        for t in ("std", "gold"):
+            q = c.try_admit("agent", 0.1, tenant=t)
+            assert isinstance(q, Queued)
+            ids[t].add(q.id)
+    got = []
+    for i in range(9):
+        (ticket,) = c.release(ticket, "completed", 1.0 + i)
+        got.append("gold" if ticket.id in ids["gold"] else "std")
+    assert got.count("gold") == 6 and got.count("std") == 3  # 2 : 1
