@@ -216,10 +216,19 @@ def test_gpu_base_args_build_the_graph_without_gpus() -> None:
     cfg = app_spec["args"]["config"]
     want = {b["name"] for b in cfg["backends"] if b["kind"] != "provider"}
     assert set(engines) == want
+    budgets = gateway.init_args[2]  # a provider backend with a limit: its app-scoped budget
+    limited = {
+        b["name"]
+        for b in cfg["backends"]
+        if b["kind"] == "provider" and any(b["provider"].get(k) for k in ("rpm", "tpm", "max_in_flight"))
+    }
+    assert set(budgets) == limited and limited
     names = {d["name"] for d in app_spec["deployments"]}
-    assert names == {"Gateway", *(f"backend-{b}" for b in want)}
+    assert names == {"Gateway", *(f"backend-{b}" for b in want), *(f"budget-{b}" for b in limited)}
     for name, bound in engines.items():
         assert bound._bound_deployment.name == f"backend-{name}"
+    for name, bound in budgets.items():
+        assert bound._bound_deployment.name == f"budget-{name}"
 
 
 def test_build_app_names_the_bad_field() -> None:
