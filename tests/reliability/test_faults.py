@@ -94,7 +94,11 @@ def test_provider_tokens_billed_equal_our_usage(fault_run) -> None:
     acc = fault_run["accounting"]
     oai = acc["openai"]
     assert oai["provider_requests_ok"] > 0
-    assert oai["per_request_mismatches"] == [] and oai["finished_unknown"] == [], oai
+    assert oai["per_request_mismatches"] == [], oai
+    # A request the provider finished whose id our client never saw: only one whose connection
+    # broke before any byte came (the killed gateway held it), at most one per such record.
+    no_id = [r for r in fault_run["_records"] if r.outcome == "conn_error" and not r.request_id]
+    assert len(oai["finished_unknown"]) <= len(no_id), (oai["finished_unknown"], len(no_id))
     assert oai["diff_delivered"] == 0, oai
     for label in ("openai", "anthropic"):
         assert acc[label]["served_without_usage"] == 0, acc
