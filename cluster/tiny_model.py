@@ -20,6 +20,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 VERSION = "v1"
 VOCAB = 2048
@@ -110,13 +111,12 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int, shape: str = "tiny") -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(shape: str = "tiny", **extra: Any) -> Any:
+    """The ``LlamaConfig`` of one of :data:`SHAPES` (``extra``: token ids, dtype)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
     g = SHAPES[shape]
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=g["hidden"],
         intermediate_size=g["intermediate"],
@@ -125,11 +125,18 @@ def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int, shape: str = 
         num_key_value_heads=g["kv_heads"],
         head_dim=g["head_dim"],
         max_position_embeddings=g["positions"],
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        **extra,
+    )
+
+
+def _build_model(out: Path, eos_id: int, bos_id: int, pad_id: int, shape: str = "tiny") -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = llama_config(
+        shape, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="bfloat16"
     )
     device = "cuda" if shape != "tiny" and torch.cuda.is_available() else "cpu"  # random init is faster there
     with torch.device(device):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.tiny_model import GEOMETRY, SHAPES, VOCAB, kv_geometry, param_count
+from cluster.tiny_model import GEOMETRY, SHAPES, kv_geometry, llama_config, param_count
 from loadtest.gpu_check import affinity_variants, gpu_config, plan_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,20 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_param_count_is_the_models(shape: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    g = SHAPES[shape]
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=g["hidden"],
-        intermediate_size=g["intermediate"],
-        num_hidden_layers=g["layers"],
-        num_attention_heads=g["heads"],
-        num_key_value_heads=g["kv_heads"],
-        head_dim=g["head_dim"],
-        max_position_embeddings=g["positions"],
-        tie_word_embeddings=False,
-    )
+    cfg = llama_config(shape)
     with torch.device("meta"):  # shapes only, no memory
         model = LlamaForCausalLM(cfg)
     assert param_count(shape) == sum(p.numel() for p in model.parameters())
