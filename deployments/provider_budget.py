@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cluster.config import BackendConfig, ProviderConfig
+from cluster.dataplane import budget_deployment
 from cluster.errors import BackendUnavailable
 from cluster.protocol import Usage
 from cluster.providers.budget import Admission, Prices, ProviderBudget, cost_usd
@@ -175,7 +176,7 @@ def get_budget(backend: BackendConfig, handle: Any = None) -> Budget:
     if backend.provider is None:
         raise ValueError(f"backend '{backend.name}' has no provider section")
     p = backend.provider
-    if p.rpm is None and p.tpm is None and p.max_in_flight is None:
+    if budget_deployment(backend) is None:  # no limit: nothing to share
         return UnlimitedBudget(p)
     if handle is not None:
         return ServeBudget(backend.name, handle)
