@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, fields
 from typing import Any
 
+import ray
 from ray import serve
 
 from cluster.admission import AdmissionController, Outcome
@@ -35,8 +36,8 @@ from cluster.slo_guard import SloGuard
 from cluster.tenants import TenantBudgets, TenantReservation
 from cluster.tokens import load_tokenizer
 from cluster.trace import RequestTrace, new_id, parse_traceparent
+from deployments import haproxy_errors, metrics
 from deployments import http_api as h
-from deployments import metrics
 from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
 from deployments.internal import internal_token, token_ok
@@ -116,6 +117,10 @@ class Gateway:
         self._openapi = h.openapi_document()
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
+        # HAProxy's own error page on this node in the OpenAI shape, before this replica serves
+        node = ray.get_runtime_context().get_node_id()
+        haproxy_errors.install(node)
+        self._errpage_task = asyncio.get_event_loop().create_task(haproxy_errors.keep_installed(node))
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),

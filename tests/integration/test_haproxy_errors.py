@@ -1,0 +1,62 @@
+"""A request that no gateway replica answers gets an OpenAI error, not HAProxy's plain text.
+
+Ray's HAProxy answers a request whose gateway died before a byte of answer with its own error page,
+which Ray writes as a ``text/plain`` "Internal Server Error" 500 (seen in the faults run). The
+gateway replaces that page (deployments/haproxy_errors.py); here the app's only gateway replica is
+killed while a request waits in its admission queue, and that request's client reads the answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from deployments import haproxy_errors
+from tests.integration.test_dataplane import MODEL, STALL_MODEL, _admission, _dp_cfg, _gateway_actor, _wait
+from tests.rawhttp import RawRequest
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def dp(deploy):
+    return deploy(_dp_cfg(), "/dp")  # test_dataplane's app: the same config deploys once
+
+
+def _read_response(req: RawRequest, timeout: float = 60.0) -> bytes:
+    """The whole response (its head and Content-Length bytes of body), or what came before the
+    connection closed."""
+    req.sock.settimeout(timeout)
+    while True:
+        head, sep, body = req.received.partition(b"\r\n\r\n")
+        if sep:
+            lengths = [ln for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")]
+            if lengths and len(body) >= int(lengths[0].split(b":", 1)[1]):
+                return req.received
+        try:
+            part = req.sock.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            return req.received
+        if not part:
+            return req.received
+        req.received += part
+
+
+def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
+    url = dp.base_url + "/chat/completions"
+    a0 = _admission(dp)
+    stall = {"model": STALL_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    holder = RawRequest(url, stall | {"max_tokens": 64}, {"x-surface": "tab"})
+    holder.read_until(b'"content":"')  # tab's one slot is held: its engine went silent
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 4}
+    waiter = RawRequest(url, body, {"x-surface": "tab"})  # queued: not a byte of answer yet
+    assert _wait(lambda: _admission(dp)["waiting"] == a0["waiting"] + 1, 20), _admission(dp)
+    ray.kill(_gateway_actor(dp), no_restart=True)
+    raw = _read_response(waiter)
+    holder.close()
+    assert raw, "HAProxy closed the connection without an answer"
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert waiter.status == 503, raw[:300]
+    assert b"retry-after: 1" in head.lower(), head
+    assert json.loads(payload) == json.loads(haproxy_errors.error_response().partition(b"\r\n\r\n")[2])
