@@ -325,6 +325,9 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
     provider finished while our client got an error (billed, not served: e.g. the gateway killed
     mid-stream). ``billed_unfinished``: tokens counted for streams the provider did not finish
     (cancelled by the client, a lost hedge, a stall) - billed upstream, in no usage a client saw.
+    ``unserved_requests`` (the requests for this provider's model whose client got no answer) times
+    ``max_billed_per_request`` bounds ``diff`` from above: a finished request not delivered is one
+    of those (Anthropic requests carry no id of ours, so they are not matched one by one).
     """
     ours = {r.request_id: r for r in records if r.request_id}
     out: dict[str, Any] = {}
@@ -334,6 +337,7 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
         billed = sum(x.prompt_tokens + x.completion_tokens for x in ok)
         unfinished = [x for x in st.records if x.outcome != "ok"]
         mine = [r for r in records if r.backend == backend and r.outcome in SERVED]
+        model = PROBE_CLAUDE.model if label == "anthropic" else PROBE_OPENAI.model
         used = sum((r.prompt_tokens or 0) + (r.completion_tokens or 0) for r in mine)
         entry: dict[str, Any] = {
             "provider_requests_ok": len(ok),
@@ -344,6 +348,8 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
             "served_without_usage": sum(1 for r in mine if r.completion_tokens is None),
             "billed_unfinished": sum(x.prompt_tokens + x.completion_tokens for x in unfinished),
             "unfinished_outcomes": dict(Counter(x.outcome for x in unfinished)),
+            "unserved_requests": sum(1 for r in records if r.model == model and r.outcome not in SERVED),
+            "max_billed_per_request": max((x.prompt_tokens + x.completion_tokens for x in ok), default=0),
         }
         if label == "openai":
             mismatched, not_delivered, unknown = [], [], []
