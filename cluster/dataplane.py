@@ -10,7 +10,7 @@ local launcher and the RayService manifests set them; Serve reads them at import
 
 from __future__ import annotations
 
-from cluster.config import BackendConfig
+from cluster.config import BackendConfig, ClusterConfig
 
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -43,3 +43,14 @@ def budget_deployment(b: BackendConfig) -> str | None:
     if p is None or (p.rpm is None and p.tpm is None and p.max_in_flight is None):
         return None
     return f"budget-{b.name}"
+
+
+TENANT_BUDGETS = "tenant-budgets"
+
+
+def tenant_budget_deployment(cfg: ClusterConfig) -> str | None:
+    """The Serve deployment that holds the tenants' request and token budgets for its app (one
+    replica; every gateway replica asks it), or None when no tenant has a budget."""
+    if any(t.rpm is not None or t.tpm is not None for t in cfg.tenants):
+        return TENANT_BUDGETS
+    return None

@@ -43,6 +43,7 @@ from cluster.dataplane import (
     SERVE_ENV,
     SHIM_ROUTER,
     budget_deployment,
+    tenant_budget_deployment,
 )
 
 APP_IMPORT_PATH = "deployments.app:build_app"
@@ -342,6 +343,7 @@ def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
         _front_deployment("Gateway", cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
         *(backend_deployment(b, s) for b in cfg.backends if b.kind != "provider"),
         *(_budget_deployment(name, s) for b in cfg.backends if (name := budget_deployment(b)) is not None),
+        *([_budget_deployment(name, s)] if (name := tenant_budget_deployment(cfg)) is not None else []),
     ]
     return {
         "proxy_location": "EveryNode",

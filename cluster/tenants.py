@@ -7,9 +7,10 @@ its actual usage at the end (the unused part given back); a request refused by a
 reservation back. Over budget: 429 with ``Retry-After`` = when the bucket has room again, so a
 runaway agent loop of one tenant is refused at once while other tenants keep their share.
 
-Several gateway replicas: each holds ``1 / router_replicas`` of every tenant's budget (as for the
-other limits), exact when HAProxy spreads a tenant's requests evenly; a budget shared through one
-actor is not built yet. Pure: ``now`` is passed in.
+Several gateway replicas: in a Serve app these budgets are one object in one deployment of the app,
+which every gateway replica asks (:mod:`deployments.tenant_budget`), so a tenant's budget is counted
+once however HAProxy spreads its requests. ``router_replicas`` (a share per replica) remains for a
+caller that keeps budgets per process. Pure: ``now`` is passed in.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ from cluster.dataplane import (
     SERVE_ENV,
     SHIM_ROUTER,
     budget_deployment,
+    tenant_budget_deployment,
 )
 from deployments.budget_deployment import ProviderBudgetDeployment
 from deployments.engine import EngineReplica
 from deployments.gateway import Gateway
+from deployments.tenant_budget import TenantBudgetDeployment
 
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 
@@ -102,7 +104,15 @@ def build_graph(cfg: ClusterConfig) -> Application:
         num_replicas=cfg.server.gateway_replicas,
         ray_actor_options=actor,
         logging_config={"enable_access_log": False},
-    ).bind(cfg.model_dump(mode="json"), engines, budgets)
+    ).bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
+
+
+def _tenant_budgets(cfg: ClusterConfig) -> Application | None:
+    """The tenants' shared budgets (one replica every gateway asks), when a tenant has one."""
+    name = tenant_budget_deployment(cfg)
+    if name is None:
+        return None
+    return TenantBudgetDeployment.options(name=name).bind([t.model_dump(mode="json") for t in cfg.tenants])
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:

@@ -33,7 +33,7 @@ from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequ
 from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
 from cluster.slo_guard import SloGuard
-from cluster.tenants import TenantBudgets, TenantReservation
+from cluster.tenants import TenantReservation
 from cluster.tokens import load_tokenizer
 from cluster.trace import RequestTrace, new_id, parse_traceparent
 from deployments import haproxy_errors, metrics
@@ -43,6 +43,7 @@ from deployments.engine_client import ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.prepare import prepare
 from deployments.relay import Relay
+from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
 
 log = logging.getLogger("ray.serve")
 INLINE_PREPARE_BYTES = 64 * 1024  # bigger bodies are validated and tokenized off the event loop
@@ -64,15 +65,17 @@ def block_size(b: BackendConfig) -> int:
 @serve.ingress()
 class Gateway:
     def __init__(
-        self, config: dict[str, Any], engines: dict[str, Any], budgets: dict[str, Any] | None = None
+        self,
+        config: dict[str, Any],
+        engines: dict[str, Any],
+        budgets: dict[str, Any] | None = None,
+        tenant_budgets: Any = None,
     ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
         self._keys = {k.sha256: (k.surface, k.tenant) for k in cfg.server.api_keys}
         self._token = internal_token()
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
-        self.tenants = TenantBudgets(
-            cfg.tenants, time.monotonic(), router_replicas=cfg.server.router_replicas
-        )
+        self.tenants = shared_tenant_budgets(cfg.tenants, tenant_budgets)
         backends = [b.name for b in cfg.backends]
         self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
@@ -280,15 +283,14 @@ class Gateway:
     ) -> None:
         req = prepared.req
         surface = req.surface
-        now = time.monotonic()
-        budget = self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens, now)
+        budget = await self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens)
         try:
             if isinstance(budget, ClusterError):  # the tenant is over its budget: at once
                 raise budget
             ticket = await self.admission.acquire(surface, prepared.candidates, tenant)
         except BaseException as err:
             if isinstance(budget, TenantReservation):  # never served: the budget gets it back
-                self.tenants.cancel(budget, time.monotonic())
+                self.tenants.cancel(budget)
             if not isinstance(err, ClusterError):
                 raise
             metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
@@ -312,7 +314,7 @@ class Gateway:
             self.admission.release(ticket, outcome)
             if isinstance(budget, TenantReservation):
                 used = prepared.usage.total_tokens if prepared.usage is not None else 0
-                self.tenants.settle(budget, used, time.monotonic())
+                self.tenants.settle(budget, used)
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()

@@ -134,3 +134,35 @@ async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> No
     assert 9 <= len(over) <= 10, collections.Counter(r.status_code for r in heavy_rs)  # 20 + refill
     assert all(int(r.headers["retry-after"]) >= 1 for r in over)
     assert {r.status_code for r in heavy_rs} <= {200, 429}
+
+
+@pytest.fixture(scope="module")
+def two_gateways(deploy):
+    """Two gateway replicas in front of one simulated replica; tenant ``metered`` may send 3 a minute."""
+    raw = load_config("configs/sim-local.yaml").model_dump(mode="json")
+    raw["name"] = "llm-cluster-tenants"
+    raw["server"]["gateway_replicas"] = 2
+    raw["backends"][0]["replicas"] = 1
+    raw["tenants"] = [{"name": "metered", "rpm": RPM}]
+    return deploy(parse_config(raw), route_prefix="/tenants")
+
+
+RPM = 3  # odd: a per-replica half (1.5) admits 1 per gateway, 2 in all
+
+
+async def test_a_tenants_budget_is_counted_once_across_gateway_replicas(two_gateways) -> None:
+    """Issue 16 item 4: each gateway replica held ``1 / replicas`` of a tenant's budget, so a burst of
+    a 3-RPM tenant got 2 answers behind 2 gateways. The budget is one count in the app now: the
+    burst gets exactly the minute's 3 (plus what refills while it runs, one per 20 s)."""
+    url = two_gateways.base_url + "/chat/completions"
+    headers = {"x-surface": "chat", "x-tenant": "metered"}
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=60) as c:
+        rs = await asyncio.gather(*(c.post(url, json=_body(2, f"m {i}"), headers=headers) for i in range(8)))
+    refill = int((time.monotonic() - t0) * RPM / 60)
+    codes = collections.Counter(r.status_code for r in rs)
+    assert set(codes) <= {200, 429}, codes
+    assert RPM <= codes[200] <= RPM + refill, (codes, refill)
+    over = [r for r in rs if r.status_code == 429]
+    assert all("tenant 'metered'" in r.json()["error"]["message"] for r in over)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in over)

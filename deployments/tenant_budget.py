@@ -1,0 +1,107 @@
+"""Where the tenants' request and token budgets live: one count per app, whatever the gateways.
+
+Each gateway replica used to hold ``1 / gateway_replicas`` of every tenant's budget: exact only when
+HAProxy spreads a tenant's requests evenly, and short of the budget otherwise (a tenant of 3 RPM
+behind 2 gateways got 2 in a burst). In a Serve app the budgets are one deployment of the app
+(``tenant-budgets``, one replica, no CPU: it only counts), which every gateway replica asks, as the
+provider budgets are (:mod:`deployments.budget_deployment`). A request of a tenant with no budget
+never calls it; one that does pays one call before admission, and its settlement is sent without
+waiting. Should the deployment be unreachable, the request is admitted (the budgets are a fairness
+control; the providers' own limits still hold) and the failure is logged.
+
+Without Serve (unit tests, one process) the budgets are an in-process object. Both speak the same
+async interface; the pure accounting is :class:`cluster.tenants.TenantBudgets`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray import serve
+
+from cluster.config import TenantConfig
+from cluster.errors import RateLimited
+from cluster.tenants import TenantBudgets, TenantReservation
+
+log = logging.getLogger("ray.serve")
+Reserved = TenantReservation | RateLimited | None
+
+
+def _budgets(tenants: list[dict[str, Any]]) -> TenantBudgets:
+    return TenantBudgets([TenantConfig.model_validate(t) for t in tenants], time.monotonic())
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+class TenantBudgetDeployment:
+    def __init__(self, tenants: list[dict[str, Any]]) -> None:
+        self._b = _budgets(tenants)
+
+    async def reserve(self, tenant: str, input_tokens: int, max_tokens: int) -> Reserved:
+        return self._b.reserve(tenant, input_tokens, max_tokens, time.monotonic())
+
+    async def settle(self, res: TenantReservation, actual_tokens: int) -> None:
+        self._b.settle(res, actual_tokens, time.monotonic())
+
+    async def cancel(self, res: TenantReservation) -> None:
+        self._b.cancel(res, time.monotonic())
+
+
+class LocalTenants:
+    """The budgets in this process."""
+
+    def __init__(self, budgets: TenantBudgets) -> None:
+        self._b = budgets
+
+    async def reserve(self, tenant: str | None, input_tokens: int, max_tokens: int) -> Reserved:
+        return self._b.reserve(tenant, input_tokens, max_tokens, time.monotonic())
+
+    def settle(self, res: TenantReservation, actual_tokens: int) -> None:
+        self._b.settle(res, actual_tokens, time.monotonic())
+
+    def cancel(self, res: TenantReservation) -> None:
+        self._b.cancel(res, time.monotonic())
+
+
+class ServeTenants:
+    """The app's ``tenant-budgets`` deployment, through its handle."""
+
+    def __init__(self, handle: Any, budgeted: set[str]) -> None:
+        self._h = handle
+        self._budgeted = budgeted
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    async def reserve(self, tenant: str | None, input_tokens: int, max_tokens: int) -> Reserved:
+        if tenant is None or tenant not in self._budgeted:
+            return None
+        try:
+            return await self._h.reserve.remote(tenant, input_tokens, max_tokens)
+        except Exception as exc:  # unreachable: admit, as without budgets
+            log.warning("tenant budgets unreachable, admitting tenant %r unbudgeted: %r", tenant[:64], exc)
+            return None
+
+    def settle(self, res: TenantReservation, actual_tokens: int) -> None:
+        self._send(self._h.settle.remote(res, actual_tokens))
+
+    def cancel(self, res: TenantReservation) -> None:
+        self._send(self._h.cancel.remote(res))
+
+    def _send(self, response: Any) -> None:
+        async def wait() -> None:
+            try:
+                await response
+            except Exception as exc:
+                log.warning("tenant budget settlement lost: %r", exc)
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+def tenant_budgets(tenants: list[TenantConfig], handle: Any | None) -> LocalTenants | ServeTenants:
+    """The app's shared budgets when the app has the deployment, else this process's own."""
+    if handle is None:
+        return LocalTenants(TenantBudgets(tenants, time.monotonic()))
+    return ServeTenants(handle, {t.name for t in tenants if t.rpm is not None or t.tpm is not None})
