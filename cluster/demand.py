@@ -11,14 +11,9 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from cluster.base import Strict
-from cluster.config import (
-    ConfigError,
-    format_validation_error,
-)
+from cluster.base import ConfigError, Strict, read_yaml, validate
 from cluster.profiles import PROFILES
 
 
@@ -192,20 +187,8 @@ class DemandError(ConfigError):
 
 
 def load_demand(path: str | os.PathLike[str]) -> Demand:
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except FileNotFoundError as exc:
-        raise DemandError(f"{p}: no such file") from exc
-    except yaml.YAMLError as exc:
-        raise DemandError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_demand(raw, source=str(p))
+    return parse_demand(read_yaml(path, DemandError), source=str(Path(path)))
 
 
 def parse_demand(raw: Any, source: str = "<demand>") -> Demand:
-    if not isinstance(raw, dict):
-        raise DemandError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
-    try:
-        return Demand.model_validate(raw)
-    except ValidationError as exc:
-        raise DemandError(f"{source}: invalid demand:\n{format_validation_error(exc)}") from exc
+    return validate(Demand, raw, source, "demand", DemandError)

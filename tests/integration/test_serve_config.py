@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from cluster.dataplane import SERVE_ENV
-from cluster.k8s import CPU_NODE_RESOURCE
+from cluster.k8s_rayservice import CPU_NODE_RESOURCE
 from cluster.kustomize import build, find
 
 pytestmark = pytest.mark.integration
