@@ -37,14 +37,15 @@ requests of *deferrable* surfaces (every surface but those with the lowest prior
 flight on a backend; above the cap they wait in their queue (a backend at its guard cap has no room
 for them), the protected surface is never capped.
 
-Several router replicas: each router enforces ``ceil(limit / router_replicas)`` of every limit
-(surface concurrency and queue, backend caps, provider RPM/TPM), which is exact when the ingress
-spreads requests evenly and errs by less than one request per router otherwise (the ceiling keeps a
-small limit from rounding to zero). A shared counter actor for exact global limits is future work:
-it costs a round trip per request.
+Several gateway replicas: each enforces ``ceil(limit / router_replicas)`` of the surface
+concurrency and queue and of the backend caps, which is exact when HAProxy spreads requests evenly
+and errs by less than one request per replica otherwise (the ceiling keeps a small limit from
+rounding to zero).
 
-The asyncio wrapper is :mod:`cluster.admission_async`; provider token buckets are
-:mod:`cluster.token_bucket`.
+Budgets are not here: a provider's RPM / TPM / in-flight budget is one count per backend for the
+whole app (:mod:`cluster.providers.budget`, placed by :mod:`deployments.provider_budget`), a
+tenant's request and token budgets are :mod:`cluster.tenants`. The asyncio wrapper is
+:mod:`cluster.admission_async`.
 """
 
 from __future__ import annotations

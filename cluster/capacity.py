@@ -14,6 +14,7 @@ from cluster.config import (
     ClusterConfig,
     ProviderConfig,
 )
+from cluster.cost import Prices
 from cluster.demand import Demand, DemandError, RouteDemand
 from cluster.profiles import Profile
 from cluster.replica_model import ReplicaModel, Workload, backend_profile
@@ -343,7 +344,7 @@ def _provider_load(p: ProviderConfig, name: str, d: RouteDemand, demand: Demand,
     binding = "TPM" if (tpm_u or 0) >= (rpm_u or 0) else "RPM"
     if rpm_u is None and tpm_u is None:
         binding = "none"
-    cost = _request_usd(p, i_mean, o_mean, frac)
+    cost = Prices.from_config(p).usd(i_mean, i_mean * frac, o_mean)
     return ProviderLoad(
         backend=name,
         rpm_limit=p.rpm,
@@ -356,15 +357,6 @@ def _provider_load(p: ProviderConfig, name: str, d: RouteDemand, demand: Demand,
         usd_per_mtok=cost / (i_mean + o_mean) * 1e6,
         usd_per_day=cost * d.peak_qps * 86400 * demand.average_over_peak,
     )
-
-
-def _request_usd(p: ProviderConfig, i_mean: float, o_mean: float, frac: float) -> float:
-    cached = i_mean * frac
-    return (
-        (i_mean - cached) * p.cost_per_mtok_input
-        + cached * p.cost_per_mtok_cached_input
-        + o_mean * p.cost_per_mtok_output
-    ) / 1e6
 
 
 def _what_if(
@@ -395,7 +387,9 @@ def _what_if(
         assert pc is not None
         o_mean = d.output_tokens.expected()
         per_day = d.peak_qps * 86400 * demand.average_over_peak
-        p_saved = (_request_usd(pc, i_mean, o_mean, frac) - _request_usd(pc, i_mean, o_mean, new)) * per_day
+        prices = Prices.from_config(pc)
+        before, after_usd = (prices.usd(i_mean, i_mean * f, o_mean) for f in (frac, new))
+        p_saved = (before - after_usd) * per_day
     return WhatIf(new, replicas, saved, usd_saved, provider, p_saved)
 
 

@@ -14,10 +14,11 @@ import pytest
 
 from cluster import errors as E
 from cluster.config import ModelConfig, ProviderConfig
+from cluster.cost import Prices, cost_usd
 from cluster.protocol import GenerateRequest, Sampling, Usage
 from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
-from cluster.providers.budget import Prices, ProviderBudget, cost_usd
+from cluster.providers.budget import ProviderBudget
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
 from cluster.tokens_provider import (
     CharEstimateTokenizer,
