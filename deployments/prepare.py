@@ -95,6 +95,16 @@ def prepare(
         max_tokens=fit.max_tokens,
         priority=surface.priority,
     )
+    candidates = cfg.candidates(model.name, surface.name)
+    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
+    return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
+
+
+def _block_hashes(
+    ids: list[int], candidates: list[str], views: dict[str, BackendView]
+) -> Callable[[str], list[int]]:
+    """The prompt's block hashes per backend (in its block size), computed here, off the loop for
+    big prompts, once per candidate backend."""
     hashed: dict[str, list[int]] = {}
 
     def hashes(backend: str) -> list[int]:
@@ -105,7 +115,6 @@ def prepare(
             hashed[backend] = view.policy.hash(ids)
         return hashed[backend]
 
-    for name in cfg.candidates(model.name, surface.name):
-        hashes(name)  # here, off the loop for big prompts: once per backend
-    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes)
+    for name in candidates:
+        hashes(name)
+    return hashes

