@@ -64,7 +64,7 @@ import aiohttp
 import yaml
 
 from cluster.config import ClusterConfig, load_config, parse_config
-from deployments.local import ENGINE_ENV
+from deployments.local import ENGINE_ENV, free_port
 from loadtest.fake_upstream import CHUNKS
 from loadtest.provenance import git_state, provenance
 
@@ -424,12 +424,6 @@ def relay_body() -> bytes:
 
 
 # --- processes -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def port_free(port: int) -> bool:

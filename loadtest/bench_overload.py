@@ -56,6 +56,7 @@ from typing import Any
 
 import httpx
 
+from deployments.local import free_port
 from loadtest.bench_affinity import (
     MODEL,
     PROFILE,
@@ -367,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from deployments import local
 
     cfg = overload_config(args.pools, args.speedup)
-    port = args.port or _free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     meta = machine()
     limits = {s: cfg.surface(s).max_concurrency for s in SURFACES}
@@ -421,14 +422,6 @@ def _print_summary(surfaces: dict[str, dict[str, Any]], checks: dict[str, bool])
             flush=True,
         )
     print(json.dumps(checks, indent=2))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig, parse_config
+from deployments.local import free_port
 from loadtest import arrivals, runner
 from loadtest.surfaces import SHAPES, RequestSpec, parse_mix, schedule
 
@@ -195,12 +195,6 @@ def schedule_digest(specs: list[RequestSpec]) -> str:
 
 
 # --- one variant ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def progress_printer(name: str) -> runner.Progress:

@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from deployments import local
-    from tests.conftest import free_port
+    from deployments.local import free_port
     from tests.reliability.harness import reliability_config
     from tests.servers.anthropic_server import AnthropicServer
     from tests.servers.openai_server import OpenAIServer
