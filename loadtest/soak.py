@@ -22,8 +22,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from loadtest.actor_probe import actor_snapshot, wait_idle
 from loadtest.provenance import git_state, provenance
-from tests.reliability.harness import MIX_SHAPES, Keys, Load, actor_snapshot, wait_idle
+from loadtest.reliability import MIX_SHAPES, Keys, Load, loopback_app
 
 RESULTS = Path(__file__).parent / "results"
 # An engine replica's token server (aiohttp) runs one task per open connection: the gateways keep
@@ -179,33 +180,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = p.parse_args(argv)
 
-    from deployments import local
-    from deployments.local import free_port
-    from tests.reliability.harness import reliability_config
-    from tests.servers.anthropic_server import AnthropicServer
-    from tests.servers.openai_server import OpenAIServer
-
     git, load0, t0 = git_state(), os.getloadavg(), time.monotonic()
-    keys = Keys()  # exports the provider key to this process's environment, before Ray starts
-    port = free_port()
-    with (
-        OpenAIServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as oai,
-        AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
-    ):
-        cfg = reliability_config("llmc-soak", oai.base_url, ant.base_url, keys)
-        local.start(cfg, port=port, metrics_port=0, route_prefix="/soak")
-        try:
-            out = run_soak(
-                cfg.name,
-                f"http://127.0.0.1:{port}/soak/v1",
-                keys,
-                duration_s=args.minutes * 60,
-                workers=args.workers,
-                sample_every_s=15,
-                rest_s=args.rest,
-            )
-        finally:
-            local.stop()
+    with loopback_app("llmc-soak", "/soak") as app:
+        out = run_soak(
+            app.cfg.name,
+            app.base_url,
+            app.keys,
+            duration_s=args.minutes * 60,
+            workers=args.workers,
+            sample_every_s=15,
+            rest_s=args.rest,
+        )
     out["provenance"] = provenance(argv or sys.argv[1:], git, load0, t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

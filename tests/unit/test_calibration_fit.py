@@ -21,7 +21,8 @@ from loadtest.calibrate_engine import (
     nnls,
     predict,
 )
-from loadtest.engine_fidelity import Observed, compare, make_workload, quantile, replay_sim
+from loadtest.engine_fidelity import make_workload, replay_sim
+from loadtest.fidelity_stats import Observed, compare, quantile
 
 TRUE_SHIPPED = {
     "overhead_s": 2.0e-3,
