@@ -67,6 +67,7 @@ from cluster.config import ClusterConfig, load_config, parse_config
 from deployments.local import ENGINE_ENV, free_port
 from loadtest.fake_upstream import CHUNKS
 from loadtest.provenance import git_state, provenance
+from loadtest.stats import quantile
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -111,13 +112,7 @@ class LegFailed(Exception):
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100), linear between closest ranks (numpy's default); None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return quantile(values, q / 100.0) if values else None
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:

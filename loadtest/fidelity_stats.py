@@ -3,11 +3,12 @@ request's observed times, the errors of a sim replay against them, and their Mar
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from loadtest.stats import quantile
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,16 +23,6 @@ class Observed:
     core_queued_s: float | None = None  # real only: waiting in the engine core's scheduler
     core_prefill_s: float | None = None  # real only: scheduled -> first token, inside the core
     core_decode_s: float | None = None  # real only: first -> last token, inside the core
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default method)."""
-    v = sorted(values)
-    if not v:
-        raise ValueError("no values")
-    pos = (len(v) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def relative_errors(sim: Sequence[float], real: Sequence[float]) -> list[float]:

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
+from loadtest.client import EventStream
 
 SURFACE_DEADLINE_S = {"tab": 8.0, "chat": 12.0, "agent": 15.0}
 CLIENT_MARGIN_S = 10.0  # past deadline + margin, a request counts as hung
@@ -297,14 +298,9 @@ async def _exchange(
             rec.chunks = 1
             rec.outcome = _served(rec)
             return
-        done = finished = False
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                done = True
-                break
+        finished = False
+        events = EventStream()
+        async for data in events.aiter(r):
             obj = json.loads(data)
             rec.request_id = rec.request_id or our_id(obj)
             if "error" in obj:
@@ -324,7 +320,7 @@ async def _exchange(
                 return  # leaving the block closes the connection: the cluster must cancel
         if rec.outcome == "error_event":
             return
-        rec.outcome = _served(rec) if done and finished else "truncated"
+        rec.outcome = _served(rec) if events.done and finished else "truncated"
 
 
 def our_id(obj: Any) -> str:
