@@ -58,10 +58,8 @@ from cluster.engine_model import EngineModel  # noqa: E402
 from cluster.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
 from loadtest.calibrate_engine import (  # noqa: E402
     DEFAULT_CONFIG,
-    FITS,
     RESULTS,
     CoreTimes,
-    ExtendedStepTime,
     engine_facts,
     engine_settings,
     machine_note,
@@ -71,6 +69,7 @@ from loadtest.calibrate_engine import (  # noqa: E402
     warm_up,
 )
 from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
+from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
 
