@@ -7,7 +7,6 @@ a loopback OpenAI server first and two simulated replicas second (self-hosted fi
 surface, hedged on tab), and ``rel-claude`` on a loopback Anthropic server alone (its failures are
 clean errors, nothing to fail over to). Deadlines are short so that a hang shows within seconds: the
 client's timeout is the surface's deadline plus a margin, and a request that reaches it is *hung*.
-
 Everything stays on 127.0.0.1 and is bounded in count and time.
 """
 
@@ -91,6 +90,23 @@ def _provider(name: str, api: str, url: str, model: str) -> dict[str, Any]:
     }
 
 
+def _sim(name: str, model: str, replicas: int, **extra: Any) -> dict[str, Any]:
+    sim = {"name": name, "kind": "sim", "model": model, "replicas": replicas, "resources": {"num_cpus": 0.1}}
+    return {**sim, "sim_profile": "llama-3.1-8b-h100", **extra}
+
+
+def _surfaces() -> list[dict[str, Any]]:
+    surfaces: list[dict[str, Any]] = [
+        {"name": "tab", "priority": 0, "hedging": True, "max_concurrency": 32, "max_queue": 64},
+        {"name": "chat", "priority": 1, "max_concurrency": 32, "max_queue": 64},
+        {"name": "agent", "priority": 2, "max_concurrency": 16, "max_queue": 64},
+    ]
+    for s in surfaces:
+        s["request_timeout_s"] = SURFACE_DEADLINE_S[s["name"]]
+        s["queue_deadline_ms"] = 2000
+    return surfaces
+
+
 def reliability_config(
     name: str,
     openai_url: str,
@@ -113,14 +129,6 @@ def reliability_config(
     ant = _provider(ANTHROPIC_BACKEND, "anthropic", anthropic_url, CLAUDE)
     if canary is not None:
         oai["env"] = {CANARY_ENV: canary}
-    surfaces = [
-        {"name": "tab", "priority": 0, "hedging": True, "max_concurrency": 32, "max_queue": 64},
-        {"name": "chat", "priority": 1, "max_concurrency": 32, "max_queue": 64},
-        {"name": "agent", "priority": 2, "max_concurrency": 16, "max_queue": 64},
-    ]
-    for s in surfaces:
-        s["request_timeout_s"] = SURFACE_DEADLINE_S[s["name"]]
-        s["queue_deadline_ms"] = 2000
     return parse_config(
         {
             "name": name,
@@ -140,26 +148,11 @@ def reliability_config(
             ],
             "backends": [
                 oai,
-                {
-                    "name": SIM_BACKEND,
-                    "kind": "sim",
-                    "model": MIX,
-                    "replicas": 2,
-                    "resources": {"num_cpus": 0.1},
-                    "sim_profile": "llama-3.1-8b-h100",
-                },
+                _sim(SIM_BACKEND, MIX, 2),
                 ant,
-                {
-                    "name": STALL_BACKEND,
-                    "kind": "sim",
-                    "model": STALL,
-                    "replicas": 1,
-                    "resources": {"num_cpus": 0.1},
-                    "sim_profile": "llama-3.1-8b-h100",
-                    "sim_options": {"stall_after_tokens": 2},
-                },
+                _sim(STALL_BACKEND, STALL, 1, sim_options={"stall_after_tokens": 2}),
             ],
-            "surfaces": surfaces,
+            "surfaces": _surfaces(),
             "routes": [
                 {"model": MIX, "candidates": [OPENAI_BACKEND, SIM_BACKEND]},
                 {"model": MIX, "surface": "agent", "candidates": [SIM_BACKEND, OPENAI_BACKEND]},
