@@ -21,7 +21,7 @@ GATEWAY = "Gateway"  # the app's ingress deployment (deployments/gateway.py)
 
 
 def _make_probe() -> Any:
-    """A closure, so cloudpickle ships it by value (the actors cannot import ``tests``).
+    """A closure, so cloudpickle ships it by value (an actor needs nothing of this module).
 
     Run by ``__ray_call__`` in an actor: its PID, and - on the event loop that runs a Serve
     replica's user code (a thread of its own; the gateway's runs on the replica's main loop) - its
@@ -41,10 +41,11 @@ def _make_probe() -> Any:
     callers sum over the replicas (``gateway_probes``).
     """
 
+    gateway = _make_gateway_probe()
+    inside = _make_loop_probe(gateway)
+
     def look(actor: Any) -> dict[str, Any]:
         import concurrent.futures
-        import dataclasses
-        import gc
         import os
 
         impl = getattr(actor, "_replica_impl", None)
@@ -57,67 +58,14 @@ def _make_probe() -> Any:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 loop = None
-
-        def gateway(gw: Any) -> dict[str, Any]:
-            c = gw.admission.controller.counters()
-            views: dict[str, dict[str, int]] = {}
-            for name, v in getattr(gw, "views", {}).items():
-                t = {
-                    "in_flight": len(v.in_flight),
-                    "in_flight_total": sum(v.in_flight.values()),
-                    "live": len(v.live),
-                    "decision_counts": len(v.decision_counts),
-                }
-                if v.policy is not None:
-                    t["index_blocks"] = len(v.policy.index)
-                    t["index_capacity"] = v.policy.index.capacity
-                    t["index_replicas"] = len(v.policy.index._bits)
-                    t["sessions"] = len(v.policy.sessions)
-                    t["session_capacity"] = v.policy.sessions.capacity
-                views[name] = t
-            providers = {
-                name: {"flights": len(p._flights), **dataclasses.asdict(p.stats())}
-                for name, p in getattr(gw, "providers", {}).items()
-            }
-            return {
-                "counters": {**dataclasses.asdict(c), "balanced": c.balanced()},
-                "views": views,
-                "providers": providers,
-                "policy": gw.attempts.snapshot(),
-            }
-
-        def inside() -> dict[str, Any]:
-            tasks = asyncio.all_tasks(loop) if loop is not None else set()
-            names: dict[str, int] = {}
-            for t in tasks:
-                coro = t.get_coro()
-                key = getattr(coro, "__qualname__", type(coro).__name__)
-                names[key] = names.get(key, 0) + 1
-            res: dict[str, Any] = {
-                "tasks": len(tasks),
-                "task_names": names,
-                "gc_objects": len(gc.get_objects()),
-            }
-            if obj is not None and hasattr(obj, "admission"):
-                res.update(gateway(obj))
-            elif obj is not None and hasattr(obj, "backend") and hasattr(obj, "ongoing"):
-                s = obj.backend.stats()
-                res["engine"] = {
-                    "ongoing": obj.ongoing,
-                    "running": s.running,
-                    "waiting": s.waiting,
-                    "connections": len(obj._runner.server.connections),  # its token server's
-                }
-            return res
-
         if loop is None or getattr(loop, "_thread_id", None) in (None, threading.get_ident()):
-            found = inside()
+            found = inside(loop, obj)
         else:
             fut: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
 
             def run() -> None:
                 try:
-                    fut.set_result(inside())
+                    fut.set_result(inside(loop, obj))
                 except Exception as exc:
                     fut.set_exception(exc)
 
@@ -126,6 +74,71 @@ def _make_probe() -> Any:
         return {"pid": os.getpid(), **found}
 
     return look
+
+
+def _make_gateway_probe() -> Any:
+    """A gateway replica's tables, as a closure (shipped by value with the probe)."""
+
+    def gateway(gw: Any) -> dict[str, Any]:
+        import dataclasses
+
+        c = gw.admission.controller.counters()
+        views: dict[str, dict[str, int]] = {}
+        for name, v in getattr(gw, "views", {}).items():
+            t = {
+                "in_flight": len(v.in_flight),
+                "in_flight_total": sum(v.in_flight.values()),
+                "live": len(v.live),
+                "decision_counts": len(v.decision_counts),
+            }
+            if v.policy is not None:
+                t["index_blocks"] = len(v.policy.index)
+                t["index_capacity"] = v.policy.index.capacity
+                t["index_replicas"] = len(v.policy.index._bits)
+                t["sessions"] = len(v.policy.sessions)
+                t["session_capacity"] = v.policy.sessions.capacity
+            views[name] = t
+        providers = {
+            name: {"flights": len(p._flights), **dataclasses.asdict(p.stats())}
+            for name, p in getattr(gw, "providers", {}).items()
+        }
+        return {
+            "counters": {**dataclasses.asdict(c), "balanced": c.balanced()},
+            "views": views,
+            "providers": providers,
+            "policy": gw.attempts.snapshot(),
+        }
+
+    return gateway
+
+
+def _make_loop_probe(gateway: Any) -> Any:
+    """What runs on the replica's user-code loop: its tasks and objects, and the gateway's or the
+    engine's own state; a closure like the probe."""
+
+    def inside(loop: Any, obj: Any) -> dict[str, Any]:
+        import gc
+
+        tasks = asyncio.all_tasks(loop) if loop is not None else set()
+        names: dict[str, int] = {}
+        for t in tasks:
+            coro = t.get_coro()
+            key = getattr(coro, "__qualname__", type(coro).__name__)
+            names[key] = names.get(key, 0) + 1
+        res: dict[str, Any] = {"tasks": len(tasks), "task_names": names, "gc_objects": len(gc.get_objects())}
+        if obj is not None and hasattr(obj, "admission"):
+            res.update(gateway(obj))
+        elif obj is not None and hasattr(obj, "backend") and hasattr(obj, "ongoing"):
+            s = obj.backend.stats()
+            res["engine"] = {
+                "ongoing": obj.ongoing,
+                "running": s.running,
+                "waiting": s.waiting,
+                "connections": len(obj._runner.server.connections),  # its token server's
+            }
+        return res
+
+    return inside
 
 
 def serve_actor_names(app: str) -> list[tuple[str, str]]:
