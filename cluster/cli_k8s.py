@@ -25,14 +25,9 @@ from typing import TextIO
 import yaml
 
 from cluster.config import ConfigError, load_config
-from cluster.k8s import (
-    GENERATED_HEADER,
-    load_settings,
-    rayservice_patch,
-    render_rayservice,
-    serve_config,
-    to_yaml,
-)
+from cluster.k8s_patch import rayservice_patch, to_yaml
+from cluster.k8s_rayservice import GENERATED_HEADER, render_rayservice, serve_config
+from cluster.k8s_settings import load_settings
 
 DEFAULT_TARGETS = Path("k8s/render.yaml")
 

@@ -12,8 +12,9 @@ import json
 import re
 from collections.abc import Sequence
 
-from cluster.capacity import Plan, RoutePlan, load_demand, plan
+from cluster.capacity import Plan, RoutePlan, plan
 from cluster.config import load_config
+from cluster.demand import load_demand
 
 _NUMERIC = re.compile(r"^(-|\d[\d.,]*( ?(%|k|M|G|KiB|MiB|GiB|TiB|B))?( \(.*\))?)$")  # right-aligned
 
@@ -51,74 +52,100 @@ def render(result: Plan, title: str = "Capacity plan") -> str:
         f"mean/peak load {a['average_over_peak']:.2f}; TTFT = p95, ITL = mean)",
         "",
         "Demand at peak",
-        _table(
-            ["route", "QPS", "req/min", "input tok/min", "cached", "output tok/min", "planned on"],
-            [
-                [
-                    _route(r),
-                    _num(r.peak_qps),
-                    _num(r.demand.requests_per_min),
-                    _num(r.demand.input_tokens_per_min),
-                    f"{r.cached_fraction:.0%}",
-                    _num(r.demand.output_tokens_per_min),
-                    r.primary,
-                ]
-                for r in result.routes
-            ],
-        ),
+        _demand_table(result),
     ]
-    hosted = [r for r in result.routes if r.self_hosted is not None]
-    if hosted:
+    if any(r.self_hosted is not None for r in result.routes):
         out += [
             "",
             "Self-hosted (per replica at the largest batch that meets the objectives; peak concurrency "
             "= QPS x latency, all replicas)",
+            _self_hosted_table(result),
         ]
-        rows = []
-        for r in hosted:
-            h = r.self_hosted
-            assert h is not None
-            alt = "" if r.primary_kind == "self-hosted" else " (alt.)"
-            rows.append(
-                [
-                    _route(r),
-                    f"{h.backend}{alt}",
-                    h.profile,
-                    f"{_ms(r.ttft_slo_ms)}/{_ms(r.itl_slo_ms)}",
-                    _bytes(h.kv_bytes_per_request),
-                    _bytes(h.kv_capacity_bytes),
-                    f"{h.max_batch} ({_short(h.max_batch_bound)})",
-                    str(h.batch),
-                    f"{h.itl_ms:.1f}",
-                    f"{h.ttft_p95_ms:.0f}",
-                    f"{h.requests_per_s_per_replica:.2f}",
-                    _num(h.peak_concurrency),
-                    f"{h.replicas:.2f}" if h.feasible else "-",
-                    _binding(h.binding, h.slo_limit) + ("" if h.feasible else ": SLO unreachable"),
-                ]
-            )
-        out.append(
-            _table(
-                [
-                    "route",
-                    "backend",
-                    "profile",
-                    "SLO ms",
-                    "KV/req",
-                    "KV/replica",
-                    "max batch",
-                    "batch",
-                    "ITL ms",
-                    "TTFT95 ms",
-                    "req/s",
-                    "peak conc.",
-                    "replicas",
-                    "binding",
-                ],
-                rows,
-            )
+    if any(r.providers for r in result.routes):
+        out += [
+            "",
+            "Providers (the route's whole demand against each candidate's caps)",
+            _provider_table(result),
+        ]
+    out += ["", "Cost per route: self-hosted (its share of the GPUs, all day) vs the cheapest provider"]
+    out.append(
+        _table(["route", "binding", "self $/1M", "self $/day", "provider", "$/1M", "$/day"], _costs(result))
+    )
+    if result.backends:
+        out += ["", f"Per backend (what-if: prefix-cache hit rate {a['cache_what_if_points']:+g} points)"]
+        out.append(_backend_table(result))
+    out += ["", _totals_line(result)]
+    warnings = _warnings(result)
+    if warnings:
+        out += ["", "Warnings", *warnings]
+    return "\n".join(out)
+
+
+def _demand_table(result: Plan) -> str:
+    header = ["route", "QPS", "req/min", "input tok/min", "cached", "output tok/min", "planned on"]
+    rows = [
+        [
+            _route(r),
+            _num(r.peak_qps),
+            _num(r.demand.requests_per_min),
+            _num(r.demand.input_tokens_per_min),
+            f"{r.cached_fraction:.0%}",
+            _num(r.demand.output_tokens_per_min),
+            r.primary,
+        ]
+        for r in result.routes
+    ]
+    return _table(header, rows)
+
+
+_SELF_HOSTED_HEADER = [
+    "route",
+    "backend",
+    "profile",
+    "SLO ms",
+    "KV/req",
+    "KV/replica",
+    "max batch",
+    "batch",
+    "ITL ms",
+    "TTFT95 ms",
+    "req/s",
+    "peak conc.",
+    "replicas",
+    "binding",
+]
+
+
+def _self_hosted_table(result: Plan) -> str:
+    rows = []
+    for r in result.routes:
+        h = r.self_hosted
+        if h is None:
+            continue
+        alt = "" if r.primary_kind == "self-hosted" else " (alt.)"
+        rows.append(
+            [
+                _route(r),
+                f"{h.backend}{alt}",
+                h.profile,
+                f"{_ms(r.ttft_slo_ms)}/{_ms(r.itl_slo_ms)}",
+                _bytes(h.kv_bytes_per_request),
+                _bytes(h.kv_capacity_bytes),
+                f"{h.max_batch} ({_short(h.max_batch_bound)})",
+                str(h.batch),
+                f"{h.itl_ms:.1f}",
+                f"{h.ttft_p95_ms:.0f}",
+                f"{h.requests_per_s_per_replica:.2f}",
+                _num(h.peak_concurrency),
+                f"{h.replicas:.2f}" if h.feasible else "-",
+                _binding(h.binding, h.slo_limit) + ("" if h.feasible else ": SLO unreachable"),
+            ]
         )
-    provider_rows = [
+    return _table(_SELF_HOSTED_HEADER, rows)
+
+
+def _provider_table(result: Plan) -> str:
+    rows = [
         [
             _route(r),
             p.backend + (" (primary)" if p.backend == r.primary else ""),
@@ -131,55 +158,45 @@ def render(result: Plan, title: str = "Capacity plan") -> str:
         for r in result.routes
         for p in r.providers
     ]
-    if provider_rows:
-        out += ["", "Providers (the route's whole demand against each candidate's caps)"]
-        out.append(
-            _table(
-                ["route", "provider", "RPM used", "TPM used", "binding", "$/1M tok", "$/day"], provider_rows
-            )
-        )
-    out += ["", "Cost per route: self-hosted (its share of the GPUs, all day) vs the cheapest provider"]
-    out.append(
-        _table(["route", "binding", "self $/1M", "self $/day", "provider", "$/1M", "$/day"], _costs(result))
-    )
-    if result.backends:
-        pts = a["cache_what_if_points"]
-        out += ["", f"Per backend (what-if: prefix-cache hit rate {pts:+g} points)"]
-        out.append(
-            _table(
-                ["backend", "profile", "replicas", "GPUs", "$/day", "binding", "GPUs saved", "$/day saved"],
-                [
-                    [
-                        b.backend,
-                        b.profile,
-                        f"{b.replicas} ({b.replicas_exact:.2f})",
-                        str(b.gpus),
-                        _num(b.usd_per_day),
-                        b.binding,
-                        "-" if b.what_if_gpus_saved is None else str(b.what_if_gpus_saved),
-                        "-" if b.what_if_usd_per_day_saved is None else _num(b.what_if_usd_per_day_saved),
-                    ]
-                    for b in result.backends
-                ],
-            )
-        )
+    return _table(["route", "provider", "RPM used", "TPM used", "binding", "$/1M tok", "$/day"], rows)
+
+
+def _backend_table(result: Plan) -> str:
+    header = ["backend", "profile", "replicas", "GPUs", "$/day", "binding", "GPUs saved", "$/day saved"]
+    rows = [
+        [
+            b.backend,
+            b.profile,
+            f"{b.replicas} ({b.replicas_exact:.2f})",
+            str(b.gpus),
+            _num(b.usd_per_day),
+            b.binding,
+            "-" if b.what_if_gpus_saved is None else str(b.what_if_gpus_saved),
+            "-" if b.what_if_usd_per_day_saved is None else _num(b.what_if_usd_per_day_saved),
+        ]
+        for b in result.backends
+    ]
+    return _table(header, rows)
+
+
+def _totals_line(result: Plan) -> str:
     t = result.totals
-    out += [
-        "",
+    return (
         f"Total: {t['gpus']:.0f} GPUs, ${_num(t['self_hosted_usd_per_day'])}/day self-hosted, "
         f"${_num(t['provider_usd_per_day'])}/day on providers (routes planned on them); "
         f"cache what-if saves {t['what_if_gpus_saved']:.0f} GPUs and "
-        f"${_num(t['what_if_usd_per_day_saved'])}/day.",
-    ]
+        f"${_num(t['what_if_usd_per_day_saved'])}/day."
+    )
+
+
+def _warnings(result: Plan) -> list[str]:
     warnings = [f"  {_route(r)}: {w}" for r in result.routes for w in r.warnings]
     warnings += [
         f"  {b.backend}: not counted (objectives unreachable): {', '.join(b.unplanned_routes)}"
         for b in result.backends
         if b.unplanned_routes
     ]
-    if warnings:
-        out += ["", "Warnings", *warnings]
-    return "\n".join(out)
+    return warnings
 
 
 def _costs(result: Plan) -> list[list[str]]:

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from cluster.base import Strict
+from cluster.base import ConfigError as ConfigError
+from cluster.base import Strict, read_yaml, validate
 from cluster.failover import FailoverConfig
 from cluster.hedging import HedgeConfig
 from cluster.slo_guard import SloGuardConfig
@@ -325,37 +325,9 @@ def _by_name(what: str, items: list[Any]) -> dict[str, Any]:
     return seen
 
 
-class ConfigError(Exception):
-    """A config that cannot be used; the message names the file and the field."""
-
-
-def _expand_env(text: str) -> str:
-    return os.path.expandvars(text)
-
-
 def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(_expand_env(p.read_text()))
-    except FileNotFoundError as exc:
-        raise ConfigError(f"{p}: no such file") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-    return parse_config(raw, source=str(p))
+    return parse_config(read_yaml(path, expand_env=True), source=str(Path(path)))
 
 
 def parse_config(raw: Any, source: str = "<config>") -> ClusterConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
-    try:
-        return ClusterConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(f"{source}: invalid config:\n{format_validation_error(exc)}") from exc
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "\n".join(lines)
+    return validate(ClusterConfig, raw, source, "config")

@@ -10,6 +10,9 @@ local launcher and the RayService manifests set them; Serve reads them at import
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from cluster.config import BackendConfig, ClusterConfig
 
 SERVE_ENV: dict[str, str] = {
@@ -43,6 +46,42 @@ def budget_deployment(b: BackendConfig) -> str | None:
     if p is None or (p.rpm is None and p.tpm is None and p.max_in_flight is None):
         return None
     return f"budget-{b.name}"
+
+
+def target_ongoing_requests(b: BackendConfig) -> float:
+    """The autoscaling target: the config's, else 3/4 of the engine batch (keep the batch about
+    3/4 full before adding a replica)."""
+    assert b.autoscaling is not None
+    if b.autoscaling.target_ongoing_requests is not None:
+        return b.autoscaling.target_ongoing_requests
+    return max(1.0, math.floor(0.75 * (b.engine.max_num_seqs or 256)))
+
+
+def deployment_options(b: BackendConfig) -> dict[str, Any]:
+    """Serve options of one engine backend's deployment, as plain data: the app builder passes them
+    to ``.options()`` and the k8s generator writes them into ``serveConfigV2``."""
+    actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
+    if b.resources.memory_bytes:
+        actor["memory"] = b.resources.memory_bytes
+    # b.env is applied by the replica itself at start: Ray's runtime_env agent logs env_vars in full.
+    opts: dict[str, Any] = {
+        "name": f"backend-{b.name}",
+        "request_router_config": {
+            "request_router_class": SHIM_ROUTER,
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        },
+    }
+    if b.autoscaling is None:
+        opts["num_replicas"] = b.replicas
+    else:
+        opts["autoscaling_config"] = {
+            "min_replicas": b.autoscaling.min_replicas,
+            "max_replicas": b.autoscaling.max_replicas,
+            "target_ongoing_requests": target_ongoing_requests(b),
+            "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
+        }
+    opts["ray_actor_options"] = actor
+    return opts
 
 
 TENANT_BUDGETS = "tenant-budgets"

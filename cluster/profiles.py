@@ -20,15 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from cluster.base import Strict
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Frozen(Strict):
+    model_config = ConfigDict(frozen=True)  # merged with Strict's: unknown keys are still errors
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ class LinearStepTime:
 # --------------------------------------------------------------------------------------------
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_Frozen):
     name: str = Field(description="Model name (HF id).")
     params: int = Field(gt=0, description="Total parameters (all are read once per step).")
     layers: int = Field(gt=0, description="Transformer layers (num_hidden_layers).")
@@ -117,7 +119,7 @@ class ModelSpec(_Strict):
         return 2 * self.layers * heads_per_gpu * self.head_dim * self.kv_dtype_bytes
 
 
-class GPUSpec(_Strict):
+class GPUSpec(_Frozen):
     name: str = Field(description="GPU model.")
     hbm_bytes: int = Field(gt=0, description="HBM capacity per GPU, bytes.")
     bandwidth_bytes_per_s: float = Field(gt=0, description="Peak HBM bandwidth per GPU, bytes/s (datasheet).")
@@ -127,7 +129,7 @@ class GPUSpec(_Strict):
     flops_per_s: float = Field(gt=0, description="Achieved dense bf16 FLOP/s per GPU on a step's matmuls.")
 
 
-class EngineSpec(_Strict):
+class EngineSpec(_Frozen):
     block_size: int = Field(16, gt=0, description="KV block size in tokens (vLLM GPU default 16).")
     max_num_seqs: int = Field(1024, gt=0, description="Most sequences in one step's batch.")
     max_num_batched_tokens: int = Field(8192, gt=0, description="Token budget of one step (chunked prefill).")
@@ -147,14 +149,14 @@ class EngineSpec(_Strict):
     )
 
 
-class FittedCoefficients(_Strict):
+class FittedCoefficients(_Frozen):
     prefill_s_per_token: float = Field(ge=0, description="Seconds per prefill token.")
     decode_base_s: float = Field(ge=0, description="Seconds per step that has any decoding sequence.")
     decode_s_per_seq: float = Field(ge=0, description="Seconds per decoding sequence in a step.")
     kv_s_per_token: float = Field(0.0, ge=0, description="Seconds per KV entry read (context length term).")
 
 
-class Profile(_Strict):
+class Profile(_Frozen):
     name: str = Field(description="Registry name.")
     description: str = Field("", description="What the profile stands for.")
     model: ModelSpec = Field(description="The model served.")

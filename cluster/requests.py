@@ -1,6 +1,6 @@
-"""Turn a validated OpenAI request into the internal :class:`GenerateRequest`: tokenize once, check
-the context window, fill in sampling defaults. Pure (the tokenizer is passed in), so the router's
-deployment only calls it off its event loop.
+"""Turn a validated OpenAI request into the internal :class:`GenerateRequest`: tokenize once and
+fill in sampling defaults (the context window is :mod:`cluster.context`'s). Pure (the tokenizer
+is passed in), so the gateway can call it off its event loop.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from cluster.config import ClusterConfig, ModelConfig
-from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.errors import InvalidRequest, NotFound
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling
 from cluster.tokens import Tokenizer
 
@@ -33,31 +33,6 @@ def prompt_ids(req: ApiRequest, tok: Tokenizer) -> tuple[list[int], list[dict[st
             raise InvalidRequest("token-id prompts need a model with an exact tokenizer", param="prompt")
         return list(req.prompt), None, None
     return tok.encode(req.prompt), None, req.prompt
-
-
-def check_context(model: ModelConfig, n_prompt: int, max_tokens: int | None) -> int:
-    """The max_tokens to use; raises the 400 with both counts when prompt + completion do not fit.
-
-    Never truncates: the caller may route to ``model.overflow_to`` instead of failing.
-    """
-    window = model.context_window
-    if max_tokens is None:
-        room = window - n_prompt
-        if room < 1:
-            raise _too_long(model, n_prompt, 1)
-        return min(model.default_max_tokens, room)
-    if n_prompt + max_tokens > window:
-        raise _too_long(model, n_prompt, max_tokens)
-    return max_tokens
-
-
-def _too_long(model: ModelConfig, n_prompt: int, max_tokens: int) -> ContextLengthExceeded:
-    return ContextLengthExceeded(
-        f"This model's maximum context length is {model.context_window} tokens. However, you requested "
-        f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion). "
-        "Please reduce the length of the prompt or the completion.",
-        param="messages",
-    )
 
 
 def build_generate_request(

@@ -1,10 +1,11 @@
-"""Token buckets and provider budgets (pure: every call passes ``now``).
+"""Token buckets for the tenants' request and token budgets (:mod:`cluster.tenants`; pure: every
+call passes ``now``).
 
-:class:`TokenBucket` is the reusable refill-per-second bucket; :class:`BucketBudget` reserves one
-request and ``input estimate + max_tokens`` tokens up front and settles with the actual usage
-afterwards (giving back the unused part, or taking the overrun as debt).
-(``cluster.providers.budget.ProviderBudget`` is the provider adapters' sliding-window variant with
-in-flight counting; this one is the token-bucket form, smooth refill instead of a window edge.)
+:class:`TokenBucket` is the refill-per-second bucket; :class:`BucketBudget` reserves one request
+and ``input estimate + max_tokens`` tokens up front and settles with the actual usage afterwards
+(giving back the unused part, or taking the overrun as debt). A provider's budget is another
+thing: one sliding-window count per backend for the whole app, as the provider keeps it
+(:class:`cluster.providers.budget.ProviderBudget`).
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ class Reservation:
 
 
 class BucketBudget:
-    """A provider's RPM and TPM budgets (this router's share). ``burst_s`` sizes the buckets: 60 s
-    is the provider's own minute; lower it where a provider enforces the limit on shorter windows
-    (OpenAI documents that 60,000 RPM may be enforced as 1,000 per second)."""
+    """A tenant's RPM and TPM budgets (this gateway replica's share). ``burst_s`` sizes the
+    buckets: 60 s holds a minute's worth; lower it for a smoother limit on shorter windows."""
 
     def __init__(
         self,

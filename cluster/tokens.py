@@ -1,35 +1,58 @@
-"""Per-model token counting: the router tokenizes once, with the target model's own tokenizer.
+"""Per-model token counting, one entry point for everyone: :func:`load` turns the ``tokenizer`` field
+of :class:`cluster.config.ModelConfig` into a :class:`Tokenizer`, for the gateway (which tokenizes
+once, with the target model's own tokenizer) and for the provider adapters (which count what the
+router did not: budget reservations, estimates against reported usage) alike.
 
-``load_tokenizer(spec)`` understands the ``tokenizer`` field of :class:`cluster.config.ModelConfig`:
+* a HF tokenizer folder (with its ``tokenizer_config.json``), a Hub id, or ``@tiny`` for the locally
+  built model: :class:`HFTokenizer`, exact; chat requests are rendered with the model's own chat
+  template, so the ids are what the engine will see, and a provider adapter counts the same;
+* ``tiktoken:<encoding or model>``, ``estimate:<chars per token>``, a bare ``tokenizer.json``:
+  the counters of :mod:`cluster.token_counters` (providers tokenize for themselves).
 
-* a HF tokenizer folder, or ``@tiny`` for the locally built model — exact; chat requests are
-  rendered with the model's own chat template, so the ids are what the engine will see;
-* ``tiktoken:<encoding or model>`` and ``estimate:<chars per token>`` — provider models, handled
-  by :mod:`cluster.tokens_provider` (counts only: the provider tokenizes for itself).
-
-Tokenizers are cached per spec: loading one costs tens of milliseconds.
+Tokenizers are cached per spec, and one HF tokenizer is shared by every caller: loading one costs
+tens of milliseconds.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
+
+from cluster.token_counters import (
+    ANTHROPIC_CHARS_PER_TOKEN,
+    DEFAULT_ENCODING,
+    OPENAI_CHARS_PER_TOKEN,
+    CharEstimateTokenizer,
+    ChatCounting,
+    HFFileTokenizer,
+    load_tiktoken,
+)
+from cluster.token_counters import content_text as content_text
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
     exact: bool  # False: a count is an estimate (cost, TPM and context checks say so)
+    name: str
 
     def encode(self, text: str) -> list[int]: ...
 
+    def count(self, text: str) -> int: ...
+
     def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+
+    def count_chat(self, messages: Sequence[dict[str, Any]]) -> int: ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str: ...
 
 
-class HFTokenizer:
-    """A Hugging Face tokenizer with its chat template (self-hosted models)."""
+class HFTokenizer(ChatCounting):
+    """A Hugging Face tokenizer with its chat template (self-hosted models, and open models behind a
+    provider when their tokenizer folder is at hand)."""
 
     exact = True
 
@@ -38,6 +61,7 @@ class HFTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(path)
         self.eos_token_id: int | None = self._tok.eos_token_id
+        self.name = f"hf:{Path(path).name}"
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -54,41 +78,6 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids)))
 
 
-class EstimateTokenizer:
-    """A documented estimate: ceil(characters / chars_per_token). Ids are placeholders."""
-
-    exact = False
-
-    def __init__(self, chars_per_token: float = 3.5) -> None:
-        if chars_per_token <= 0:
-            raise ValueError("chars_per_token must be positive")
-        self.chars_per_token = chars_per_token
-
-    def encode(self, text: str) -> list[int]:
-        return [0] * math.ceil(len(text) / self.chars_per_token)
-
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        return "".join(f"{m.get('role', '')}: {content_text(m.get('content'))}\n" for m in messages)
-
-    def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        # 4 tokens of framing per message, as chat formats spend on role markers.
-        n = sum(4 + len(self.encode(content_text(m.get("content")))) for m in messages)
-        return [0] * n
-
-
-def content_text(content: Any) -> str:
-    """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return str(content)
-
-
 def resolve_model_path(path: str) -> str:
     if path == "@tiny":
         from cluster.tiny_model import build
@@ -98,11 +87,24 @@ def resolve_model_path(path: str) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def load_tokenizer(spec: str) -> Tokenizer:
-    if spec.startswith("estimate:"):
-        return EstimateTokenizer(float(spec.split(":", 1)[1] or 3.5))
-    if spec.startswith("tiktoken:"):
-        from cluster.tokens_provider import load_tiktoken
-
-        return load_tiktoken(spec.split(":", 1)[1])
+def _hf(spec: str) -> HFTokenizer:
     return HFTokenizer(resolve_model_path(spec))
+
+
+@functools.lru_cache(maxsize=32)
+def load(spec: str, api: str | None = None) -> Tokenizer:
+    """The tokenizer of a model's ``tokenizer`` spec. ``api`` is the provider's (``openai`` or
+    ``anthropic``) when a provider adapter counts: then a spec that names no usable tokenizer is
+    an estimate (with a warning) instead of an error, since the provider counts for itself."""
+    if spec.startswith("tiktoken:"):
+        return load_tiktoken(spec.split(":", 1)[1] or DEFAULT_ENCODING)
+    if spec.startswith("estimate:"):
+        return CharEstimateTokenizer(float(spec.split(":", 1)[1] or ANTHROPIC_CHARS_PER_TOKEN))
+    p = Path(spec)
+    if api is None or spec == "@tiny" or (p / "tokenizer_config.json").is_file():
+        return _hf(spec)  # the router's and the adapter's counts agree: one template, one object
+    if (p / "tokenizer.json").is_file() or (p.suffix == ".json" and p.is_file()):
+        return HFFileTokenizer(spec)
+    fallback = ANTHROPIC_CHARS_PER_TOKEN if api == "anthropic" else OPENAI_CHARS_PER_TOKEN
+    log.warning("tokenizer %r cannot be used for a provider model; estimating %g chars/token", spec, fallback)
+    return CharEstimateTokenizer(fallback)

@@ -12,21 +12,19 @@ with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run i
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from cluster.base import Strict
 from cluster.config import BackendConfig, ClusterConfig, load_config
 from cluster.dataplane import (
-    AUTOSCALING_METRICS_INTERVAL_S,
     GATEWAY_ENV,
-    ROUTING_STATS_PERIOD_S,
     SERVE_ENV,
-    SHIM_ROUTER,
     budget_deployment,
+    deployment_options,
     tenant_budget_deployment,
 )
 from deployments.budget_deployment import ProviderBudgetDeployment
@@ -37,8 +35,7 @@ from deployments.tenant_budget import TenantBudgetDeployment
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 
 
-class AppArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AppArgs(Strict):
     config: ClusterConfig | None = Field(None, description="The whole cluster config, inline.")
     config_path: str | None = Field(None, description="Or a path to a YAML config.")
 
@@ -53,31 +50,9 @@ class AppArgs(BaseModel):
 
 
 def engine_options(b: BackendConfig) -> dict[str, Any]:
-    """Serve options of one engine backend's deployment (the k8s generator uses the same rule)."""
-    actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
-    if b.resources.memory_bytes:
-        actor["memory"] = b.resources.memory_bytes
-    # b.env is applied by the replica itself at start: Ray's runtime_env agent logs env_vars in full.
-    opts: dict[str, Any] = {
-        "name": f"backend-{b.name}",
-        "ray_actor_options": actor,
-        "request_router_config": RequestRouterConfig(
-            request_router_class=SHIM_ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S
-        ),
-    }
-    if b.autoscaling is not None:
-        target = b.autoscaling.target_ongoing_requests
-        if target is None:
-            # Keep the engine's batch about 3/4 full before adding a replica.
-            target = max(1.0, math.floor(0.75 * (b.engine.max_num_seqs or 256)))
-        opts["autoscaling_config"] = {
-            "min_replicas": b.autoscaling.min_replicas,
-            "max_replicas": b.autoscaling.max_replicas,
-            "target_ongoing_requests": target,
-            "metrics_interval_s": AUTOSCALING_METRICS_INTERVAL_S,
-        }
-    else:
-        opts["num_replicas"] = b.replicas
+    """Serve options of one engine backend's deployment (the k8s generator writes the same)."""
+    opts = deployment_options(b)
+    opts["request_router_config"] = RequestRouterConfig(**opts["request_router_config"])
     return opts
 
 

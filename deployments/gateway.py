@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from cluster import tokens
 from cluster.admission import AdmissionController, Outcome
 from cluster.admission_async import AsyncAdmission
 from cluster.affinity import AffinityParams, AffinityRouter
@@ -34,7 +35,6 @@ from cluster.providers.budget import Prices
 from cluster.routing_view import BackendView
 from cluster.slo_guard import SloGuard
 from cluster.tenants import TenantReservation
-from cluster.tokens import load_tokenizer
 from cluster.trace import RequestTrace, new_id, parse_traceparent
 from deployments import haproxy_errors, metrics
 from deployments import http_api as h
@@ -116,7 +116,7 @@ class Gateway:
 
             self.tracer = Tracer(cfg.tracing, replica)
         for m in cfg.models:  # load tokenizers now, not on the first request
-            load_tokenizer(m.tokenizer)
+            tokens.load(m.tokenizer)
         self._openapi = h.openapi_document()
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))

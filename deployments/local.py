@@ -106,8 +106,8 @@ def start(
     env = scratch_env()
     # HAProxy's own metrics and stats listeners: free ports, so two clusters on one machine (a test
     # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404).
-    env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(_free_port()))
-    env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(_free_port()))
+    env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(free_port()))
+    env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
     # Ray pushes metrics to its agent every 10 s by default; `cluster status --watch` and the tests
     # read them sooner. A caller's own setting wins.
     interval = "RAY_metrics_report_interval_ms"  # Ray's spelling of its config variables
@@ -115,8 +115,8 @@ def start(
     # The same for the Serve proxy's fallback ports behind HAProxy (8500/9500 by default): another
     # cluster on this machine held 8500 while a test run here started (seen 2026-12-01), and a
     # fallback proxy that cannot bind never turns healthy.
-    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(_free_port()))
-    env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(_free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(free_port()))
     os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
     init_kwargs: dict[str, Any] = {
         "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment
@@ -126,7 +126,7 @@ def start(
     }
     if not ray.is_initialized():
         _check_port_free(cfg.server.host, cfg.server.port)
-        mport = cfg.server.metrics_port if metrics_port is None else metrics_port or _free_port()
+        mport = cfg.server.metrics_port if metrics_port is None else metrics_port or free_port()
         _check_port_free("127.0.0.1", mport, "server.metrics_port or --metrics-port")
         ray.init(_node_ip_address="127.0.0.1", _metrics_export_port=mport, **init_kwargs)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
@@ -161,7 +161,7 @@ def _wait_routed(url: str, deadline: float) -> None:
     raise TimeoutError(f"{url} did not answer before the deadline")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

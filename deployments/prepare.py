@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from cluster import tokens
 from cluster.config import ClusterConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
@@ -19,7 +20,6 @@ from cluster.openai_format import ResponseMeta
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from cluster.routing_view import BackendView
-from cluster.tokens import load_tokenizer
 from deployments import http_api as h
 from deployments import metrics
 
@@ -66,7 +66,7 @@ def prepare(
     def count(model_name: str) -> int:
         m = cfg.model(model_name)
         assert m is not None
-        counted[model_name] = prompt_ids(api, load_tokenizer(m.tokenizer))
+        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer))
         return len(counted[model_name][0])
 
     param = "messages" if kind == "chat" else "prompt"
@@ -95,6 +95,16 @@ def prepare(
         max_tokens=fit.max_tokens,
         priority=surface.priority,
     )
+    candidates = cfg.candidates(model.name, surface.name)
+    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
+    return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
+
+
+def _block_hashes(
+    ids: list[int], candidates: list[str], views: dict[str, BackendView]
+) -> Callable[[str], list[int]]:
+    """The prompt's block hashes per backend (in its block size), computed here, off the loop for
+    big prompts, once per candidate backend."""
     hashed: dict[str, list[int]] = {}
 
     def hashes(backend: str) -> list[int]:
@@ -105,7 +115,6 @@ def prepare(
             hashed[backend] = view.policy.hash(ids)
         return hashed[backend]
 
-    for name in cfg.candidates(model.name, surface.name):
-        hashes(name)  # here, off the loop for big prompts: once per backend
-    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes)
+    for name in candidates:
+        hashes(name)
+    return hashes

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cluster.config import BackendConfig, ProviderConfig
+from cluster.cost import Prices, cost_usd
 from cluster.dataplane import budget_deployment
 from cluster.errors import BackendUnavailable
 from cluster.protocol import Usage
-from cluster.providers.budget import Admission, Prices, ProviderBudget, cost_usd
+from cluster.providers.budget import Admission, ProviderBudget
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx
 from httpx_aiohttp import AiohttpTransport
 
+from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
 from cluster.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
@@ -34,7 +35,6 @@ from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, cost_usd
 from cluster.providers.sse import SSEDecoder, SSEEvent
-from cluster.tokens_provider import provider_counter
 from deployments.provider_budget import Budget, get_budget
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class ProviderBackend:
             log.warning(
                 "provider backend %s: environment variable %s is not set", backend.name, self.cfg.api_key_env
             )
-        self.counter = provider_counter(model, self.cfg)
+        self.counter = tokens.load(model.tokenizer, self.cfg.api)
         self.budget: Budget = budget if budget is not None else get_budget(backend)
         self._client = client
         self.admission_wait_s = admission_wait_s

@@ -28,7 +28,7 @@ def _rng(seed: int | random.Random | None) -> random.Random:
     return seed if isinstance(seed, random.Random) else random.Random(seed)
 
 
-def _times(gap: Any, duration_s: float | None, n: int | None) -> list[float]:
+def _times(gap: Any, duration_s: float | None, n: int | None, start_s: float = 0.0) -> list[float]:
     if duration_s is None and n is None:
         raise ValueError("give duration_s or n (or both)")
     if duration_s is not None and duration_s < 0:
@@ -36,10 +36,10 @@ def _times(gap: Any, duration_s: float | None, n: int | None) -> list[float]:
     if n is not None and n < 0:
         raise ValueError("n must be >= 0")
     out: list[float] = []
-    t = 0.0
+    t = start_s
     while n is None or len(out) < n:
         t += gap()
-        if duration_s is not None and t >= duration_s:
+        if duration_s is not None and t - start_s >= duration_s:
             break
         out.append(t)
     return out
@@ -51,12 +51,14 @@ def poisson(
     duration_s: float | None = None,
     n: int | None = None,
     seed: int | random.Random | None = 0,
+    start_s: float = 0.0,
 ) -> list[float]:
-    """Arrival offsets of a Poisson process of ``rate`` per second, until ``duration_s`` or ``n``."""
+    """Arrival offsets of a Poisson process of ``rate`` per second, until ``duration_s`` or ``n``
+    (counted from ``start_s``, where the process starts)."""
     if rate <= 0:
         raise ValueError("rate must be > 0")
     rng = _rng(seed)
-    return _times(lambda: rng.expovariate(rate), duration_s, n)
+    return _times(lambda: rng.expovariate(rate), duration_s, n, start_s)
 
 
 def gamma_bursty(

@@ -790,9 +790,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     wl = workload(args)
     specs = wl.generate(args.seed)
-    from cluster.tokens import load_tokenizer
+    from cluster import tokens
 
-    tok = load_tokenizer("@tiny")
+    tok = tokens.load("@tiny")
     token_ids = [tok.chat_ids(list(s.messages)) for s in specs]
     orc = oracle(specs, token_ids, args)
     offline = whatif(specs, token_ids, args)

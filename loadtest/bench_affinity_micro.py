@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,6 +50,54 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _fill_index(router: AffinityRouter, replicas: list[str], rng: random.Random, index_blocks: int) -> None:
+    filled = 0
+    while filled < index_blocks:  # 256-block chains (4k-token prompts) spread over the replicas
+        chain = [rng.getrandbits(63) for _ in range(256)]
+        router.record(replicas[rng.randrange(REPLICAS)], chain, 0.0)
+        filled += len(chain)
+
+
+Case = tuple[list[int], list[ReplicaLoad], str | None]
+
+
+def _cases(
+    router: AffinityRouter, hashes: list[int], holder: str, replicas: list[str], rng: random.Random
+) -> dict[str, Case]:
+    """The decisions timed: a prefix hit (its holder within the load bound, then over it), a new
+    prefix, a session, a prompt too short to hash."""
+    router.record(holder, hashes[:192], 0.0)  # 3k of the 4k tokens cached on one replica
+    router.record("replica-9", hashes[:64], 0.0, session_id="s-1")
+    fresh = router.hash([rng.randrange(128_000) for _ in range(PROMPT_TOKENS)])
+    loads = [ReplicaLoad(r, in_flight=rng.randrange(4, 12), waiting=rng.randrange(3)) for r in replicas]
+    for x in loads:  # the prefix holder and the session's replica within the bound (~ceil(1.25 x 8))
+        if x.replica in (holder, "replica-9"):
+            x.in_flight = 6
+    hot = [ReplicaLoad(r.replica, 30 if r.replica == holder else r.in_flight, r.waiting) for r in loads]
+    return {
+        "prefix_hit": (hashes, loads, None),
+        "prefix_hit_holder_over_bound": (hashes, hot, None),
+        "new_prefix_rendezvous": (fresh, loads, None),
+        "session_sticky": (hashes, loads, "s-1"),
+        "short_prompt_load_only": ([], loads, None),
+    }
+
+
+def _time_decisions(router: AffinityRouter, cases: dict[str, Case], n: int) -> dict[str, Any]:
+    dec_rng = random.Random(1)
+    decisions = {}
+    for name, (hs, ld, sid) in cases.items():
+        d = router.decide(hs, ld, dec_rng, 1.0, sid)
+        stats = timed(lambda hs=hs, ld=ld, sid=sid: router.decide(hs, ld, dec_rng, 1.0, sid), n)
+        decisions[name] = {
+            **stats,
+            "reason": d.reason,
+            "matched_blocks": d.matched_blocks,
+            "diverted": d.diverted,
+        }
+    return decisions
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a 100k-block index and fewer samples")
@@ -68,43 +117,14 @@ def main() -> None:
     replicas = [f"replica-{i}" for i in range(REPLICAS)]
     rss0 = rss_mb()
     t0 = time.perf_counter()
-    filled = 0
-    while filled < index_blocks:  # 256-block chains (4k-token prompts) spread over the replicas
-        chain = [rng.getrandbits(63) for _ in range(256)]
-        router.record(replicas[rng.randrange(REPLICAS)], chain, 0.0)
-        filled += len(chain)
+    _fill_index(router, replicas, rng, index_blocks)
     fill_s = time.perf_counter() - t0
     rss1 = rss_mb()
 
     hashes = router.hash(tokens)  # 256 blocks
     holder = replicas[5]
-    router.record(holder, hashes[:192], 0.0)  # 3k of the 4k tokens cached on one replica
-    router.record("replica-9", hashes[:64], 0.0, session_id="s-1")
-    fresh = router.hash([rng.randrange(128_000) for _ in range(PROMPT_TOKENS)])
-    loads = [ReplicaLoad(r, in_flight=rng.randrange(4, 12), waiting=rng.randrange(3)) for r in replicas]
-    for x in loads:  # the prefix holder and the session's replica within the bound (~ceil(1.25 x 8))
-        if x.replica in (holder, "replica-9"):
-            x.in_flight = 6
-    hot = [ReplicaLoad(r.replica, 30 if r.replica == holder else r.in_flight, r.waiting) for r in loads]
-    dec_rng = random.Random(1)
-
-    cases = {
-        "prefix_hit": (hashes, loads, None),
-        "prefix_hit_holder_over_bound": (hashes, hot, None),
-        "new_prefix_rendezvous": (fresh, loads, None),
-        "session_sticky": (hashes, loads, "s-1"),
-        "short_prompt_load_only": ([], loads, None),
-    }
-    decisions = {}
-    for name, (hs, ld, sid) in cases.items():
-        d = router.decide(hs, ld, dec_rng, 1.0, sid)
-        stats = timed(lambda hs=hs, ld=ld, sid=sid: router.decide(hs, ld, dec_rng, 1.0, sid), n)
-        decisions[name] = {
-            **stats,
-            "reason": d.reason,
-            "matched_blocks": d.matched_blocks,
-            "diverted": d.diverted,
-        }
+    cases = _cases(router, hashes, holder, replicas, rng)
+    decisions = _time_decisions(router, cases, n)
     record = timed(lambda: router.index.record(holder, hashes), max(200, n // 10))
 
     result = {

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,8 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
+from loadtest.client import EventStream
+from loadtest.stats import quantile
 
 RESULTS = Path(__file__).parent / "results" / "hedging.json"
 SLOW_S = 0.5  # the fault: 0.5 s before the first token, ~10x the no-fault TTFT here
@@ -69,8 +70,8 @@ async def ttft(client: httpx.AsyncClient, url: str, i: int) -> float:
     t0 = time.perf_counter()
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content":"' in line:
+        async for data in EventStream().aiter(r):
+            if '"content":"' in data:
                 return time.perf_counter() - t0
     raise RuntimeError("no content")
 
@@ -89,7 +90,7 @@ async def drive(url: str, n: int, concurrency: int) -> list[float]:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1] * 1000
+    return quantile(xs, q / 100) * 1000
 
 
 def main() -> None:

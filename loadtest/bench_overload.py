@@ -50,11 +50,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from deployments.local import free_port
 from loadtest.bench_affinity import (
     MODEL,
     PROFILE,
@@ -256,7 +258,7 @@ def per_surface(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--pools", choices=("dedicated", "shared"), default="dedicated")
     ap.add_argument("--speedup", type=float, default=0.05, help="simulated seconds per wall second")
@@ -267,58 +269,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "overload.json"))
-    args = ap.parse_args(argv)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    # Worker processes of a busy shared machine can take minutes to start (Ray gives them 60 s).
-    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
-    t_start = time.perf_counter()
+    return ap.parse_args(argv)
 
-    from deployments import local
 
-    cfg = overload_config(args.pools, args.speedup)
-    port = args.port or _free_port()
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    meta = machine()
-    limits = {s: cfg.surface(s).max_concurrency for s in SURFACES}
-    timeout_s = max(cfg.surface(s).request_timeout_s for s in SURFACES) + args.margin_s
-    local.start(cfg, port=port, metrics_port=0)
-    try:
-        asyncio.run(warm_up(url, 4))
-        # 1. Capacity: every surface at its concurrency limit, closed loop.
-        calib_specs = workloads({"tab": 10.0, "agent": 10.0}, 30.0, args.seed + 100)
-        calib = asyncio.run(closed_loop(url, calib_specs, limits, args.calib_s, timeout_s))
-        capacity = {
-            s: round(sum(1 for r in calib if r.surface == s and r.status == 200) / args.calib_s, 3)
-            for s in SURFACES
+@dataclass
+class _Run:
+    """What the two phases measured on the running cluster."""
+
+    calib: list[Any]
+    capacity: dict[str, float]
+    calib_ttft: dict[str, dict[str, Any]]
+    rates: dict[str, float]
+    specs: list[Any]
+    results: list[Any]
+    wall: float
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+
+def _run_phases(
+    args: argparse.Namespace, url: str, port: int, limits: dict[str, int], timeout_s: float
+) -> _Run:
+    asyncio.run(warm_up(url, 4))
+    # 1. Capacity: every surface at its concurrency limit, closed loop.
+    calib_specs = workloads({"tab": 10.0, "agent": 10.0}, 30.0, args.seed + 100)
+    calib = asyncio.run(closed_loop(url, calib_specs, limits, args.calib_s, timeout_s))
+    capacity = {
+        s: round(sum(1 for r in calib if r.surface == s and r.status == 200) / args.calib_s, 3)
+        for s in SURFACES
+    }
+    calib_ttft = {
+        s: {
+            f"p{q}": ms(
+                percentile([r.ttft_s for r in calib if r.surface == s and r.ttft_s is not None], q),
+                args.speedup,
+            )
+            for q in (50, 99)
         }
-        calib_ttft = {
-            s: {
-                f"p{q}": ms(
-                    percentile([r.ttft_s for r in calib if r.surface == s and r.ttft_s is not None], q),
-                    args.speedup,
-                )
-                for q in (50, 99)
-            }
-            for s in SURFACES
-        }
-        print(f"capacity (req per wall s, at the limits) {capacity}; TTFT sim ms {calib_ttft}", flush=True)
-        time.sleep(2.0)
-        # 2. Overload: factor x capacity, open loop.
-        rates = {s: args.factor * capacity[s] for s in SURFACES}
-        specs = workloads(rates, args.duration_s, args.seed)
-        before = admission_counters(f"http://127.0.0.1:{port}")
-        results, wall = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
-        time.sleep(1.0)
-        after = admission_counters(f"http://127.0.0.1:{port}")
-    finally:
-        local.stop()
+        for s in SURFACES
+    }
+    print(f"capacity (req per wall s, at the limits) {capacity}; TTFT sim ms {calib_ttft}", flush=True)
+    time.sleep(2.0)
+    # 2. Overload: factor x capacity, open loop.
+    rates = {s: args.factor * capacity[s] for s in SURFACES}
+    specs = workloads(rates, args.duration_s, args.seed)
+    before = admission_counters(f"http://127.0.0.1:{port}")
+    results, wall = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
+    time.sleep(1.0)
+    after = admission_counters(f"http://127.0.0.1:{port}")
+    return _Run(calib, capacity, calib_ttft, rates, specs, results, wall, before, after)
 
-    delta = {k: v - before[k] for k, v in after.items() if type(v) is int}
-    surfaces = per_surface(results, cfg, args.margin_s, args.duration_s, args.speedup)
+
+def _checks(
+    surfaces: dict[str, dict[str, Any]], delta: dict[str, int], after: dict[str, Any]
+) -> dict[str, bool]:
     ok_200 = sum(v["admitted"] for v in surfaces.values())
     rejected = sum(v["rejected_429"] + v["rejected_503"] for v in surfaces.values())
     ended = delta["completed"] + delta["errored"] + delta["cancelled"]
-    checks = {
+    return {
         "tab_ttft_p99_within_slo": surfaces["tab"]["slo_met"],
         "rejections_are_429_or_503_with_retry_after": all(
             v["rejections_without_retry_after"] == 0 and not v["other_status"] for v in surfaces.values()
@@ -332,13 +340,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         == sum(delta.get(k, 0) for k in ("rejected_queue_full", "rejected_deadline", "rejected_predicted"))
         + delta.get("rejected_unreachable", 0),
     }
+
+
+def _config_summary(cfg: Any) -> dict[str, Any]:
+    return {
+        "surfaces_sim_time": [x for x in SURFACE_LIMITS if x["name"] in SURFACES],
+        "backends": [
+            {
+                "name": b.name,
+                "replicas": b.replicas,
+                "max_in_flight_per_replica": b.max_in_flight_per_replica,
+            }
+            for b in cfg.backends
+        ],
+        "routes": [r.model_dump() for r in cfg.routes],
+        "profile": PROFILE,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Worker processes of a busy shared machine can take minutes to start (Ray gives them 60 s).
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+    t_start = time.perf_counter()
+
+    from deployments import local
+
+    cfg = overload_config(args.pools, args.speedup)
+    port = args.port or free_port()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    meta = machine()
+    limits = {s: cfg.surface(s).max_concurrency for s in SURFACES}
+    timeout_s = max(cfg.surface(s).request_timeout_s for s in SURFACES) + args.margin_s
+    local.start(cfg, port=port, metrics_port=0)
+    try:
+        run = _run_phases(args, url, port, limits, timeout_s)
+    finally:
+        local.stop()
+
+    before, after = run.before, run.after
+    delta = {k: v - before[k] for k, v in after.items() if type(v) is int}
+    surfaces = per_surface(run.results, cfg, args.margin_s, args.duration_s, args.speedup)
+    checks = _checks(surfaces, delta, after)
     report = {
         "benchmark": "overload",
         "pools": args.pools,
         "speedup": args.speedup,
         "factor": args.factor,
-        "capacity_per_wall_s": capacity,
-        "offered_per_wall_s": {s: round(r, 3) for s, r in rates.items()},
+        "capacity_per_wall_s": run.capacity,
+        "offered_per_wall_s": {s: round(r, 3) for s, r in run.rates.items()},
         "surfaces": surfaces,
         "checks": checks,
         "all_checks_passed": all(checks.values()),
@@ -346,29 +397,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "calibration": {
             "duration_wall_s": args.calib_s,
             "clients": limits,
-            "ttft_sim_ms": calib_ttft,
-            "statuses": dict(Counter(f"{r.surface}:{r.status}" for r in calib)),
+            "ttft_sim_ms": run.calib_ttft,
+            "statuses": dict(Counter(f"{r.surface}:{r.status}" for r in run.calib)),
         },
-        "config": {
-            "surfaces_sim_time": [x for x in SURFACE_LIMITS if x["name"] in SURFACES],
-            "backends": [
-                {
-                    "name": b.name,
-                    "replicas": b.replicas,
-                    "max_in_flight_per_replica": b.max_in_flight_per_replica,
-                }
-                for b in cfg.backends
-            ],
-            "routes": [r.model_dump() for r in cfg.routes],
-            "profile": PROFILE,
-        },
-        "workload": {**summary(specs), "open_loop": True, "duration_wall_s": args.duration_s},
-        "replay_wall_s": round(wall, 1),
+        "config": _config_summary(cfg),
+        "workload": {**summary(run.specs), "open_loop": True, "duration_wall_s": args.duration_s},
+        "replay_wall_s": round(run.wall, 1),
         "machine": meta,
         "runtime_s": round(time.perf_counter() - t_start, 1),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    _print_summary(surfaces, checks)
+    print(f"wrote {args.out} in {report['runtime_s']} s")
+    return 0
+
+
+def _print_summary(surfaces: dict[str, dict[str, Any]], checks: dict[str, bool]) -> None:
     for name, v in surfaces.items():
         print(
             f"{name:5s} sent {v['sent']} admitted {v['admitted']} 429 {v['rejected_429']} "
@@ -377,16 +422,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     print(json.dumps(checks, indent=2))
-    print(f"wrote {args.out} in {report['runtime_s']} s")
-    return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

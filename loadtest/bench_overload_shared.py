@@ -33,10 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from deployments.local import free_port
 from loadtest.bench_affinity import RESULTS, Result, machine, ms, percentile, replay, warm_up
 from loadtest.bench_overload import (
     APP,
-    _free_port,
     admission_counters,
     closed_loop,
     overload_config,
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["machine"] = machine()
     from deployments import local
 
-    args.port = args.port or _free_port()
+    args.port = args.port or free_port()
     capacity = None
     variants: dict[str, Any] = {}
     try:

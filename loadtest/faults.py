@@ -40,10 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.provenance import git_state, provenance
-from tests.reliability.harness import (
-    ANTHROPIC_BACKEND,
+from loadtest.actor_probe import (
     GATEWAY,
+    deployment_running,
+    gateway_counters,
+    gateway_policies,
+    kill_actor,
+    replaced,
+    replica_ids,
+    wait_idle,
+)
+from loadtest.provenance import git_state, provenance
+from loadtest.reliability import (
+    ANTHROPIC_BACKEND,
     MIX_SHAPES,
     OPENAI_BACKEND,
     SIM_BACKEND,
@@ -51,14 +60,8 @@ from tests.reliability.harness import (
     Load,
     Record,
     Shape,
-    deployment_running,
-    gateway_counters,
-    gateway_policies,
-    kill_actor,
+    loopback_app,
     probe,
-    replaced,
-    replica_ids,
-    wait_idle,
     wait_until,
 )
 
@@ -432,27 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--markdown", action="store_true", help="print the Markdown table")
     args = p.parse_args(argv)
 
-    from deployments import local
-    from tests.conftest import free_port
-    from tests.reliability.harness import reliability_config
-    from tests.servers.anthropic_server import AnthropicServer
-    from tests.servers.openai_server import OpenAIServer
-
     git, load0, t0 = git_state(), os.getloadavg(), time.monotonic()
-    keys = Keys()  # exports the provider key to this process's environment, before Ray starts
-    port = free_port()
-    with (
-        OpenAIServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as oai,
-        AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
-    ):
-        cfg = reliability_config("llmc-faults", oai.base_url, ant.base_url, keys)
-        local.start(cfg, port=port, metrics_port=0, route_prefix="/faults")
-        try:
-            summary = run_faults(
-                cfg.name, f"http://127.0.0.1:{port}/faults/v1", keys, oai, ant, LONG if args.long else SHORT
-            )
-        finally:
-            local.stop()
+    with loopback_app("llmc-faults", "/faults") as app:
+        summary = run_faults(
+            app.cfg.name, app.base_url, app.keys, app.openai, app.anthropic, LONG if args.long else SHORT
+        )
     out = public(summary)
     out["provenance"] = provenance(argv or sys.argv[1:], git, load0, t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -50,6 +50,7 @@ from locust import HttpUser, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `locust -f` from anywhere
 
+from loadtest.client import EventStream
 from loadtest.surfaces import SHAPES, RequestSpec, Session, iter_user_requests
 
 _OPTS: dict[str, Any] = {}
@@ -192,13 +193,8 @@ class _SurfaceUser(HttpUser):
         env = self.environment
         each_itl = _OPTS.get("itl", "each") == "each"
         try:
-            for line in resp.iter_lines(chunk_size=None):
+            for data in EventStream().iter(resp.iter_content(chunk_size=None)):
                 if obs.cancel_due():
-                    return
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:]
-                if data == b"[DONE]":
                     return
                 obj = json.loads(data)
                 if "error" in obj:

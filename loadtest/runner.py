@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 
 from cluster import prometheus
+from loadtest.client import EventStream
+from loadtest.stats import quantile
 from loadtest.surfaces import RequestSpec
 
 
@@ -94,12 +96,7 @@ async def stream_one(
                     res.status, res.error = "error", f"http_{r.status_code}:{code}"
                     res.e2e_s = time.perf_counter() - start
                     return res
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
+                async for data in EventStream().aiter(r):
                     obj = json.loads(data)
                     if "error" in obj:
                         res.status, res.error = "error", f"stream:{_error_code(obj)}"
@@ -198,16 +195,6 @@ def _progress_state(done: list[Result], total: int, in_flight: int, elapsed: flo
 
 
 # --- statistics -------------------------------------------------------------------------------
-
-
-def quantile(sorted_xs: list[float], q: float) -> float:
-    """Linear-interpolated quantile of an already sorted list (nan when empty)."""
-    if not sorted_xs:
-        return math.nan
-    pos = q * (len(sorted_xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
 
 
 def _dist_ms(xs: list[float]) -> dict[str, float | None]:

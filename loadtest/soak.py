@@ -22,8 +22,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from loadtest.actor_probe import actor_snapshot, wait_idle
 from loadtest.provenance import git_state, provenance
-from tests.reliability.harness import MIX_SHAPES, Keys, Load, actor_snapshot, wait_idle
+from loadtest.reliability import MIX_SHAPES, Keys, Load, loopback_app
 
 RESULTS = Path(__file__).parent / "results"
 # An engine replica's token server (aiohttp) runs one task per open connection: the gateways keep
@@ -61,6 +62,55 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
     return 0.0 if den == 0 else 60 * sum((t - mt) * (v - mv) for t, v in samples) / den
 
 
+def _compare(
+    b: dict[str, Any] | None, e: dict[str, Any] | None, pts: list[tuple[float, float]]
+) -> dict[str, Any]:
+    """One actor at rest before and after the load: memory, tasks, sockets, its own tables."""
+    if b is None or e is None:
+        return {"present": "end only" if b is None else "start only"}
+    out: dict[str, Any] = {
+        "rss_start_mb": round(b["rss_mb"], 1),
+        "rss_end_mb": round(e["rss_mb"], 1),
+        "rss_growth_mb": round(e["rss_mb"] - b["rss_mb"], 1),
+        "rss_peak_mb": round(max(v for _, v in pts), 1) if pts else None,
+        "rss_slope_mb_per_min": round(slope_mb_per_min(pts[len(pts) // 2 :]), 2),
+        "tasks_start": b["tasks"],
+        "tasks_end": e["tasks"],
+        "sockets_start": b["sockets"],
+        "sockets_end": e["sockets"],
+        "fds_start": b["fds"],
+        "fds_end": e["fds"],
+        "gc_objects_start": b["gc_objects"],
+        "gc_objects_end": e["gc_objects"],
+    }
+    if "views" in e:  # a gateway replica: its routing views' and adapters' tables
+        out["routing_tables_start"] = b.get("views")
+        out["routing_tables_end"] = e["views"]
+        out["provider_flights_end"] = {k: v["flights"] for k, v in e["providers"].items()}
+    if "engine" in e:  # an engine replica: its streams, and its idle connections' tasks
+        out["engine_end"] = e["engine"]
+        out["request_tasks_start"] = request_tasks(b)
+        out["request_tasks_end"] = request_tasks(e)
+        out["connection_tasks_start"] = b["task_names"].get(CONNECTION_TASK, 0)
+        out["connection_tasks_end"] = e["task_names"].get(CONNECTION_TASK, 0)
+        out["connections_start"] = b["engine"]["connections"]
+        out["connections_end"] = e["engine"]["connections"]
+    if e["tasks"] > b["tasks"]:
+        out["new_tasks"] = dict(Counter(e["task_names"]) - Counter(b["task_names"]))
+    return out
+
+
+def _sample_rss(
+    app: str, series: dict[str, list[tuple[float, float]]], t0: float, duration_s: float, every_s: float
+) -> None:
+    """Every actor's RSS every ``every_s`` until ``duration_s`` after ``t0``, into ``series``."""
+    while time.monotonic() - t0 < duration_s:
+        time.sleep(min(every_s, max(0.0, duration_s - (time.monotonic() - t0))))
+        t = time.monotonic() - t0
+        for name, v in actor_snapshot(app).items():
+            series.setdefault(name, []).append((t, v["rss_mb"]))
+
+
 def run_soak(
     app: str,
     base_url: str,
@@ -95,52 +145,15 @@ def run_soak(
         seed=2,
     )
     with load:
-        while time.monotonic() - t0 < duration_s:
-            time.sleep(min(sample_every_s, max(0.0, duration_s - (time.monotonic() - t0))))
-            t = time.monotonic() - t0
-            for name, v in actor_snapshot(app).items():
-                series.setdefault(name, []).append((t, v["rss_mb"]))
+        _sample_rss(app, series, t0, duration_s, sample_every_s)
     records = load.snapshot()
     counters = _idle(app)
     time.sleep(rest_s)
     end = actor_snapshot(app)
-    actors: dict[str, Any] = {}
-    for name in sorted(set(base) | set(end)):
-        b, e = base.get(name), end.get(name)
-        if b is None or e is None:
-            actors[name] = {"present": "end only" if b is None else "start only"}
-            continue
-        pts = series.get(name, [])
-        actors[name] = {
-            "rss_start_mb": round(b["rss_mb"], 1),
-            "rss_end_mb": round(e["rss_mb"], 1),
-            "rss_growth_mb": round(e["rss_mb"] - b["rss_mb"], 1),
-            "rss_peak_mb": round(max(v for _, v in pts), 1) if pts else None,
-            "rss_slope_mb_per_min": round(slope_mb_per_min(pts[len(pts) // 2 :]), 2),
-            "tasks_start": b["tasks"],
-            "tasks_end": e["tasks"],
-            "sockets_start": b["sockets"],
-            "sockets_end": e["sockets"],
-            "fds_start": b["fds"],
-            "fds_end": e["fds"],
-            "gc_objects_start": b["gc_objects"],
-            "gc_objects_end": e["gc_objects"],
-        }
-        if "views" in e:  # a gateway replica: its routing views' and adapters' tables
-            actors[name]["routing_tables_start"] = b.get("views")
-            actors[name]["routing_tables_end"] = e["views"]
-            actors[name]["provider_flights_end"] = {k: v["flights"] for k, v in e["providers"].items()}
-        if "engine" in e:  # an engine replica: its streams, and its idle connections' tasks
-            actors[name]["engine_end"] = e["engine"]
-            actors[name]["request_tasks_start"] = request_tasks(b)
-            actors[name]["request_tasks_end"] = request_tasks(e)
-            actors[name]["connection_tasks_start"] = b["task_names"].get(CONNECTION_TASK, 0)
-            actors[name]["connection_tasks_end"] = e["task_names"].get(CONNECTION_TASK, 0)
-            actors[name]["connections_start"] = b["engine"]["connections"]
-            actors[name]["connections_end"] = e["engine"]["connections"]
-        if e["tasks"] > b["tasks"]:
-            extra = Counter(e["task_names"]) - Counter(b["task_names"])
-            actors[name]["new_tasks"] = dict(extra)
+    actors = {
+        name: _compare(base.get(name), end.get(name), series.get(name, []))
+        for name in sorted(set(base) | set(end))
+    }
     both = [a for a in actors.values() if "tasks_end" in a]
     return {
         "duration_s": round(time.monotonic() - t0, 1),
@@ -167,33 +180,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = p.parse_args(argv)
 
-    from deployments import local
-    from tests.conftest import free_port
-    from tests.reliability.harness import reliability_config
-    from tests.servers.anthropic_server import AnthropicServer
-    from tests.servers.openai_server import OpenAIServer
-
     git, load0, t0 = git_state(), os.getloadavg(), time.monotonic()
-    keys = Keys()  # exports the provider key to this process's environment, before Ray starts
-    port = free_port()
-    with (
-        OpenAIServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as oai,
-        AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
-    ):
-        cfg = reliability_config("llmc-soak", oai.base_url, ant.base_url, keys)
-        local.start(cfg, port=port, metrics_port=0, route_prefix="/soak")
-        try:
-            out = run_soak(
-                cfg.name,
-                f"http://127.0.0.1:{port}/soak/v1",
-                keys,
-                duration_s=args.minutes * 60,
-                workers=args.workers,
-                sample_every_s=15,
-                rest_s=args.rest,
-            )
-        finally:
-            local.stop()
+    with loopback_app("llmc-soak", "/soak") as app:
+        out = run_soak(
+            app.cfg.name,
+            app.base_url,
+            app.keys,
+            duration_s=args.minutes * 60,
+            workers=args.workers,
+            sample_every_s=15,
+            rest_s=args.rest,
+        )
     out["provenance"] = provenance(argv or sys.argv[1:], git, load0, t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from loadtest import arrivals
+
 # Common words of code and prose; almost all are one token of the tiny tokenizer (trained on
 # Python's standard library), the rest two.
 _VOCAB_TEXT = """the of and to in is that for it as with was on be by this are from or at an which but
@@ -88,11 +90,7 @@ def poisson_arrivals(n: int, rate: float, rng: random.Random, start_s: float = 0
     """``n`` arrival times of a Poisson process of ``rate`` per second (exponential gaps)."""
     if rate <= 0:
         raise ValueError("rate must be positive")
-    t, out = start_s, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
+    return arrivals.poisson(rate, n=n, seed=rng, start_s=start_s)
 
 
 def words(rng: random.Random, n: int) -> str:

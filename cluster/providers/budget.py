@@ -13,31 +13,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.config import ProviderConfig
+from cluster.cost import Prices, cost_usd
 from cluster.protocol import Usage
 
 IN_FLIGHT_RETRY_S = 1.0  # a slot frees when some request ends; we cannot know when
-
-
-@dataclass(frozen=True, slots=True)
-class Prices:
-    """USD per million tokens."""
-
-    input: float = 0.0
-    cached_input: float = 0.0
-    output: float = 0.0
-
-    @classmethod
-    def from_config(cls, cfg: ProviderConfig) -> Prices:
-        return cls(cfg.cost_per_mtok_input, cfg.cost_per_mtok_cached_input, cfg.cost_per_mtok_output)
-
-
-def cost_usd(usage: Usage, prices: Prices) -> float:
-    cached = min(usage.cached_tokens, usage.prompt_tokens)
-    return (
-        (usage.prompt_tokens - cached) * prices.input
-        + cached * prices.cached_input
-        + usage.completion_tokens * prices.output
-    ) / 1e6
 
 
 @dataclass(frozen=True, slots=True)

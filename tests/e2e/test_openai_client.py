@@ -7,7 +7,7 @@ import time
 import pytest
 from openai import OpenAI
 
-from cluster.tokens import load_tokenizer
+from cluster import tokens
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def test_chat_non_streaming_usage_matches(client: OpenAI) -> None:
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content
     assert r.choices[0].finish_reason == "length"
-    expected_prompt = len(load_tokenizer("@tiny").chat_ids(MESSAGES))
+    expected_prompt = len(tokens.load("@tiny").chat_ids(MESSAGES))
     assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (expected_prompt, 20)
     assert r.usage.total_tokens == expected_prompt + 20
@@ -46,7 +46,7 @@ def test_completions_non_streaming(client: OpenAI) -> None:
     assert r.choices[0].text
     assert r.usage is not None
     assert r.usage.completion_tokens == 12
-    assert r.usage.prompt_tokens == len(load_tokenizer("@tiny").encode("import os\n"))
+    assert r.usage.prompt_tokens == len(tokens.load("@tiny").encode("import os\n"))
 
 
 def test_chat_streaming_is_incremental_and_counts_tokens(client: OpenAI) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,19 +26,14 @@ import pytest
 import yaml
 
 from cluster.dataplane import SERVE_ENV
-from cluster.k8s import CPU_NODE_RESOURCE
+from cluster.k8s_rayservice import CPU_NODE_RESOURCE
 from cluster.kustomize import build, find
+from deployments.local import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TAG = "LLMC_SERVE_CONFIG_TEST"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_config_of(overlay: Path) -> dict[str, Any]:
@@ -64,15 +58,15 @@ def ray_head() -> Iterator[dict[str, str]]:
     env["RAY_SERVE_HAPROXY_SOCKET_PATH"] = str(tmp / "hap" / "admin.sock")
     env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] = str(tmp / "hap")
     env["RAY_SERVE_HAPROXY_SERVER_STATE_FILE"] = str(tmp / "hap" / "state")
-    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
-    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
+    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
+    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "2"
     env["PYTHONPATH"] = str(ROOT)
     # Every process of this Ray cluster inherits the tag: teardown ends exactly those (`ray stop`
     # would end every Ray on the machine, the test session's own included).
     env[TAG] = tmp.name
     (tmp / "hap").mkdir()
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     head = [
         str(BIN / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--num-cpus", "8",
@@ -146,7 +140,7 @@ def _stream_one(port: int, model: str, timeout_s: float = 120) -> list[dict[str,
 
 def test_cpu_dev_serve_config_deploys_with_serve_deploy(ray_head: dict[str, str], tmp_path: Path) -> None:
     conf = serve_config_of(ROOT / "k8s" / "overlays" / "cpu-dev")
-    port = _free_port()
+    port = free_port()
     conf["http_options"].update(host="127.0.0.1", port=port)  # the only change
     path = tmp_path / "serve-config.yaml"
     path.write_text(yaml.safe_dump(conf))
@@ -176,7 +170,7 @@ def test_cpu_dev_serve_config_deploys_with_serve_deploy(ray_head: dict[str, str]
 
 def test_serve_run_with_a_config_path(ray_head: dict[str, str], tmp_path: Path) -> None:
     """``serve run`` of a Serve config whose app takes ``config_path`` (the README's local form)."""
-    port = _free_port()
+    port = free_port()
     conf = {
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [

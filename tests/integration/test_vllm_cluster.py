@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from cluster.tokens import load_tokenizer
+from cluster import tokens
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def test_shared_prefix_hits_the_prefix_cache(cluster) -> None:
         time.sleep(0.1)
     usage = r.json()["usage"]
     # The second request found the shared prefix in vLLM's cache: all whole 32-token blocks of it.
-    tok = load_tokenizer("@tiny")
+    tok = tokens.load("@tiny")
     a = tok.chat_ids(
         [{"role": "system", "content": prefix}, {"role": "user", "content": "What does function_3 do?"}]
     )

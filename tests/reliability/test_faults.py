@@ -10,8 +10,8 @@ import os
 
 import pytest
 
+from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
 from loadtest.faults import FAULTS, LONG, SHORT, markdown, public, run_faults
-from tests.reliability.harness import find_in_logs, log_dir, metrics_text
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

@@ -16,7 +16,8 @@ import socket
 import httpx
 import pytest
 
-from tests.reliability.harness import CLAUDE, MIX, gateway_counters, is_openai_error, our_id, wait_idle
+from loadtest.actor_probe import gateway_counters, wait_idle
+from loadtest.reliability import CLAUDE, MIX, is_openai_error, our_id
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

@@ -13,7 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.harness import CLAUDE, MIX, find_in_logs, is_openai_error, log_dir, metrics_text
+from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
+from loadtest.reliability import CLAUDE, MIX, is_openai_error
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

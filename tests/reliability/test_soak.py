@@ -13,8 +13,8 @@ import os
 import pytest
 
 from cluster.affinity import REASONS
+from loadtest.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
 from loadtest.soak import run_soak
-from tests.reliability.harness import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
 
 SELF_HOSTED = {SIM_BACKEND: 2, STALL_BACKEND: 1}  # backend -> replicas (reliability_config)
 PROVIDERS = (OPENAI_BACKEND, ANTHROPIC_BACKEND)

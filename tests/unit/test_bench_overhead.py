@@ -15,19 +15,21 @@ from openai import AsyncOpenAI
 from cluster.config import load_config, parse_config
 from loadtest import bench_overhead as bo
 from loadtest import fake_upstream as fu
+from loadtest import overhead_client as oc
+from loadtest import overhead_stats as ostats
 
 # --- statistics --------------------------------------------------------------------------------------
 
 
 def test_percentile_interpolates_between_ranks_like_numpy() -> None:
     xs = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
-    assert bo.percentile(xs, 0) == 1.0
-    assert bo.percentile(xs, 100) == 4.0
-    assert bo.percentile(xs, 50) == pytest.approx(2.5)
-    assert bo.percentile(xs, 90) == pytest.approx(3.7)
-    assert bo.percentile(list(range(101)), 99) == pytest.approx(99.0)
-    assert bo.percentile([7.0], 99) == 7.0
-    assert bo.percentile([], 50) is None
+    assert ostats.percentile(xs, 0) == 1.0
+    assert ostats.percentile(xs, 100) == 4.0
+    assert ostats.percentile(xs, 50) == pytest.approx(2.5)
+    assert ostats.percentile(xs, 90) == pytest.approx(3.7)
+    assert ostats.percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert ostats.percentile([7.0], 99) == 7.0
+    assert ostats.percentile([], 50) is None
 
 
 def test_summarize_rounds_and_handles_empty() -> None:
@@ -107,7 +109,7 @@ def _events(include_usage: bool = True) -> bytes:
 
 
 def test_sse_scan_whole_stream_in_one_read() -> None:
-    scan = bo.SSEScan()
+    scan = oc.SSEScan()
     assert scan.feed(_events()) is True
     assert (scan.first_content, scan.done, scan.error) == (True, True, None)
     assert scan.events == 32 + 1 + 1  # content chunks, usage chunk, [DONE]
@@ -124,7 +126,7 @@ def test_sse_scan_first_content_at_the_right_byte_however_split(step: int) -> No
         + stream[len(b": keep-alive\n\n") + len(role) :].find(b"\n\n")
         + 2
     )
-    scan, hits = bo.SSEScan(), []
+    scan, hits = oc.SSEScan(), []
     for i in range(0, len(stream), step):
         if scan.feed(stream[i : i + step]):
             hits.append(min(i + step, len(stream)))
@@ -135,18 +137,18 @@ def test_sse_scan_first_content_at_the_right_byte_however_split(step: int) -> No
 
 
 def test_sse_scan_crlf_no_done_error_event_and_malformed() -> None:
-    scan = bo.SSEScan()
+    scan = oc.SSEScan()
     scan.feed(_events(include_usage=False).replace(b"\n", b"\r\n")[:-20])
     assert scan.first_content and not scan.done and scan.usage is None
-    err = bo.SSEScan()
+    err = oc.SSEScan()
     assert not err.feed(
         b'data: {"error": {"message": "upstream failed", "type": "server_error"}}\n\ndata: [DONE]\n\n'
     )
     assert (err.error, err.done, err.first_content) == ("upstream failed", True, False)
-    bad = bo.SSEScan()
+    bad = oc.SSEScan()
     bad.feed(b"data: {not json\n\n")
     assert bad.error == "malformed event"
-    late = bo.SSEScan()  # an error after the first content is still seen, by the byte search
+    late = oc.SSEScan()  # an error after the first content is still seen, by the byte search
     late.feed(_events(False)[: -len(b"data: [DONE]\n\n")] + b'data: {"error": {"message": "cut"}}\n\n')
     assert late.first_content and late.error == "cut"
 
@@ -160,7 +162,7 @@ def test_provider_config_round_trips_and_points_at_the_upstream() -> None:
     (backend,) = cfg.backends
     assert backend.kind == "provider" and backend.provider is not None
     assert (backend.provider.api, backend.provider.base_url) == ("openai", "http://127.0.0.1:18101/v1")
-    assert cfg.server.port == 18000 and cfg.candidates(bo.MODEL, "chat") == ["fake-openai"]
+    assert cfg.server.port == 18000 and cfg.candidates(oc.MODEL, "chat") == ["fake-openai"]
 
 
 def test_vllm_server_cmd_mirrors_the_local_config_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:

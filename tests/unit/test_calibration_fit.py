@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from cluster.profiles import BatchShape, LinearStepTime, get_profile
-from loadtest.calibrate_engine import (
+from loadtest.engine_fidelity import make_workload, replay_sim
+from loadtest.fidelity_stats import Observed, compare, quantile
+from loadtest.step_time_fit import (
     COLUMNS,
     EXTENDED_FORM,
     SHIPPED_FORM,
@@ -21,7 +23,6 @@ from loadtest.calibrate_engine import (
     nnls,
     predict,
 )
-from loadtest.engine_fidelity import Observed, compare, make_workload, quantile, replay_sim
 
 TRUE_SHIPPED = {
     "overhead_s": 2.0e-3,

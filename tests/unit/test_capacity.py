@@ -13,19 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.capacity import (
-    Demand,
-    DemandError,
-    ReplicaModel,
-    TokenDist,
-    Workload,
-    backend_profile,
-    parse_demand,
-    plan,
-)
+from cluster.capacity import plan
 from cluster.cli import main as cli_main
 from cluster.config import ClusterConfig, parse_config
+from cluster.demand import Demand, DemandError, TokenDist, parse_demand
 from cluster.profiles import GiB, get_profile
+from cluster.replica_model import ReplicaModel, Workload, backend_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -315,9 +308,9 @@ def test_demand_that_does_not_match_the_config_names_the_field(raw: dict[str, An
 
 
 def test_every_demand_field_is_described() -> None:
-    from cluster import capacity
+    from cluster import demand
 
-    for cls in (capacity.TokenDist, capacity.RouteDemand, capacity.Demand):
+    for cls in (demand.TokenDist, demand.RouteDemand, demand.Demand):
         assert cls.model_config.get("extra") == "forbid"
         for name, f in cls.model_fields.items():
             assert f.description, f"{cls.__name__}.{name} has no description"

@@ -19,19 +19,16 @@ import yaml
 
 from cluster.cli_k8s import load_targets, main, render_text
 from cluster.config import ClusterConfig, ConfigError, load_config, parse_config
-from cluster.k8s import (
+from cluster.dataplane import target_ongoing_requests
+from cluster.k8s_patch import apply_merge_patch, merge_patch, rayservice_patch
+from cluster.k8s_rayservice import (
     CPU_NODE_RESOURCE,
     INITIALIZING_TIMEOUT_ANNOTATION,
-    K8sSettings,
-    apply_merge_patch,
     backend_deployment,
-    load_settings,
-    merge_patch,
-    rayservice_patch,
     render_rayservice,
     serve_config,
-    target_ongoing_requests,
 )
+from cluster.k8s_settings import K8sSettings, load_settings
 from cluster.kustomize import build, find
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -746,5 +743,5 @@ def test_dockerfile_lints_clean() -> None:
 
 
 def test_generator_imports_no_ray() -> None:
-    code = "import sys, cluster.k8s, cluster.cli_k8s; sys.exit('ray' in sys.modules)"
+    code = "import sys, cluster.k8s_rayservice, cluster.cli_k8s; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

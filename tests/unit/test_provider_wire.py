@@ -14,20 +14,20 @@ import pytest
 
 from cluster import errors as E
 from cluster.config import ModelConfig, ProviderConfig
+from cluster.cost import Prices, cost_usd
 from cluster.protocol import GenerateRequest, Sampling, Usage
 from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
-from cluster.providers.budget import Prices, ProviderBudget, cost_usd
+from cluster.providers.budget import ProviderBudget
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
-from cluster.tokens_provider import (
+from cluster.token_counters import (
     CharEstimateTokenizer,
     HFFileTokenizer,
     TiktokenTokenizer,
     ensure_offline_vocabulary,
-    load_counter,
     load_tiktoken,
-    provider_counter,
 )
+from cluster.tokens import load as load_tokens
 from deployments.provider_budget import LocalBudget
 
 
@@ -531,7 +531,7 @@ def test_tiktoken_special_token_text_is_plain_text() -> None:
 
 
 def test_tampered_vocabulary_is_refused(tmp_path, monkeypatch) -> None:
-    import cluster.tokens_provider as tp
+    import cluster.token_counters as tp
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tp, "_bundled_vocabulary", lambda name: b"not the real vocabulary")
@@ -540,13 +540,13 @@ def test_tampered_vocabulary_is_refused(tmp_path, monkeypatch) -> None:
 
 
 def test_estimates_and_fallbacks() -> None:
-    anth = load_counter("estimate:3.5", "anthropic")
+    anth = load_tokens("estimate:3.5", "anthropic")
     assert isinstance(anth, CharEstimateTokenizer) and not anth.exact
     assert anth.count("x" * 35) == 10 and anth.count_chat([{"role": "user", "content": "x" * 35}]) == 14
-    assert load_counter("/no/such/tokenizer", "anthropic").chars_per_token == 3.5  # type: ignore[attr-defined]
-    assert load_counter("/no/such/tokenizer", "openai").chars_per_token == 4.0  # type: ignore[attr-defined]
+    assert load_tokens("/no/such/tokenizer", "anthropic").chars_per_token == 3.5  # type: ignore[attr-defined]
+    assert load_tokens("/no/such/tokenizer", "openai").chars_per_token == 4.0  # type: ignore[attr-defined]
     model = ModelConfig(name="gpt-4o", tokenizer="tiktoken:gpt-4o", context_window=128000)
-    assert provider_counter(model, ProviderConfig(api="openai", base_url="http://x")).exact
+    assert load_tokens(model.tokenizer, ProviderConfig(api="openai", base_url="http://x").api).exact
 
 
 def test_hf_tokenizer_file(tmp_path) -> None:
@@ -556,7 +556,7 @@ def test_hf_tokenizer_file(tmp_path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    counter = load_counter(str(tmp_path), "openai")
+    counter = load_tokens(str(tmp_path), "openai")
     assert isinstance(counter, HFFileTokenizer)
     assert counter.encode("hello world !") == [1, 2, 3]
     assert counter.count_chat([{"role": "user", "content": "hello world"}]) == 4 + 2

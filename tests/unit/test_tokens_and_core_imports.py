@@ -7,16 +7,18 @@ import sys
 
 import pytest
 
+from cluster import tokens
 from cluster.config import parse_config
+from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, NotFound
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.requests import build_generate_request, check_context, lookup_model, prompt_ids
-from cluster.tokens import EstimateTokenizer, load_tokenizer
+from cluster.requests import build_generate_request, lookup_model, prompt_ids
+from cluster.token_counters import CharEstimateTokenizer, HFFileTokenizer
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer("@tiny")
+    return tokens.load("@tiny")
 
 
 def test_chat_ids_apply_the_chat_template(tok) -> None:
@@ -55,14 +57,19 @@ def _cfg():
 
 
 def test_context_check_never_truncates() -> None:
-    model = _cfg().models[0]
-    assert check_context(model, 60, None) == 30  # default
-    assert check_context(model, 90, None) == 10  # what room is left
-    assert check_context(model, 60, 40) == 40
+    cfg = _cfg()
+
+    def check_context(n_prompt: int, max_tokens: int | None) -> int:
+        fit = fit_context(cfg.models[0], lambda _: n_prompt, max_tokens, cfg.model, param="prompt")
+        return fit.max_tokens
+
+    assert check_context(60, None) == 30  # default
+    assert check_context(90, None) == 10  # what room is left
+    assert check_context(60, 40) == 40
     with pytest.raises(ContextLengthExceeded, match=r"100 tokens.*101 tokens \(60 in the prompt, 41"):
-        check_context(model, 60, 41)
+        check_context(60, 41)
     with pytest.raises(ContextLengthExceeded):
-        check_context(model, 100, None)
+        check_context(100, None)
 
 
 def test_unknown_model_is_404() -> None:
@@ -99,9 +106,26 @@ def test_generate_request_carries_sampling(tok) -> None:
 
 
 def test_estimate_tokenizer() -> None:
-    est = EstimateTokenizer(4)
+    est = CharEstimateTokenizer(4)
     assert len(est.encode("abcdefghi")) == 3
     assert not est.exact
+    assert tokens.load("estimate:4").count("abcdefghi") == 3
+
+
+def test_router_and_provider_adapter_count_an_hf_model_alike(tok, tmp_path) -> None:
+    # A provider serving an open model whose tokenizer folder we hold: the adapter counts the chat
+    # with the model's template, as the router does, so its budget reservation and the router's
+    # context check agree (it used to count 4 tokens per message instead of the template).
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert tokens.load("@tiny", "openai") is tok
+    tok._tok.save_pretrained(tmp_path)
+    for api in ("openai", "anthropic"):
+        counter = tokens.load(str(tmp_path), api)
+        assert counter.exact and counter.count_chat(msgs) == len(tok.chat_ids(msgs))
+    # A bare tokenizer.json (no template to apply) is still counted with framing estimated.
+    (tmp_path / "tokenizer_config.json").unlink()
+    bare = tokens.load(str(tmp_path / "tokenizer.json"), "openai")
+    assert isinstance(bare, HFFileTokenizer) and not bare.exact
 
 
 def test_core_imports_without_ray_or_vllm() -> None:

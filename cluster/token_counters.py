@@ -1,7 +1,9 @@
-"""Token counting for provider models: the numbers that RPM/TPM budgets and cost estimates use.
-
-The provider tokenizes for itself and its reported usage is what counts; we count beforehand to
-reserve budget and check context windows, and measure how far off we were.
+"""Token counters other than a model's own HF tokenizer (that one is :class:`cluster.tokens.HFTokenizer`):
+tiktoken for OpenAI models, a tokenizer.json without its chat template, a characters-per-token
+estimate. :func:`cluster.tokens.load` picks one from a model's ``tokenizer`` spec; this module only
+builds them. Provider models use them to reserve RPM/TPM budget and check context windows before
+the provider tokenizes for itself (its reported usage is what counts, and the adapter measures how
+far off we were).
 
 * OpenAI models: tiktoken with the model's own encoding (``o200k_base`` for gpt-4o, gpt-4.1, o-series
   and gpt-5; ``cl100k_base`` for gpt-4 and gpt-3.5). tiktoken downloads its vocabularies on first
@@ -12,8 +14,8 @@ reserve budget and check context windows, and measure how far off we were.
   thumb of 4 characters per token and say so (``exact = False``) in a warning.
 * Chat framing follows OpenAI's published count: 3 tokens per message (4 with a name), 3 to prime
   the reply.
-* Open models behind a provider: a configured HF ``tokenizer.json`` (the ``tokenizers`` library,
-  no model weights), plus 4 framing tokens per message since the chat template is not applied.
+* A bare HF ``tokenizer.json`` (the ``tokenizers`` library, no chat template): exact for text, plus
+  4 framing tokens per message.
 * Anthropic: its tokenizer is not public (counting is a network call), so we estimate
   ``ceil(chars / 3.5)`` plus 4 tokens per message unless the config names something else; the
   adapter exposes the error against reported usage so the ratio can be tuned.
@@ -33,9 +35,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ModelConfig, ProviderConfig
-from cluster.tokens import content_text
-
 log = logging.getLogger(__name__)
 
 OPENAI_CHARS_PER_TOKEN = 4.0
@@ -53,10 +52,23 @@ _TIKTOKEN_BLOBS = {
     ),
 }
 _NEEDS_BLOB = {"o200k_harmony": "o200k_base"}  # encodings built on another's vocabulary
-_DEFAULT_ENCODING = "o200k_base"  # unknown OpenAI-style model names: the current family
+DEFAULT_ENCODING = "o200k_base"  # unknown OpenAI-style model names: the current family
 
 
-class _ChatCounting:
+def content_text(content: Any) -> str:
+    """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return str(content)
+
+
+class ChatCounting:
     """Chat framing shared by the counters: per-message overhead plus reply priming."""
 
     exact: bool
@@ -91,7 +103,7 @@ class _ChatCounting:
         return len(self.chat_ids(messages))
 
 
-class TiktokenTokenizer(_ChatCounting):
+class TiktokenTokenizer(ChatCounting):
     """Exact for text; chat framing as OpenAI documents it (role tokens + 3, name + 1, reply + 3)."""
 
     exact = True
@@ -113,7 +125,7 @@ class TiktokenTokenizer(_ChatCounting):
         return str(self._enc.decode(list(ids)))
 
 
-class CharEstimateTokenizer(_ChatCounting):
+class CharEstimateTokenizer(ChatCounting):
     """A documented estimate: ceil(characters / chars_per_token); ids are placeholders."""
 
     exact = False
@@ -131,7 +143,7 @@ class CharEstimateTokenizer(_ChatCounting):
         return math.ceil(len(text) / self.chars_per_token)
 
 
-class HFFileTokenizer(_ChatCounting):
+class HFFileTokenizer(ChatCounting):
     """A HF ``tokenizer.json`` via the ``tokenizers`` library: exact for text, chat framing estimated."""
 
     exact = False
@@ -208,7 +220,7 @@ def encoding_name(name: str) -> str:
     try:
         return tiktoken.model.encoding_name_for_model(name)
     except KeyError:
-        return _DEFAULT_ENCODING
+        return DEFAULT_ENCODING
 
 
 @functools.lru_cache(maxsize=16)
@@ -227,22 +239,3 @@ def load_tiktoken(name: str) -> TiktokenTokenizer | CharEstimateTokenizer:
     else:
         log.warning("no offline vocabulary for tiktoken %s; estimating 4 characters per token", enc_name)
     return CharEstimateTokenizer(OPENAI_CHARS_PER_TOKEN, name=f"estimate({enc_name})")
-
-
-@functools.lru_cache(maxsize=32)
-def load_counter(spec: str, api: str | None = None) -> _ChatCounting:
-    """The counter for a model's ``tokenizer`` spec, as the provider ``api`` sees it."""
-    if spec.startswith("tiktoken:"):
-        return load_tiktoken(spec.split(":", 1)[1] or _DEFAULT_ENCODING)
-    if spec.startswith("estimate:"):
-        return CharEstimateTokenizer(float(spec.split(":", 1)[1] or ANTHROPIC_CHARS_PER_TOKEN))
-    p = Path(spec)
-    if (p / "tokenizer.json").is_file() or (p.suffix == ".json" and p.is_file()):
-        return HFFileTokenizer(spec)
-    fallback = ANTHROPIC_CHARS_PER_TOKEN if api == "anthropic" else OPENAI_CHARS_PER_TOKEN
-    log.warning("tokenizer %r cannot be used for a provider model; estimating %g chars/token", spec, fallback)
-    return CharEstimateTokenizer(fallback)
-
-
-def provider_counter(model: ModelConfig, provider: ProviderConfig) -> _ChatCounting:
-    return load_counter(model.tokenizer, provider.api)
