@@ -14,8 +14,9 @@ and the end drawn per absolute position): a request continued on another replica
 plus the tokens already emitted, the remaining ``max_tokens`` and the same seed produces exactly
 the tokens the uninterrupted run would have. Without a seed in the request, the seed is taken from
 its request id (the same for every attempt). Streams are keyed by attempt
-(``GenerateRequest.route_key``): a retry, hedge or continuation may reach the same replica. Cancelling the consuming task or closing the iterator aborts the request in the
-engine (its blocks are freed); ``abort(request_id)`` ends the stream with ``finish_reason="abort"``.
+(``GenerateRequest.route_key``): a retry, hedge or continuation may reach the same replica.
+Cancelling the consuming task or closing the iterator aborts the request in the engine (its
+blocks are freed); ``abort(request_id)`` ends its streams with ``finish_reason="abort"``.
 
 Fault knobs (:class:`SimOptions`, all off by default) reproduce what the router must survive:
 a share of requests delayed before the first token, an error rate (``BackendUnavailable`` before
@@ -301,7 +302,8 @@ class SimBackend:
         seed = zlib.crc32(req.request_id.encode()) if s.seed is None else s.seed
         stop_after = None
         if self.options.eos_probability and not s.ignore_eos:
-            stop_after = eos_after(seed, len(req.prompt_token_ids), s.max_tokens, self.options.eos_probability)
+            p = self.options.eos_probability
+            stop_after = eos_after(seed, len(req.prompt_token_ids), s.max_tokens, p)
         sim_req = self.engine.add_request(
             req.route_key,
             req.prompt_token_ids,
