@@ -287,7 +287,7 @@ async def follow(
         if not dog.owns(cancel):
             raise
         timeout = UpstreamTimeout(f"backend {winner.planned.backend} {dog.fired}")
-        raise broken(hooks, winner, timeout) from None
+        raise broken(hooks, winner, timeout) from timeout  # the cause says: a stall (or the deadline)
     except GeneratorExit:
         raise
     except Exception as exc:
