@@ -66,6 +66,7 @@ class AttemptRunner:
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
+        self.migrated: Counter[str] = Counter()  # by "reason:outcome": what became of those breaks
         self.rng = random.Random()  # span ids
         self.providers_api = {b.name: b.provider.api for b in cfg.backends if b.provider is not None}
         self.kinds = {b.name: b.kind for b in cfg.backends}
@@ -220,4 +221,5 @@ class AttemptRunner:
             "extra_load_ratio": s.extra_load_ratio,
             "failovers": dict(self.failovers),
             "broken_streams": dict(self.broken),
+            "migrations": dict(self.migrated),
         }

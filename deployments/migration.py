@@ -198,4 +198,5 @@ class Seamless:
         )
 
     def _count(self, reason: str, outcome: str) -> None:
+        self.gw.attempts.migrated[f"{reason}:{outcome}"] += 1
         metrics.MIGRATIONS.inc(tags={"backend": self.backend, "reason": reason, "outcome": outcome})
