@@ -46,7 +46,7 @@ def app_config() -> ClusterConfig:
     return parse_config(
         {
             "name": APP,
-            "server": {"gateway_replicas": 1},  # the migration counters read below are one gateway's
+            "server": {"gateway_replicas": 1, "default_surface": "agent"},  # one gateway: exact counters
             "models": [{"name": "m", "tokenizer": "@tiny", "context_window": 16384}],
             "backends": [
                 {
