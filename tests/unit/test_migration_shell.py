@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from cluster.config import parse_config
-from cluster.engine_wire import StreamEnd, event_with_ids
+from cluster.engine_wire import StreamEnd, event_with_ids, parse_control, parse_emitted
 from cluster.errors import BackendUnavailable, StreamInterrupted
 from cluster.failover import PlannedAttempt
-from cluster.migration import MigrationConfig, MigrationPolicy
+from cluster.migration import DRAINING_CODE, MigrationConfig, MigrationPolicy
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.protocol import GenerateRequest, Sampling, Usage
+from cluster.protocol import Chunk, GenerateRequest, Sampling, Usage
 from cluster.race import Attempt, RaceHooks, RaceResult, follow
 from deployments.migration import Seamless
 
@@ -156,3 +156,51 @@ async def test_at_most_max_per_request_migrations() -> None:
     }
     _, (req2, c2) = seam.gw.attempts.continuations
     assert req2.prompt_token_ids == [1, 2, 3, 7, 20] and c2.avoid == ("r1", "r2")
+
+
+# --- the engine's side: token ids in the events, a continued stream, a drain -------------------
+
+
+class _Resp:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+
+async def _engine_relay(
+    chunks: list[Chunk], flags: tuple[bool, bool, bool], draining: bool = False
+) -> list[bytes]:
+    from deployments.engine import EngineReplica
+
+    # Its methods without Serve or a server (and without the async destructor, which has nothing to stop)
+    bare = type("BareEngineReplica", (EngineReplica.func_or_class,), {"__del__": lambda self: None})
+    replica = object.__new__(bare)
+    replica.replica_id, replica.draining = "e1", draining
+
+    async def gen() -> Any:
+        for c in chunks[1:]:
+            yield c
+
+    resp = _Resp()
+    await replica._relay(resp, gen(), chunks[0], META, flags)
+    return resp.writes
+
+
+async def test_the_engine_names_each_events_token_ids_and_a_continued_stream_has_no_role() -> None:
+    chunks = [Chunk("a", [1]), Chunk("", [2]), Chunk("b", [3]), Chunk("c", [4], "length", Usage(3, 4))]
+    plain = await _engine_relay(chunks, (False, False, False))
+    assert not any(b": ids" in w for w in plain) and b'"role"' in plain[0]
+    writes = await _engine_relay(chunks, (False, True, True))
+    got = parse_emitted(writes[:-1])
+    assert got.ids == [1, 2, 3, 4] and got.text == ["a", "b", "c"]  # an id without text rides along
+    assert not any(b'"role"' in w for w in writes) and writes[-1].startswith(b": llmc end ")
+
+
+async def test_a_draining_engine_ends_its_aborted_streams_with_a_drain_error() -> None:
+    chunks = [Chunk("a", [1]), Chunk("", [], "abort")]  # what the sim's shutdown gives a stream
+    last = parse_control((await _engine_relay(chunks, (False, True, False), draining=True))[-1].rstrip(b"\n"))
+    assert last.error is not None and last.error.code == DRAINING_CODE
+    last = parse_control((await _engine_relay(chunks, (False, True, False)))[-1].rstrip(b"\n"))
+    assert last.error is None and last.finish_reason == "abort"  # an abort that is no drain: as before
