@@ -5,6 +5,7 @@ the continuation, the non-streaming client's text."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -49,6 +50,8 @@ class FakeStream:
         return self
 
     async def __anext__(self) -> bytes:
+        if self.items and self.items[0] == b"stall":
+            await asyncio.sleep(3600)  # silent until the watchdog ends it
         if self.items:
             item = self.items.pop(0)
             self.passed.append(item)
@@ -92,7 +95,9 @@ async def _noop(_stream: Any) -> None:
     pass
 
 
-def _seam(first: FakeStream, more: list[FakeStream], stream: bool = True, **cfg: Any) -> Seamless:
+def _seam(
+    first: FakeStream, more: list[FakeStream], stream: bool = True, idle: float | None = None, **cfg: Any
+) -> Seamless:
     req = GenerateRequest("r", "m", "chat", [1, 2, 3], Sampling(max_tokens=4))
     prepared = SimpleNamespace(req=req, meta=META, stream=stream, candidates=["a"])
     attempts = FakeAttempts(more, MigrationConfig(**cfg) if cfg else None)
@@ -101,7 +106,7 @@ def _seam(first: FakeStream, more: list[FakeStream], stream: bool = True, **cfg:
     winner = Attempt(PlannedAttempt("a", 0), False, first, 0.0)
     result = RaceResult(winner, [winner])
     acct = SimpleNamespace(last_at=0.0)
-    return Seamless(gw, prepared, result, winner, follow(hooks, winner), None, acct)
+    return Seamless(gw, prepared, result, winner, follow(hooks, winner, None, idle), None, acct)
 
 
 async def _drain(seam: Seamless) -> list[bytes]:
@@ -143,6 +148,14 @@ async def test_refused_or_unplaced_the_break_stays_a_clean_error(cfg: dict[str, 
         async for item in seam.items():
             got.append(item)
     assert len(got) == 1 and seam.gw.attempts.migrated == {f"death:{outcome}": 1}
+
+
+async def test_a_stream_silent_past_the_idle_timeout_migrates_as_a_stall() -> None:
+    stalled = FakeStream([ev("a", [7], first=True), b"stall"], "r1")
+    cont = FakeStream([ev("b", [8], "length")], "r2", StreamEnd("length", Usage(4, 1), None, "r2"))
+    seam = _seam(stalled, [cont], idle=0.05)
+    assert len(await _drain(seam)) == 2
+    assert seam.gw.attempts.migrated == {"stall:migrated": 1} and stalled.fault is None
 
 
 async def test_at_most_max_per_request_migrations() -> None:
