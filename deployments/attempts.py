@@ -63,6 +63,7 @@ class AttemptRunner:
         self.session, self.token, self.board = session, token, board
         self.retry_budget = RetryBudget(cfg.policies.failover.retry_budget)
         self.migration = MigrationPolicy(cfg.policies.migration)
+        self.ids = self.migration.config.enabled  # engines name their tokens: a break can migrate
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
@@ -85,9 +86,8 @@ class AttemptRunner:
         cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
         """The race's hooks for one request, and its deadline on the monotonic clock; with a trace,
-        each attempt and its routing decision are recorded in it (never per chunk). ``cont``: the
-        race of a continuation (no hedge, not a new request for the budgets, its attempts
-        numbered after the request's earlier ones, the broken replicas avoided)."""
+        each attempt and its routing decision are recorded in it (never per chunk). ``cont``: a
+        continuation's race (no hedge, no new request for the budgets, see :class:`Continuing`)."""
         surface = self.cfg.surface(req.surface)
         hedging = bool(surface and surface.hedging) and cont is None
         slots = self.slots(candidates)
@@ -109,10 +109,8 @@ class AttemptRunner:
             at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
-            ids = self.migration.config.enabled
-            body = request_body(attempt_req, meta, collect, ids=ids, continued=cont is not None)
-            stream = self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at, avoid)
-            return stream
+            body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
+            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at, avoid)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
