@@ -16,6 +16,7 @@ from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
 from cluster.failover import FailoverConfig
 from cluster.hedging import HedgeConfig
+from cluster.migration import MigrationConfig
 from cluster.slo_guard import SloGuardConfig
 
 TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
@@ -220,7 +221,9 @@ class ServerConfig(Strict):
 
 class PolicyConfig(Strict):
     stream_idle_timeout_s: float = Field(
-        60.0, gt=0, description="Silence after the first token that ends a stream with an error event."
+        60.0,
+        gt=0,
+        description="Silence after the first token that ends a stream (or migrates it: migration).",
     )
     failover: FailoverConfig = Field(
         default_factory=FailoverConfig, description="Circuit breakers, retry budget, attempt limits."
@@ -231,6 +234,10 @@ class PolicyConfig(Strict):
     slo_guard: SloGuardConfig = Field(
         default_factory=SloGuardConfig,
         description="Cap lower-priority work on a backend while the top surface's TTFT nears its SLO.",
+    )
+    migration: MigrationConfig = Field(
+        default_factory=MigrationConfig,
+        description="Continue a self-hosted stream that broke after its first token on another replica.",
     )
 
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import sys
 import zlib
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -64,6 +66,24 @@ def fake_token_id(seed: int, index: int, vocab_size: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) % vocab_size
+
+
+def prefix_digest(token_ids: list[int], value: int = 0) -> int:
+    """A running CRC-32 of a token sequence: ``prefix_digest(a + b) == prefix_digest(b,
+    prefix_digest(a))``, so a continuation whose prompt is the prompt plus the tokens already
+    sampled reaches the same digest the uninterrupted sequence had at that point."""
+    return zlib.crc32(array("I", token_ids).tobytes(), value)
+
+
+def next_digest(value: int, token_id: int) -> int:
+    return zlib.crc32(token_id.to_bytes(4, sys.byteorder), value)
+
+
+def seeded_token_id(seed: int, digest: int, position: int, vocab_size: int) -> int:
+    """The sampler: the token at absolute ``position`` is a function of the seed, the sequence
+    before it (its digest) and the position alone, so continuing a request elsewhere (prompt +
+    tokens emitted, same seed) samples exactly what the uninterrupted run would have."""
+    return fake_token_id((seed << 32) ^ digest, position, vocab_size)
 
 
 class Status(Enum):
@@ -86,6 +106,7 @@ class SimRequest:
     stop_after: int | None = None  # a sampled output length that ends with finish_reason "stop"
     extra_keys: tuple[Any, ...] | None = None
     priority: int = 0  # lower is scheduled first under the priority policy
+    digest: int = 0  # prefix_digest of token_ids: the sampler's view of the sequence so far
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -235,6 +256,7 @@ class EngineModel:
             stop_after=stop_after,
             extra_keys=extra_keys,
             priority=priority,
+            digest=prefix_digest(prompt_token_ids),
         )
         hash_request_tokens(req.token_ids, self.block_size, extra_keys, req.block_hashes)
         self.requests[request_id] = req
@@ -413,7 +435,8 @@ class EngineModel:
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk: no token yet
-            token = fake_token_id(req.seed, req.num_output_tokens, self.vocab_size)
+            token = seeded_token_id(req.seed, req.digest, req.num_tokens, self.vocab_size)
+            req.digest = next_digest(req.digest, token)
             req.token_ids.append(token)
             hash_request_tokens(req.token_ids, self.block_size, req.extra_keys, req.block_hashes)
             req.token_times.append(end)

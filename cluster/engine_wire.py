@@ -28,8 +28,18 @@ CONTROL = b": llmc "
 INTERNAL_TOKEN_HEADER = "x-llmc-internal"
 
 
-def request_body(req: GenerateRequest, meta: ResponseMeta, collect: bool) -> dict[str, Any]:
-    return {"req": asdict(req), "meta": asdict(meta), "collect": collect}
+def request_body(
+    req: GenerateRequest, meta: ResponseMeta, collect: bool, *, ids: bool = False, continued: bool = False
+) -> dict[str, Any]:
+    """``ids``: each event also names the token ids it carries (an :data:`IDS` comment line), so
+    the gateway can continue the stream elsewhere if it breaks; ``continued``: this attempt
+    continues a stream the client already has (no second role delta)."""
+    body = {"req": asdict(req), "meta": asdict(meta), "collect": collect}
+    if ids:
+        body["ids"] = True
+    if continued:
+        body["continued"] = True
+    return body
 
 
 def parse_request(body: dict[str, Any]) -> tuple[GenerateRequest, ResponseMeta, bool]:
@@ -37,6 +47,49 @@ def parse_request(body: dict[str, Any]) -> tuple[GenerateRequest, ResponseMeta, 
     r = dict(body["req"])
     r["sampling"] = Sampling(**r["sampling"])
     return GenerateRequest(**r), ResponseMeta(**body["meta"]), bool(body.get("collect", False))
+
+
+def parse_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(ids, continued) from :func:`request_body`."""
+    return bool(body.get("ids", False)), bool(body.get("continued", False))
+
+
+IDS = b": ids "  # an SSE comment line in an event: the token ids whose text the event carries
+
+
+def event_with_ids(event: bytes, ids: list[int]) -> bytes:
+    """An SSE event (``data: …\n\n``) with its token ids as a comment line, which SSE clients
+    ignore (the official clients skip lines that start with a colon)."""
+    return event[:-1] + IDS + ",".join(map(str, ids)).encode() + b"\n\n"
+
+
+@dataclass
+class Emitted:
+    """What an engine stream sent the client, read back from its events (only when it broke)."""
+
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    events: int = 0
+    finish_reason: str | None = None  # an event already carried it: the answer is complete
+
+
+def parse_emitted(chunks: list[bytes]) -> Emitted:
+    """The token ids, text and finish reason of the events in ``chunks`` (pass-through bytes)."""
+    out = Emitted()
+    for event in b"".join(chunks).split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if line.startswith(IDS):
+                out.ids.extend(int(t) for t in line[len(IDS) :].split(b",") if t)
+            elif line.startswith(b"data: {"):
+                out.events += 1
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                c = choices[0]
+                text = c["delta"].get("content") if "delta" in c else c.get("text")
+                if text:
+                    out.text.append(text)
+                if c.get("finish_reason"):
+                    out.finish_reason = c["finish_reason"]
+    return out
 
 
 def control_frame(kind: str, payload: dict[str, Any]) -> bytes:

@@ -13,7 +13,9 @@ attempt starts at once. Before any attempt has produced its first chunk:
 
 After the first chunk the winner's stream is passed through (:func:`follow`); if it then fails, the
 stream ends with :class:`StreamInterrupted` (a clean terminal error for the client, never a silent
-truncation). No timer and no task per chunk: one :class:`Watchdog` per stream notices silence.
+truncation), which the gateway may instead turn into a continuation on another replica
+(``deployments/migration.py``: a new race for the continuation, never a switch inside this one).
+No timer and no task per chunk: one :class:`Watchdog` per stream notices silence.
 
 Plain asyncio, no I/O of its own: the caller passes in how to start and cancel an attempt, the plan
 and the policies, so the same logic serves Serve handles in production and fakes in unit tests.
@@ -287,7 +289,7 @@ async def follow(
         if not dog.owns(cancel):
             raise
         timeout = UpstreamTimeout(f"backend {winner.planned.backend} {dog.fired}")
-        raise broken(hooks, winner, timeout) from None
+        raise broken(hooks, winner, timeout) from timeout  # the cause says: a stall (or the deadline)
     except GeneratorExit:
         raise
     except Exception as exc:

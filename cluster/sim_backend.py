@@ -9,8 +9,14 @@ requests finished) happens when it starts; its tokens reach the streams when it 
 
 Each output token is one :class:`Chunk` whose text is a fake word for its token id; the last one
 carries ``finish_reason`` ("length", or "stop" when ``eos_probability`` drew an earlier end) and
-:class:`Usage`. Cancelling the consuming task or closing the iterator aborts the request in the
-engine (its blocks are freed); ``abort(request_id)`` ends the stream with ``finish_reason="abort"``.
+:class:`Usage`. Sampling is seeded and positional (:func:`cluster.engine_model.seeded_token_id`,
+and the end drawn per absolute position): a request continued on another replica with its prompt
+plus the tokens already emitted, the remaining ``max_tokens`` and the same seed produces exactly
+the tokens the uninterrupted run would have. Without a seed in the request, the seed is taken from
+its request id (the same for every attempt). Streams are keyed by attempt
+(``GenerateRequest.route_key``): a retry, hedge or continuation may reach the same replica.
+Cancelling the consuming task or closing the iterator aborts the request in the engine (its
+blocks are freed); ``abort(request_id)`` ends its streams with ``finish_reason="abort"``.
 
 Fault knobs (:class:`SimOptions`, all off by default) reproduce what the router must survive:
 a share of requests delayed before the first token, an error rate (``BackendUnavailable`` before
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +36,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.engine_model import EngineModel, SchedulingPolicy, SimRequest, TokenEvent
+from cluster.engine_model import EngineModel, SchedulingPolicy, SimRequest, TokenEvent, fake_token_id
 from cluster.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -62,7 +69,7 @@ class SimOptions(BaseModel):
     eos_probability: float = Field(
         0.0, ge=0, lt=1, description="Chance each token is EOS (geometric lengths); 0: always max_tokens."
     )
-    seed: int | None = Field(None, description="Seed of the fault and length draws (None: random).")
+    seed: int | None = Field(None, description="Seed of the fault draws (None: random).")
 
 
 _ABORT = object()  # stream sentinel: aborted through abort()
@@ -86,6 +93,20 @@ def fake_word(token_id: int) -> str:
         parts.append(_SYLLABLES[token_id % n])
         token_id //= n
     return " " + "".join(parts)
+
+
+def eos_after(seed: int, start: int, max_tokens: int, p: float) -> int | None:
+    """How many tokens a request whose output starts at absolute position ``start`` samples before
+    its end (the first position whose seeded draw is under ``p``: geometric lengths), or None when
+    that is not before ``max_tokens``. A continuation (a later ``start``, fewer ``max_tokens``)
+    finds the same end position the uninterrupted request had."""
+    for k in range(max_tokens - 1):
+        if fake_token_id(seed ^ _EOS_SALT, start + k, 1 << 32) < p * (1 << 32):
+            return k + 1
+    return None
+
+
+_EOS_SALT = 0x5EED_E05
 
 
 class SimBackend:
@@ -156,7 +177,7 @@ class SimBackend:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         opts = self.options
         self._check_alive()
-        rid = req.request_id
+        rid = req.route_key  # one stream per attempt: another attempt may come here too
         if opts.error_rate and self._rng.random() < opts.error_rate:
             raise BackendUnavailable("simulated error", backend=self.backend)
         if rid in self._streams:
@@ -205,11 +226,12 @@ class SimBackend:
                 self.requests_aborted += 1
 
     async def abort(self, request_id: str) -> None:
+        """End a request's streams (every attempt of it here, or one attempt by its route key)."""
         self._check_alive()
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self.engine.abort(request_id)
-            stream.queue.put_nowait(_ABORT)
+        for key, stream in list(self._streams.items()):
+            if key == request_id or key.rpartition("/")[0] == request_id:
+                self.engine.abort(key)
+                stream.queue.put_nowait(_ABORT)
 
     def stats(self) -> BackendStats:
         self._check_alive()
@@ -276,25 +298,23 @@ class SimBackend:
         return v0 + (loop_now - r0) * self.options.speedup
 
     def _add(self, req: GenerateRequest) -> _Stream:
-        stop_after = None
         s = req.sampling
+        seed = zlib.crc32(req.request_id.encode()) if s.seed is None else s.seed
+        stop_after = None
         if self.options.eos_probability and not s.ignore_eos:
-            # geometric: P(length = k) = (1-p)^(k-1) p, k >= 1
-            k = 1
-            while self._rng.random() >= self.options.eos_probability and k < s.max_tokens:
-                k += 1
-            stop_after = k if k < s.max_tokens else None
+            p = self.options.eos_probability
+            stop_after = eos_after(seed, len(req.prompt_token_ids), s.max_tokens, p)
         sim_req = self.engine.add_request(
-            req.request_id,
+            req.route_key,
             req.prompt_token_ids,
             s.max_tokens,
             arrival_time=self._vnow(),
             stop_after=stop_after,
-            seed=s.seed,
+            seed=seed,
             priority=req.priority,
         )
         stream = _Stream(sim_req)
-        self._streams[req.request_id] = stream
+        self._streams[req.route_key] = stream
         self.requests_started += 1
         if self._driver is None:
             self._driver = asyncio.get_running_loop().create_task(self._drive(), name=f"sim-{self.replica}")

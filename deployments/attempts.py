@@ -12,7 +12,8 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.attempt_policy import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
@@ -20,6 +21,7 @@ from cluster.config import ClusterConfig
 from cluster.engine_wire import request_body
 from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
 from cluster.hedging import HedgePolicy
+from cluster.migration import MigrationPolicy
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import GenerateRequest
 from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
@@ -34,6 +36,15 @@ async def close_stream(stream: Any) -> None:
     if aclose is not None:
         with contextlib.suppress(Exception):
             await aclose()
+
+
+@dataclass(frozen=True)
+class Continuing:
+    """A continuation's race: its attempts are numbered from ``attempt_base`` (engine ids stay
+    unique per attempt) and avoid the replicas whose streams broke."""
+
+    attempt_base: int
+    avoid: tuple[str, ...] = ()
 
 
 class AttemptRunner:
@@ -51,9 +62,12 @@ class AttemptRunner:
         self.cfg, self.pickers, self.providers = cfg, pickers, providers
         self.session, self.token, self.board = session, token, board
         self.retry_budget = RetryBudget(cfg.policies.failover.retry_budget)
+        self.migration = MigrationPolicy(cfg.policies.migration)
+        self.ids = self.migration.config.enabled  # engines name their tokens: a break can migrate
         self.hedge = HedgePolicy(cfg.policies.hedging)
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
+        self.migrated: Counter[str] = Counter()  # by "reason:outcome": what became of those breaks
         self.rng = random.Random()  # span ids
         self.providers_api = {b.name: b.provider.api for b in cfg.backends if b.provider is not None}
         self.kinds = {b.name: b.kind for b in cfg.backends}
@@ -69,29 +83,34 @@ class AttemptRunner:
         collect: bool,
         hashes: Any,
         trace: RequestTrace | None = None,
+        cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
         """The race's hooks for one request, and its deadline on the monotonic clock; with a trace,
-        each attempt and its routing decision are recorded in it (never per chunk)."""
+        each attempt and its routing decision are recorded in it (never per chunk). ``cont``: a
+        continuation's race (no hedge, no new request for the budgets, see :class:`Continuing`)."""
         surface = self.cfg.surface(req.surface)
-        hedging = bool(surface and surface.hedging)
+        hedging = bool(surface and surface.hedging) and cont is None
         slots = self.slots(candidates)
         breakers = {s: self.board.backend(backend_of_slot(s)) for s in slots}
         mono_deadline = None if req.deadline is None else time.monotonic() + (req.deadline - time.time())
-        self.retry_budget.record_request(time.monotonic())
-        self.hedge.on_request()
+        if cont is None:
+            self.retry_budget.record_request(time.monotonic())
+            self.hedge.on_request()
+            self.migration.on_request(time.monotonic())
+        base, avoid = (cont.attempt_base, cont.avoid) if cont is not None else (0, ())
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
         spans = AttemptSpans(trace, self.rng)
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
-            attempt_req = dataclasses.replace(req, attempt=planned.attempt)
+            attempt_req = dataclasses.replace(req, attempt=base + planned.attempt)
             kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
-            at = spans.start(id(planned), backend, kind, planned.attempt, hedge, time.time_ns())
+            at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
-            body = request_body(attempt_req, meta, collect)
-            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at)
+            body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
+            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at, avoid)
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -102,7 +121,7 @@ class AttemptRunner:
             return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
-            self._verdict(req, att, v, err, dt)
+            self._verdict(req, att, v, err, dt, observe=cont is None)  # a re-prefill is no TTFT
             code = None if err is None else error_code(err) or type(err).__name__
             spans.ended(id(att.planned), v, code, time.time_ns())
 
@@ -125,11 +144,12 @@ class AttemptRunner:
         prior: list[Attempt],
         spans: AttemptSpans,
         at: AttemptTrace | None,
+        broken: Sequence[str] = (),
     ) -> EngineStream:
         """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
         avoid = avoid_replicas(
             backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
-        )
+        ) + list(broken)
         picker = self.pickers[backend]
 
         async def choose() -> Any:
@@ -159,7 +179,13 @@ class AttemptRunner:
                 picker.view.ended(replica)
 
     def _verdict(
-        self, req: GenerateRequest, att: Attempt, v: Verdict, err: BaseException | None, dt: float
+        self,
+        req: GenerateRequest,
+        att: Attempt,
+        v: Verdict,
+        err: BaseException | None,
+        dt: float,
+        observe: bool = True,
     ) -> None:
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
@@ -168,7 +194,7 @@ class AttemptRunner:
             self.board.backend(backend).release(now)
         else:
             self.board.record(backend, getattr(att.stream, "replica", None), fx.breaker, now)
-        if fx.observe_ttft:
+        if fx.observe_ttft and observe:
             self.hedge.observe_ttft(req.surface, backend, dt, now)
         if fx.broken:
             self.broken[backend] += 1
@@ -193,4 +219,5 @@ class AttemptRunner:
             "extra_load_ratio": s.extra_load_ratio,
             "failovers": dict(self.failovers),
             "broken_streams": dict(self.broken),
+            "migrations": dict(self.migrated),
         }

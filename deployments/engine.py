@@ -27,8 +27,16 @@ from ray import serve
 
 from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
-from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
+from cluster.engine_wire import (
+    INTERNAL_TOKEN_HEADER,
+    end_frame,
+    error_frame,
+    event_with_ids,
+    parse_flags,
+    parse_request,
+)
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.migration import DRAINING_CODE
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
@@ -74,6 +82,7 @@ class EngineReplica:
         self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
         self._token = internal_token()
         self.ongoing = 0
+        self.draining = False  # set when Serve stops this replica: streams end with a drain error
         self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
         trace_cfg = TracingConfig.model_validate(tracing or {})
         if trace_cfg.otlp_endpoint:
@@ -132,12 +141,15 @@ class EngineReplica:
             raise RuntimeError(f"engine {self.cfg.name} replica {self.replica_id} reports unhealthy")
 
     async def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._runner.cleanup()
+        # Drained: the engine stops first, so that every open stream ends with an error frame
+        # that says so (the gateway continues it elsewhere), then the server waits for them.
+        self.draining = True
         shutdown = getattr(self.backend, "shutdown", None)
         if shutdown is not None:
             with contextlib.suppress(Exception):
                 shutdown()
+        with contextlib.suppress(Exception):
+            await self._runner.cleanup()
 
     # -- HTTP ----------------------------------------------------------------------------------------
     async def _stats(self, request: web.Request) -> web.Response:
@@ -149,7 +161,9 @@ class EngineReplica:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
             return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
         try:
-            req, meta, collect = parse_request(json.loads(await request.read()))
+            body = json.loads(await request.read())
+            req, meta, collect = parse_request(body)
+            flags = parse_flags(body)
         except (ValueError, KeyError, TypeError) as exc:
             err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
             return web.json_response({"error": to_wire(err)}, status=400)
@@ -157,7 +171,7 @@ class EngineReplica:
         parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
         span = _EngineSpan(time.time_ns()) if parent is not None else None
         try:
-            return await self._stream(request, req, meta, collect, span)
+            return await self._stream(request, req, meta, (collect, *flags), span)
         except BaseException as exc:
             if span is not None:
                 span.error = type(exc).__name__
@@ -177,7 +191,7 @@ class EngineReplica:
         request: web.Request,
         req: GenerateRequest,
         meta: ResponseMeta,
-        collect: bool,
+        flags: tuple[bool, bool, bool],  # collect, ids, continued
         span: _EngineSpan | None = None,
     ) -> web.StreamResponse:
         gen = self.backend.generate(req)
@@ -194,7 +208,7 @@ class EngineReplica:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            usage = await self._relay(resp, gen, first, meta, collect)
+            usage = await self._relay(resp, gen, first, meta, flags)
             if span is not None:
                 span.usage = usage
             await resp.write_eof()
@@ -203,17 +217,31 @@ class EngineReplica:
             await gen.aclose()  # cancelled or done: the backend aborts what is still running
 
     async def _relay(
-        self, resp: web.StreamResponse, gen: Any, first: Chunk, meta: ResponseMeta, collect: bool
+        self,
+        resp: web.StreamResponse,
+        gen: Any,
+        first: Chunk,
+        meta: ResponseMeta,
+        flags: tuple[bool, bool, bool],
     ) -> Usage | None:
-        """The engine's chunks to the gateway as the client's SSE events; returns the usage."""
+        """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
+        ``ids`` each event names its token ids (those of chunks with no text yet ride on the next
+        event); a ``continued`` stream sends no first (role) event of its own."""
+        collect, ids, continued = flags
         parts: list[str] | None = [] if collect else None
+        pending: list[int] = []
         chunk: Chunk | None = first
-        sent_first = False
+        sent_first = continued
         finish, usage = "stop", None
         try:
             while chunk is not None:
+                if ids:
+                    pending.extend(chunk.token_ids)
                 if chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort"):
-                    await resp.write(sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first)))
+                    event = sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
+                    if pending:
+                        event, pending = event_with_ids(event, pending), []
+                    await resp.write(event)
                     sent_first = True
                     if parts is not None:
                         parts.append(chunk.text)
@@ -223,16 +251,26 @@ class EngineReplica:
                     usage = chunk.usage
                 chunk = await anext(gen, None)
         except ClusterError as err:
-            await resp.write(error_frame(err if isinstance(err, StreamInterrupted) else _broken(err)))
+            await resp.write(error_frame(self._mid_stream(err)))
             return usage
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the engine failed mid-stream
-            await resp.write(error_frame(_broken(exc)))
+            await resp.write(error_frame(self._mid_stream(exc)))
+            return usage
+        if finish == "abort" and self.draining:  # Serve is stopping this replica: say so
+            await resp.write(error_frame(self._mid_stream(None)))
             return usage
         text = "".join(parts) if parts is not None else None
         await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id))
         return usage
+
+    def _mid_stream(self, exc: BaseException | None) -> StreamInterrupted:
+        if self.draining:
+            return StreamInterrupted(f"engine replica {self.replica_id} is draining", code=DRAINING_CODE)
+        if isinstance(exc, StreamInterrupted) or exc is None:
+            return exc or StreamInterrupted("the engine's stream broke")
+        return _broken(exc)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import aiohttp
 
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
 from cluster.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
+from cluster.migration import DRAINING_CODE
 from cluster.routing_view import BackendView, Choice, ReplicaInfo
 
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
@@ -120,6 +121,10 @@ class EngineStream:
         self.choice: Choice | None = None
         self.splitter = FrameSplitter()
         self.events = 0
+        # With token ids asked for: every piece passed on (read back only if the stream breaks,
+        # to continue it elsewhere), and what broke it (death, drain, error; None: not broken).
+        self.passed: list[bytes] | None = [] if body.get("ids") else None
+        self.fault: str | None = None
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
 
@@ -175,14 +180,18 @@ class EngineStream:
             out = splitter.feed(data)
             if out:
                 self.events += out.count(b"data: ")
+                if self.passed is not None:
+                    self.passed.append(out)
                 return out
         if splitter.end.error is not None:
+            self.fault = "drain" if splitter.end.error.code == DRAINING_CODE else "error"
             raise splitter.end.error
         await self.aclose(release=True)
         raise StopAsyncIteration
 
     def _broken(self, why: str) -> ClusterError:
         msg = f"engine replica {self.replica} of {self.backend}: {why}"
+        self.fault = "death"
         if self.events:
             return StreamInterrupted(f"the stream broke after it started: {msg}", backend=self.backend)
         return BackendUnavailable(msg, backend=self.backend)

@@ -43,7 +43,8 @@ TOKENS = Counter(
     description=(
         "Tokens processed, by kind (prompt, completion, cached) and outcome: completed (the usage a "
         "client was given) or cancelled (a provider stream that ended without usage: a client cancel, "
-        "a lost hedge, a stall; the provider bills it, counted as sent and received)."
+        "a lost hedge, a stall; the provider bills it, counted as sent and received) or migrated (a "
+        "continuation's prompt, prefilled again after a stream broke mid-answer)."
     ),
     tag_keys=("surface", "backend", "kind", "outcome"),
 )
@@ -80,6 +81,26 @@ HEDGES = Counter(
     "llmc_hedges_total",
     description="Hedged attempts: sent, won (produced the first token), cancelled (lost the race).",
     tag_keys=("backend", "outcome"),
+)
+MIGRATIONS = Counter(
+    "llmc_migrations_total",
+    description=(
+        "Self-hosted streams that broke after their first token, by reason (death, drain, stall, "
+        "error) and outcome: migrated (continued on another replica), failed (no replica took the "
+        "continuation) or why it was refused (budget, max_per_request, provider, deadline, ...)."
+    ),
+    tag_keys=("backend", "reason", "outcome"),
+)
+MIGRATION_PREFILL = Counter(
+    "llmc_migration_prefill_tokens_total",
+    description="Continuations' prompt tokens (the client's prompt plus the tokens sent), prefilled again.",
+    tag_keys=("backend",),
+)
+MIGRATION_SEAM = Histogram(
+    "llmc_migration_seam_seconds",
+    description="From the last token before a stream broke to the continuation's first (seam TTFT).",
+    boundaries=_LATENCY_BUCKETS,
+    tag_keys=("backend",),
 )
 BREAKER_STATE = Gauge(
     "llmc_breaker_state",

@@ -23,6 +23,7 @@ from cluster.race import RaceResult, first_token, follow
 from cluster.trace import RequestTrace
 from deployments import http_api as h
 from deployments import metrics
+from deployments.migration import Seamless
 from deployments.prepare import Prepared
 
 BODY = "http.response.body"
@@ -100,6 +101,7 @@ class Relay:
         hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes, trace)
         result = RaceResult()
         acct = _Account(t0)
+        seam: Seamless | None = None
         try:
             try:
                 winner, first = await first_token(hooks, result, deadline)
@@ -117,13 +119,19 @@ class Relay:
                 "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
             }
             rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
+            stream = winner.stream
+            if getattr(stream, "passed", None) is not None:  # an engine's, with its token ids
+                seam = Seamless(gw, p, result, winner, rest, deadline, acct, trace)
+                stream, rest = seam, seam.items()
             framer = _Framer(p)
-            w = _Winner(winner.stream, first, rest, headers)
+            w = _Winner(stream, first, rest, headers)
             if p.stream:
                 return await self._stream(send, p, w, framer, acct)
             return await self._collect(send, p, w, framer, acct)
         finally:
             gw.attempts.finished(result)
+            for more in seam.results if seam is not None else ():
+                gw.attempts.finished(more)
             self._record(p, acct, waited_s)
             if trace is not None:
                 trace.usage, trace.finish = acct.usage, acct.finish if acct.first_at is not None else None

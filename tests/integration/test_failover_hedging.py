@@ -4,7 +4,10 @@ the loser aborted upstream, a replica killed mid-stream, context-window routing,
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -223,13 +226,88 @@ def test_hedges_stay_within_the_budget(mix, servers) -> None:
     assert snap["hedges_sent"] <= 0.25 * snap["requests"] + 1
 
 
+async def _solo_stream(c: httpx.AsyncClient, mix, i: int, seen: dict[int, dict]) -> dict:
+    """One seeded stream on solo, read raw (``seen[i]`` fills as it goes): its replica, token ids
+    (the engine's ``: ids`` comment lines, which SSE clients skip), text, role deltas, finish
+    reasons, usage, and the error event if one came."""
+    body = {
+        "model": "solo",
+        "messages": [{"role": "user", "content": f"plan number {i} " * (i + 1)}],
+        "max_tokens": 600,
+        "seed": 1000 + i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out: dict = {"ids": [], "text": [], "roles": 0, "finish": [], "usage": None, "error": None}
+    async with c.stream("POST", mix.base_url + "/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        out["replica"] = r.headers["x-llmc-replica"]
+        seen[i] = out
+        async for line in r.aiter_lines():
+            if line.startswith(": ids "):
+                out["ids"] += [int(t) for t in line[6:].split(",")]
+            elif line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                out["error"] = ev.get("error", out["error"])
+                out["usage"] = ev.get("usage") or out["usage"]
+                for ch in ev.get("choices", []):
+                    out["roles"] += "role" in ch["delta"]
+                    out["text"].append(ch["delta"].get("content") or "")
+                    out["finish"] += [ch["finish_reason"]] if ch["finish_reason"] else []
+    return out
+
+
+def _solo_replicas(stats: dict) -> list[str]:
+    return [r for r, s in stats.items() if s.backend == "sim-solo"]
+
+
+async def test_replica_killed_mid_stream_under_load_the_streams_go_on_elsewhere(mix) -> None:
+    """Issue 19: eight seeded streams, then the same eight again with the replica that holds
+    most of them killed mid-stream. Every stream completes, and each one's tokens, text, finish
+    and usage equal its own run without the fault: no token lost or repeated at the seam, one
+    role delta, one finish_reason, the usage counting each token once."""
+    n, ref_seen, seen = 8, {}, {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, read=60)) as c:
+        ref = await asyncio.gather(*(_solo_stream(c, mix, i, ref_seen) for i in range(n)))
+        snap0 = mix.status()["policy"]
+        tasks = [asyncio.create_task(_solo_stream(c, mix, i, seen)) for i in range(n)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            len(seen) < n or min(len(o["ids"]) for o in seen.values()) < 5
+        ):
+            await asyncio.sleep(0.02)
+        assert len(seen) == n and max(len(o["ids"]) for o in seen.values()) < 600  # all mid-stream
+        on = Counter(o["replica"] for o in seen.values())
+        victim = on.most_common(1)[0][0]
+        await asyncio.to_thread(kill_replica, mix.cfg.name, "backend-sim-solo", victim)
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert b["error"] is None, (i, b["error"])
+        assert len(b["ids"]) == 600 and b["ids"] == a["ids"], i  # nothing lost, nothing repeated
+        assert "".join(b["text"]) == "".join(a["text"]), i
+        assert b["roles"] == 1 and b["finish"] == ["length"], (i, b["roles"], b["finish"])
+        assert b["usage"]["completion_tokens"] == 600 and b["usage"] == a["usage"] | {
+            "prompt_tokens_details": b["usage"]["prompt_tokens_details"]
+        }, (i, a["usage"], b["usage"])
+    moved = sum(1 for o in got if o["replica"] == victim)
+    assert moved == on[victim] >= 1
+    snap = mix.status()["policy"]
+    migrated = snap["migrations"].get("death:migrated", 0) - snap0["migrations"].get("death:migrated", 0)
+    assert migrated == moved, snap["migrations"]
+
+
 def test_replica_killed_mid_stream_ends_with_an_error_event(mix) -> None:
+    """Where migration is refused (here: a stop string, whose text the engine may hold back at the
+    seam), a stream whose replica dies still ends with one clean error event."""
     client = OpenAI(base_url=mix.base_url, api_key="x", max_retries=0)
+    mix.wait_stats(lambda s: len(_solo_replicas(s)) == 2, timeout=60)  # the kill above is repaired
+    snap0 = mix.status()["policy"]
     raw = client.chat.completions.with_raw_response.create(
         model="solo",
         messages=[{"role": "user", "content": "long"}],
         max_tokens=4000,
         stream=True,
+        stop=["never-said"],
         extra_body={"ignore_eos": True},
     )
     replica = raw.headers["x-llmc-replica"]
@@ -248,6 +326,10 @@ def test_replica_killed_mid_stream_ends_with_an_error_event(mix) -> None:
     assert r.status_code == 200 and r.headers["x-llmc-replica"] != replica
     snap = mix.status()["policy"]
     assert snap["broken_streams"].get("sim-solo", 0) >= 1
+    refused = snap["migrations"].get("death:stop_strings", 0) - snap0["migrations"].get(
+        "death:stop_strings", 0
+    )
+    assert refused == 1, snap["migrations"]
     states = {(b["backend"], b["replica"]): b["state"] for b in snap["breakers"]}
     live = mix.status()["routing"]["sim-solo"]["replicas"]
     # Not routable: its breaker is open (or half-open), or Serve already dropped it from the view

