@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -168,11 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
     from deployments import local
-    from tests.reliability.harness import replaced
+    from loadtest.actor_probe import replaced
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = local.free_port()
     base = f"http://127.0.0.1:{port}/{APP}"
     bodies = workload(args.streams, args.scale, args.seed)
     rounds: list[list[dict[str, Any]]] = []

@@ -21,7 +21,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def dp(deploy):
-    return deploy(_dp_cfg(), "/dp")  # test_dataplane's app: the same config deploys once
+    """test_dataplane's app under a name of its own: a gateway no earlier test sent traffic through.
+    HAProxy reuses idle connections to a replica (`http-reuse always`); when a reused one breaks
+    before any answer, HAProxy closes the client's connection without one, for the client to retry
+    (seen when this test ran on test_dataplane's own app), and its error page is not what it sends.
+    Here the waiter's request opens a connection of its own (the holder's is busy), as a first
+    request to a replica does."""
+    cfg = _dp_cfg().model_copy(update={"name": "llm-cluster-haperr"})
+    return deploy(cfg, "/haperr")
 
 
 def _read_response(req: RawRequest, timeout: float = 60.0) -> bytes:
