@@ -63,14 +63,17 @@ import math
 import random
 import sys
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from cluster.kv_events import BlockRemoved, BlockStored, KVEventPage
+
 Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
 REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
 HashAlgo = Literal["tuple", "blake2b"]
+NewPrefix = Literal["rendezvous", "least_loaded"]
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
 
@@ -137,6 +140,9 @@ class PrefixIndex:
         self._next_slot = 0
         self._retired = 0  # bits of removed replicas still present in some entries
         self._retired_count = 0
+        self._held: dict[int, int] = {}  # bit -> blocks held
+        self._recent: dict[int, int] = {}  # block hash -> replicas a request was just sent to with it
+        self._recent_log: deque[tuple[float, int, Sequence[int]]] = deque()  # (sent, bit, hashes)
         self.evictions = 0
         self.purges = 0
 
@@ -182,15 +188,31 @@ class PrefixIndex:
         bit = self.bit(replica)
         m = self._map
         pop = m.pop
+        added = 0
         for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
-            m[h] = pop(h, 0) | bit
+            old = pop(h, 0)
+            m[h] = old | bit
+            added += not old & bit
+        self._held[bit] = self._held.get(bit, 0) + added
         over = len(m) - self.capacity
         for _ in range(max(0, over)):
-            m.popitem(last=False)
+            self._uncount(m.popitem(last=False)[1])
         if over > 0:
             self.evictions += over
 
     on_block_stored = record
+
+    def _uncount(self, mask: int) -> None:
+        held = self._held
+        while mask:
+            low = mask & -mask
+            if low in held:
+                held[low] -= 1
+            mask ^= low
+
+    def held_blocks(self, replica: str) -> int:
+        """Blocks the index says ``replica`` holds (exact when its engine's events feed it)."""
+        return self._held.get(self._bits.get(replica, 0), 0)
 
     def on_block_removed(self, replica: str, hashes: Iterable[int]) -> None:
         """The engine evicted these blocks from ``replica``."""
@@ -200,13 +222,38 @@ class PrefixIndex:
         m = self._map
         for h in hashes:
             v = m.get(h)
-            if v is None:
+            if v is None or not v & bit:
                 continue
+            self._held[bit] -= 1
             v &= ~bit
             if v & ~self._retired:
                 m[h] = v  # keeps its LRU position: other replicas still hold it
             else:
                 del m[h]
+
+    # Recent routes: blocks a request was just sent with, before the engine's events confirm them --
+    def note_recent(self, replica: str, hashes: Sequence[int], now: float) -> None:
+        """``replica`` is computing these blocks (a request was just sent): they count for
+        :meth:`longest_match` until ``expire_recent`` passes ``now + ttl``, by when the engine's
+        ``BlockStored`` events have put them in the index, if it kept them."""
+        if not hashes:
+            return
+        bit = self.bit(replica)
+        rec = self._recent
+        for h in hashes:
+            rec[h] = rec.get(h, 0) | bit
+        self._recent_log.append((now, bit, hashes))
+
+    def expire_recent(self, before: float) -> None:
+        log, rec = self._recent_log, self._recent
+        while log and log[0][0] < before:
+            _, bit, hashes = log.popleft()
+            for h in hashes:
+                v = rec.get(h, 0) & ~bit
+                if v:
+                    rec[h] = v
+                else:
+                    rec.pop(h, None)
 
     def remove_replica(self, replica: str) -> None:
         """Forget the replica and every block it held (effective at once; stale bits purged later)."""
@@ -214,6 +261,7 @@ class PrefixIndex:
         if bit is None:
             return
         del self._names[bit.bit_length() - 1]
+        self._held.pop(bit, None)
         self._retired |= bit
         self._retired_count += 1
         if self._retired_count >= max(self._purge_after, len(self._bits)):
@@ -225,6 +273,8 @@ class PrefixIndex:
             return
         live = ~self._retired
         self._map = OrderedDict((h, v & live) for h, v in self._map.items() if v & live)
+        self._recent = {h: v & live for h, v in self._recent.items() if v & live}
+        self._recent_log = deque((t, b, hs) for t, b, hs in self._recent_log if b & live)
         retired, slot = self._retired, 0
         while retired:
             if retired & 1:
@@ -239,11 +289,12 @@ class PrefixIndex:
     def longest_match(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
         """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
         the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries."""
-        get = self._map.get
+        get, recent = self._map.get, self._recent.get
         lo, hi, best = 0, len(hashes), 0
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            held = get(hashes[mid - 1], 0) & mask
+            h = hashes[mid - 1]
+            held = (get(h, 0) | recent(h, 0)) & mask
             if held:
                 lo, best = mid, held
             else:
@@ -288,6 +339,7 @@ class ReplicaLoad:
     kv_usage: float = 0.0  # 0..1, from the engine's stats
     healthy: bool = True
     max_in_flight: int = sys.maxsize  # router-side cap (BackendConfig.max_in_flight_per_replica)
+    kv_blocks: int = 0  # the engine's KV cache in blocks (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +354,8 @@ class AffinityParams:
     min_match_tokens: int = 64  # shorter matches are template boilerplate, not worth a detour
     min_match_ratio: float = 0.0  # optionally also require this share of the prompt's blocks
     home_key_tokens: int = 64  # the prefix whose hash picks a new prefix's home replica
+    new_prefix: NewPrefix = "rendezvous"  # or "least_loaded": the least loaded eligible replica
+    recent_ttl_s: float = 5.0  # a sent request's blocks count for this long before events confirm them
     index_capacity_blocks: int = 1_000_000
     session_capacity: int = 100_000
     session_ttl_s: float = 1800.0
@@ -312,6 +366,8 @@ class AffinityParams:
             raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
         if self.load_slack < 0:
             raise ValueError("load_slack must be >= 0")
+        if self.new_prefix not in ("rendezvous", "least_loaded"):
+            raise ValueError(f"unknown new_prefix placement {self.new_prefix!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +392,21 @@ def _least_loaded(loads: Sequence[tuple[ReplicaLoad, int]], rng: random.Random) 
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
+def _roomiest(
+    loads: Sequence[tuple[ReplicaLoad, int]], held: dict[int, int], rng: random.Random
+) -> tuple[ReplicaLoad, int]:
+    """A new prefix's replica under ``new_prefix="least_loaded"``: the least loaded, then the one
+    whose cache the index fills least (its share of the engine's KV, or blocks when the size is
+    unknown), so a new context displaces the fewest others; then ``rng``."""
+    best = min([x.in_flight + x.waiting for x, _ in loads])
+    ties = [xb for xb in loads if xb[0].in_flight + xb[0].waiting == best]
+    if len(ties) > 1:
+        fill = [held.get(b, 0) / x.kv_blocks if x.kv_blocks else float(held.get(b, 0)) for x, b in ties]
+        low = min(fill)
+        ties = [xb for xb, f in zip(ties, fill, strict=True) if f == low]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
 class AffinityRouter:
     """Per-backend affinity state (index, sessions, KV-event maps) and the decision."""
 
@@ -357,6 +428,8 @@ class AffinityRouter:
         self._seeds: dict[str, int] = {}
         self._kv_maps: dict[str, OrderedDict[Hashable, int]] = {}
         self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
+        self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
+        self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
 
     def hash(self, token_ids: Sequence[int]) -> list[int]:
         return self.hasher.hash_blocks(token_ids)
@@ -375,6 +448,8 @@ class AffinityRouter:
             raise ValueError("decide() needs at least one candidate replica")
         p, index, n_blocks = self.params, self.index, len(hashes)
         bits, bit = index._bits, index.bit
+        if index._recent_log:
+            index.expire_recent(now - p.recent_ttl_s)
         n_healthy = total = healthy_mask = 0
         min_in_flight = sys.maxsize
         avail: list[tuple[ReplicaLoad, int]] = []
@@ -421,6 +496,11 @@ class AffinityRouter:
                 chosen, _ = _least_loaded([xb for xb in eligible if xb[1] & holders], rng)
                 diverted = diverted or best_all > matched
                 return RouteDecision(chosen.replica, "prefix", matched, best_all, n_blocks, diverted)
+        if (session_id is not None or n_blocks) and p.new_prefix == "least_loaded":
+            chosen, b = _roomiest(eligible, index._held, rng)
+            return RouteDecision(
+                chosen.replica, "new_prefix", self._matched(hashes, b), best_all, n_blocks, diverted
+            )
         if session_id is not None or n_blocks:
             if session_id is not None:
                 key = stable_hash64("session", session_id)
@@ -460,8 +540,13 @@ class AffinityRouter:
 
     # Updates ---------------------------------------------------------------------------------
     def record(self, replica: str, hashes: Sequence[int], now: float, session_id: str | None = None) -> None:
-        """After dispatch: ``replica`` will hold these blocks; the session now lives there."""
-        self.index.record(replica, hashes)
+        """After dispatch: ``replica`` will hold these blocks; the session now lives there. For a
+        replica fed by its engine's KV events the blocks only count for ``recent_ttl_s`` (until its
+        ``BlockStored`` events confirm them); for the others they stay until LRU drops them."""
+        if replica in self.event_fed:
+            self.index.note_recent(replica, hashes, now)
+        else:
+            self.index.record(replica, hashes)
         if session_id is not None:
             self.sessions.bind(session_id, replica, now)
 
@@ -470,6 +555,7 @@ class AffinityRouter:
         self.index.remove_replica(replica)
         self._seeds.pop(replica, None)
         self._kv_maps.pop(replica, None)
+        self.event_fed.discard(replica)
 
     # Engine KV events (vLLM BlockStored / BlockRemoved / AllBlocksCleared) ---------------------
     def apply_kv_stored(
@@ -507,5 +593,28 @@ class AffinityRouter:
         self.index.on_block_removed(replica, ours)
 
     def apply_kv_cleared(self, replica: str) -> None:
-        """The engine reset its prefix cache: same as forgetting the replica (it gets a new slot)."""
-        self.remove_replica(replica)
+        """The engine reset its prefix cache: its blocks go (the replica gets a new slot)."""
+        self.index.remove_replica(replica)
+        self._kv_maps.pop(replica, None)
+
+    def apply_kv_page(self, replica: str, page: KVEventPage) -> int:
+        """Apply one replica's page of KV events (:mod:`cluster.kv_events`), in order; returns the
+        events applied. The first page, or one that says ``reset``, replaces what the index held
+        for the replica (routed guesses or a window of events it missed) with the engine's word."""
+        if page.reset or replica not in self.event_fed:
+            self.apply_kv_cleared(replica)
+            self.event_fed.add(replica)
+        n = 0
+        for batch in page.batches:
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    if ev.block_size != self.hasher.block_size:  # another engine setting: not ours
+                        self.kv_mismatched += 1
+                        continue
+                    self.apply_kv_stored(replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
+                elif isinstance(ev, BlockRemoved):
+                    self.apply_kv_removed(replica, ev.block_hashes)
+                else:
+                    self.apply_kv_cleared(replica)
+                n += 1
+        return n
