@@ -29,6 +29,7 @@ from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.kv_events import KVEventLog, page_to_wire
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
@@ -80,6 +81,10 @@ class EngineReplica:
             from deployments.tracing import Tracer
 
             self.tracer = Tracer(trace_cfg, self.replica_id)
+        self.kv_events: KVEventLog | None = getattr(self.backend, "kv_events", None)
+        self._kv_new = asyncio.Event()
+        if self.kv_events is not None:
+            self.kv_events.on_append = self._kv_new.set
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
@@ -87,6 +92,7 @@ class EngineReplica:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/kv_events", self._kv_events)
         # handler_cancellation: the gateway closing the connection cancels the handler (abort).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -119,7 +125,14 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Pushed by Serve to every handle's request router: where to stream from, and the load."""
         s = self.backend.stats()
-        return {"url": self.url, "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage}
+        return {
+            "url": self.url,
+            "waiting": s.waiting,
+            "running": s.running,
+            "kv_usage": s.kv_usage,
+            "kv_events": self.kv_events is not None,  # the gateways follow GET /kv_events
+            "kv_blocks": int(s.extra.get("num_kv_blocks", 0)),
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"running_requests": float(self.ongoing)}
@@ -144,6 +157,31 @@ class EngineReplica:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
             return web.json_response({"error": "forbidden"}, status=403)
         return web.json_response(asdict(self.backend.stats()))
+
+    async def _kv_events(self, request: web.Request) -> web.Response:
+        """The KV-event batches after ``after`` (a long poll: waits up to ``wait`` seconds for the
+        next batch when there is none); see :mod:`cluster.kv_events`."""
+        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
+            return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
+        log = self.kv_events
+        if log is None:
+            err = InvalidRequest(f"engine {self.cfg.name} does not publish KV events")
+            return web.json_response({"error": to_wire(err)}, status=404)
+        try:
+            q = request.query
+            after = int(q.get("after", "0"))
+            epoch = int(q["epoch"]) if "epoch" in q else None
+            wait = min(max(float(q.get("wait", "0")), 0.0), 30.0)
+        except ValueError:
+            err = InvalidRequest("after, epoch and wait must be numbers", param="after")
+            return web.json_response({"error": to_wire(err)}, status=400)
+        page = log.since(after, epoch)
+        if not page.batches and not page.reset and wait > 0:
+            self._kv_new.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kv_new.wait(), wait)
+            page = log.since(after, epoch)
+        return web.json_response(page_to_wire(page))
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
