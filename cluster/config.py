@@ -127,8 +127,10 @@ class Autoscaling(Strict):
 
 
 class AffinityConfig(Strict):
-    """The cache-aware policy's knobs (``routing: cache_aware``); cluster/affinity.py says why
-    these defaults."""
+    """The cache-aware policy's knobs (``routing: cache_aware``); cluster/affinity.py says what
+    each does. ``min_match_ratio`` 0.5 and ``new_prefix: least_loaded`` are the defaults here (not
+    in the pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV
+    pressure and no worse when the contexts fit (BENCHMARKS.md, issue 17)."""
 
     min_match_tokens: int = Field(
         64,
@@ -136,7 +138,7 @@ class AffinityConfig(Strict):
         description="A cached prefix shorter than this does not steer a request (template boilerplate).",
     )
     min_match_ratio: float = Field(
-        0.0,
+        0.5,
         ge=0,
         le=1,
         description="A cached prefix must also cover this share of the prompt's blocks to steer.",
@@ -150,7 +152,7 @@ class AffinityConfig(Strict):
         8, ge=0, description="... unless it is within this many requests of the least loaded."
     )
     new_prefix: Literal["rendezvous", "least_loaded"] = Field(
-        "rendezvous",
+        "least_loaded",
         description=(
             "Where a prompt with no useful cached prefix goes: its home by rendezvous hashing of the session "
             "id or first blocks (concurrent sharers converge), or the least loaded eligible replica whose "
