@@ -76,6 +76,13 @@ class BackendView:
             return 0
         return self.policy.apply_kv_page(replica, page)
 
+    def replica_lost(self, replica: str) -> None:
+        """The feed lost the replica's connection (its process died, or is dying): its index entries
+        go now, before Serve's list drops it; it stays routable by load until then (the breakers and
+        the race handle a dead one), and its next page of events, if any, starts afresh."""
+        if self.policy is not None:
+            self.policy.remove_replica(replica)
+
     def choose(
         self,
         hashes: Sequence[int],

@@ -5,8 +5,9 @@ Serve for the backend's live replicas (``ReplicaPicker.refresh``: the same list 
 keeps one follower task per replica that publishes events; a follower long-polls the replica's
 ``GET /kv_events?after=N&epoch=E&wait=S`` and applies each page to the view in order. Every gateway
 replica runs its own feed on the same logs, so all of them hold the same index (see
-:mod:`cluster.kv_events` for why the gateways pull). A replica Serve drops loses its follower here
-and its entries in the view at the next decision, whichever comes first.
+:mod:`cluster.kv_events` for why the gateways pull). A replica whose connection is refused or cut
+(its process died) loses its entries at once, before Serve's health check notices; one Serve drops
+loses its follower here and its entries in the view at the next decision, whichever comes first.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class KVEventFeed:
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.cursors: dict[str, FeedCursor] = {}
         self.errors = 0
+        self.lost = 0  # connections to a replica refused or cut (its entries were dropped)
         self.no_events: set[str] = set()  # replicas that answered 404: their engines do not publish
 
     async def run(self) -> None:
@@ -83,7 +85,18 @@ class KVEventFeed:
                     page = page_from_wire(await resp.json())
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the replica may be dying: Serve's list will say so
+            except aiohttp.ClientConnectionError as exc:
+                # Refused or cut: the replica's process is gone or going. Its entries go now, before
+                # Serve's health check drops it from the list; if it answers again, its next page
+                # starts afresh.
+                self.errors += 1
+                self.lost += 1
+                self.view.replica_lost(replica)
+                cursor = self.cursors[replica] = FeedCursor()
+                log.debug("KV-event feed of %s: %s", replica, exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            except Exception as exc:  # slow or garbled: keep what the index holds, ask again
                 self.errors += 1
                 log.debug("KV-event feed of %s: %s", replica, exc)
                 await asyncio.sleep(RETRY_S)
@@ -95,6 +108,7 @@ class KVEventFeed:
         return {
             "followed": sorted(self.followers),
             "errors": self.errors,
+            "lost": self.lost,
             "replicas": {
                 r: {"after": c.after, "batches": c.batches, "events": c.events, "resets": c.resets}
                 for r, c in self.cursors.items()

@@ -159,7 +159,8 @@ def test_killed_replica_sessions_move(sim) -> None:
             break
         time.sleep(0.5)
     assert moved is not None and moved != pinned
-    assert pinned not in _kv_index(sim)["replicas"]  # its index entries went with it
+    gone = _kv_index(sim)["replicas"].get(pinned, {"blocks": 0, "event_fed": False})
+    assert gone == {"blocks": 0, "event_fed": False}  # its index entries went with it
     # It sticks to its new home too.
     assert _chat(sim, "again", session="sess-kill", system="session test").headers["x-llmc-replica"] == moved
 

@@ -245,6 +245,20 @@ def test_killed_replica_entries_are_gone_before_the_next_decision_and_late_pages
     assert choice.replica == "b" and choice.decision.reason == "new_prefix"
 
 
+def test_a_lost_connection_drops_the_entries_while_serve_still_lists_the_replica():
+    a, b = Replica("a"), Replica("b")
+    gw = Gateway([a, b])
+    p1 = prompt(1)
+    a.serve(p1)
+    gw.poll()
+    gw.view.replica_lost("a")  # the feed's connection to a was refused: its process is gone
+    assert "a" in gw.view.live and gw.view.policy.index.held_blocks("a") == 0
+    assert gw.choose(p1).decision.reason == "new_prefix"
+    gw.cursors["a"] = FeedCursor()  # it answers again (a restart would be a new replica id)
+    gw.poll()
+    assert gw.choose(p1).decision.reason == "prefix"
+
+
 # The index with events ------------------------------------------------------------------------------
 
 
