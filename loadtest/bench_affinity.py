@@ -98,7 +98,7 @@ PROFILE = "llama-3.1-8b-h100"
 # request router of every engine deployment) and streams from it over HTTP, so no Serve request
 # router of ours or Ray's decides any more. The config still accepts both names, but the gateway
 # deploys them as cache_aware (deployments/gateway.py), which would measure ours under their name.
-POLICIES = ("round_robin", "least_loaded", "cache_aware", "cache_aware+previous")
+POLICIES = ("round_robin", "least_loaded", "cache_aware", "cache_aware+previous", "cache_aware+2gw")
 DROPPED = {"power_of_two", "ray_prefix"}
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB
 
@@ -299,7 +299,7 @@ def policy_config(policy: str, args: argparse.Namespace) -> Any:
     )
     b["engine"] = {"kv_cache_memory_bytes": args.kv_tokens * KV_BYTES_PER_TOKEN}
     if policy in VARIANTS:
-        b["affinity"] = VARIANTS[policy]
+        b["affinity"], raw["server"]["gateway_replicas"] = VARIANTS[policy]
     raw["models"][0]["context_window"] = 8192
     return parse_config(raw)
 
@@ -524,7 +524,13 @@ PREVIOUS = "cache_aware+previous"
 # steers, a new prefix goes to the rendezvous home of its session id or first 64 tokens, and the
 # index is the routed-record guess. Both are config (``backends[].affinity``), nothing patched.
 PREVIOUS_AFFINITY: dict[str, Any] = {"min_match_ratio": 0.0, "new_prefix": "rendezvous"}
-VARIANTS: dict[str, dict[str, Any]] = {PREVIOUS: {**PREVIOUS_AFFINITY, "kv_events": False}}
+# name -> (the backend's affinity config, gateway replicas); "cache_aware+2gw" is ours as shipped
+# behind two gateway replicas, each with its own index fed by the same events (issue 17's goal:
+# within 0.02 of one gateway's hit rate).
+VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
+    PREVIOUS: ({**PREVIOUS_AFFINITY, "kv_events": False}, 1),
+    "cache_aware+2gw": ({}, 2),
+}
 
 
 def affinity_params(affinity: dict[str, Any] | None = None) -> Any:
