@@ -69,7 +69,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.kv_events import BlockRemoved, BlockStored, KVEventPage
+from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
 from cluster.prefix_index import PrefixIndex, SessionTable
 
 __all__ = [
@@ -239,6 +239,9 @@ class AffinityRouter:
         self._kv_maps: dict[str, OrderedDict[Hashable, int]] = {}
         self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
         self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
+        # our block hash -> the replica whose engine stored it last (kept after eviction): a new
+        # prefix's last home, the same on every gateway replica since only events write it
+        self._stored_by: OrderedDict[int, str] = OrderedDict()
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
 
     def hash(self, token_ids: Sequence[int]) -> list[int]:
@@ -307,7 +310,7 @@ class AffinityRouter:
                 diverted = diverted or best_all > matched
                 return RouteDecision(chosen.replica, "prefix", matched, best_all, n_blocks, diverted)
         if (session_id is not None or n_blocks) and p.new_prefix == "least_loaded":
-            chosen, b = _roomiest(eligible, index._held, rng)
+            chosen, b = self._last_home(hashes, eligible) or _roomiest(eligible, index._held, rng)
             return RouteDecision(
                 chosen.replica, "new_prefix", self._matched(hashes, b), best_all, n_blocks, diverted
             )
@@ -322,6 +325,27 @@ class AffinityRouter:
             return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted)
         chosen, _ = _least_loaded(eligible, rng)
         return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
+
+    def _last_home(
+        self, hashes: Sequence[int], eligible: Sequence[tuple[ReplicaLoad, int]]
+    ) -> tuple[ReplicaLoad, int] | None:
+        """The eligible replica whose engine last stored the longest prefix of these blocks (at
+        least ``min_match_tokens``), though it evicted them since: where the context's sessions
+        went before. Learnt from the events alone, so every gateway replica agrees on it."""
+        hist = self._stored_by
+        if not hist or not hashes:
+            return None
+        lo, hi, who = 0, len(hashes), None
+        while lo < hi:  # prefix-closed like the index: the chain's head is stored before its tail
+            mid = (lo + hi + 1) >> 1
+            r = hist.get(hashes[mid - 1])
+            if r is not None:
+                lo, who = mid, r
+            else:
+                hi = mid - 1
+        if who is None or lo < self._min_blocks:
+            return None
+        return next((xb for xb in eligible if xb[0].replica == who), None)
 
     def _matched(self, hashes: Sequence[int], replica_bit: int) -> int:
         return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0
@@ -392,8 +416,15 @@ class AffinityRouter:
             kv.move_to_end(engine_h)
         while len(kv) > self.params.kv_map_capacity:
             kv.popitem(last=False)
-        self.index.on_block_stored(replica, ours[: len(block_hashes)])
-        return min(len(ours), len(block_hashes))
+        stored = ours[: len(block_hashes)]
+        self.index.on_block_stored(replica, stored)
+        hist = self._stored_by
+        for h in stored:
+            hist[h] = replica
+            hist.move_to_end(h)
+        while len(hist) > self.params.index_capacity_blocks:
+            hist.popitem(last=False)
+        return len(stored)
 
     def apply_kv_removed(self, replica: str, block_hashes: Iterable[Hashable]) -> None:
         kv = self._kv_maps.get(replica)
@@ -407,10 +438,11 @@ class AffinityRouter:
         self.index.remove_replica(replica)
         self._kv_maps.pop(replica, None)
 
-    def apply_kv_page(self, replica: str, page: KVEventPage) -> int:
+    def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
         """Apply one replica's page of KV events (:mod:`cluster.kv_events`), in order; returns the
         events applied. The first page, or one that says ``reset``, replaces what the index held
-        for the replica (routed guesses or a window of events it missed) with the engine's word."""
+        for the replica (routed guesses or a window of events it missed) with the engine's word.
+        ``now`` (the clock ``decide`` is given) dates the ``BlocksQueued`` sends; None skips them."""
         if page.reset or replica not in self.event_fed:
             self.apply_kv_cleared(replica)
             self.event_fed.add(replica)
@@ -424,6 +456,11 @@ class AffinityRouter:
                     self.apply_kv_stored(replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
                 elif isinstance(ev, BlockRemoved):
                     self.apply_kv_removed(replica, ev.block_hashes)
+                elif isinstance(ev, BlocksQueued):
+                    if now is not None:
+                        self.index.note_recent(replica, ev.block_hashes, now)
+                        if ev.session_id is not None:
+                            self.sessions.bind(ev.session_id, replica, now)
                 else:
                     self.apply_kv_cleared(replica)
                 n += 1

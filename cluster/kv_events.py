@@ -55,7 +55,21 @@ class AllBlocksCleared:
     """The engine reset its prefix cache."""
 
 
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True, slots=True)
+class BlocksQueued:
+    """Ours, not vLLM's: a request reached the replica; these are the *router's* hashes of its
+    prompt's full blocks (:class:`cluster.affinity.BlockHasher`), which the engine will compute
+    unless they are cached. Published by the replica as the request arrives, so that every gateway
+    learns where a context is going before the engine's ``BlockStored`` (which waits for its
+    prefill, and for the queue before it) could tell them; gateways count them for a short time.
+    ``session_id``: the request's session, which every gateway then pins to this replica, as the
+    gateway that routed it did."""
+
+    block_hashes: Sequence[int]
+    session_id: str | None = None
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +145,8 @@ def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
         }
     if isinstance(ev, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes]}
+    if isinstance(ev, BlocksQueued):
+        return {"type": "BlocksQueued", "block_hashes": list(ev.block_hashes), "session_id": ev.session_id}
     return {"type": "AllBlocksCleared"}
 
 
@@ -166,10 +182,16 @@ class WireCleared(_Strict):
     type: Literal["AllBlocksCleared"]
 
 
+class WireQueued(_Strict):
+    type: Literal["BlocksQueued"]
+    block_hashes: list[int]
+    session_id: str | None = None
+
+
 class WireBatch(_Strict):
     seq: int = Field(ge=1)
     ts: float
-    events: list[Annotated[WireStored | WireRemoved | WireCleared, Field(discriminator="type")]]
+    events: list[Annotated[WireStored | WireRemoved | WireCleared | WireQueued, Field(discriminator="type")]]
 
 
 class WirePage(_Strict):
@@ -192,6 +214,8 @@ def page_from_wire(data: Any) -> KVEventPage:
                 events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size))
             elif isinstance(e, WireRemoved):
                 events.append(BlockRemoved(e.block_hashes))
+            elif isinstance(e, WireQueued):
+                events.append(BlocksQueued(e.block_hashes, e.session_id))
             else:
                 events.append(AllBlocksCleared())
         batches.append(KVEventBatch(b.seq, b.ts, tuple(events)))

@@ -69,12 +69,12 @@ class BackendView:
         self.live = now_live
         self.ejector.sync(list(now_live))
 
-    def apply_kv_page(self, replica: str, page: KVEventPage) -> int:
+    def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
         """A page of ``replica``'s KV events (the gateway's feed, off the token path). A replica
         that is no longer live is ignored: a late page must not bring a dead replica's blocks back."""
         if self.policy is None or replica not in self.live:
             return 0
-        return self.policy.apply_kv_page(replica, page)
+        return self.policy.apply_kv_page(replica, page, now)
 
     def replica_lost(self, replica: str) -> None:
         """The feed lost the replica's connection (its process died, or is dying): its index entries

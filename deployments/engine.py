@@ -25,11 +25,12 @@ from typing import Any
 from aiohttp import web
 from ray import serve
 
+from cluster.affinity import BlockHasher
 from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
-from cluster.kv_events import KVEventLog, page_to_wire
+from cluster.kv_events import BlocksQueued, KVEventLog, page_to_wire
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
@@ -83,8 +84,11 @@ class EngineReplica:
             self.tracer = Tracer(trace_cfg, self.replica_id)
         self.kv_events: KVEventLog | None = getattr(self.backend, "kv_events", None)
         self._kv_new = asyncio.Event()
+        self._hasher: BlockHasher | None = None  # the gateways' hash of a prompt (BlocksQueued)
         if self.kv_events is not None:
             self.kv_events.on_append = self._kv_new.set
+            engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
+            self._hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
@@ -191,6 +195,10 @@ class EngineReplica:
         except (ValueError, KeyError, TypeError) as exc:
             err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
             return web.json_response({"error": to_wire(err)}, status=400)
+        if self._hasher is not None and self.kv_events is not None:
+            # Every gateway learns where this prompt's blocks are going before the engine gets to them.
+            queued = BlocksQueued(self._hasher.hash_blocks(req.prompt_token_ids), req.session_id)
+            self.kv_events.append([queued], time.time())
         self.ongoing += 1
         parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
         span = _EngineSpan(time.time_ns()) if parent is not None else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -101,7 +102,7 @@ class KVEventFeed:
                 log.debug("KV-event feed of %s: %s", replica, exc)
                 await asyncio.sleep(RETRY_S)
                 continue
-            self.view.apply_kv_page(replica, page)
+            self.view.apply_kv_page(replica, page, time.monotonic())  # the clock decisions use
             cursor.advance(page)
 
     def status(self) -> dict[str, Any]:

@@ -637,7 +637,8 @@ def oracle(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: a
 
 class _AffinityChoice:
     """Our policy deciding on the virtual clock; with ``logs`` (one per engine) it first applies
-    the engines' KV events since its last decision, as the gateway's feed does (without its lag)."""
+    the engines' KV events since its last decision, as the gateway's feed does (without its lag),
+    and the chosen replica announces the request (``BlocksQueued``), as the engine replica does."""
 
     def __init__(
         self,
@@ -657,7 +658,7 @@ class _AffinityChoice:
         for k, log in enumerate(self.logs or ()):
             epoch, after = self.cursors[k]
             page = log.since(after, epoch, limit=1 << 30)
-            self.policy.apply_kv_page(f"r{k}", page)
+            self.policy.apply_kv_page(f"r{k}", page, now)
             self.cursors[k] = (page.epoch, page.last_seq)
         loads = [
             ReplicaLoad(
@@ -674,7 +675,26 @@ class _AffinityChoice:
         sid = self.specs[i].session_id
         d = self.policy.decide(self.hashes[i], loads, self.rng, now, sid)
         self.policy.record(d.replica, self.hashes[i], now, sid)
-        return int(d.replica[1:])
+        k = int(d.replica[1:])
+        if self.logs:  # the replica announces the arrival (deployments/engine.py)
+            from cluster.kv_events import BlocksQueued
+
+            self.logs[k].append([BlocksQueued(self.hashes[i], sid)], now)
+        return k
+
+
+class _Gateways:
+    """Several gateway replicas on the virtual clock: requests alternate between them (HAProxy's
+    leastconn over equally busy gateways); each has its own policy object (sessions, recent sends)
+    and applies the same engines' events."""
+
+    def __init__(self, choices: Sequence[_AffinityChoice]) -> None:
+        self.choices = choices
+        self.n = 0
+
+    def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
+        self.n += 1
+        return self.choices[self.n % len(self.choices)](i, engines, now)
 
 
 def _engines(profile: Any, n: int, events: bool) -> tuple[list[Any], list[Any] | None]:
@@ -749,6 +769,14 @@ def whatif(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: a
             AffinityRouter(block, MODEL, affinity_params(affinity)), specs, token_ids, logs
         )
         out[name] = simulate(specs, token_ids, engines, choose, args.speedup)
+    engines, logs = _engines(profile, args.replicas, True)
+    two = [
+        _AffinityChoice(AffinityRouter(block, MODEL, affinity_params()), specs, token_ids, logs)
+        for _ in range(2)
+    ]
+    out["cache_aware (kv events, 2 gateways)"] = simulate(
+        specs, token_ids, engines, _Gateways(two), args.speedup
+    )
     engines, _ = _engines(profile, args.replicas, False)
     out["ray_prefix (emulated)"] = simulate(
         specs, token_ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup
@@ -808,7 +836,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated, from {', '.join(POLICIES)} and {', '.join(VARIANTS)}",
+        help=f"comma-separated, from {', '.join(POLICIES)}",
     )
     ap.add_argument(
         "--mode",
