@@ -16,6 +16,7 @@ from cluster.failover import ReplicaEjector
 from cluster.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
+    BlocksQueued,
     BlockStored,
     FeedCursor,
     KVEventLog,
@@ -300,3 +301,38 @@ def test_new_prefix_least_loaded_prefers_the_emptier_cache_on_equal_load():
     for s in range(10, 16):
         c = gw.choose(prompt(s))
         assert (c.replica, c.decision.reason) == ("b", "new_prefix")
+
+
+def test_a_queued_request_reaches_every_gateway_before_its_blocks_are_stored():
+    """BlocksQueued (published by the engine replica as the request arrives): the other gateway
+    counts its blocks and pins its session at once, and forgets the blocks if nothing stores them."""
+    a, b = Replica("a"), Replica("b")
+    gw1, gw2 = Gateway([a, b], recent_ttl_s=5.0), Gateway([a, b], recent_ttl_s=5.0)
+    p1 = prompt(1)
+    hashes = gw1.view.policy.hash(p1)
+    c = gw1.view.choose(hashes, 0.0, "sess-1")
+    gw1.view.started(c, hashes, 0.0, "sess-1")
+    holder = next(r for r in (a, b) if r.name == c.replica)
+    holder.log.append([BlocksQueued(hashes, "sess-1")], 0.0)  # what deployments/engine.py does on arrival
+    page = holder.log.since(gw2.cursors[holder.name].after)
+    gw2.view.apply_kv_page(holder.name, page_from_wire(page_to_wire(page)), now=0.5)
+    assert gw2.view.policy.sessions.get("sess-1", 1.0) == holder.name
+    d = gw2.view.choose(hashes, 1.0)
+    assert (d.replica, d.decision.reason) == (holder.name, "prefix")
+    assert gw2.view.choose(hashes, 10.0).decision.reason == "new_prefix"  # never stored: expired
+
+
+def test_a_new_prefix_returns_to_the_replica_that_last_stored_it():
+    """Evicted everywhere, a context's next request goes back where its engine last cached it
+    (learnt from events, so every gateway agrees), not to whichever replica is idlest."""
+    a, b = Replica("a", kv_blocks=12), Replica("b", kv_blocks=12)
+    gw = Gateway([a, b], new_prefix="least_loaded")
+    p1 = prompt(1)
+    a.serve(p1)
+    a.serve(prompt(2))  # evicts p1 on a
+    gw.poll()
+    hashes = gw.view.policy.hash(p1)
+    assert gw.view.policy.index.longest_match(hashes, gw.view.policy.index.mask(["a", "b"]))[0] < 2
+    for _ in range(3):
+        c = gw.view.choose(hashes, 0.0)
+        assert (c.replica, c.decision.reason) == ("a", "new_prefix")
