@@ -30,11 +30,12 @@ from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER, end_frame, error_frame, parse_request
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
-from cluster.kv_events import BlocksQueued, KVEventLog, page_to_wire
+from cluster.kv_events import KVEventLog
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
 from deployments.internal import internal_token, token_ok
+from deployments.kv_endpoint import KVEventEndpoint, no_events
 
 log = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 1.0
@@ -82,13 +83,12 @@ class EngineReplica:
             from deployments.tracing import Tracer
 
             self.tracer = Tracer(trace_cfg, self.replica_id)
-        self.kv_events: KVEventLog | None = getattr(self.backend, "kv_events", None)
-        self._kv_new = asyncio.Event()
-        self._hasher: BlockHasher | None = None  # the gateways' hash of a prompt (BlocksQueued)
-        if self.kv_events is not None:
-            self.kv_events.on_append = self._kv_new.set
+        self.kv_events: KVEventEndpoint | None = None  # the engine's KV events, for the gateways
+        log: KVEventLog | None = getattr(self.backend, "kv_events", None)
+        if log is not None:
             engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
-            self._hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
+            hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
+            self.kv_events = KVEventEndpoint(log, self._token, hasher)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
@@ -96,7 +96,7 @@ class EngineReplica:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/stats", self._stats)
-        app.router.add_get("/kv_events", self._kv_events)
+        app.router.add_get("/kv_events", self.kv_events.handle if self.kv_events is not None else no_events)
         # handler_cancellation: the gateway closing the connection cancels the handler (abort).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -162,31 +162,6 @@ class EngineReplica:
             return web.json_response({"error": "forbidden"}, status=403)
         return web.json_response(asdict(self.backend.stats()))
 
-    async def _kv_events(self, request: web.Request) -> web.Response:
-        """The KV-event batches after ``after`` (a long poll: waits up to ``wait`` seconds for the
-        next batch when there is none); see :mod:`cluster.kv_events`."""
-        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
-            return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
-        log = self.kv_events
-        if log is None:
-            err = InvalidRequest(f"engine {self.cfg.name} does not publish KV events")
-            return web.json_response({"error": to_wire(err)}, status=404)
-        try:
-            q = request.query
-            after = int(q.get("after", "0"))
-            epoch = int(q["epoch"]) if "epoch" in q else None
-            wait = min(max(float(q.get("wait", "0")), 0.0), 30.0)
-        except ValueError:
-            err = InvalidRequest("after, epoch and wait must be numbers", param="after")
-            return web.json_response({"error": to_wire(err)}, status=400)
-        page = log.since(after, epoch)
-        if not page.batches and not page.reset and wait > 0:
-            self._kv_new.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kv_new.wait(), wait)
-            page = log.since(after, epoch)
-        return web.json_response(page_to_wire(page))
-
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
             return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
@@ -195,10 +170,8 @@ class EngineReplica:
         except (ValueError, KeyError, TypeError) as exc:
             err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
             return web.json_response({"error": to_wire(err)}, status=400)
-        if self._hasher is not None and self.kv_events is not None:
-            # Every gateway learns where this prompt's blocks are going before the engine gets to them.
-            queued = BlocksQueued(self._hasher.hash_blocks(req.prompt_token_ids), req.session_id)
-            self.kv_events.append([queued], time.time())
+        if self.kv_events is not None:
+            self.kv_events.announce(req)
         self.ongoing += 1
         parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
         span = _EngineSpan(time.time_ns()) if parent is not None else None
