@@ -81,7 +81,8 @@ class BackendView:
         go now, before Serve's list drops it; it stays routable by load until then (the breakers and
         the race handle a dead one), and its next page of events, if any, starts afresh."""
         if self.policy is not None:
-            self.policy.remove_replica(replica)
+            # Still event-fed: attempts routed to it until Serve drops it count only briefly.
+            self.policy.apply_kv_cleared(replica)
 
     def choose(
         self,

@@ -24,7 +24,7 @@ from cluster.kv_events import (
     page_to_wire,
 )
 from cluster.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
-from cluster.routing_view import BackendView, ReplicaInfo
+from cluster.routing_view import BackendView, Choice, ReplicaInfo
 
 BS = 4
 
@@ -255,6 +255,9 @@ def test_a_lost_connection_drops_the_entries_while_serve_still_lists_the_replica
     gw.view.replica_lost("a")  # the feed's connection to a was refused: its process is gone
     assert "a" in gw.view.live and gw.view.policy.index.held_blocks("a") == 0
     assert gw.choose(p1).decision.reason == "new_prefix"
+    lost = Choice("a", "http://a", gw.choose(p1).decision)
+    gw.view.started(lost, gw.view.policy.hash(p1), 0.0, None)  # an attempt sent before Serve drops it
+    assert gw.view.policy.index.held_blocks("a") == 0  # only counted briefly, not indexed
     gw.cursors["a"] = FeedCursor()  # it answers again (a restart would be a new replica id)
     gw.poll()
     assert gw.choose(p1).decision.reason == "prefix"
