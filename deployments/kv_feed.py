@@ -72,9 +72,9 @@ class KVEventFeed:
         headers = {INTERNAL_TOKEN_HEADER: self._token}
         timeout = aiohttp.ClientTimeout(total=WAIT_S + 10)
         while True:
-            params = {"after": str(cursor.after), "wait": str(WAIT_S)}
+            params = {"after": str(cursor.after), "wait": "0"}  # the first ask: at once
             if cursor.epoch is not None:
-                params["epoch"] = str(cursor.epoch)
+                params.update(epoch=str(cursor.epoch), wait=str(WAIT_S))
             try:
                 async with self._session().get(
                     url + "/kv_events", params=params, headers=headers, timeout=timeout
