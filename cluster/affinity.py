@@ -3,9 +3,12 @@
 One :class:`AffinityRouter` per self-hosted backend. The router deployment tokenizes once, calls
 :meth:`AffinityRouter.hash` on the prompt's token ids, :meth:`AffinityRouter.decide` with a load
 snapshot of the backend's replicas, dispatches, then :meth:`AffinityRouter.record` the blocks on the
-replica that took the request. Engine KV events (vLLM ``BlockStored``/``BlockRemoved``/
-``AllBlocksCleared``) fed to ``apply_kv_*`` make the index exact; without them it is an optimistic
-guess that forgets in LRU order.
+replica that took the request. Pages of the engine's KV events (vLLM ``BlockStored``/
+``BlockRemoved``/``AllBlocksCleared``, :mod:`cluster.kv_events`) fed to :meth:`apply_kv_page` make
+the index exact for that replica: it then holds what the engine has cached, in our hashes of the
+events' token ids, and a routed request's blocks only count until ``recent_ttl_s`` unless the
+engine's events confirm them. Without events the index is an optimistic guess that forgets in LRU
+order.
 
 Hashing. Like vLLM's ``hash_block_tokens``: only full blocks, each block's hash chains its parent's
 hash, its tokens and the extra keys (the model name and a salt, folded into one 64-bit integer).
@@ -17,13 +20,8 @@ cryptographic: a collision or a crafted prompt can only mislead a routing hint, 
 which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any Python version),
 measured about 3x slower (see loadtest/bench_affinity_micro.py).
 
-The index. ``block hash -> bitmask of replicas`` in an ``OrderedDict`` kept in LRU order and bounded
-in blocks. :meth:`PrefixIndex.record` inserts a request's blocks tail first so the head ends up most
-recent and eviction takes tails first — the index stays prefix-closed (a replica holding block k
-holds blocks 0..k-1), as vLLM's own free queue does, which lets the longest match be found by a
-binary search (O(log n) lookups instead of n). Removing a replica retires its bit at once (lookups
-never see it again) and the stale bits are purged in one pass only after many removals, so a dying
-replica never costs a full scan of a million-entry index on the event loop.
+The index (:mod:`cluster.prefix_index`): ``block hash -> bitmask of replicas``, fed by the engines'
+KV events (exact) or by the routed requests (a guess), bounded, prefix-closed.
 
 The decision, in order (reason in brackets):
 
@@ -42,9 +40,12 @@ The decision, in order (reason in brackets):
    healthy replica is always within the bound.
 2. [session] the session's replica, when it is eligible.
 3. [prefix] the eligible replica holding the longest cached prefix, if at least ``min_match_tokens``
-   (64) match — shorter matches are chat-template boilerplate every replica holds; ties -> least
-   loaded, then the random generator.
-4. [new_prefix] otherwise rendezvous hashing of a home key (the session id, else the hash of the
+   (64) match — shorter matches are chat-template boilerplate every replica holds — and at least
+   ``min_match_ratio`` of the prompt's blocks; ties -> least loaded, then the random generator.
+4. [new_prefix] otherwise, with ``new_prefix="least_loaded"``: the least loaded eligible replica,
+   ties to the one whose cache the index fills least (held blocks over the engine's KV blocks), so
+   that a new context displaces the fewest hot ones and contexts partition over the replicas.
+   With ``new_prefix="rendezvous"``: rendezvous hashing of a home key (the session id, else the hash of the
    first ``home_key_tokens`` = 64 tokens): the eligible replica with the highest score, so
    concurrent requests that share a prefix converge on one replica instead of spraying, and when it
    is full they spill to the *next* replica in that key's order (still one place, not many).
@@ -68,9 +69,25 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
+from cluster.prefix_index import PrefixIndex, SessionTable
+
+__all__ = [
+    "REASONS",
+    "AffinityParams",
+    "AffinityRouter",
+    "BlockHasher",
+    "PrefixIndex",
+    "ReplicaLoad",
+    "RouteDecision",
+    "SessionTable",
+    "stable_hash64",
+]
+
 Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
 REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
 HashAlgo = Literal["tuple", "blake2b"]
+NewPrefix = Literal["rendezvous", "least_loaded"]
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
 
@@ -122,162 +139,6 @@ class BlockHasher:
         return out
 
 
-class PrefixIndex:
-    """Bounded LRU map ``block hash -> replicas believed to hold it`` (a bitmask of replica slots)."""
-
-    def __init__(self, capacity_blocks: int, purge_after: int = 64) -> None:
-        if capacity_blocks <= 0:
-            raise ValueError("capacity_blocks must be positive")
-        self.capacity = capacity_blocks
-        self._purge_after = purge_after
-        self._map: OrderedDict[int, int] = OrderedDict()
-        self._bits: dict[str, int] = {}  # live replica -> its bit
-        self._names: dict[int, str] = {}  # slot number -> live replica
-        self._free: list[int] = []  # slot numbers whose stale bits are purged
-        self._next_slot = 0
-        self._retired = 0  # bits of removed replicas still present in some entries
-        self._retired_count = 0
-        self.evictions = 0
-        self.purges = 0
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def bit(self, replica: str) -> int:
-        """The replica's bit, giving it a slot on first sight."""
-        b = self._bits.get(replica)
-        if b is None:
-            slot = self._free.pop() if self._free else self._next_slot
-            if slot == self._next_slot:
-                self._next_slot += 1
-            b = self._bits[replica] = 1 << slot
-            self._names[slot] = replica
-        return b
-
-    def bit_of(self, replica: str) -> int:
-        """The replica's bit, 0 if it has none (never allocates: safe for names that may be dead)."""
-        return self._bits.get(replica, 0)
-
-    def mask(self, replicas: Iterable[str]) -> int:
-        m = 0
-        for r in replicas:
-            m |= self.bit(r)
-        return m
-
-    def replicas(self, mask: int) -> list[str]:
-        """The live replicas in ``mask``, in slot order."""
-        mask &= ~self._retired
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(self._names[low.bit_length() - 1])
-            mask ^= low
-        return out
-
-    def holders(self, block_hash: int) -> list[str]:
-        return self.replicas(self._map.get(block_hash, 0))
-
-    def record(self, replica: str, hashes: Sequence[int]) -> None:
-        """``replica`` now holds these blocks (a routed request, or the engine said so)."""
-        bit = self.bit(replica)
-        m = self._map
-        pop = m.pop
-        for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
-            m[h] = pop(h, 0) | bit
-        over = len(m) - self.capacity
-        for _ in range(max(0, over)):
-            m.popitem(last=False)
-        if over > 0:
-            self.evictions += over
-
-    on_block_stored = record
-
-    def on_block_removed(self, replica: str, hashes: Iterable[int]) -> None:
-        """The engine evicted these blocks from ``replica``."""
-        bit = self._bits.get(replica)
-        if bit is None:
-            return
-        m = self._map
-        for h in hashes:
-            v = m.get(h)
-            if v is None:
-                continue
-            v &= ~bit
-            if v & ~self._retired:
-                m[h] = v  # keeps its LRU position: other replicas still hold it
-            else:
-                del m[h]
-
-    def remove_replica(self, replica: str) -> None:
-        """Forget the replica and every block it held (effective at once; stale bits purged later)."""
-        bit = self._bits.pop(replica, None)
-        if bit is None:
-            return
-        del self._names[bit.bit_length() - 1]
-        self._retired |= bit
-        self._retired_count += 1
-        if self._retired_count >= max(self._purge_after, len(self._bits)):
-            self.purge()
-
-    def purge(self) -> None:
-        """Drop retired bits from every entry and free their slots: one O(entries) pass."""
-        if not self._retired:
-            return
-        live = ~self._retired
-        self._map = OrderedDict((h, v & live) for h, v in self._map.items() if v & live)
-        retired, slot = self._retired, 0
-        while retired:
-            if retired & 1:
-                self._free.append(slot)
-            retired >>= 1
-            slot += 1
-        self._free.sort(reverse=True)  # reuse low slots first: masks stay small
-        self._retired = 0
-        self._retired_count = 0
-        self.purges += 1
-
-    def longest_match(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
-        """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
-        the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries."""
-        get = self._map.get
-        lo, hi, best = 0, len(hashes), 0
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            held = get(hashes[mid - 1], 0) & mask
-            if held:
-                lo, best = mid, held
-            else:
-                hi = mid - 1
-        return lo, best
-
-
-class SessionTable:
-    """Bounded LRU ``session id -> replica`` with an idle time-to-live."""
-
-    def __init__(self, capacity: int, ttl_s: float) -> None:
-        self.capacity = capacity
-        self.ttl_s = ttl_s
-        self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def get(self, session_id: str, now: float) -> str | None:
-        entry = self._map.get(session_id)
-        if entry is None:
-            return None
-        if now - entry[1] > self.ttl_s:
-            del self._map[session_id]
-            return None
-        return entry[0]
-
-    def bind(self, session_id: str, replica: str, now: float) -> None:
-        self._map[session_id] = (replica, now)
-        self._map.move_to_end(session_id)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
-
-
 @dataclass(slots=True)
 class ReplicaLoad:
     """One replica in the load snapshot handed to :meth:`AffinityRouter.decide`."""
@@ -288,6 +149,7 @@ class ReplicaLoad:
     kv_usage: float = 0.0  # 0..1, from the engine's stats
     healthy: bool = True
     max_in_flight: int = sys.maxsize  # router-side cap (BackendConfig.max_in_flight_per_replica)
+    kv_blocks: int = 0  # the engine's KV cache in blocks (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +164,8 @@ class AffinityParams:
     min_match_tokens: int = 64  # shorter matches are template boilerplate, not worth a detour
     min_match_ratio: float = 0.0  # optionally also require this share of the prompt's blocks
     home_key_tokens: int = 64  # the prefix whose hash picks a new prefix's home replica
+    new_prefix: NewPrefix = "rendezvous"  # or "least_loaded": the least loaded eligible replica
+    recent_ttl_s: float = 5.0  # a sent request's blocks count for this long before events confirm them
     index_capacity_blocks: int = 1_000_000
     session_capacity: int = 100_000
     session_ttl_s: float = 1800.0
@@ -312,6 +176,8 @@ class AffinityParams:
             raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
         if self.load_slack < 0:
             raise ValueError("load_slack must be >= 0")
+        if self.new_prefix not in ("rendezvous", "least_loaded"):
+            raise ValueError(f"unknown new_prefix placement {self.new_prefix!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +202,21 @@ def _least_loaded(loads: Sequence[tuple[ReplicaLoad, int]], rng: random.Random) 
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
+def _roomiest(
+    loads: Sequence[tuple[ReplicaLoad, int]], held: dict[int, int], rng: random.Random
+) -> tuple[ReplicaLoad, int]:
+    """A new prefix's replica under ``new_prefix="least_loaded"``: the least loaded, then the one
+    whose cache the index fills least (its share of the engine's KV, or blocks when the size is
+    unknown), so a new context displaces the fewest others; then ``rng``."""
+    best = min([x.in_flight + x.waiting for x, _ in loads])
+    ties = [xb for xb in loads if xb[0].in_flight + xb[0].waiting == best]
+    if len(ties) > 1:
+        fill = [held.get(b, 0) / x.kv_blocks if x.kv_blocks else float(held.get(b, 0)) for x, b in ties]
+        low = min(fill)
+        ties = [xb for xb, f in zip(ties, fill, strict=True) if f == low]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
 class AffinityRouter:
     """Per-backend affinity state (index, sessions, KV-event maps) and the decision."""
 
@@ -357,6 +238,11 @@ class AffinityRouter:
         self._seeds: dict[str, int] = {}
         self._kv_maps: dict[str, OrderedDict[Hashable, int]] = {}
         self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
+        self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
+        # our block hash -> the replica whose engine stored it last (kept after eviction): a new
+        # prefix's last home, the same on every gateway replica since only events write it
+        self._stored_by: OrderedDict[int, str] = OrderedDict()
+        self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
 
     def hash(self, token_ids: Sequence[int]) -> list[int]:
         return self.hasher.hash_blocks(token_ids)
@@ -375,6 +261,8 @@ class AffinityRouter:
             raise ValueError("decide() needs at least one candidate replica")
         p, index, n_blocks = self.params, self.index, len(hashes)
         bits, bit = index._bits, index.bit
+        if index._recent_log:
+            index.expire_recent(now - p.recent_ttl_s)
         n_healthy = total = healthy_mask = 0
         min_in_flight = sys.maxsize
         avail: list[tuple[ReplicaLoad, int]] = []
@@ -421,6 +309,11 @@ class AffinityRouter:
                 chosen, _ = _least_loaded([xb for xb in eligible if xb[1] & holders], rng)
                 diverted = diverted or best_all > matched
                 return RouteDecision(chosen.replica, "prefix", matched, best_all, n_blocks, diverted)
+        if (session_id is not None or n_blocks) and p.new_prefix == "least_loaded":
+            chosen, b = self._last_home(hashes, eligible) or _roomiest(eligible, index._held, rng)
+            return RouteDecision(
+                chosen.replica, "new_prefix", self._matched(hashes, b), best_all, n_blocks, diverted
+            )
         if session_id is not None or n_blocks:
             if session_id is not None:
                 key = stable_hash64("session", session_id)
@@ -432,6 +325,27 @@ class AffinityRouter:
             return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted)
         chosen, _ = _least_loaded(eligible, rng)
         return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
+
+    def _last_home(
+        self, hashes: Sequence[int], eligible: Sequence[tuple[ReplicaLoad, int]]
+    ) -> tuple[ReplicaLoad, int] | None:
+        """The eligible replica whose engine last stored the longest prefix of these blocks (at
+        least ``min_match_tokens``), though it evicted them since: where the context's sessions
+        went before. Learnt from the events alone, so every gateway replica agrees on it."""
+        hist = self._stored_by
+        if not hist or not hashes:
+            return None
+        lo, hi, who = 0, len(hashes), None
+        while lo < hi:  # prefix-closed like the index: the chain's head is stored before its tail
+            mid = (lo + hi + 1) >> 1
+            r = hist.get(hashes[mid - 1])
+            if r is not None:
+                lo, who = mid, r
+            else:
+                hi = mid - 1
+        if who is None or lo < self._min_blocks:
+            return None
+        return next((xb for xb in eligible if xb[0].replica == who), None)
 
     def _matched(self, hashes: Sequence[int], replica_bit: int) -> int:
         return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0
@@ -460,8 +374,13 @@ class AffinityRouter:
 
     # Updates ---------------------------------------------------------------------------------
     def record(self, replica: str, hashes: Sequence[int], now: float, session_id: str | None = None) -> None:
-        """After dispatch: ``replica`` will hold these blocks; the session now lives there."""
-        self.index.record(replica, hashes)
+        """After dispatch: ``replica`` will hold these blocks; the session now lives there. For a
+        replica fed by its engine's KV events the blocks only count for ``recent_ttl_s`` (until its
+        ``BlockStored`` events confirm them); for the others they stay until LRU drops them."""
+        if replica in self.event_fed:
+            self.index.note_recent(replica, hashes, now)
+        else:
+            self.index.record(replica, hashes)
         if session_id is not None:
             self.sessions.bind(session_id, replica, now)
 
@@ -470,6 +389,7 @@ class AffinityRouter:
         self.index.remove_replica(replica)
         self._seeds.pop(replica, None)
         self._kv_maps.pop(replica, None)
+        self.event_fed.discard(replica)
 
     # Engine KV events (vLLM BlockStored / BlockRemoved / AllBlocksCleared) ---------------------
     def apply_kv_stored(
@@ -496,8 +416,15 @@ class AffinityRouter:
             kv.move_to_end(engine_h)
         while len(kv) > self.params.kv_map_capacity:
             kv.popitem(last=False)
-        self.index.on_block_stored(replica, ours[: len(block_hashes)])
-        return min(len(ours), len(block_hashes))
+        stored = ours[: len(block_hashes)]
+        self.index.on_block_stored(replica, stored)
+        hist = self._stored_by
+        for h in stored:
+            hist[h] = replica
+            hist.move_to_end(h)
+        while len(hist) > self.params.index_capacity_blocks:
+            hist.popitem(last=False)
+        return len(stored)
 
     def apply_kv_removed(self, replica: str, block_hashes: Iterable[Hashable]) -> None:
         kv = self._kv_maps.get(replica)
@@ -507,5 +434,34 @@ class AffinityRouter:
         self.index.on_block_removed(replica, ours)
 
     def apply_kv_cleared(self, replica: str) -> None:
-        """The engine reset its prefix cache: same as forgetting the replica (it gets a new slot)."""
-        self.remove_replica(replica)
+        """The engine reset its prefix cache: its blocks go (the replica gets a new slot)."""
+        self.index.remove_replica(replica)
+        self._kv_maps.pop(replica, None)
+
+    def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
+        """Apply one replica's page of KV events (:mod:`cluster.kv_events`), in order; returns the
+        events applied. The first page, or one that says ``reset``, replaces what the index held
+        for the replica (routed guesses or a window of events it missed) with the engine's word.
+        ``now`` (the clock ``decide`` is given) dates the ``BlocksQueued`` sends; None skips them."""
+        if page.reset or replica not in self.event_fed:
+            self.apply_kv_cleared(replica)
+            self.event_fed.add(replica)
+        n = 0
+        for batch in page.batches:
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    if ev.block_size != self.hasher.block_size:  # another engine setting: not ours
+                        self.kv_mismatched += 1
+                        continue
+                    self.apply_kv_stored(replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
+                elif isinstance(ev, BlockRemoved):
+                    self.apply_kv_removed(replica, ev.block_hashes)
+                elif isinstance(ev, BlocksQueued):
+                    if now is not None:
+                        self.index.note_recent(replica, ev.block_hashes, now)
+                        if ev.session_id is not None:
+                            self.sessions.bind(ev.session_id, replica, now)
+                else:
+                    self.apply_kv_cleared(replica)
+                n += 1
+        return n

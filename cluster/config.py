@@ -127,6 +127,57 @@ class Autoscaling(Strict):
     )
 
 
+class AffinityConfig(Strict):
+    """The cache-aware policy's knobs (``routing: cache_aware``); cluster/affinity.py says what
+    each does. ``min_match_ratio`` 0.5 and ``new_prefix: least_loaded`` are the defaults here (not
+    in the pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV
+    pressure and no worse when the contexts fit (BENCHMARKS.md, issue 17)."""
+
+    min_match_tokens: int = Field(
+        64,
+        ge=1,
+        description="A cached prefix shorter than this does not steer a request (template boilerplate).",
+    )
+    min_match_ratio: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A cached prefix must also cover this share of the prompt's blocks to steer.",
+    )
+    load_factor: float = Field(
+        1.25,
+        ge=1,
+        description="Bounded load: no replica takes more than this times the average in flight ...",
+    )
+    load_slack: int = Field(
+        8, ge=0, description="... unless it is within this many requests of the least loaded."
+    )
+    new_prefix: Literal["rendezvous", "least_loaded"] = Field(
+        "least_loaded",
+        description=(
+            "Where a prompt with no useful cached prefix goes: its home by rendezvous hashing of the session "
+            "id or first blocks (concurrent sharers converge), or the least loaded eligible replica whose "
+            "cache is least full."
+        ),
+    )
+    kv_events: bool = Field(
+        True,
+        description=(
+            "Feed the prefix index from the engines' KV events (vLLM's kv_events_config publisher; the sim "
+            "publishes the same), so it holds what each replica has cached; off: the routed-record guess."
+        ),
+    )
+    recent_ttl_s: float = Field(
+        5.0,
+        gt=0,
+        description="With KV events: how long a sent request's blocks count before events confirm them.",
+    )
+
+    def params(self) -> dict[str, Any]:
+        """The fields :class:`cluster.affinity.AffinityParams` takes."""
+        return self.model_dump(exclude={"kv_events"})
+
+
 class BackendConfig(Strict):
     name: str = Field(min_length=1, description="Backend id, used in routes and metrics.")
     kind: Literal["vllm", "sim", "provider"] = Field(description="What serves the requests.")
@@ -141,6 +192,9 @@ class BackendConfig(Strict):
             "Replica choice, made by the gateway: ours (cache_aware), or a baseline for benchmarks: "
             "least_loaded, round_robin, power_of_two (two random replicas, the less loaded)."
         ),
+    )
+    affinity: AffinityConfig = Field(
+        default_factory=AffinityConfig, description="Cache-aware routing policy (self-hosted backends)."
     )
     engine: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments (kind vllm).")
     sim_profile: str | None = Field(None, description="Engine-model profile name (kind sim).")

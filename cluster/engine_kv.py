@@ -14,8 +14,13 @@
 * A lookup finds the longest run of cached leading blocks, at most ``num_tokens - 1`` tokens: the
   last token is always computed, because its logits give the next token.
 
+* KV events (``events_enabled``), as vLLM's ``kv_events_config`` publisher emits them
+  (:mod:`cluster.kv_events`): ``BlockStored`` for each run of blocks newly registered under their
+  hashes (with the parent's hash and the blocks' token ids), ``BlockRemoved`` for each cached block
+  whose hash an allocation evicts. :meth:`KVCacheManager.take_events` hands them over (once a step).
+
 Simplifications: one block per hash (vLLM allows duplicates until one is evicted); no null block;
-no sliding window; no KV events.
+no sliding window.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from cluster.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 BlockHash = bytes
 
@@ -75,6 +82,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
         self.evictions = 0  # cached blocks whose hash was dropped to reuse the block
+        self.events: list[KVCacheEvent] | None = None  # a list: KV events are recorded into it
 
     @property
     def num_blocks(self) -> int:
@@ -123,6 +131,8 @@ class BlockPool:
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
                     self.evictions += 1
+                    if self.events is not None:
+                        self._removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -135,18 +145,34 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash (first writer wins: one block per hash)."""
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash (first writer wins: one block per hash); True if
+        this block is now the one the hash finds."""
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            return True
+        return False
+
+    def _removed(self, block_hash: BlockHash) -> None:
+        assert self.events is not None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):  # one event for a run of evictions, as vLLM batches them
+            assert isinstance(last.block_hashes, list)
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash]))
 
 
 class KVCacheManager:
     """Per-request block tables on top of a :class:`BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events_enabled: bool = False
+    ) -> None:
         self.pool = BlockPool(num_blocks)
+        if events_enabled and enable_caching:
+            self.pool.events = []
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._tables: dict[str, list[KVBlock]] = {}
@@ -180,16 +206,49 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
-    def cache_blocks(self, request_id: str, block_hashes: Sequence[BlockHash], num_computed: int) -> None:
-        """Register the request's full, computed blocks that are not registered yet."""
+    def cache_blocks(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_computed: int,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register the request's full, computed blocks that are not registered yet (``token_ids``:
+        the request's tokens, for the ``BlockStored`` events)."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id, [])
         done = self._num_cached.get(request_id, 0)
         full = min(num_computed // self.block_size, len(block_hashes), len(table))
+        events = self.pool.events
+        run_start = -1
         for i in range(done, full):
-            self.pool.cache(table[i], block_hashes[i])
+            stored = self.pool.cache(table[i], block_hashes[i])
+            if events is None:
+                continue
+            if stored and run_start < 0:
+                run_start = i
+            elif not stored and run_start >= 0:
+                self._stored(block_hashes, token_ids, run_start, i)
+                run_start = -1
+        if events is not None and run_start >= 0:
+            self._stored(block_hashes, token_ids, run_start, full)
         self._num_cached[request_id] = max(done, full)
+
+    def _stored(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], lo: int, hi: int) -> None:
+        assert self.pool.events is not None
+        bs = self.block_size
+        parent = hashes[lo - 1] if lo > 0 else None
+        tokens = list(token_ids[lo * bs : hi * bs])
+        self.pool.events.append(BlockStored(list(hashes[lo:hi]), parent, tokens, bs))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call (empty when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (a prompt's private end is evicted before its head)."""

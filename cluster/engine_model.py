@@ -49,12 +49,14 @@ import math
 import sys
 import zlib
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from cluster.engine_kv import BlockHash, KVCacheManager, hash_request_tokens
 from cluster.engine_queue import SchedulingPolicy, WaitQueue
+from cluster.kv_events import KVCacheEvent
 from cluster.profiles import BatchShape, Profile, StepTimeModel
 
 _MASK64 = (1 << 64) - 1
@@ -195,7 +197,10 @@ class EngineModel:
         start_time: float = 0.0,
         step_time_model: StepTimeModel | None = None,
         scheduling_policy: SchedulingPolicy = "fcfs",
+        on_kv_events: Callable[[list[KVCacheEvent], float], None] | None = None,
     ) -> None:
+        """``on_kv_events(events, end)``: called at the end of each step that stored or evicted
+        cached blocks, with vLLM's events for it (:mod:`cluster.kv_events`); None: no events."""
         e = profile.engine
         self.profile = profile
         self.block_size = e.block_size
@@ -210,7 +215,10 @@ class EngineModel:
                 f"profile '{profile.name}': max_model_len {self.max_model_len} needs more KV blocks than the "
                 f"cache has ({num_blocks} * {self.block_size} tokens); lower max_model_len"
             )
-        self.kv = KVCacheManager(num_blocks, self.block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, enable_prefix_caching, events_enabled=on_kv_events is not None
+        )
+        self._on_kv_events = on_kv_events
         self.now = start_time
         self.counters = EngineCounters()
         self.keep_finished = keep_finished
@@ -349,6 +357,10 @@ class EngineModel:
         c.busy_time += end - start
         c.prefill_tokens += batch.prefill_tokens
         c.generated_tokens += len(outputs)
+        if self._on_kv_events is not None:
+            events = self.kv.take_events()
+            if events:
+                self._on_kv_events(events, end)
         return StepResult(start, end, batch, outputs, preempted, len(self.running), len(self.waiting))
 
     # --- internals ------------------------------------------------------------------------
@@ -432,7 +444,7 @@ class EngineModel:
         outputs: list[TokenEvent] = []
         for req, n in scheduled.items():
             req.num_computed_tokens += n
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens, req.token_ids)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk: no token yet
             token = seeded_token_id(req.seed, req.digest, req.num_tokens, self.vocab_size)

@@ -4,8 +4,9 @@ on each, the cache-aware policy's state and the decisions it made.
 
 Plain Python, no Ray, no I/O. The gateway feeds it: Serve's live replica list (with each
 replica's published endpoint and engine stats) at every decision, the start and end of every
-attempt it sends. A replica that leaves Serve's list leaves the view at the next decision: its
-in-flight count, stats, index entries and breaker go with it.
+attempt it sends, and each replica's KV events (pages from its engine's log, applied by a
+background feed, never per chunk). A replica that leaves Serve's list leaves the view at the next
+decision: its in-flight count, stats, index entries and breaker go with it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.affinity import AffinityRouter, ReplicaLoad, RouteDecision
 from cluster.failover import ReplicaEjector
+from cluster.kv_events import KVEventPage
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,8 @@ class ReplicaInfo:
     waiting: int = 0
     kv_usage: float = 0.0
     healthy: bool = True
+    kv_events: bool = False  # the replica serves its engine's KV events (GET /kv_events)
+    kv_blocks: int = 0  # its KV cache in blocks (0: unknown)
 
 
 @dataclass
@@ -64,6 +68,21 @@ class BackendView:
                 self.policy.remove_replica(gone)
         self.live = now_live
         self.ejector.sync(list(now_live))
+
+    def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
+        """A page of ``replica``'s KV events (the gateway's feed, off the token path). A replica
+        that is no longer live is ignored: a late page must not bring a dead replica's blocks back."""
+        if self.policy is None or replica not in self.live:
+            return 0
+        return self.policy.apply_kv_page(replica, page, now)
+
+    def replica_lost(self, replica: str) -> None:
+        """The feed lost the replica's connection (its process died, or is dying): its index entries
+        go now, before Serve's list drops it; it stays routable by load until then (the breakers and
+        the race handle a dead one), and its next page of events, if any, starts afresh."""
+        if self.policy is not None:
+            # Still event-fed: attempts routed to it until Serve drops it count only briefly.
+            self.policy.apply_kv_cleared(replica)
 
     def choose(
         self,
@@ -124,6 +143,7 @@ class BackendView:
             info.kv_usage,
             healthy and info.healthy,
             self.max_in_flight_per_replica,
+            info.kv_blocks,
         )
 
     def _least_loaded(self, loads: list[ReplicaLoad], n_blocks: int) -> RouteDecision:

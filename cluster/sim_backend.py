@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from cluster.errors import (
     InvalidRequest,
     StreamInterrupted,
 )
+from cluster.kv_events import KVEventLog
 from cluster.profiles import Profile, get_profile
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 
@@ -125,11 +127,13 @@ class SimBackend:
         self.options = (
             options if isinstance(options, SimOptions) else SimOptions.model_validate(options or {})
         )
+        self.kv_events = KVEventLog()  # vLLM's KV events, served to the gateways (cluster.kv_events)
         self.engine = EngineModel(
             profile,
             enable_prefix_caching=enable_prefix_caching,
             keep_finished=False,
             scheduling_policy=scheduling_policy,
+            on_kv_events=lambda events, _end: self.kv_events.append(events, time.time()),
         )
         self.replica = replica
         self.backend = backend

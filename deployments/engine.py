@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from ray import serve
 
+from cluster.affinity import BlockHasher
 from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import (
@@ -36,11 +37,13 @@ from cluster.engine_wire import (
     parse_request,
 )
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.kv_events import KVEventLog
 from cluster.migration import DRAINING_CODE
 from cluster.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
 from deployments.internal import internal_token, token_ok
+from deployments.kv_endpoint import KVEventEndpoint, no_events
 
 log = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 1.0
@@ -89,6 +92,12 @@ class EngineReplica:
             from deployments.tracing import Tracer
 
             self.tracer = Tracer(trace_cfg, self.replica_id)
+        self.kv_events: KVEventEndpoint | None = None  # the engine's KV events, for the gateways
+        log: KVEventLog | None = getattr(self.backend, "kv_events", None)
+        if log is not None:
+            engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
+            hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
+            self.kv_events = KVEventEndpoint(log, self._token, hasher)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
 
@@ -96,6 +105,7 @@ class EngineReplica:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/kv_events", self.kv_events.handle if self.kv_events is not None else no_events)
         # handler_cancellation: the gateway closing the connection cancels the handler (abort).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -128,7 +138,14 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """Pushed by Serve to every handle's request router: where to stream from, and the load."""
         s = self.backend.stats()
-        return {"url": self.url, "waiting": s.waiting, "running": s.running, "kv_usage": s.kv_usage}
+        return {
+            "url": self.url,
+            "waiting": s.waiting,
+            "running": s.running,
+            "kv_usage": s.kv_usage,
+            "kv_events": self.kv_events is not None,  # the gateways follow GET /kv_events
+            "kv_blocks": int(s.extra.get("num_kv_blocks", 0)),
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {"running_requests": float(self.ongoing)}
@@ -167,6 +184,8 @@ class EngineReplica:
         except (ValueError, KeyError, TypeError) as exc:
             err = InvalidRequest(f"bad internal request: {type(exc).__name__}")
             return web.json_response({"error": to_wire(err)}, status=400)
+        if self.kv_events is not None:
+            self.kv_events.announce(req)
         self.ongoing += 1
         parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
         span = _EngineSpan(time.time_ns()) if parent is not None else None

@@ -58,6 +58,8 @@ class _Pick:
                     st.get("url"),
                     int(st.get("waiting", 0)),
                     float(st.get("kv_usage", 0.0)),
+                    kv_events=bool(st.get("kv_events", False)),
+                    kv_blocks=int(st.get("kv_blocks", 0)),
                 )
             )
         self.view.sync(infos)

@@ -41,6 +41,7 @@ from deployments import http_api as h
 from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
 from deployments.internal import internal_token, token_ok
+from deployments.kv_feed import kv_index_status, start_feeds
 from deployments.prepare import prepare
 from deployments.relay import Relay
 from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
@@ -100,7 +101,7 @@ class Gateway:
                     on_unsettled=functools.partial(_count_unsettled, b.name),
                 )
                 continue
-            policy = AffinityRouter(block_size(b), b.model, AffinityParams())
+            policy = AffinityRouter(block_size(b), b.model, AffinityParams(**b.affinity.params()))
             cap = b.max_in_flight_per_replica
             view = BackendView(b.name, policy, self.board.replicas(b.name), cap, b.routing)
             self.views[b.name] = view
@@ -108,6 +109,10 @@ class Gateway:
         self.providers = providers
         self._session: Any = None
         self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
+        kv_wanted = {b.name: b.routing == "cache_aware" and b.affinity.kv_events for b in cfg.backends}
+        self.kv_feeds, self._kv_tasks = start_feeds(
+            self.views, pickers, self._client_session, self._token, kv_wanted
+        )
         self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
         self.relay = Relay(self)
         self.tracer: Any = None  # deployments.tracing.Tracer when an OTLP endpoint is configured
@@ -365,6 +370,7 @@ class Gateway:
                     "replicas": {r: i.url for r, i in v.live.items()},
                     "in_flight": dict(v.in_flight),
                     "decisions": dict(v.decision_counts),
+                    "kv_index": kv_index_status(v, self.kv_feeds.get(name)),
                 }
                 for name, v in self.views.items()
             },

@@ -21,6 +21,7 @@ from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
 from cluster.errors import BackendUnavailable, StreamInterrupted
+from cluster.kv_events import KVEventLog
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.tokens import resolve_model_path
 
@@ -104,8 +105,25 @@ class VLLMBackend:
         self._started = self._finished = self._aborted = 0
         # The last aborted requests and how far they got: operators and tests see the abort land.
         self._recent_aborts: deque[tuple[str, int]] = deque(maxlen=64)
-        args = AsyncEngineArgs(**engine_kwargs(backend, model))
+        kw = engine_kwargs(backend, model)
+        self.kv_events: KVEventLog | None = None
+        self._kv_sub: Any = None
+        # KV events mean something only with the prefix cache on; an explicit extra wins.
+        if (
+            backend.affinity.kv_events
+            and backend.engine.enable_prefix_caching
+            and "kv_events_config" not in kw
+        ):
+            import asyncio
+
+            from deployments.vllm_kv_events import VLLMEventSubscriber, kv_events_config
+
+            self.kv_events = KVEventLog()
+            self._kv_sub = VLLMEventSubscriber(self.kv_events, asyncio.get_running_loop())
+            kw["kv_events_config"] = kv_events_config(self._kv_sub.port)
+        args = AsyncEngineArgs(**kw)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
+        self._num_blocks = _num_blocks(self.engine)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
@@ -185,10 +203,21 @@ class VLLMBackend:
             requests_aborted=self._aborted,
             extra={
                 "unfinished": self.engine.get_num_unfinished_requests(),
+                "num_kv_blocks": self._num_blocks,
                 "recent_aborts": list(self._recent_aborts),
                 "ts": time.time(),
             },
         )
 
     def shutdown(self) -> None:
+        if self._kv_sub is not None:
+            self._kv_sub.stop()
         self.engine.shutdown()
+
+
+def _num_blocks(engine: Any) -> int:
+    """The engine's KV cache in blocks (0 if this vLLM does not say)."""
+    try:
+        return int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+    except (AttributeError, TypeError, ValueError):
+        return 0

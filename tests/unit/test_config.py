@@ -42,6 +42,14 @@ def _base() -> dict:
         (lambda c: c["server"].update(port="eighty"), "server.port"),
         (lambda c: c.update(extra_section=1), "extra_section"),
         (lambda c: c["backends"][0].update(kind="provider"), "provider"),
+        (
+            lambda c: c["backends"][0].update(affinity={"new_prefix": "random"}),
+            "backends.0.affinity.new_prefix",
+        ),
+        (
+            lambda c: c["backends"][0].update(affinity={"min_match_ratio": 2}),
+            "backends.0.affinity.min_match_ratio",
+        ),
     ],
 )
 def test_bad_config_names_the_field(mutate, field: str) -> None:
@@ -80,6 +88,22 @@ def test_cli_check_exits_nonzero_naming_the_field(tmp_path: Path) -> None:
         text=True,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_affinity_config_reaches_the_policy() -> None:
+    from cluster.affinity import AffinityParams
+
+    raw = _base()
+    raw["backends"][0]["affinity"] = {"min_match_tokens": 128, "load_factor": 2.0, "new_prefix": "rendezvous"}
+    b = parse_config(raw).backends[0]
+    p = AffinityParams(**b.affinity.params())
+    assert (p.min_match_tokens, p.load_factor, p.new_prefix, p.min_match_ratio) == (
+        128,
+        2.0,
+        "rendezvous",
+        0.5,
+    )
+    assert b.affinity.kv_events  # on unless the config says otherwise
 
 
 def test_candidates_prefer_surface_specific_routes() -> None:

@@ -1,0 +1,64 @@
+"""An engine replica's side of the KV-event transport (:mod:`cluster.kv_events`): its log served as
+``GET /kv_events?after=N&epoch=E&wait=S`` (a long poll, the internal credential required), and the
+``BlocksQueued`` it publishes as each request arrives. The gateways' side is
+:mod:`deployments.kv_feed`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from aiohttp import web
+
+from cluster.affinity import BlockHasher
+from cluster.engine_wire import INTERNAL_TOKEN_HEADER
+from cluster.errors import InvalidRequest, to_wire
+from cluster.kv_events import BlocksQueued, KVEventLog, page_to_wire
+from cluster.protocol import GenerateRequest
+from deployments.internal import token_ok
+
+MAX_WAIT_S = 30.0
+
+
+class KVEventEndpoint:
+    """``log``'s HTTP face. ``hasher``: the gateways' block hash of this backend (same block size
+    and model), for the ``BlocksQueued`` announcements."""
+
+    def __init__(self, log: KVEventLog, token: str, hasher: BlockHasher) -> None:
+        self.log, self._token, self.hasher = log, token, hasher
+        self._new = asyncio.Event()
+        log.on_append = self._new.set  # appended on this loop (vLLM's thread hands over to it)
+
+    def announce(self, req: GenerateRequest) -> None:
+        """A request arrived: every gateway learns where its prompt's blocks are going (and its
+        session) before the engine computes them."""
+        queued = BlocksQueued(self.hasher.hash_blocks(req.prompt_token_ids), req.session_id)
+        self.log.append([queued], time.time())
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """The batches after ``after``; with none, waits up to ``wait`` seconds for the next one."""
+        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
+            return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
+        q = request.query
+        try:
+            after = int(q.get("after", "0"))
+            epoch = int(q["epoch"]) if "epoch" in q else None
+            wait = min(max(float(q.get("wait", "0")), 0.0), MAX_WAIT_S)
+        except ValueError:
+            err = InvalidRequest("after, epoch and wait must be numbers", param="after")
+            return web.json_response({"error": to_wire(err)}, status=400)
+        page = self.log.since(after, epoch)
+        if not page.batches and not page.reset and wait > 0:
+            self._new.clear()  # no await since the since() above: no batch can slip between
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._new.wait(), wait)
+            page = self.log.since(after, epoch)
+        return web.json_response(page_to_wire(page))
+
+
+async def no_events(request: web.Request) -> web.Response:
+    """The answer of a replica whose engine publishes no KV events: the gateways stop asking."""
+    return web.json_response(
+        {"error": to_wire(InvalidRequest("this engine publishes no KV events"))}, status=404
+    )
