@@ -88,7 +88,9 @@ def build_generate_request(
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
+            structured=structured(req),
         ),
+        options=options(req),
         messages=messages,
         prompt_text=text,
         surface=surface,
@@ -96,6 +98,30 @@ def build_generate_request(
         session_id=session_id,
         deadline=time.time() + timeout_s,
     )
+
+
+# Fields every backend reads from Sampling or the prompt; the rest travel in GenerateRequest.options.
+_CORE = frozenset(
+    {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+     "stop", "seed", "stream", "stream_options", "user", "presence_penalty", "frequency_penalty",
+     "ignore_eos"}
+)  # fmt: skip
+
+
+def options(req: ApiRequest) -> dict[str, Any]:
+    """The client's other fields, as sent (JSON), for provider adapters to pass or translate."""
+    sent = req.model_fields_set - _CORE
+    return req.model_dump(include=sent, by_alias=True, exclude_none=True, mode="json") if sent else {}
+
+
+def structured(req: ApiRequest) -> dict[str, Any] | None:
+    """``response_format`` as a self-hosted engine's structured decoding (vLLM's fields)."""
+    rf = getattr(req, "response_format", None)
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"json_object": True}
+    return {"json": rf.json_schema.schema_ or {}}
 
 
 def requested_max_tokens(req: ApiRequest) -> int | None:

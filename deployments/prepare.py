@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from cluster import capabilities
 from cluster.config import ClusterConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
@@ -105,7 +106,24 @@ def prepare(
             hashed[backend] = view.policy.hash(ids)
         return hashed[backend]
 
-    for name in cfg.candidates(model.name, surface.name):
+    candidates = supporting_candidates(cfg, api, cfg.candidates(model.name, surface.name))
+    for name in candidates:
         hashes(name)  # here, off the loop for big prompts: once per backend
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    return Prepared(api, req, meta, cfg.candidates(model.name, surface.name), hashes)
+    return Prepared(api, req, meta, candidates, hashes)
+
+
+def supporting_candidates(
+    cfg: ClusterConfig, api: ChatCompletionRequest | CompletionRequest, candidates: list[str]
+) -> list[str]:
+    """The route's backends that honour every field the request uses (a failover stays among
+    them); a 400 naming the field and the backends when none does."""
+
+    def kind_of(name: str) -> str:
+        b = cfg.backend(name)
+        return capabilities.backend_kind(b.kind, b.provider.api if b.provider else None)
+
+    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of)
+    if refusal is not None:
+        raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
+    return kept
