@@ -84,6 +84,10 @@ SUPPORT: dict[str, frozenset[str]] = {
 }
 
 
+# Honoured only on models that say how: a FIM template (ModelConfig.fim) lets engines take suffix.
+WITH_FIM: dict[str, frozenset[str]] = {"suffix": _ENGINES}
+
+
 def backend_kind(kind: str, api: str | None) -> Kind:
     """A backend config's kind as this table knows it (``provider`` splits by its API)."""
     if kind == "provider":
@@ -142,8 +146,8 @@ def used_fields(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
     return used
 
 
-def unsupported(used: Iterable[str], kind: str) -> list[str]:
-    return [f for f in used if kind not in SUPPORT[f]]
+def unsupported(used: Iterable[str], kind: str, fim: bool = False) -> list[str]:
+    return [f for f in used if kind not in SUPPORT[f] and not (fim and kind in WITH_FIM.get(f, ()))]
 
 
 @dataclass(frozen=True)
@@ -171,11 +175,11 @@ def _what(field: str) -> str:
 
 
 def narrow(
-    used: list[str], candidates: list[str], kind_of: Callable[[str], str]
+    used: list[str], candidates: list[str], kind_of: Callable[[str], str], fim: bool = False
 ) -> tuple[list[str], Refusal | None]:
     """The candidates that honour every used field, in order (a failover stays among them); when
-    none does, the refusal says what each candidate lacks."""
-    lacks = {c: unsupported(used, kind_of(c)) for c in candidates}
+    none does, the refusal says what each candidate lacks. ``fim``: the model has a FIM template."""
+    lacks = {c: unsupported(used, kind_of(c), fim) for c in candidates}
     kept = [c for c in candidates if not lacks[c]]
     if kept or not candidates:
         return kept, None

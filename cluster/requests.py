@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.config import ClusterConfig, ModelConfig
+from cluster import fim as fim_prompt
+from cluster.config import ClusterConfig, FimTemplate, ModelConfig
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling
 from cluster.tokens import Tokenizer
@@ -23,11 +24,20 @@ def lookup_model(cfg: ClusterConfig, name: str) -> ModelConfig:
     return model
 
 
-def prompt_ids(req: ApiRequest, tok: Tokenizer) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
-    """The prompt's token ids, plus what providers need: the messages (chat) or the text."""
+def prompt_ids(
+    req: ApiRequest, tok: Tokenizer, fim: FimTemplate | None = None
+) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
+    """The prompt's token ids, plus what providers need: the messages (chat) or the text.
+
+    A completion with ``suffix`` on a model with a FIM template is tokenized as the engine will
+    see it (:mod:`cluster.fim`); the text providers get stays the client's own prompt."""
     if isinstance(req, ChatCompletionRequest):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         return tok.chat_ids(messages), messages, None
+    if req.suffix is not None and fim is not None:
+        if isinstance(req.prompt, list):
+            raise InvalidRequest("'suffix' needs a text prompt, not token ids", param="prompt")
+        return tok.encode(fim_prompt.render(fim, req.prompt, req.suffix)), None, req.prompt
     if isinstance(req.prompt, list):
         if not tok.exact:
             raise InvalidRequest("token-id prompts need a model with an exact tokenizer", param="prompt")

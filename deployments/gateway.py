@@ -36,7 +36,7 @@ from cluster.tenants import TenantBudgets, TenantReservation
 from cluster.tokens import load_tokenizer
 from cluster.trace import RequestTrace, new_id, parse_traceparent
 from deployments import http_api as h
-from deployments import metrics
+from deployments import metrics, native_api
 from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
 from deployments.internal import internal_token, token_ok
@@ -119,11 +119,21 @@ class Gateway:
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
+            ("POST", "/v1/messages"): lambda s, r, d: native_api.messages(
+                self._chat, self._body_limit, s, r, d
+            ),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/openapi.json"): self._openapi_json,
             ("GET", "/internal/status"): self._status,
         }
+
+    @property
+    def _body_limit(self) -> int:
+        return self.cfg.server.max_body_bytes
+
+    async def _chat(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        await self._complete(scope, receive, send, "chat")
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per

@@ -67,7 +67,7 @@ def prepare(
     def count(model_name: str) -> int:
         m = cfg.model(model_name)
         assert m is not None
-        counted[model_name] = prompt_ids(api, load_tokenizer(m.tokenizer))
+        counted[model_name] = prompt_ids(api, load_tokenizer(m.tokenizer), m.fim)
         return len(counted[model_name][0])
 
     param = "messages" if kind == "chat" else "prompt"
@@ -106,7 +106,9 @@ def prepare(
             hashed[backend] = view.policy.hash(ids)
         return hashed[backend]
 
-    candidates = supporting_candidates(cfg, api, cfg.candidates(model.name, surface.name))
+    candidates = supporting_candidates(
+        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None
+    )
     for name in candidates:
         hashes(name)  # here, off the loop for big prompts: once per backend
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
@@ -114,16 +116,20 @@ def prepare(
 
 
 def supporting_candidates(
-    cfg: ClusterConfig, api: ChatCompletionRequest | CompletionRequest, candidates: list[str]
+    cfg: ClusterConfig,
+    api: ChatCompletionRequest | CompletionRequest,
+    candidates: list[str],
+    fim: bool = False,
 ) -> list[str]:
     """The route's backends that honour every field the request uses (a failover stays among
-    them); a 400 naming the field and the backends when none does."""
+    them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
+    template, so self-hosted engines take ``suffix`` too."""
 
     def kind_of(name: str) -> str:
         b = cfg.backend(name)
         return capabilities.backend_kind(b.kind, b.provider.api if b.provider else None)
 
-    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of)
+    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of, fim)
     if refusal is not None:
         raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
     return kept
