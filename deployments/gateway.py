@@ -128,12 +128,13 @@ class Gateway:
             ("GET", "/internal/status"): self._status,
         }
 
-    @property
-    def _body_limit(self) -> int:
-        return self.cfg.server.max_body_bytes
+    async def _native(self, api: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        """/v1/messages and /v1/responses: translated into the chat route and back."""
 
-    async def _chat(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
-        await self._complete(scope, receive, send, "chat")
+        async def chat(s: h.Scope, r: h.Receive, d: h.Send) -> None:
+            await self._complete(s, r, d, "chat")
+
+        await native_api.serve(api, chat, self.cfg.server.max_body_bytes, scope, receive, send)
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per

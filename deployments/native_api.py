@@ -1,24 +1,43 @@
-"""``POST /v1/messages`` (Anthropic-compatible) as a thin shell over the gateway's chat route.
+"""``POST /v1/messages`` (Anthropic-compatible) and ``POST /v1/responses`` (OpenAI Responses, minimal)
+as thin shells over the gateway's chat route.
 
-The Messages body is translated into the OpenAI chat body (:mod:`cluster.messages_api`) and served
-by the gateway's own chat completions path, so admission, affinity, failover and the relay are the
-same; what the route writes back is translated on the way out (:mod:`cluster.messages_stream` for
-streams, the whole response or error otherwise). Anthropic clients send their key as
-``x-api-key``: it stands in for ``Authorization: Bearer`` here.
+The body is translated into the OpenAI chat body (:mod:`cluster.messages_api`,
+:mod:`cluster.responses_api`) and served by the gateway's own chat completions path, so admission,
+affinity, failover and the relay are the same; what that route writes back is translated on the
+way out (a stream event by event, a whole response or an error at once). Anthropic clients send
+their key as ``x-api-key``: it stands in for ``Authorization: Bearer`` here.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from cluster import messages_api
+from cluster import messages_api, responses_api
 from cluster.errors import ClusterError
 from cluster.messages_stream import MessagesStream
+from cluster.responses_stream import ResponsesStream
 from deployments import http_api as h
 
 Route = Callable[[h.Scope, h.Receive, h.Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class NativeApi:
+    """One client API over the chat route: its request translation and its answer's."""
+
+    to_chat: Callable[[Any], dict[str, Any]]
+    whole: Callable[[dict[str, Any], str], dict[str, Any]]
+    error: Callable[[int, Any], dict[str, Any]]
+    stream: Callable[[str], Any]  # model -> an object with feed(bytes) -> bytes
+
+
+MESSAGES = NativeApi(messages_api.to_chat, messages_api.from_chat, messages_api.error_body, MessagesStream)
+RESPONSES = NativeApi(
+    responses_api.to_chat, responses_api.from_chat, lambda status, obj: obj, ResponsesStream
+)
 
 
 def _scope(scope: h.Scope, length: int) -> h.Scope:
@@ -33,24 +52,18 @@ def _scope(scope: h.Scope, length: int) -> h.Scope:
     return {**scope, "headers": headers}
 
 
-async def _error(send: h.Send, err: ClusterError) -> None:
-    await h.send_json(
-        send, err.status_code, messages_api.error_body(err.status_code, err.to_openai()), err.headers()
-    )
-
-
-async def messages(chat: Route, limit: int, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+async def serve(
+    api: NativeApi, chat: Route, limit: int, scope: h.Scope, receive: h.Receive, send: h.Send
+) -> None:
     try:
         h.check_json_content_type(scope)
-        raw = await h.read_body(scope, receive, limit)
-        body = h.parse_json(raw)
-        translated = json.dumps(messages_api.to_chat(body)).encode()
+        body = h.parse_json(await h.read_body(scope, receive, limit))
+        translated = json.dumps(api.to_chat(body)).encode()
     except ClusterError as err:
-        await _error(send, err)
+        await h.send_json(send, err.status_code, api.error(err.status_code, err.to_openai()), err.headers())
         return
     except ConnectionResetError:
         return
-    model = str(body.get("model", ""))
     sent = False
 
     async def inner_receive() -> dict[str, Any]:
@@ -60,18 +73,21 @@ async def messages(chat: Route, limit: int, scope: h.Scope, receive: h.Receive, 
         sent = True
         return {"type": "http.request", "body": translated, "more_body": False}
 
-    await chat(_scope(scope, len(translated)), inner_receive, _Translating(send, model))
+    await chat(
+        _scope(scope, len(translated)), inner_receive, _Translating(api, send, str(body.get("model", "")))
+    )
 
 
 class _Translating:
-    """A ``send`` that turns the chat route's answer into the Messages API's."""
+    """A ``send`` that turns the chat route's answer into the client API's."""
 
-    def __init__(self, send: h.Send, model: str) -> None:
+    def __init__(self, api: NativeApi, send: h.Send, model: str) -> None:
+        self.api = api
         self.send = send
         self.model = model
         self.status = 200
         self.headers: list[tuple[bytes, bytes]] = []
-        self.stream: MessagesStream | None = None
+        self.stream: Any = None
         self.buf = bytearray()
 
     async def __call__(self, msg: dict[str, Any]) -> None:
@@ -79,7 +95,7 @@ class _Translating:
             self.status = msg["status"]
             self.headers = [(k, v) for k, v in msg.get("headers", []) if k != b"content-length"]
             if (dict(self.headers).get(b"content-type") or b"").startswith(b"text/event-stream"):
-                self.stream = MessagesStream(self.model)
+                self.stream = self.api.stream(self.model)
                 await self.send({**msg, "headers": self.headers})
             return
         body = msg.get("body", b"")
@@ -93,10 +109,7 @@ class _Translating:
         if more:
             return
         obj = json.loads(bytes(self.buf) or b"{}")
-        if self.status == 200:
-            obj = messages_api.from_chat(obj, self.model)
-        else:
-            obj = messages_api.error_body(self.status, obj)
+        obj = self.api.whole(obj, self.model) if self.status == 200 else self.api.error(self.status, obj)
         data = json.dumps(obj, separators=(",", ":")).encode()
         headers = [*self.headers, (b"content-length", str(len(data)).encode())]
         await self.send({"type": "http.response.start", "status": self.status, "headers": headers})

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from cluster import capabilities as C
 from cluster.config import parse_config
@@ -262,3 +262,108 @@ def test_fim_on_vllm_cpu_sends_the_models_fim_prompt(cluster) -> None:
     # not the prefix alone.
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
     assert len(ids) > len(load_tokenizer("@tiny").encode(prefix)) + 3
+
+
+# -- /v1/messages: Anthropic-native clients ------------------------------------------------------
+ANT_TOOLS = json.loads((DATA / "anthropic_round_trip.json").read_text())["tools"]
+
+
+def _anthropic_round_trip(fx, model: str, stream: bool) -> list[Any]:
+    """The official anthropic client through our /v1/messages: call -> tool_result -> answer."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+    kw: dict[str, Any] = {"model": model, "max_tokens": 64, "tools": ANT_TOOLS}
+    ask = [{"role": "user", "content": ASK[0]["content"]}]
+    if stream:
+        with client.messages.stream(messages=ask, **kw) as s:
+            first = s.get_final_message()
+    else:
+        first = client.messages.create(messages=ask, **kw)
+    assert first.stop_reason == "tool_use"
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"location": "San Francisco, CA"})]
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "15 degrees"} for u in uses]
+    follow = [*ask, {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+              {"role": "user", "content": results}]  # fmt: skip
+    answer = client.messages.create(messages=follow, **kw)
+    assert answer.stop_reason == "end_turn" and answer.content[0].type == "text" and answer.content[0].text
+    assert answer.usage.output_tokens > 0
+    return uses
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_messages_tool_round_trip_to_an_openai_compatible_provider(fx, servers, stream: bool) -> None:
+    oai, _ = servers
+    oai.reset()
+    uses = _anthropic_round_trip(fx, "fx-gpt", stream)
+    first, second = (rec.body for rec in oai.stats().records[-2:])
+    assert first["tools"] == WEATHER  # the Anthropic tool, as OpenAI's function tool
+    args = json.dumps({"location": "San Francisco, CA"})
+    call = {"id": uses[0].id, "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    assert second["messages"][1] == {"role": "assistant", "tool_calls": [call]}
+    assert second["messages"][2] == {"role": "tool", "tool_call_id": uses[0].id, "content": "15 degrees"}
+
+
+def test_messages_on_a_simulated_engine_and_errors_in_anthropic_shape(fx) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+    with client.messages.stream(
+        model="fx-sim", max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+    ) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(
+            model="fx-sim", max_tokens=5, top_k=3, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert exc.value.body["error"]["type"] == "invalid_request_error" and "top_k" in exc.value.message
+    with pytest.raises(anthropic.BadRequestError, match="tools"):  # the sim cannot call tools: said so
+        client.messages.create(
+            model="fx-sim", max_tokens=5, tools=ANT_TOOLS, messages=[{"role": "user", "content": "x"}]
+        )
+
+
+# -- /v1/responses: the openai client's Responses API ---------------------------------------------
+RESP_TOOLS = [{"type": "function", **WEATHER[0]["function"]}]
+
+
+def test_responses_function_call_round_trip(fx, servers) -> None:
+    oai, _ = servers
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    first = client.responses.create(
+        model="fx-gpt", input=ASK[0]["content"], tools=RESP_TOOLS, max_output_tokens=64
+    )
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"location": "San Francisco, CA"})
+    ]
+    assert oai.stats().records[-1].body["tools"] == WEATHER  # the flat Responses tool, as chat's
+    follow = [
+        {"role": "user", "content": ASK[0]["content"]},
+        {
+            "type": "function_call",
+            "call_id": calls[0].call_id,
+            "name": "get_weather",
+            "arguments": calls[0].arguments,
+        },
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "15 degrees"},
+    ]
+    events = list(client.responses.create(model="fx-gpt", input=follow, tools=RESP_TOOLS, stream=True))  # type: ignore[arg-type]
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    final = events[-1].response
+    assert final.output_text and final.usage is not None and final.usage.output_tokens > 0
+    sent = oai.stats().records[-1].body["messages"]
+    assert sent[-1] == {"role": "tool", "tool_call_id": calls[0].call_id, "content": "15 degrees"}
+
+
+def test_responses_on_a_simulated_engine_and_a_refused_field(fx) -> None:
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    r = client.responses.create(model="fx-sim", input="hi", max_output_tokens=4)
+    assert r.status == "incomplete" and r.output_text and r.usage and r.usage.output_tokens == 4
+    with pytest.raises(BadRequestError, match="previous_response_id"):
+        client.responses.create(model="fx-sim", input="hi", previous_response_id="resp_1")
