@@ -53,7 +53,8 @@ SUPPORT: dict[str, frozenset[str]] = {
     "response_format": _OPENAI | {"vllm"},
     # content
     "messages[].name": _OPENAI,
-    "messages[].content[].image_url": _OPENAI,
+    "messages[].content[].image_url": _TOOLS,  # OpenAI passes it through, Anthropic as image blocks
+    "messages[].content[].cache_control": frozenset({"anthropic"}),
     "messages[].content[].input_audio": _OPENAI,
     "messages[].content[].file": _OPENAI,
     "messages[].audio": _OPENAI,
@@ -135,6 +136,8 @@ def _in_messages(api: ChatCompletionRequest) -> list[str]:
             used.update(
                 f"messages[].content[].{p.type}" for p in m.content if p.type not in ("text", "refusal")
             )
+            if any(p.cache_control is not None for p in m.content):
+                used.add("messages[].content[].cache_control")
     return sorted(used)
 
 

@@ -36,6 +36,7 @@ class ContentPart(_Wire):
     input_audio: dict[str, Any] | None = None
     file: dict[str, Any] | None = None
     refusal: str | None = None
+    cache_control: dict[str, Any] | None = None  # Anthropic's prompt-cache breakpoint (LiteLLM's shape)
 
 
 class FunctionCall(_Wire):

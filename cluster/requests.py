@@ -5,6 +5,7 @@ deployment only calls it off its event loop.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ def prompt_ids(
     see it (:mod:`cluster.fim`); the text providers get stays the client's own prompt."""
     if isinstance(req, ChatCompletionRequest):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        return tok.chat_ids(messages), messages, None
+        return tok.chat_ids(messages) + _tool_ids(req, messages, tok), messages, None
     if req.suffix is not None and fim is not None:
         if isinstance(req.prompt, list):
             raise InvalidRequest("'suffix' needs a text prompt, not token ids", param="prompt")
@@ -43,6 +44,17 @@ def prompt_ids(
             raise InvalidRequest("token-id prompts need a model with an exact tokenizer", param="prompt")
         return list(req.prompt), None, None
     return tok.encode(req.prompt), None, req.prompt
+
+
+def _tool_ids(req: ChatCompletionRequest, messages: list[dict[str, Any]], tok: Tokenizer) -> list[int]:
+    """Tool definitions and earlier calls count against the window and the budgets too. Only
+    providers serve tools (cluster.capabilities), and each renders them its own way: the JSON's
+    tokens are the estimate (OpenAI and Anthropic both put the schemas into the prompt)."""
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    if not req.tools and not calls:
+        return []
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    return tok.encode(json.dumps({"tools": tools, "calls": calls}, separators=(",", ":")))
 
 
 def check_context(model: ModelConfig, n_prompt: int, max_tokens: int | None) -> int:

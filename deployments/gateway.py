@@ -119,9 +119,8 @@ class Gateway:
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
-            ("POST", "/v1/messages"): lambda s, r, d: native_api.messages(
-                self._chat, self._body_limit, s, r, d
-            ),
+            ("POST", "/v1/messages"): functools.partial(self._native, native_api.MESSAGES),
+            ("POST", "/v1/responses"): functools.partial(self._native, native_api.RESPONSES),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/openapi.json"): self._openapi_json,

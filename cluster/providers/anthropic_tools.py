@@ -5,7 +5,9 @@ Requests: ``tools[].function`` becomes ``{name, description, input_schema}``; ``
 | "tool"}``, and ``parallel_tool_calls: false`` becomes ``disable_parallel_tool_use``. An assistant
 message's ``tool_calls`` become ``tool_use`` blocks (arguments parsed back into the ``input``
 object); ``role: tool`` messages become ``tool_result`` blocks of one user turn, first in it, as the
-API requires. Consecutive turns of one role are merged (Messages turns alternate).
+API requires. Consecutive turns of one role are merged (Messages turns alternate). Image parts
+become image blocks (a data: URL as base64, an http(s) URL as a url source); a text part's
+``cache_control`` breakpoint stays on its block (and the system prompt becomes blocks to keep one).
 
 Responses: ``tool_use`` blocks become ``tool_calls`` (``input`` serialized as the arguments
 string); in a stream, ``content_block_start`` of a ``tool_use`` opens a call (id, name) and each
@@ -63,6 +65,39 @@ def _arguments(call: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _image(part: dict[str, Any]) -> dict[str, Any]:
+    url = str((part.get("image_url") or {}).get("url") or "")
+    if url.startswith("data:") and ";base64," in url:
+        media, data = url[5:].split(";base64,", 1)
+        return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+    if url.startswith(("https://", "http://")):
+        return {"type": "image", "source": {"type": "url", "url": url}}
+    raise InvalidRequest(
+        "image_url: Anthropic takes a data: URL (base64) or an http(s) URL", param="messages"
+    )
+
+
+def _content_blocks(content: Any) -> list[dict[str, Any]]:
+    """Text and image parts as blocks; adjacent text parts join, except at a cache breakpoint."""
+    if not isinstance(content, list):
+        text = content_text(content)
+        return [{"type": "text", "text": text}] if text else []
+    blocks: list[dict[str, Any]] = []
+    for p in content:
+        if p.get("type") == "image_url":
+            blocks.append(_image(p))
+        elif p.get("type") == "text":
+            cc = p.get("cache_control")
+            last = blocks[-1] if blocks else None
+            if last is not None and last["type"] == "text" and "cache_control" not in last and cc is None:
+                last["text"] += p.get("text") or ""
+            else:
+                blocks.append(
+                    {"type": "text", "text": p.get("text") or "", **({"cache_control": cc} if cc else {})}
+                )
+    return blocks
+
+
 def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
     """One OpenAI message as Anthropic content blocks."""
     if m.get("role") == "tool":
@@ -71,10 +106,7 @@ def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
         if text:
             result["content"] = text
         return [result]
-    blocks: list[dict[str, Any]] = []
-    text = content_text(m.get("content"))
-    if text:
-        blocks.append({"type": "text", "text": text})
+    blocks = _content_blocks(m.get("content"))
     for call in m.get("tool_calls") or []:
         blocks.append(
             {
@@ -87,15 +119,17 @@ def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
-def translate_messages(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """(system prompt, Messages turns) for OpenAI chat messages."""
-    system_parts: list[str] = []
+def translate_messages(
+    messages: list[dict[str, Any]],
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    """(system prompt, Messages turns) for OpenAI chat messages. The system prompt is a string, or
+    text blocks when it holds a ``cache_control`` breakpoint (kept where the client put it)."""
+    system: list[dict[str, Any]] = []
     out: list[dict[str, Any]] = []
     for m in messages:
         role = m.get("role")
         if role in ("system", "developer"):
-            if text := content_text(m.get("content")):
-                system_parts.append(text)
+            system.extend(b for b in _content_blocks(m.get("content")) if b["type"] == "text" and b["text"])
             continue
         role = "assistant" if role == "assistant" else "user"
         blocks = _blocks(m) or [{"type": "text", "text": ""}]
@@ -103,7 +137,9 @@ def translate_messages(messages: list[dict[str, Any]]) -> tuple[str, list[dict[s
             _merge(out[-1]["content"], blocks)
         else:
             out.append({"role": role, "content": blocks})
-    return "\n\n".join(system_parts), out
+    if any("cache_control" in b for b in system):
+        return system, out
+    return "\n\n".join(b["text"] for b in system), out
 
 
 def _merge(into: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> None:
@@ -112,10 +148,14 @@ def _merge(into: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> None:
         if b["type"] == "tool_result":
             at = sum(1 for x in into if x["type"] == "tool_result")
             into.insert(at, b)
-        elif b["type"] == "text" and into and into[-1]["type"] == "text":
+        elif b["type"] == "text" and into and into[-1]["type"] == "text" and not _breakpoint(b, into[-1]):
             into[-1]["text"] = (into[-1]["text"] + "\n\n" + b["text"]) if into[-1]["text"] else b["text"]
         else:
             into.append(b)
+
+
+def _breakpoint(*blocks: dict[str, Any]) -> bool:
+    return any("cache_control" in b for b in blocks)
 
 
 def response_tool_calls(content: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

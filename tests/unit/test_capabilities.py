@@ -53,6 +53,17 @@ SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
         ChatCompletionRequest,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     ),
+    "messages[].content[].cache_control": (
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}],
+                }
+            ]
+        },
+    ),
     "messages[].content[].input_audio": (
         ChatCompletionRequest,
         {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]},

@@ -144,3 +144,50 @@ def test_an_openai_stream_chunk_with_tool_calls_is_parsed() -> None:
     bad = json.dumps({"choices": [{"index": 0, "delta": {"tool_calls": "x"}}]})
     with pytest.raises(ValueError):
         openai_wire.parse_stream_data(bad)
+
+
+def test_tool_definitions_and_calls_are_counted() -> None:
+    body = _load("openai_round_trip.json")
+    with_tools = _generate_request(body)
+    bare = _generate_request(
+        {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+    )
+    tool_json = json.dumps(body["tools"], separators=(",", ":"))
+    # the schemas' characters at 4 per token, at least: the context check and budgets see them
+    assert len(with_tools.prompt_token_ids) - len(bare.prompt_token_ids) >= len(tool_json) // 4
+    plain = _generate_request(
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert len(plain.prompt_token_ids) == len(
+        EstimateTokenizer().chat_ids([{"role": "user", "content": "hi"}])
+    )
+
+
+def test_images_and_cache_breakpoints_reach_anthropic() -> None:
+    cc = {"type": "ephemeral"}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Long manual.", "cache_control": cc}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}},
+                    {"type": "text", "text": "What is in "},
+                    {"type": "text", "text": "these?"},
+                ],
+            },
+        ],
+    }
+    out = anthropic_wire.request_body(_generate_request(body), "claude-x", stream=False)
+    assert out["system"] == [{"type": "text", "text": "Long manual.", "cache_control": cc}]
+    assert out["messages"][0]["content"] == [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}},
+        {"type": "text", "text": "What is in these?"},
+    ]
+    body["messages"][1]["content"][0]["image_url"]["url"] = "file:///etc/passwd"
+    with pytest.raises(InvalidRequest, match="image_url"):
+        anthropic_wire.request_body(_generate_request(body), "claude-x")
