@@ -317,7 +317,10 @@ def test_messages_on_a_simulated_engine_and_errors_in_anthropic_shape(fx) -> Non
     assert text and final.stop_reason == "max_tokens" and final.usage.output_tokens == 5
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(
-            model="fx-sim", max_tokens=5, top_k=3, messages=[{"role": "user", "content": "hi"}]
+            model="fx-sim",
+            max_tokens=5,
+            extra_body={"top_k": 3},
+            messages=[{"role": "user", "content": "hi"}],
         )
     assert exc.value.body["error"]["type"] == "invalid_request_error" and "top_k" in exc.value.message
     with pytest.raises(anthropic.BadRequestError, match="tools"):  # the sim cannot call tools: said so
