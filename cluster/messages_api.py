@@ -46,8 +46,28 @@ ERROR_TYPES = {
 }
 
 
+_TYPES: dict[str, tuple[type, ...]] = {
+    "messages": (list,),
+    "system": (str, list),
+    "stop_sequences": (list,),
+    "tools": (list,),
+    "tool_choice": (dict,),
+    "metadata": (dict,),
+}
+
+
 def _bad(message: str, param: str) -> InvalidRequest:
     return InvalidRequest(message, param=param)
+
+
+def check_types(body: dict[str, Any], types: dict[str, tuple[type, ...]]) -> None:
+    """The top-level shapes a translation walks (the chat schema checks the rest afterwards)."""
+    for key, allowed in types.items():
+        if body.get(key) is not None and not isinstance(body[key], allowed):
+            names = " or ".join(
+                "object" if t is dict else "array" if t is list else "string" for t in allowed
+            )
+            raise _bad(f"{key}: Input should be a valid {names}", key)
 
 
 def to_chat(body: Any) -> dict[str, Any]:
@@ -59,6 +79,7 @@ def to_chat(body: Any) -> dict[str, Any]:
             raise _bad(f"{_REFUSED[key]}: remove '{key}' to use this endpoint.", key)
         if key not in _KNOWN:
             raise _bad(f"{key}: Extra inputs are not permitted", key)
+    check_types(body, _TYPES)
     if not isinstance(body.get("max_tokens"), int):
         raise _bad("max_tokens: Field required", "max_tokens")
     out: dict[str, Any] = {"model": body.get("model"), "max_tokens": body["max_tokens"]}
@@ -154,7 +175,7 @@ def _joined(parts: list[dict[str, Any]]) -> str:
 
 
 def _image_url(b: dict[str, Any], where: str) -> str:
-    src = b.get("source") or {}
+    src = b.get("source") if isinstance(b.get("source"), dict) else {}
     if src.get("type") == "base64":
         return f"data:{src.get('media_type')};base64,{src.get('data')}"
     if src.get("type") == "url":

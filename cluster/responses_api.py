@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from cluster.errors import InvalidRequest
+from cluster.messages_api import check_types
 
 _KNOWN = {
     "model",
@@ -46,6 +47,9 @@ def to_chat(body: Any) -> dict[str, Any]:
     for key in body:
         if key not in _KNOWN:
             raise _bad(f"'{key}' is not served by this gateway's /v1/responses (stateless, minimal).", key)
+    check_types(body, {"input": (str, list), "tools": (list,), "tool_choice": (str, dict), "text": (dict,)})
+    if isinstance((body.get("text") or {}).get("format"), list | str | int | float | bool):
+        raise _bad("text.format: Input should be a valid object", "text")
     if body.get("store"):
         raise _bad("'store: true' needs server-side state, which this gateway does not keep.", "store")
     out: dict[str, Any] = {"model": body.get("model")}

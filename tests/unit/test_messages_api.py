@@ -146,3 +146,22 @@ def test_a_terminal_error_event_becomes_an_anthropic_error_event() -> None:
     out = tr.feed(sse({"error": {"message": "stream interrupted", "type": "server_error"}}) + SSE_DONE)
     (ev,) = SSEDecoder().feed(out)
     assert ev.event == "error" and json.loads(ev.data)["error"]["message"] == "stream interrupted"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("metadata", 1.5),
+        ("messages", 3),
+        ("tools", {}),
+        ("tool_choice", []),
+        ("system", {}),
+        ("stop_sequences", "x"),
+    ],
+)
+def test_wrong_shapes_are_400_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        M.to_chat(
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], field: value}
+        )
+    assert exc.value.param == field

@@ -118,3 +118,13 @@ def test_the_chat_stream_becomes_responses_events() -> None:
     final = Response.model_validate(events[-1]["response"])
     assert final.output_text == "Hello" and final.status == "completed"
     assert final.output[1].arguments == '{"a":1}' and final.usage and final.usage.output_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("input", 3), ("tools", 1.5), ("tool_choice", []), ("text", "x")]
+)
+def test_wrong_shapes_are_400_naming_the_field(field: str, value: Any) -> None:
+    body = {"model": "m", "input": "hi", field: value}
+    with pytest.raises(InvalidRequest) as exc:
+        R.to_chat(body)
+    assert exc.value.param == field
