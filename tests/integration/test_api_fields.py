@@ -370,3 +370,16 @@ def test_responses_on_a_simulated_engine_and_a_refused_field(fx) -> None:
     assert r.status == "incomplete" and r.output_text and r.usage and r.usage.output_tokens == 4
     with pytest.raises(BadRequestError, match="previous_response_id"):
         client.responses.create(model="fx-sim", input="hi", previous_response_id="resp_1")
+
+
+def test_messages_share_the_chat_routes_narrowing_and_failover(fx, servers) -> None:
+    _, ant = servers
+    body = {"model": "fx-mix", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(fx.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-sim"
+    r = httpx.post(fx.url + "/v1/messages", json={**body, "tools": ANT_TOOLS}, timeout=30)
+    assert r.headers["x-llmc-backend"] == "fx-mix-claude"  # the sim cannot call tools
+    ant.push_faults("500")  # the Anthropic backend fails before its first token: on to the next
+    r = httpx.post(fx.url + "/v1/messages", json={**body, "tools": ANT_TOOLS}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-gpt"
+    assert r.json()["stop_reason"] == "tool_use" and r.json()["content"][0]["type"] == "tool_use"
