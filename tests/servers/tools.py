@@ -56,8 +56,7 @@ def choose(
 def anthropic_calls(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     tools = [(t["name"], t.get("input_schema")) for t in body.get("tools") or []]
     tc = body.get("tool_choice") or {}
-    last = body["messages"][-1]
-    if _has(last, "tool_result"):
+    if not tools or _has(body["messages"][-1], "tool_result"):
         return []
     choice = tc.get("name") if tc.get("type") == "tool" else tc.get("type")
     return choose(tools, choice, parallel=not tc.get("disable_parallel_tool_use", False))
@@ -117,7 +116,8 @@ def anthropic_problem(body: dict[str, Any]) -> str | None:
 
 def openai_calls(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     tools = [(t["function"]["name"], t["function"].get("parameters")) for t in body.get("tools") or []]
-    if body["messages"][-1].get("role") == "tool":
+    last = body["messages"][-1]
+    if not tools or not isinstance(last, dict) or last.get("role") == "tool":
         return []
     tc = body.get("tool_choice")
     choice = tc["function"]["name"] if isinstance(tc, dict) else {"required": "any"}.get(tc, tc)
