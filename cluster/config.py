@@ -32,6 +32,17 @@ class KVGeometry(Strict):
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+class FimTemplate(Strict):
+    """How the model itself spells fill-in-the-middle (its own special tokens, from its card)."""
+
+    prefix: str = Field(min_length=1, description="The token before the code ahead of the cursor.")
+    suffix: str = Field(min_length=1, description="The token before the code after the cursor.")
+    middle: str = Field(min_length=1, description="The token after which the model writes the middle.")
+    order: Literal["psm", "spm"] = Field(
+        "psm", description="psm: prefix, suffix, middle (most models); spm: suffix first."
+    )
+
+
 class ModelConfig(Strict):
     name: str = Field(min_length=1, description="Model id served at /v1/models and asked for in requests.")
     tokenizer: str = Field(
@@ -48,6 +59,9 @@ class ModelConfig(Strict):
         None, description="A bigger-window model to route to when a request does not fit; else 400."
     )
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when the request gives none.")
+    fim: FimTemplate | None = Field(
+        None, description="FIM tokens: /v1/completions with 'suffix' on self-hosted engines; else a 400."
+    )
 
 
 class EngineArgs(Strict):

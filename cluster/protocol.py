@@ -1,7 +1,11 @@
 """Wire schemas (OpenAI-compatible requests) and the internal request/chunk types every backend speaks.
 
-The wire models accept unknown fields (clients send many we do not use) but type-check the ones
-we read. The internal types are plain dataclasses: cheap to build, pickled across Ray processes.
+The wire models know every field of OpenAI's chat/completions and completions requests and refuse
+any other (``Unrecognized request argument supplied``, as OpenAI does): a field is never dropped
+in silence. Whether the chosen backend honours a known field is :mod:`cluster.capabilities`' call.
+Fields we only pass through to providers are typed loosely (the provider validates them); the ones
+we read or translate are typed here. The internal types are plain dataclasses: cheap to build,
+pickled across Ray processes.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 # --------------------------------------------------------------------------------------------
 # Wire (OpenAI) schemas
@@ -17,22 +21,52 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Wire):
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
 
 
 class ContentPart(_Wire):
-    type: str
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
     text: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+    refusal: str | None = None
+    cache_control: dict[str, Any] | None = None  # Anthropic's prompt-cache breakpoint (LiteLLM's shape)
+
+
+class FunctionCall(_Wire):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(_Wire):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs 'tool_call_id'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an 'assistant' message may hold 'tool_calls'")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -40,6 +74,47 @@ class ChatMessage(_Wire):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class FunctionDef(_Wire):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Wire):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _NamedFunction(_Wire):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: _NamedFunction
+
+
+class JsonSchemaFormat(_Wire):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object")
+        return self
 
 
 class _SamplingFields(_Wire):
@@ -56,6 +131,8 @@ class _SamplingFields(_Wire):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: StrictBool = False  # vLLM extension: benchmarks need exact output lengths
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None  # chat: a bool; completions: an int
 
     @field_validator("max_tokens")
     @classmethod
@@ -73,6 +150,38 @@ class _SamplingFields(_Wire):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Passed through to OpenAI-compatible providers only (cluster.capabilities says where).
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    store: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("'tool_choice' is only allowed when 'tools' are specified")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names '{self.tool_choice.function.name}', which is not in 'tools'"
+                )
+        return self
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -85,6 +194,8 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     echo: StrictBool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +213,9 @@ class Sampling:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Structured decoding on self-hosted engines: {"json": schema} or {"json_object": True}
+    # (vLLM's StructuredOutputsParams fields); None for free text.
+    structured: dict[str, Any] | None = None
 
 
 @dataclass
@@ -121,6 +235,9 @@ class GenerateRequest:
     deadline: float | None = None  # epoch seconds
     attempt: int = 0  # 0 for the first try, 1.. for failovers and hedges
     exclude_replicas: list[str] = field(default_factory=list)  # a hedge or retry avoids these
+    # The client's fields beyond the sampling ones (tools, tool_choice, response_format, suffix, ...)
+    # as sent: provider adapters pass or translate them; capabilities refused the rest before here.
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def route_key(self) -> str:
@@ -154,6 +271,8 @@ class Chunk:
     replica: str | None = None
     backend: str | None = None
     model: str | None = None  # set by the router on a request's first chunk (a bigger-window model)
+    # OpenAI ``delta.tool_calls`` items (with index); last, so positional construction keeps its order
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass

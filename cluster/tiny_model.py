@@ -1,8 +1,9 @@
 """Build the tiny local model: a random-weight Llama with a byte-level BPE tokenizer trained offline.
 
 Nothing comes from a model hub. The tokenizer is trained on local text (this Python's standard
-library sources), has special tokens and a ChatML chat template; the model is a 2-layer Llama
-(hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048 positions) in bf16 with seeded random weights.
+library sources), has special tokens (FIM's prefix, suffix and middle among them) and a ChatML chat
+template; the model is a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048
+positions) in bf16 with seeded random weights.
 Its output is gibberish; it exercises the real engine, scheduler, KV cache and prefix caching.
 
     python -m cluster.tiny_model            # builds once into the cache folder, prints the path
@@ -22,10 +23,18 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-VERSION = "v1"
+VERSION = "v2"  # v2: FIM tokens (a new folder: builds of v1 in use elsewhere stay as they are)
 VOCAB = 2048
 CONTEXT = 2048
-SPECIAL = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+FIM_TOKENS = {"prefix": "<|fim_prefix|>", "suffix": "<|fim_suffix|>", "middle": "<|fim_middle|>"}
+SPECIAL = [
+    "<|pad|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    *FIM_TOKENS.values(),
+]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"

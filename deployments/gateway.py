@@ -36,7 +36,7 @@ from cluster.routing_view import BackendView
 from cluster.slo_guard import SloGuard
 from cluster.tenants import TenantReservation
 from cluster.trace import RequestTrace, new_id, parse_traceparent
-from deployments import haproxy_errors, metrics
+from deployments import haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
@@ -132,11 +132,21 @@ class Gateway:
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
+            ("POST", "/v1/messages"): functools.partial(self._native, native_api.MESSAGES),
+            ("POST", "/v1/responses"): functools.partial(self._native, native_api.RESPONSES),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
             ("GET", "/openapi.json"): self._openapi_json,
             ("GET", "/internal/status"): self._status,
         }
+
+    async def _native(self, api: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        """/v1/messages and /v1/responses: translated into the chat route and back."""
+
+        async def chat(s: h.Scope, r: h.Receive, d: h.Send) -> None:
+            await self._complete(s, r, d, "chat")
+
+        await native_api.serve(api, chat, self.cfg.server.max_body_bytes, scope, receive, send)
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per

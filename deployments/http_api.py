@@ -118,6 +118,9 @@ def validate(schema: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "extra_forbidden":  # OpenAI's own words for a field it does not know
+            msg = f"Unrecognized request argument supplied: {loc}"
+            raise InvalidRequest(msg, param=loc, code="unrecognized_argument") from exc
         raise InvalidRequest(f"Invalid value for '{loc}': {first['msg']}", param=loc or None) from exc
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cluster import tokens
+from cluster import capabilities, tokens
 from cluster.config import ClusterConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
@@ -66,7 +66,7 @@ def prepare(
     def count(model_name: str) -> int:
         m = cfg.model(model_name)
         assert m is not None
-        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer))
+        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim)
         return len(counted[model_name][0])
 
     param = "messages" if kind == "chat" else "prompt"
@@ -95,7 +95,9 @@ def prepare(
         max_tokens=fit.max_tokens,
         priority=surface.priority,
     )
-    candidates = cfg.candidates(model.name, surface.name)
+    candidates = supporting_candidates(
+        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None
+    )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
     return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
 
@@ -118,3 +120,23 @@ def _block_hashes(
     for name in candidates:
         hashes(name)
     return hashes
+
+
+def supporting_candidates(
+    cfg: ClusterConfig,
+    api: ChatCompletionRequest | CompletionRequest,
+    candidates: list[str],
+    fim: bool = False,
+) -> list[str]:
+    """The route's backends that honour every field the request uses (a failover stays among
+    them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
+    template, so self-hosted engines take ``suffix`` too."""
+
+    def kind_of(name: str) -> str:
+        b = cfg.backend(name)
+        return capabilities.backend_kind(b.kind, b.provider.api if b.provider else None)
+
+    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of, fim)
+    if refusal is not None:
+        raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
+    return kept

@@ -284,12 +284,10 @@ class ProviderBackend:
                             break
                         usage = delta.usage or usage
                         finish = delta.finish_reason or finish
-                        if delta.text:
+                        if delta.text or delta.tool_calls:  # a tool call is content too
                             started = True
                             out_parts.append(delta.text)
-                            batch.append(
-                                Chunk(text=delta.text, replica=self.replica, backend=self.backend_name)
-                            )
+                            batch.append(self._chunk(text=delta.text, tool_calls=delta.tool_calls))
                         if delta.done:
                             done = True
                             break

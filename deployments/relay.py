@@ -20,6 +20,7 @@ from cluster.openai_format import SSE_DONE, full_response, sse, stream_chunk, us
 from cluster.protocol import Chunk, Usage
 from cluster.providers.budget import cost_usd
 from cluster.race import RaceResult, first_token, follow
+from cluster.tool_calls import ToolCallAccumulator
 from cluster.trace import RequestTrace
 from deployments import http_api as h
 from deployments import metrics
@@ -63,6 +64,7 @@ class _Framer:
         self.usage: Usage | None = None
         self.finish = "stop"
         self.tokens = 0
+        self.tool_calls = ToolCallAccumulator()
 
     def frame(self, batch: list[Chunk]) -> bytes:
         if len(batch) == 1:
@@ -74,12 +76,16 @@ class _Framer:
             self.usage = chunk.usage
         if chunk.finish_reason is not None:
             self.finish = chunk.finish_reason
-        if not (chunk.text or chunk.finish_reason is not None or not self.sent_first):
+        calls = chunk.tool_calls
+        if not (chunk.text or calls or chunk.finish_reason is not None or not self.sent_first):
             return b""
-        if chunk.text:
+        if chunk.text or calls:
             self.tokens += 1
             self.parts.append(chunk.text)
-        data = sse(stream_chunk(self.meta, chunk.text, chunk.finish_reason, first=not self.sent_first))
+        if calls:
+            self.tool_calls.feed(calls)
+        first = not self.sent_first
+        data = sse(stream_chunk(self.meta, chunk.text, chunk.finish_reason, first=first, tool_calls=calls))
         self.sent_first = True
         return data
 
@@ -181,7 +187,8 @@ class Relay:
         self._settle(stream, framer, acct)
         end = getattr(stream, "end", None)
         text = end.text if end is not None and end.text is not None else "".join(framer.parts)
-        body = full_response(p.meta, text, acct.finish, acct.usage or Usage())
+        calls = framer.tool_calls.calls()
+        body = full_response(p.meta, text, acct.finish, acct.usage or Usage(), calls)
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED
 

@@ -127,9 +127,11 @@ class VLLMBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         s = req.sampling
+        # response_format: vLLM's structured decoding constrains every token to the schema.
+        so = StructuredOutputsParams(**s.structured) if s.structured else None
         params = SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
@@ -139,6 +141,7 @@ class VLLMBackend:
             ignore_eos=s.ignore_eos,
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
+            structured_outputs=so,
             output_kind=RequestOutputKind.DELTA,
         )
         self._started += 1

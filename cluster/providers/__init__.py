@@ -20,6 +20,7 @@ class StreamDelta:
     """
 
     text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False

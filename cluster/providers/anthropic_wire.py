@@ -1,11 +1,12 @@
 """OpenAI chat <-> Anthropic Messages translation.
 
-Requests: system and developer messages become the top-level ``system`` prompt; ``tool`` messages
-are sent as user text; consecutive messages of one role are merged (the Messages API wants user and
-assistant turns to alternate); ``max_tokens`` is always sent (Anthropic requires it); ``stop``
-becomes ``stop_sequences``; temperature is clamped to Anthropic's 0..1 range (OpenAI allows up to
-2); ``temperature`` and ``top_p`` are only sent when they differ from the neutral 1.0, since recent
-models refuse both at once. Seed and penalties have no Anthropic counterpart and are dropped.
+Requests: system and developer messages become the top-level ``system`` prompt; tools, tool calls
+and tool results become tool blocks (:mod:`cluster.providers.anthropic_tools`); consecutive messages
+of one role are merged (the Messages API wants user and assistant turns to alternate);
+``max_tokens`` is always sent (Anthropic requires it); ``stop`` becomes ``stop_sequences``;
+``temperature`` and ``top_p`` are only sent when they differ from the neutral 1.0, since recent
+models refuse both at once. What has no Anthropic counterpart (seed, penalties, a temperature above
+1, ``response_format``, ...) never gets here: :mod:`cluster.capabilities` refuses it with a 400.
 
 Responses: ``usage.input_tokens`` counts only uncached input, so OpenAI's ``prompt_tokens`` is the
 sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens``.
@@ -17,8 +18,7 @@ import json
 from typing import Any
 
 from cluster.protocol import GenerateRequest, Usage
-from cluster.providers import StreamDelta
-from cluster.tokens import content_text
+from cluster.providers import StreamDelta, anthropic_tools
 
 API_VERSION = "2023-06-01"
 
@@ -42,7 +42,7 @@ def finish_reason(stop_reason: str | None) -> str | None:
 def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> dict[str, Any]:
     s = req.sampling
     if req.kind == "chat":
-        system, messages = _translate_messages(req.messages or [])
+        system, messages = anthropic_tools.translate_messages(req.messages or [])
     else:
         system, messages = "", [{"role": "user", "content": req.prompt_text or ""}]
     body: dict[str, Any] = {"model": upstream_model, "max_tokens": s.max_tokens, "messages": messages}
@@ -54,27 +54,15 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
         body["temperature"] = min(max(s.temperature, 0.0), 1.0)
     if s.top_p != 1.0:
         body["top_p"] = s.top_p
+    opts = req.options
+    if opts.get("tools"):
+        body["tools"] = anthropic_tools.tools(opts["tools"])
+    choice = anthropic_tools.tool_choice(opts.get("tool_choice"), opts.get("parallel_tool_calls"))
+    if choice is not None:
+        body["tool_choice"] = choice
     if stream:
         body["stream"] = True
     return body
-
-
-def _translate_messages(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    system_parts: list[str] = []
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role = m.get("role")
-        text = content_text(m.get("content"))
-        if role in ("system", "developer"):
-            if text:
-                system_parts.append(text)
-            continue
-        role = "assistant" if role == "assistant" else "user"
-        if out and out[-1]["role"] == role:
-            out[-1]["content"][0]["text"] += "\n\n" + text
-        else:
-            out.append({"role": role, "content": [{"type": "text", "text": text}]})
-    return "\n\n".join(system_parts), out
 
 
 def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
@@ -99,6 +87,7 @@ class StreamState:
     def __init__(self) -> None:
         self.usage: Usage | None = None
         self.stop_reason: str | None = None
+        self.tools = anthropic_tools.ToolStream()
 
     def on_event(self, event: str, data: str) -> StreamDelta:
         """One SSE event (name, data). Raises ValueError when the payload is malformed."""
@@ -124,7 +113,17 @@ class StreamState:
                 if not isinstance(text, str):
                     raise ValueError("text_delta without text")
                 return StreamDelta(text=text)
-            return StreamDelta()  # thinking, signatures, tool input: not surfaced as text
+            if delta.get("type") == "input_json_delta":
+                part = delta.get("partial_json")
+                if not isinstance(part, str):
+                    raise ValueError("input_json_delta without partial_json")
+                return StreamDelta(tool_calls=self.tools.delta(int(obj.get("index", 0)), part))
+            return StreamDelta()  # thinking and signatures: not surfaced on the chat API
+        if kind == "content_block_start":
+            block = obj.get("content_block")
+            if not isinstance(block, dict):
+                raise ValueError("content_block_start without a content_block")
+            return StreamDelta(tool_calls=self.tools.start(int(obj.get("index", 0)), block))
         if kind == "message_delta":
             delta = obj.get("delta") or {}
             self.stop_reason = delta.get("stop_reason") or self.stop_reason
@@ -132,13 +131,17 @@ class StreamState:
             return StreamDelta()
         if kind == "message_stop":
             return StreamDelta(done=True, finish_reason=finish_reason(self.stop_reason), usage=self.usage)
-        return StreamDelta()  # ping, content_block_start/stop, and event types added later
+        return StreamDelta()  # ping, content_block_stop, and event types added later
 
 
 def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[str, Any]:
     """A non-streaming Messages response as an OpenAI chat completion object."""
-    text = "".join(b.get("text", "") for b in msg.get("content") or [] if b.get("type") == "text")
+    content = msg.get("content") or []
+    text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
     usage = parse_usage(msg.get("usage")) or Usage()
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls := anthropic_tools.response_tool_calls(content):
+        message = {"role": "assistant", "content": text or None, "tool_calls": calls}
     return {
         "id": msg.get("id", ""),
         "object": "chat.completion",
@@ -147,7 +150,7 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish_reason(msg.get("stop_reason")),
             }
         ],

@@ -46,6 +46,7 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
         body["presence_penalty"] = s.presence_penalty
     if s.frequency_penalty:
         body["frequency_penalty"] = s.frequency_penalty
+    body.update(req.options)  # tools, tool_choice, response_format, suffix, ...: as the client sent them
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -90,6 +91,10 @@ def parse_stream_data(data: str) -> StreamDelta:
         if text is not None and not isinstance(text, str):
             raise ValueError("stream chunk content is not a string")
         out.text = text or ""
+        calls = delta.get("tool_calls") if isinstance(delta, dict) else None
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError("stream chunk tool_calls is not a list")
+        out.tool_calls = calls or None
         out.finish_reason = choice.get("finish_reason")
     return out
 

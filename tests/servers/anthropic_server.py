@@ -1,12 +1,16 @@
 """A loopback server speaking Anthropic's Messages API: POST /v1/messages, streaming and not.
 
 Streams are named SSE events: ``message_start``, ``content_block_start``, ``ping``,
-``content_block_delta`` (``text_delta``), ``content_block_stop``, ``message_delta`` (stop reason,
+``content_block_delta`` (``text_delta``, or ``input_json_delta`` in a ``tool_use`` block),
+``content_block_stop``, ``message_delta`` (stop reason,
 cumulative ``output_tokens``), ``message_stop``; a failure inside a stream is ``event: error`` with
 ``{"type": "error", "error": {"type", "message"}}``. HTTP errors use the same body and the real
 statuses (429 with ``retry-after``, 529 ``overloaded_error``). Requests are validated as the real API
 does for what adapters get wrong: ``anthropic-version`` header, ``max_tokens`` required, roles
-only user/assistant, the first turn a user one, temperature within 0..1.
+only user/assistant, the first turn a user one, temperature within 0..1, and tools the way the API
+checks them (:mod:`tests.servers.tools`: tool_use only in assistant turns, tool_result first in the
+next user turn and naming a tool_use of the turn before). With tools it answers with ``tool_use``
+blocks and ``stop_reason: tool_use``, after a tool result with text.
 
 Standalone: ``python -m tests.servers.anthropic_server --port 8102 [--api-key-env VAR] [--fault SPEC]``.
 """
@@ -14,11 +18,13 @@ Standalone: ``python -m tests.servers.anthropic_server --port 8102 [--api-key-en
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
 from aiohttp import web
 
+from tests.servers import tools as T
 from tests.servers.common import (
     FOREVER_S,
     Fault,
@@ -89,7 +95,7 @@ def _validate(body: Any) -> str | None:
     system = body.get("system")
     if system is not None and not isinstance(system, str | list):
         return "system: Input should be a valid string or list"
-    return None
+    return T.anthropic_problem(body)
 
 
 class AnthropicServer(LoopbackServer):
@@ -121,6 +127,7 @@ class AnthropicServer(LoopbackServer):
         except ValueError:
             return self._error(rec, 400, "There was an issue with the request body: not valid JSON")
         problem = _validate(body)
+        rec.body = body
         if problem:
             return self._error(rec, 400, problem)
         model, fault = self.select_fault(request, body["model"])
@@ -142,24 +149,31 @@ class AnthropicServer(LoopbackServer):
             "stop_sequence" if matched else "end_turn" if len(tokens) < body["max_tokens"] else "max_tokens"
         )
         ident = "msg_" + uuid.uuid4().hex[:24]
+        calls = T.anthropic_calls(body)
+        if calls:  # a short preamble, then the calls (as the documented example answers)
+            tokens, matched, stop_reason = tokens[:2], None, "tool_use"
+        uses = [
+            {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": name, "input": args}
+            for name, args in calls
+        ]
         if not body.get("stream"):
             if fault.slow_first_s:
                 await asyncio.sleep(fault.slow_first_s)
-            rec.completion_tokens = len(tokens)
+            rec.completion_tokens = len(tokens) + 10 * len(uses)
             return web.json_response(
                 {
                     "id": ident,
                     "type": "message",
                     "role": "assistant",
                     "model": model,
-                    "content": [{"type": "text", "text": "".join(tokens)}],
+                    "content": [{"type": "text", "text": "".join(tokens)}, *uses],
                     "stop_reason": stop_reason,
                     "stop_sequence": matched,
                     "usage": self._usage(rec, rec.completion_tokens),
                 },
                 headers={"request-id": f"req_{rec.id}"},
             )
-        return await self._stream(request, rec, fault, ident, model, tokens, stop_reason, matched)
+        return await self._stream(request, rec, fault, ident, model, tokens, stop_reason, matched, uses)
 
     def _usage(self, rec: RequestRecord, output: int) -> dict[str, Any]:
         return {
@@ -193,6 +207,7 @@ class AnthropicServer(LoopbackServer):
         tokens: list[str],
         stop_reason: str,
         matched: str | None,
+        uses: list[dict[str, Any]] | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
@@ -232,6 +247,8 @@ class AnthropicServer(LoopbackServer):
         if fault.mid_stream(len(tokens)) is not None:
             return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
         await resp.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+        for i, use in enumerate(uses or [], start=1):
+            await self._stream_tool_use(resp, rec, i, use)
         md = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": matched},
@@ -242,6 +259,21 @@ class AnthropicServer(LoopbackServer):
             await resp.write(sse({"type": "message_stop"}, "message_stop"))
         await resp.write_eof()
         return resp
+
+    async def _stream_tool_use(
+        self, resp: web.StreamResponse, rec: RequestRecord, index: int, use: dict[str, Any]
+    ) -> None:
+        """A tool_use block as the API streams it: empty input at the start, then the input's JSON
+        in ``input_json_delta`` pieces (the first one empty, as in the documented example)."""
+        block = {"type": "content_block_start", "index": index, "content_block": {**use, "input": {}}}
+        await resp.write(sse(block, "content_block_start"))
+        for part in ["", *T.pieces(json.dumps(use["input"]))]:
+            delta = {"type": "input_json_delta", "partial_json": part}
+            await resp.write(
+                sse({"type": "content_block_delta", "index": index, "delta": delta}, "content_block_delta")
+            )
+            rec.completion_tokens += 1
+        await resp.write(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
 
     async def _mid_stream_fault(
         self, request: web.Request, resp: web.StreamResponse, rec: RequestRecord, kind: str

@@ -120,6 +120,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     outcome: str = "running"  # ok, status:<n>, disconnect, dropped, stalled, error_event, malformed
+    body: Any = None  # the request body as received (JSON), for field-by-field checks
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Streams are ``data: {chunk}\\n\\n`` lines ending in ``data: [DONE]``; with
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
-``choices`` carries the usage, as the real API does. Errors are ``{"error": {message, type, param,
+``choices`` carries the usage, as the real API does. With ``tools`` it answers with ``tool_calls``
+(streamed as ``delta.tool_calls`` pieces by index) and ``finish_reason: tool_calls``
+(:mod:`tests.servers.tools`). Errors are ``{"error": {message, type, param,
 code}}`` with the real statuses and headers. Faults: see :mod:`tests.servers.common`.
 
 Standalone: ``python -m tests.servers.openai_server --port 8101 [--api-key-env VAR] [--fault SPEC]``.
@@ -18,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.servers import tools as T
 from tests.servers.common import (
     FOREVER_S,
     Fault,
@@ -122,6 +125,7 @@ class OpenAIServer(LoopbackServer):
             return self._error(
                 rec, 400, error_body("you must provide a model parameter", "invalid_request_error")
             )
+        rec.body = body
         model, fault = self.select_fault(request, body["model"])
         rec.model, rec.fault, rec.stream = model, fault.spec, bool(body.get("stream"))
         if fault.hang:
@@ -202,11 +206,18 @@ class OpenAIServer(LoopbackServer):
         finish = "stop" if matched or len(tokens) < int(max_tokens) else "length"
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        calls = T.openai_calls(body) if chat else []
+        tool_calls = T.openai_tool_calls(calls, ["call_" + uuid.uuid4().hex[:24] for _ in calls])
+        if tool_calls:
+            tokens, finish = [], "tool_calls"
         if not body.get("stream"):
             if fault.slow_first_s:
                 await asyncio.sleep(fault.slow_first_s)
-            rec.completion_tokens = len(tokens)
-            return web.json_response(self._full(ident, created, rec, "".join(tokens), finish, chat))
+            rec.completion_tokens = len(tokens) + 10 * len(tool_calls)
+            full = self._full(ident, created, rec, "".join(tokens), finish, chat)
+            if tool_calls:
+                full["choices"][0]["message"].update(content=None, tool_calls=tool_calls)
+            return web.json_response(full)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = web.StreamResponse(
             headers={
@@ -267,6 +278,20 @@ class OpenAIServer(LoopbackServer):
             await self.pace(fault)
         if fault.mid_stream(len(tokens)) is not None:
             return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
+        for i, call in enumerate(tool_calls):
+            for j, part in enumerate(T.pieces(call["function"]["arguments"])):
+                piece: dict[str, Any] = {"index": i, "function": {"arguments": part}}
+                if j == 0:
+                    piece = {"index": i, "id": call["id"], "type": "function",
+                             "function": {"name": call["function"]["name"], "arguments": ""}}  # fmt: skip
+                    obj = chunk(None, None)
+                    obj["choices"][0]["delta"] = {"tool_calls": [piece]}
+                    await resp.write(sse(obj))
+                    piece = {"index": i, "function": {"arguments": part}}
+                obj = chunk(None, None)
+                obj["choices"][0]["delta"] = {"tool_calls": [piece]}
+                await resp.write(sse(obj))
+                rec.completion_tokens += 1
         await resp.write(sse(chunk(None if chat else "", finish)))
         if include_usage and not fault.no_usage:
             last = chunk(None, None)

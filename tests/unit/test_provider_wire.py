@@ -42,9 +42,15 @@ def _req(kind: str = "chat", **sampling: object) -> GenerateRequest:
             {"role": "system", "content": "Be brief."},
             {"role": "developer", "content": "Use English."},
             {"role": "user", "content": "Hi"},
-            {"role": "user", "content": [{"type": "text", "text": "there"}, {"type": "image_url"}]},
-            {"role": "assistant", "content": "Hello"},
-            {"role": "tool", "content": "42"},
+            {"role": "user", "content": [{"type": "text", "text": "there"}]},
+            {
+                "role": "assistant",
+                "content": "Hello",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
         if kind == "chat"
         else None,
@@ -187,12 +193,12 @@ def test_anthropic_request_translation() -> None:
     assert body["model"] == "claude-x" and body["max_tokens"] == 32 and body["stream"] is True
     assert body["system"] == "Be brief.\n\nUse English."
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
-    assert body["messages"][0]["content"] == [
-        {"type": "text", "text": "Hi\n\nthere"}
-    ]  # merged, image dropped
-    assert body["messages"][2]["content"][0]["text"] == "42"  # a tool result as user text
+    assert body["messages"][0]["content"] == [{"type": "text", "text": "Hi\n\nthere"}]  # merged
+    assert body["messages"][1]["content"][1] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
+    assert body["messages"][2]["content"] == [{"type": "tool_result", "tool_use_id": "c1", "content": "42"}]
     assert body["stop_sequences"] == ["END"]
-    assert body["temperature"] == 1.0  # clamped to Anthropic's range
+    # Above 1 the gateway refuses before translating (cluster.capabilities); here, a last guard.
+    assert body["temperature"] == 1.0
     assert "top_p" not in body  # neutral: not sent (models refuse temperature and top_p together)
 
 
@@ -281,12 +287,18 @@ def test_anthropic_stream_errors_and_malformed() -> None:
 def test_anthropic_response_to_openai() -> None:
     msg = {
         "id": "msg_1",
-        "content": [{"type": "text", "text": "Hi"}, {"type": "tool_use"}],
-        "stop_reason": "end_turn",
+        "content": [
+            {"type": "text", "text": "Hi"},
+            {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+        ],
+        "stop_reason": "tool_use",
         "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 1},
     }
     out = anthropic_wire.response_to_openai(msg, "m")
-    assert out["choices"][0]["message"]["content"] == "Hi" and out["choices"][0]["finish_reason"] == "stop"
+    message = out["choices"][0]["message"]
+    assert message["content"] == "Hi" and out["choices"][0]["finish_reason"] == "tool_calls"
+    call = {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    assert message["tool_calls"] == [call]
     assert out["usage"]["prompt_tokens"] == 4 and out["usage"]["total_tokens"] == 6
 
 

@@ -1,0 +1,167 @@
+"""Our /v1/messages translation: the documented Anthropic tool-use request becomes the OpenAI chat
+request the gateway serves, and the gateway's answer (whole or streamed) becomes a Messages answer
+that our own Anthropic stream parser reads back to the same text and tool calls."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster import messages_api as M
+from cluster.errors import InvalidRequest
+from cluster.messages_stream import MessagesStream
+from cluster.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
+from cluster.protocol import ChatCompletionRequest, Usage
+from cluster.providers import anthropic_wire
+from cluster.providers.sse import SSEDecoder
+from cluster.tool_calls import ToolCallAccumulator
+from deployments import http_api as h
+
+DATA = Path(__file__).parent / "data" / "tools"
+
+
+def test_the_documented_round_trip_request_becomes_the_openai_one() -> None:
+    anthropic = json.loads((DATA / "anthropic_round_trip.json").read_text())
+    openai = json.loads((DATA / "openai_round_trip.json").read_text())
+    chat = M.to_chat(anthropic)
+    h.validate(ChatCompletionRequest, chat)  # what the gateway then accepts
+    assert chat["tools"] == openai["tools"]
+    assert chat["tool_choice"] == openai["tool_choice"] and chat["parallel_tool_calls"] is False
+    assert chat["messages"][0] == openai["messages"][0]  # system
+    assert chat["messages"][1]["content"] == [{"type": "text", "text": openai["messages"][1]["content"]}]
+    calls = chat["messages"][2]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        json.loads(c["function"]["arguments"]) for c in openai["messages"][2]["tool_calls"]
+    ]
+    assert [m["role"] for m in chat["messages"][3:]] == ["tool", "tool"]
+    assert chat["messages"][4]["content"] == "22°C, sunny"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", 5),
+        ("thinking", {"type": "enabled", "budget_tokens": 1024}),
+        ("unknown_field", 1),
+        ("system", [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]),
+    ],
+)
+def test_what_has_no_translation_is_a_400_naming_it(field: str, value: Any) -> None:
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(InvalidRequest) as exc:
+        M.to_chat(body)
+    assert exc.value.param == field
+
+
+def test_thinking_blocks_in_history_are_refused_not_dropped() -> None:
+    think = {"type": "thinking", "thinking": "hmm", "signature": "sig"}
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": [think]}]}  # fmt: skip
+    with pytest.raises(InvalidRequest, match="thinking"):
+        M.to_chat(body)
+
+
+def test_tool_choice_any_and_images() -> None:
+    img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [img, {"type": "text", "text": "what is it?"}]}],
+        "tool_choice": {"type": "any"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        "metadata": {"user_id": "u-1"},
+    }
+    chat = M.to_chat(body)
+    assert chat["tool_choice"] == "required" and chat["user"] == "u-1"
+    assert chat["messages"][0]["content"][0] == {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,AAAA"},
+    }
+
+
+def test_a_chat_completion_becomes_a_message() -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    resp = {
+        "id": "chatcmpl-abc",
+        "choices": [
+            {
+                "message": {"role": "assistant", "content": "ok", "tool_calls": calls},
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}},
+    }
+    msg = M.from_chat(resp, "m")
+    assert msg["content"] == [
+        {"type": "text", "text": "ok"},
+        {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 1}},
+    ]
+    assert msg["stop_reason"] == "tool_use" and msg["id"] == "msg_abc"
+    assert msg["usage"] == {
+        "input_tokens": 6,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+        "output_tokens": 3,
+    }
+
+
+def test_the_chat_stream_becomes_a_messages_stream_our_parser_reads_back() -> None:
+    meta = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
+    a = [{"index": 0, "id": "c0", "type": "function", "function": {"name": "f", "arguments": ""}}]
+    b = [{"index": 1, "id": "c1", "type": "function", "function": {"name": "g", "arguments": ""}}]
+    chunks = [
+        sse(stream_chunk(meta, "Let me ", None, first=True)),
+        sse(stream_chunk(meta, "look.", None)),
+        sse(stream_chunk(meta, "", None, tool_calls=a)),
+        sse(stream_chunk(meta, "", None, tool_calls=[{"index": 0, "function": {"arguments": '{"x": '}}])),
+        sse(stream_chunk(meta, "", None, tool_calls=[{"index": 0, "function": {"arguments": "1}"}}])),
+        sse(stream_chunk(meta, "", None, tool_calls=b)),  # OpenAI streams one call after the other
+        sse(stream_chunk(meta, "", "tool_calls")),
+        sse(usage_chunk(meta, Usage(prompt_tokens=7, completion_tokens=5))) + SSE_DONE,
+    ]
+    tr = MessagesStream("m")
+    wire = b"".join(tr.feed(c[:5]) + tr.feed(c[5:]) for c in chunks)  # split reads, as the socket does
+    events = SSEDecoder().feed(wire)
+    assert events[0].event == "message_start" and events[-1].event == "message_stop"
+    state = anthropic_wire.StreamState()
+    deltas = [state.on_event(e.event, e.data) for e in events]
+    assert "".join(d.text for d in deltas) == "Let me look."
+    acc = ToolCallAccumulator()
+    for d in deltas:
+        acc.feed(d.tool_calls or [])
+    calls = acc.calls() or []
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("c0", "f", '{"x": 1}'),
+        ("c1", "g", ""),
+    ]
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert state.usage is not None and state.usage.completion_tokens == 5 and state.usage.prompt_tokens == 7
+
+
+def test_a_terminal_error_event_becomes_an_anthropic_error_event() -> None:
+    tr = MessagesStream("m")
+    out = tr.feed(sse({"error": {"message": "stream interrupted", "type": "server_error"}}) + SSE_DONE)
+    (ev,) = SSEDecoder().feed(out)
+    assert ev.event == "error" and json.loads(ev.data)["error"]["message"] == "stream interrupted"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("metadata", 1.5),
+        ("messages", 3),
+        ("tools", {}),
+        ("tool_choice", []),
+        ("system", {}),
+        ("stop_sequences", "x"),
+    ],
+)
+def test_wrong_shapes_are_400_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        M.to_chat(
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], field: value}
+        )
+    assert exc.value.param == field
