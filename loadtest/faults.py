@@ -356,10 +356,12 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
         }
         if label == "openai":
             mismatched, not_delivered, unknown = [], [], []
+            unknown_tokens = 0
             for x in ok:
                 r = ours.get(x.client_request_id or "")
                 if r is None:
                     unknown.append(x.client_request_id)
+                    unknown_tokens += x.prompt_tokens + x.completion_tokens
                 elif r.outcome not in SERVED or r.backend != backend:
                     not_delivered.append(
                         (x.client_request_id, r.outcome, x.prompt_tokens + x.completion_tokens)
@@ -369,7 +371,9 @@ def provider_accounting(records: list[Record], oai: Any, ant: Any) -> dict[str, 
             entry["per_request_mismatches"] = mismatched
             entry["finished_not_delivered"] = not_delivered
             entry["finished_unknown"] = unknown
-            entry["diff_delivered"] = entry["diff"] - sum(t for _, _, t in not_delivered)
+            # what the delivered requests were billed beyond their usage: 0 unless usage is wrong
+            # (finished but not delivered, to a known or an unknown client, is billed, not served)
+            entry["diff_delivered"] = entry["diff"] - sum(t for _, _, t in not_delivered) - unknown_tokens
         out[label] = entry
     return out
 
