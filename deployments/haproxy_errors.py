@@ -17,6 +17,7 @@ HAProxy, or if Ray moves the file, nothing is written.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -83,10 +84,9 @@ def install(node_id: str, config_loc: str | None = None) -> bool:
 
 
 async def keep_installed(node_id: str, period_s: float = 10.0) -> None:
-    """``install`` now and every ``period_s``: on a node where HAProxy starts after this replica,
-    Ray's page is written after ours; HAProxy takes ours at its next reload (a replica joining)."""
-    import asyncio
-
+    """``install`` again every ``period_s`` (the replica installed it once as it started): on a node
+    where HAProxy starts after this replica, Ray's page is written after ours; HAProxy takes ours at
+    its next reload (a replica joining)."""
     while True:
-        install(node_id)
         await asyncio.sleep(period_s)
+        install(node_id)

@@ -30,25 +30,6 @@ log = logging.getLogger("ray.serve")
 Reserved = TenantReservation | RateLimited | None
 
 
-def _budgets(tenants: list[dict[str, Any]]) -> TenantBudgets:
-    return TenantBudgets([TenantConfig.model_validate(t) for t in tenants], time.monotonic())
-
-
-@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
-class TenantBudgetDeployment:
-    def __init__(self, tenants: list[dict[str, Any]]) -> None:
-        self._b = _budgets(tenants)
-
-    async def reserve(self, tenant: str, input_tokens: int, max_tokens: int) -> Reserved:
-        return self._b.reserve(tenant, input_tokens, max_tokens, time.monotonic())
-
-    async def settle(self, res: TenantReservation, actual_tokens: int) -> None:
-        self._b.settle(res, actual_tokens, time.monotonic())
-
-    async def cancel(self, res: TenantReservation) -> None:
-        self._b.cancel(res, time.monotonic())
-
-
 class LocalTenants:
     """The budgets in this process."""
 
@@ -63,6 +44,24 @@ class LocalTenants:
 
     def cancel(self, res: TenantReservation) -> None:
         self._b.cancel(res, time.monotonic())
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
+class TenantBudgetDeployment:
+    """The app's one copy of the budgets: :class:`LocalTenants` behind Serve's handle."""
+
+    def __init__(self, tenants: list[dict[str, Any]]) -> None:
+        cfgs = [TenantConfig.model_validate(t) for t in tenants]
+        self._local = LocalTenants(TenantBudgets(cfgs, time.monotonic()))
+
+    async def reserve(self, tenant: str, input_tokens: int, max_tokens: int) -> Reserved:
+        return await self._local.reserve(tenant, input_tokens, max_tokens)
+
+    async def settle(self, res: TenantReservation, actual_tokens: int) -> None:
+        self._local.settle(res, actual_tokens)
+
+    async def cancel(self, res: TenantReservation) -> None:
+        self._local.cancel(res)
 
 
 class ServeTenants:

@@ -33,6 +33,24 @@ class RawRequest:
             self.received += part
         return self.received
 
+    def read_response(self, timeout: float = 60.0) -> bytes:
+        """The whole response (its head and Content-Length bytes of body), or what came before the
+        connection closed (or was reset, or went silent for ``timeout``)."""
+        self.sock.settimeout(timeout)
+        while True:
+            head, sep, body = self.received.partition(b"\r\n\r\n")
+            if sep:
+                lengths = [ln for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")]
+                if lengths and len(body) >= int(lengths[0].split(b":", 1)[1]):
+                    return self.received
+            try:
+                part = self.sock.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                return self.received
+            if not part:
+                return self.received
+            self.received += part
+
     @property
     def status(self) -> int:
         return int(self.received.split(b" ", 2)[1]) if self.received else 0

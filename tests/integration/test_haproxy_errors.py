@@ -31,25 +31,6 @@ def dp(deploy):
     return deploy(cfg, "/haperr")
 
 
-def _read_response(req: RawRequest, timeout: float = 60.0) -> bytes:
-    """The whole response (its head and Content-Length bytes of body), or what came before the
-    connection closed."""
-    req.sock.settimeout(timeout)
-    while True:
-        head, sep, body = req.received.partition(b"\r\n\r\n")
-        if sep:
-            lengths = [ln for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length:")]
-            if lengths and len(body) >= int(lengths[0].split(b":", 1)[1]):
-                return req.received
-        try:
-            part = req.sock.recv(65536)
-        except (TimeoutError, ConnectionResetError):
-            return req.received
-        if not part:
-            return req.received
-        req.received += part
-
-
 def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
     url = dp.base_url + "/chat/completions"
     a0 = _admission(dp)
@@ -60,7 +41,7 @@ def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
     waiter = RawRequest(url, body, {"x-surface": "tab"})  # queued: not a byte of answer yet
     assert _wait(lambda: _admission(dp)["waiting"] == a0["waiting"] + 1, 20), _admission(dp)
     ray.kill(_gateway_actor(dp), no_restart=True)
-    raw = _read_response(waiter)
+    raw = waiter.read_response()
     holder.close()
     assert raw, "HAProxy closed the connection without an answer"
     head, _, payload = raw.partition(b"\r\n\r\n")
