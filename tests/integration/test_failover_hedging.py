@@ -5,7 +5,6 @@ the loser aborted upstream, a replica killed mid-stream, context-window routing,
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 
@@ -17,6 +16,7 @@ from cluster.config import parse_config
 from tests.integration.test_sim_cluster import kill_replica
 from tests.servers.anthropic_server import AnthropicServer
 from tests.servers.openai_server import OpenAIServer
+from tests.streamread import take_data_line
 
 pytestmark = pytest.mark.integration
 
@@ -247,13 +247,7 @@ async def _solo_stream(c: httpx.AsyncClient, mix, i: int, seen: dict[int, dict])
             if line.startswith(": ids "):
                 out["ids"] += [int(t) for t in line[6:].split(",")]
             elif line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                out["error"] = ev.get("error", out["error"])
-                out["usage"] = ev.get("usage") or out["usage"]
-                for ch in ev.get("choices", []):
-                    out["roles"] += "role" in ch["delta"]
-                    out["text"].append(ch["delta"].get("content") or "")
-                    out["finish"] += [ch["finish_reason"]] if ch["finish_reason"] else []
+                take_data_line(out, line)
     return out
 
 

@@ -112,6 +112,7 @@ def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
     times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many
     tokens have arrived."""
     from tests.integration.test_sim_cluster import kill_replica
+    from tests.streamread import take_data_line
 
     out: dict = {"ids": [], "at": [], "roles": 0, "finish": [], "usage": None, "error": None}
     killer: threading.Thread | None = None
@@ -136,12 +137,7 @@ def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
                     killer.start()
                     kill_after = None
             elif line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                out["error"] = ev.get("error", out["error"])
-                out["usage"] = ev.get("usage") or out["usage"]
-                for ch in ev.get("choices", []):
-                    out["roles"] += "role" in ch["delta"]
-                    out["finish"] += [ch["finish_reason"]] if ch["finish_reason"] else []
+                take_data_line(out, line)
     if killer is not None:
         killer.join(30)
     return out
