@@ -80,8 +80,10 @@ def to_chat(body: Any) -> dict[str, Any]:
         if key not in _KNOWN:
             raise _bad(f"{key}: Extra inputs are not permitted", key)
     check_types(body, _TYPES)
-    if not isinstance(body.get("max_tokens"), int):
+    if body.get("max_tokens") is None:
         raise _bad("max_tokens: Field required", "max_tokens")
+    if isinstance(body["max_tokens"], bool) or not isinstance(body["max_tokens"], int):
+        raise _bad("max_tokens: Input should be a valid integer", "max_tokens")
     out: dict[str, Any] = {"model": body.get("model"), "max_tokens": body["max_tokens"]}
     messages: list[dict[str, Any]] = []
     system = body.get("system")

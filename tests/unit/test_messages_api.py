@@ -165,3 +165,23 @@ def test_wrong_shapes_are_400_naming_the_field(field: str, value: Any) -> None:
             {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], field: value}
         )
     assert exc.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "max_tokens: Field required"),
+        ("x", "max_tokens: Input should be a valid integer"),
+        (True, "max_tokens: Input should be a valid integer"),
+        (2.5, "max_tokens: Input should be a valid integer"),
+    ],
+)
+def test_max_tokens_missing_and_wrong_type_say_which(value: Any, message: str) -> None:
+    """A wrong type was once answered "Field required", which sends the caller looking for a typo."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if value is not None:
+        body["max_tokens"] = value
+    with pytest.raises(InvalidRequest) as exc:
+        M.to_chat(body)
+    assert exc.value.param == "max_tokens"
+    assert exc.value.message == message
