@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
+
 from cluster.protocol import Usage
 
 
@@ -87,9 +89,44 @@ def full_response(
     return {**base, "object": "text_completion", "choices": [choice]}
 
 
+def dumps(obj: Any) -> bytes:
+    """Compact JSON as UTF-8 bytes: orjson (5-10x the standard library's speed, on the token path)
+    unless it refuses (a lone surrogate in a string, an int past 64 bits), then ``json`` as before."""
+    try:
+        return orjson.dumps(obj)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: str | bytes) -> Any:
+    """JSON, by orjson unless it refuses what ``json`` accepts (a lone surrogate escape)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)  # raises ValueError itself when the payload is not JSON at all
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    if isinstance(obj, str):
+        return b"data: " + obj.encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+class TextEvents:
+    """The stream's most common event - a content delta, nothing else - as two constant byte
+    strings around the text's JSON: one ``dumps`` of a string per token instead of building and
+    encoding the whole chunk object. The same bytes as ``sse(stream_chunk(meta, text, None))``
+    (tests/unit/test_openai_format.py checks it)."""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        head = dumps({"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model})
+        key = b'"delta":{"content":' if meta.kind == "chat" else b'"text":'
+        self.prefix = b"data: " + head[:-1] + b',"choices":[{"index":0,' + key
+        close = b"}" if meta.kind == "chat" else b""
+        self.suffix = close + b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def event(self, text: str) -> bytes:
+        return self.prefix + dumps(text) + self.suffix
 
 
 SSE_DONE = sse("[DONE]")

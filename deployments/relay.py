@@ -16,7 +16,7 @@ from typing import Any
 from cluster.admission import Outcome
 from cluster.attempt_policy import backend_of_slot
 from cluster.errors import ClusterError, StreamInterrupted
-from cluster.openai_format import SSE_DONE, full_response, sse, stream_chunk, usage_chunk
+from cluster.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
 from cluster.protocol import Chunk, Usage
 from cluster.providers.budget import cost_usd
 from cluster.race import RaceResult, first_token, follow
@@ -59,6 +59,7 @@ class _Framer:
 
     def __init__(self, prepared: Prepared) -> None:
         self.meta = prepared.meta
+        self.text_events = TextEvents(prepared.meta)
         self.sent_first = False
         self.parts: list[str] = []
         self.usage: Usage | None = None
@@ -84,6 +85,8 @@ class _Framer:
             self.parts.append(chunk.text)
         if calls:
             self.tool_calls.feed(calls)
+        elif self.sent_first and chunk.finish_reason is None:  # the common case: text, nothing else
+            return self.text_events.event(chunk.text)
         first = not self.sent_first
         data = sse(stream_chunk(self.meta, chunk.text, chunk.finish_reason, first=first, tool_calls=calls))
         self.sent_first = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cluster.openai_format import loads
 from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_tools
 
@@ -91,7 +92,7 @@ class StreamState:
 
     def on_event(self, event: str, data: str) -> StreamDelta:
         """One SSE event (name, data). Raises ValueError when the payload is malformed."""
-        obj = json.loads(data)
+        obj = loads(data)
         if not isinstance(obj, dict):
             raise ValueError("stream event is not a JSON object")
         kind = obj.get("type", event)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cluster.openai_format import loads
 from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta
 
@@ -73,7 +74,7 @@ def parse_stream_data(data: str) -> StreamDelta:
     """One SSE ``data`` payload of a chat or text completion stream. Raises ValueError when malformed."""
     if data.strip() == "[DONE]":
         return StreamDelta(done=True)
-    obj = json.loads(data)
+    obj = loads(data)
     if not isinstance(obj, dict):
         raise ValueError("stream chunk is not a JSON object")
     if obj.get("error") is not None:

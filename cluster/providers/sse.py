@@ -45,6 +45,10 @@ class SSEDecoder:
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]
         self._pending_cr = False
+        if not (self._data or self._event or self._retry is not None or b"\r" in chunk):
+            fast = self._feed_lf(chunk)
+            if fast is not None:
+                return fast
         self._buf += chunk
         events: list[SSEEvent] = []
         start = 0
@@ -65,6 +69,30 @@ class SSEDecoder:
         if len(buf) + self._data_bytes > self._max:
             raise SSEError(f"an SSE event exceeds {self._max} bytes")
         return events
+
+    def _feed_lf(self, chunk: bytes) -> list[SSEEvent] | None:
+        """The common read from a provider: events of one ``data:`` line each with LF endings, the
+        read cut anywhere (what the last read left over comes first). One split per read instead
+        of a scan per line. None for anything else (a comment, a named event, a multi-line event,
+        a CR), with nothing consumed: the general parser reads it."""
+        buf = self._buf
+        if buf and b"\r" in buf:
+            return None
+        data = bytes(buf) + chunk if buf else chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            return None
+        out: list[SSEEvent] = []
+        for block in data[:cut].split(b"\n\n"):
+            if not block.startswith(b"data:") or b"\n" in block or len(block) > self._max:
+                return None
+            value = block[6:] if block[5:6] == b" " else block[5:]
+            out.append(SSEEvent(data=value.decode("utf-8", errors="replace"), id=self._id))
+        rest = data[cut + 2 :]
+        if len(rest) > self._max:
+            return None  # the general parser raises SSEError for it
+        self._buf = bytearray(rest)
+        return out
 
     def flush(self) -> list[SSEEvent]:
         """End of stream: a partial last line is discarded, as the spec says."""

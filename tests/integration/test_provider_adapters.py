@@ -564,3 +564,36 @@ async def test_estimate_error_exposed(srv: LoopbackServer) -> None:
 def test_adapter_classes_by_api(openai_srv: OpenAIServer, anthropic_srv: AnthropicServer) -> None:
     assert isinstance(make(openai_srv), OpenAIProviderBackend)
     assert isinstance(make(anthropic_srv), AnthropicProviderBackend)
+
+
+async def test_the_shared_client_carries_no_cookie_from_one_answer_to_the_next_request() -> None:
+    """Every tenant's provider calls share one client: a Set-Cookie on one answer must not be sent
+    with anyone's next request."""
+    from aiohttp import web
+
+    from deployments.providers import shared_client
+
+    seen: list[str | None] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("cookie"))
+        resp = web.json_response({"ok": True})
+        resp.set_cookie("session", "tenant-a-secret")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        client = shared_client()
+        for _ in range(2):
+            r = await client.get(f"http://127.0.0.1:{port}/")
+            assert r.headers.get("set-cookie", "").startswith("session=")
+        assert seen == [None, None]
+        assert not client.cookies
+    finally:
+        await runner.cleanup()
