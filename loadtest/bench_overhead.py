@@ -235,8 +235,9 @@ def vllm_server_cmd(cfg: ClusterConfig, port: int) -> list[str]:
         **e.extra,
     }
     for k, v in optional.items():
-        if v is not None:
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        if v is not None:  # a nested engine arg (structured_outputs_config …) goes as JSON, as vLLM reads it
+            arg = json.dumps(v) if isinstance(v, dict | list) else str(v)
+            cmd += [f"--{k.replace('_', '-')}", arg]
     return [*cmd, "--uvicorn-log-level", "warning"]  # no access log line per request
 
 

@@ -176,6 +176,10 @@ def test_vllm_server_cmd_mirrors_the_local_config_engine_args(monkeypatch: pytes
                  "--block-size 32", "--kv-cache-memory-bytes 67108864", "--max-num-seqs 32",
                  "--max-model-len 2048", "--enforce-eager", "--enable-prefix-caching"):  # fmt: skip
         assert part in args
+    # A nested engine arg goes as JSON, which is what vLLM's parser reads (a dict's repr made the
+    # peer's servers exit at start once configs/local.yaml gained structured_outputs_config).
+    nested = cmd[cmd.index("--structured-outputs-config") + 1]
+    assert json.loads(nested) == {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def test_chat_workload_is_multi_turn_and_identical_for_both_legs() -> None:
