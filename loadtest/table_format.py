@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
 
 
+class CommitMissing(LookupError):
+    """The commit a table's earlier run is read from is not in this clone (a shallow one)."""
+
+
 class Results:
     """Result files by name (``"overhead"`` → ``loadtest/results/overhead.json``), read once each.
 
@@ -34,11 +38,20 @@ class Results:
             if at is None:
                 text = (self.root / rel).read_text()
             else:
-                text = subprocess.run(
-                    ["git", "show", f"{at}:{rel}"], cwd=self.root, capture_output=True, text=True, check=True
-                ).stdout
+                shown = subprocess.run(
+                    ["git", "show", f"{at}:{rel}"], cwd=self.root, capture_output=True, text=True
+                )
+                if shown.returncode:
+                    raise CommitMissing(
+                        f"{rel} at {at}: {shown.stderr.strip()} (a shallow clone? git fetch --unshallow)"
+                    )
+                text = shown.stdout
             self._cache[key] = json.loads(text)
         return self._cache[key]
+
+    def read(self) -> list[tuple[str, str | None]]:
+        """The (file, commit) pairs read so far: which files a table's figures come from."""
+        return list(self._cache)
 
     def exists(self, name: str) -> bool:
         return (self.root / f"loadtest/results/{name}.json").exists()
