@@ -7,20 +7,20 @@ from typing import Any
 
 from loadtest.table_format import Results, fixed, table
 
-_GROUPS = {
+# How the page names each policy (the file's key otherwise), in the order the rows are shown;
+# each table shows the policies its scenario holds, known ones first.
+POLICY_LABELS = {
     "round_robin": "round_robin",
     "power_of_two": "power_of_two",
     "ray_prefix": "ray_prefix",
     "least_loaded": "least_loaded",
+    "cache_aware+previous": "cache_aware+previous (before issue 17)",
     "cache_aware": "cache_aware (ours)",
     "cache_aware+proposed": "ours + proposed change",
+    "cache_aware+2gw": "cache_aware, 2 gateway replicas",
 }
-_COMMON = {k: _GROUPS[k] for k in ("ray_prefix", "cache_aware", "cache_aware+proposed")}
-_KV_LIVE = {
-    "cache_aware+previous": "cache_aware+previous (before issue 17)",
-    "cache_aware": "cache_aware (now)",
-}
-_KV_VIRTUAL = {
+_KV_LIVE_LABELS = {**POLICY_LABELS, "cache_aware": "cache_aware (now)"}
+WHATIF_LABELS = {
     "previous (routed records)": (
         "ours before issue 17 (routed-record index, rendezvous home, no match ratio)"
     ),
@@ -32,6 +32,12 @@ _KV_VIRTUAL = {
     "cache_aware (kv events, 2 gateways)": "ours now, 2 gateway replicas on the same events",
     "ray_prefix (emulated)": "Ray's prefix router (emulated)",
 }
+
+
+def _ordered(held: dict[str, Any], labels: dict[str, str]) -> list[tuple[str, str]]:
+    """(key, label) of every entry ``held`` has: the labelled ones in label order, then the rest."""
+    known = [(k, label) for k, label in labels.items() if k in held]
+    return known + [(k, k) for k in held if k not in labels]
 
 
 def _scenario(r: Results, name: str) -> dict[str, Any]:
@@ -50,7 +56,9 @@ def _per_replica(p: dict[str, Any], replicas: int) -> str:
 
 def groups(r: Results) -> str:
     pol = _scenario(r, "groups")["policies"]
-    rows = [[label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 1)] for k, label in _GROUPS.items()]
+    rows = [
+        [label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 1)] for k, label in _ordered(pol, POLICY_LABELS)
+    ]
     return table(["policy", "hit rate", "TTFT p50 / p90 / p99 ms"], "lll", rows)
 
 
@@ -59,7 +67,7 @@ def common_prompt(r: Results) -> str:
     pol, n = s["policies"], s["setup"]["replicas"]
     rows = [
         [label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 0), _per_replica(pol[k], n)]
-        for k, label in _COMMON.items()
+        for k, label in _ordered(pol, POLICY_LABELS)
     ]
     return table(["policy", "hit rate", "TTFT p50 / p90 / p99 ms", "requests per replica"], "llll", rows)
 
@@ -69,7 +77,7 @@ def kv_pressure_live(r: Results) -> str:
     pol, n = s["policies"], s["setup"]["replicas"]
     rows = [
         [label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 0), _per_replica(pol[k], n)]
-        for k, label in _KV_LIVE.items()
+        for k, label in _ordered(pol, _KV_LIVE_LABELS)
     ]
     return table(["policy", "hit rate", "TTFT p50 / p90 / p99 sim ms", "requests per replica"], "llll", rows)
 
@@ -91,7 +99,7 @@ def kv_pressure_virtual(r: Results) -> str:
             _mean_and_range(whatif[k]),
             fixed(whatif[k].get("ttft_p90_sim_ms_mean", whatif[k]["ttft_p90_sim_ms"]), 0),
         ]
-        for k, label in _KV_VIRTUAL.items()
+        for k, label in _ordered(whatif, WHATIF_LABELS)
     ]
     head = f"kv_pressure (oracle {fixed(s['oracle_hit_rate'], 3)})"
     return table([head, "hit rate", "TTFT p90 sim ms"], "lll", rows)
