@@ -59,14 +59,17 @@ def _overhead(r: Results) -> str:
 
 
 def _faults(r: Results) -> str:
+    """Where every hung request came from one fault window, name it (``gateway kill 2 of 2``)."""
     d = r.get("faults")
     hung = d["endings"].get("hung", 0)
     where = ""
-    kills = [f for f in d["faults"] if f["fault"] == "kill_gateway"]
-    for i, f in enumerate(kills, 1):
-        if f["hung"] == hung and hung:
-            where = f" after gateway kill {i} of {len(kills)}"
-    return f"{hung} hung{where} (--long): {_met(hung == 0)}"
+    for fault in dict.fromkeys(f["fault"] for f in d["faults"]):
+        windows = [f for f in d["faults"] if f["fault"] == fault]
+        for i, f in enumerate(windows, 1):
+            if hung and f["hung"] == hung:
+                where = f" in {fault} window {i} of {len(windows)}"
+    size = " (--long)" if "--long" in d.get("provenance", {}).get("argv", []) else ""
+    return f"{hung} hung{where}{size}: {_met(hung == 0)}"
 
 
 def _migration(r: Results) -> str:
