@@ -121,3 +121,10 @@ def test_a_step_past_its_limit_is_ended_with_its_children(tmp_path: Path) -> Non
     else:
         pytest.fail("the step's child outlived its limit")
     assert run_process(["sh", "-c", "exit 3"], timeout_s=10) == 3
+
+
+@pytest.mark.parametrize("module", sorted({s.module for s in STEPS}))
+def test_each_step_records_its_provenance(module: str) -> None:
+    """Each result file says what it measured: commit, load average before and after, machine."""
+    source = (LOADTEST / (module.removeprefix("loadtest.") + ".py")).read_text()
+    assert "provenance(" in source and "git_state()" in source
