@@ -61,15 +61,27 @@ def render(name: str, results: Results) -> str:
     return TABLES[name](results) + "\n"
 
 
-def rewrite(text: str, results: Results) -> str:
-    """``text`` with every marked region replaced by its rendering; an unknown name is an error."""
+def rewrite(text: str, results: Results, failures: dict[str, str] | None = None) -> str:
+    """``text`` with every marked region replaced by its rendering; an unknown name is an error.
+
+    With ``failures``, a table whose renderer fails (a result file missing, or rewritten in a shape
+    the renderer does not know) keeps its old text and its error is recorded there, so one broken
+    file does not hold back every other table after a long run.
+    """
     unknown = set(regions(text)) - set(TABLES)
     if unknown:
         raise KeyError(f"no renderer for marked table(s): {', '.join(sorted(unknown))}")
 
     def one(m: re.Match[str]) -> str:
         name = m["name"]
-        return f"<!-- table:{name} -->\n{render(name, results)}<!-- /table:{name} -->"
+        try:
+            body = render(name, results)
+        except Exception as exc:
+            if failures is None:
+                raise
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            body = m["body"]
+        return f"<!-- table:{name} -->\n{body}<!-- /table:{name} -->"
 
     return REGION.sub(one, text)
 
@@ -91,11 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(f"stale: table '{name}' (run python -m loadtest.bench_tables)", file=sys.stderr)
         return 1 if names else 0
-    new = rewrite(text, results)
+    failures: dict[str, str] = {}
+    new = rewrite(text, results, failures)
     changed = [name for name, body in regions(text).items() if body != regions(new)[name]]
     args.path.write_text(new)
-    print(f"{len(regions(new))} tables rendered; changed: {', '.join(changed) or 'none'}")
-    return 0
+    print(f"{len(regions(new)) - len(failures)} tables rendered; changed: {', '.join(changed) or 'none'}")
+    for name, error in failures.items():
+        print(f"table '{name}' not rendered (its old text kept): {error}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,6 +58,16 @@ def test_rewrite_replaces_only_the_regions() -> None:
     assert rewrite(out, RESULTS) == out
     with pytest.raises(KeyError, match="nope"):
         rewrite("<!-- table:nope -->\n<!-- /table:nope -->", RESULTS)
+
+
+def test_a_table_whose_file_is_missing_keeps_its_text_and_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "loadtest" / "results").mkdir(parents=True)
+    doc = "<!-- table:hedging -->\n| old |\n<!-- /table:hedging -->\n"
+    with pytest.raises(FileNotFoundError):
+        rewrite(doc, Results(tmp_path))
+    failures: dict[str, str] = {}
+    assert rewrite(doc, Results(tmp_path), failures) == doc
+    assert list(failures) == ["hedging"] and "hedging.json" in failures["hedging"]
 
 
 def _numbers(obj: Any) -> list[float]:
