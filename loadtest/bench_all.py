@@ -43,7 +43,9 @@ class Step:
     full: tuple[str, ...]  # the options the page's figures were made with
     quick: tuple[str, ...] | None  # its quick / CI-sized options; None: the same as full
     writes: tuple[str, ...]  # files in loadtest/results
-    est_full_s: int  # rough, from the last recorded runs on the 2-core box
+    # Rough seconds: full ones from the runtimes the result files record (2-core box, some at high
+    # load); quick ones scaled down by the smaller workload, not yet measured.
+    est_full_s: int
     est_quick_s: int
 
     def args(self, full: bool) -> tuple[str, ...]:
