@@ -1,10 +1,11 @@
 """The ``cluster`` command: every subcommand, in one table.
 
 Each entry names a module and its ``add_<name>_parser(subparsers)``. The core's own (``check``,
-``k8s``, ``plan``, ``status``) live in ``cluster/``; ``serve`` (``deployments/cli_serve.py``) and
-``bench`` (``loadtest/cli_bench.py``) belong to the layers above, which the core never imports as
-code: they are names in this table, loaded when the command line is built. A subcommand whose
-module fails to import fails the command, naming it, instead of silently going missing.
+``k8s``, ``plan``, ``status``) live in ``cluster/``; ``serve`` (``deployments/cli_serve.py``),
+``bench`` (``loadtest/cli_bench.py``) and ``bench-all`` (``loadtest/bench_all.py``) belong to the
+layers above, which the core never imports as code: they are names in this table, loaded when the
+command line is built. A subcommand whose module fails to import fails the command, naming it,
+instead of silently going missing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("cluster.cli_plan", "add_plan_parser"),
     ("cluster.cli_status", "add_status_parser"),
     ("loadtest.cli_bench", "add_bench_parser"),
+    ("loadtest.bench_all", "add_bench_all_parser"),
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import resource
@@ -21,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.affinity import AffinityParams, AffinityRouter, BlockHasher, ReplicaLoad
+from loadtest.provenance import git_state, provenance
 
 BLOCK = 16
 REPLICAS = 64
@@ -103,6 +105,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a 100k-block index and fewer samples")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "affinity_micro.json"))
     args = ap.parse_args()
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     index_blocks = 100_000 if args.quick else 1_000_000
     n = 2_000 if args.quick else 20_000
     rng = random.Random(7)
@@ -142,6 +145,7 @@ def main() -> None:
         "record_256_blocks": record,
         "goal_decide_us": 50,
         "goal_met": all(v["p50_us"] <= 50 for v in decisions.values()),
+        "provenance": provenance(sys.argv[1:], git, load0, started),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import httpx
 
 from cluster.config import ClusterConfig, parse_config
 from loadtest.client import EventStream
+from loadtest.provenance import git_state, provenance
 from loadtest.stats import quantile
 
 RESULTS = Path(__file__).parent / "results" / "hedging.json"
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=6)
     args = ap.parse_args()
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     from deployments import local
 
     with socket.socket() as s:
@@ -140,6 +143,7 @@ def main() -> None:
         "variants": results,
         "load_avg_1m": os.getloadavg()[0],
         "machine": "2-core shared CPU machine, 4 simulated H100 replicas per variant",
+        "provenance": provenance(sys.argv[1:], git, load0, started),
     }
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "variants"}, indent=2))

@@ -70,6 +70,7 @@ from loadtest.bench_affinity import (
     stream_chat,
     warm_up,
 )
+from loadtest.provenance import git_state, provenance
 from loadtest.workloads import RequestSpec, SharedPrefixWorkload, merge, summary
 
 APP = "llmc-overload"
@@ -360,6 +361,7 @@ def _config_summary(cfg: Any) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Worker processes of a busy shared machine can take minutes to start (Ray gives them 60 s).
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
@@ -405,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replay_wall_s": round(run.wall, 1),
         "machine": meta,
         "runtime_s": round(time.perf_counter() - t_start, 1),
+        "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -43,6 +43,7 @@ from loadtest.bench_overload import (
     per_surface,
     workloads,
 )
+from loadtest.provenance import git_state, provenance
 
 VARIANTS = ("off", "on")
 
@@ -156,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "overload_shared.json"))
     args = ap.parse_args(argv)
     args.factors = [float(x) for x in args.factors.split(",")]
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
     t0 = time.perf_counter()
@@ -177,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         factors=args.factors,
         variants=variants,
         runtime_s=round(time.perf_counter() - t0, 1),
+        provenance=provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.provenance import git_state, provenance
 from loadtest.step_time_fit import FITS, decode_window_step, fit_all, profile_snippet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "engine_calibration.json"))
     ap.add_argument("--refit", metavar="RESULTS_JSON", help="skip the engine: refit a saved results file")
     args = ap.parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.refit:
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()  # finalize the engine now, not at interpreter exit (its __del__ shuts down again)
         out.write_text(json.dumps(measured, indent=2) + "\n")  # the raw medians, even if a fit fails
     result = fit_all(measured)
+    result["provenance"] = provenance(sys.argv[1:] if argv is None else argv, git, load0, started)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     for name in FITS:

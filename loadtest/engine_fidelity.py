@@ -69,6 +69,7 @@ from loadtest.calibrate_engine import (  # noqa: E402
     warm_up,
 )
 from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
+from loadtest.provenance import git_state, provenance  # noqa: E402
 from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "(same --n/--rate) and redo the simulated side (e.g. after new coefficients)",
     )
     args = ap.parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     if args.reanalyse:
         old = json.loads(Path(args.reanalyse).read_text())
         measured = {k: old[k] for k in ("engine", "machine", "runtime_s")} | {"trials": old["measured"]}
@@ -427,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = asyncio.run(replay_trials(args))
         gc.collect()  # finalize the engine now, not at interpreter exit (its __del__ shuts down again)
     result = analyse(measured, args)
+    result["provenance"] = provenance(sys.argv[1:] if argv is None else argv, git, load0, started)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     m, w, floor = result["machine"], result["workload"], result["phase_floor"]

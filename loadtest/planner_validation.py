@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -38,6 +39,7 @@ from cluster.demand import RouteDemand  # noqa: E402
 from cluster.engine_model import EngineModel  # noqa: E402
 from cluster.profiles import Profile, get_profile  # noqa: E402
 from cluster.replica_model import ReplicaModel, Workload  # noqa: E402
+from loadtest.provenance import git_state, provenance  # noqa: E402
 
 OUT = ROOT / "loadtest" / "results" / "planner_validation.json"
 WARMUP = 0.25  # share of the arrivals before measuring
@@ -378,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     t0 = time.perf_counter()
     results = []
     for case in CASES:
@@ -403,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "cases": results,
         "seconds": time.perf_counter() - t0,
+        "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")

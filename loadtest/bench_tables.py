@@ -1,0 +1,117 @@
+"""BENCHMARKS.md's tables, rendered from the result files (``loadtest/results/*.json``), so that a
+figure on the page is a figure a benchmark script wrote, not one copied by hand.
+
+    python -m loadtest.bench_tables            # rewrite every marked table in BENCHMARKS.md
+    python -m loadtest.bench_tables --check    # exit 1 (and name them) if any table is stale
+
+Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around the
+markers is hand-written and left alone. ``TABLES`` maps each name to the pure function that renders
+it; the rounding of each column is stated in that function. ``tests/unit/test_benchmarks_md.py``
+checks that every marked region is what its renderer gives and that no table lies outside one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from loadtest import tables_affinity, tables_engine, tables_load, tables_reliability, tables_summary
+from loadtest.table_format import ROOT, Results
+
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+
+TABLES: dict[str, Callable[[Results], str]] = {
+    "summary": tables_summary.summary,
+    "engine-fidelity": tables_engine.engine_fidelity,
+    "gpu-profiles": tables_engine.gpu_profiles,
+    "planner-validation": tables_engine.planner_validation,
+    "affinity-micro": tables_engine.affinity_micro,
+    "hedging": tables_engine.hedging,
+    "affinity-groups": tables_affinity.groups,
+    "affinity-common-prompt": tables_affinity.common_prompt,
+    "affinity-kv-pressure-live": tables_affinity.kv_pressure_live,
+    "affinity-kv-pressure-virtual": tables_affinity.kv_pressure_virtual,
+    "overhead": tables_load.overhead,
+    "faults-issue-10": tables_reliability.faults_issue_10,
+    "faults-final": tables_reliability.faults_final,
+    "faults-issue-15": tables_reliability.faults_issue_15,
+    "soak": tables_reliability.soak,
+    "overload": tables_load.overload,
+    "overload-shared": tables_load.overload_shared,
+    "migration": tables_reliability.migration,
+}
+
+REGION = re.compile(r"<!-- table:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
+
+
+def regions(text: str) -> dict[str, str]:
+    """Each marked region's body (without its markers), by name; a name twice is an error."""
+    found: dict[str, str] = {}
+    for m in REGION.finditer(text):
+        if m["name"] in found:
+            raise ValueError(f"table '{m['name']}' is marked twice")
+        found[m["name"]] = m["body"]
+    return found
+
+
+def render(name: str, results: Results) -> str:
+    return TABLES[name](results) + "\n"
+
+
+def rewrite(text: str, results: Results, failures: dict[str, str] | None = None) -> str:
+    """``text`` with every marked region replaced by its rendering; an unknown name is an error.
+
+    With ``failures``, a table whose renderer fails (a result file missing, or rewritten in a shape
+    the renderer does not know) keeps its old text and its error is recorded there, so one broken
+    file does not hold back every other table after a long run.
+    """
+    unknown = set(regions(text)) - set(TABLES)
+    if unknown:
+        raise KeyError(f"no renderer for marked table(s): {', '.join(sorted(unknown))}")
+
+    def one(m: re.Match[str]) -> str:
+        name = m["name"]
+        try:
+            body = render(name, results)
+        except Exception as exc:
+            if failures is None:
+                raise
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            body = m["body"]
+        return f"<!-- table:{name} -->\n{body}<!-- /table:{name} -->"
+
+    return REGION.sub(one, text)
+
+
+def stale(text: str, results: Results) -> list[str]:
+    """The marked tables whose text is not what their result files render."""
+    return [name for name, body in regions(text).items() if body != render(name, results)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only check; exit 1 if a table is stale")
+    ap.add_argument("--path", type=Path, default=BENCHMARKS_MD)
+    args = ap.parse_args(argv)
+    text = args.path.read_text()
+    results = Results()
+    if args.check:
+        names = stale(text, results)
+        for name in names:
+            print(f"stale: table '{name}' (run python -m loadtest.bench_tables)", file=sys.stderr)
+        return 1 if names else 0
+    failures: dict[str, str] = {}
+    new = rewrite(text, results, failures)
+    changed = [name for name, body in regions(text).items() if body != regions(new)[name]]
+    args.path.write_text(new)
+    print(f"{len(regions(new)) - len(failures)} tables rendered; changed: {', '.join(changed) or 'none'}")
+    for name, error in failures.items():
+        print(f"table '{name}' not rendered (its old text kept): {error}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

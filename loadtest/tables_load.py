@@ -1,0 +1,136 @@
+"""BENCHMARKS.md tables of the gateway's overhead and of overload (dedicated and shared pools)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.table_format import Results, fixed, num, signed, table
+
+
+def overhead(r: Results) -> str:
+    """overhead.json: TTFT and added TTFT in ms (2 decimals at 1 stream, 1 above), requests/s to 1
+    decimal, vLLM E2E to the ms."""
+    d = r.get("overhead")
+    legs = d["legs"]
+
+    def ttft(leg: str, c: str, digits: int) -> str:
+        return fixed(legs[leg][c]["ttft_ms"]["p50"], digits)
+
+    def added(key: str, digits: int) -> str:
+        return f"**{signed(d[key], digits)}**"
+
+    rows = [
+        [
+            "TTFT p50 at 1 stream (ms), added",
+            ttft("direct", "c1", 2),
+            f"{ttft('peer', 'c1', 2)}, {added('peer_added_ttft_p50_ms_c1', 2)}",
+            f"{ttft('ours', 'c1', 2)}, {added('added_ttft_p50_ms_c1', 2)}",
+        ],
+        [
+            "TTFT p50 at 16 streams (ms), added",
+            ttft("direct", "c16", 1),
+            f"{ttft('peer', 'c16', 1)}, {added('peer_added_ttft_p50_ms_c16', 1)}",
+            f"{ttft('ours', 'c16', 1)}, {added('added_ttft_p50_ms_c16', 1)}",
+        ],
+        [
+            "requests/s at 16 streams",
+            fixed(d["direct_rps_c16"], 1),
+            fixed(d["peer_rps_c16"], 1),
+            f"**{fixed(d['rps_c16'], 1)}**",
+        ],
+        ["TTFT p50 at 64 streams (ms), requests/s"]
+        + [
+            f"{ttft(leg, 'c64', 1)}, {fixed(legs[leg]['c64']['rps'], 1)}"
+            for leg in ("direct", "peer", "ours")
+        ],
+        [
+            "vLLM-CPU E2E p50 (ms)",
+            "",
+            fixed(d["peer_vllm_e2e_p50_ms"], 0),
+            f"**{fixed(d['vllm_e2e_p50_ms'], 0)}**",
+        ],
+    ]
+    return table(["", "direct", "vllm-router (peer)", "ours"], "lrrr", rows)
+
+
+def _ms(x: float) -> str:
+    return fixed(x, 1) if x < 100 else fixed(x, 0)  # 1 decimal below 100 ms, whole ms above
+
+
+def overload(r: Results) -> str:
+    """overload.json ``surfaces``: TTFT of the admitted in simulated ms (1 decimal below 100, whole
+    above), the SLO in whole ms."""
+    rows = []
+    for name, s in r.get("overload")["surfaces"].items():
+        rows.append(
+            [
+                name,
+                num(s["sent"]),
+                num(s["admitted"]),
+                num(s["rejected_429"]),
+                num(s["rejected_503"]),
+                num(s["hung"]),
+                f"{_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p99_ms'])}",
+                fixed(s["slo_ms"], 0),
+                "yes" if s["slo_met"] else "no",
+            ]
+        )
+    header = [
+        "surface",
+        "sent",
+        "admitted",
+        "429",
+        "503",
+        "hung",
+        "TTFT p50 / p99 of admitted (ms)",
+        "SLO (ms)",
+        "met",
+    ]
+    return table(header, "lrrrrrrrl", rows)
+
+
+# The runs this table shows: run 1 is overload_shared.json as commit 9b670f6 recorded it, run 2 the
+# file as it stands (whatever the last run of the script wrote).
+OVERLOAD_SHARED_RUNS = (("1", "9b670f6"), ("2", None))
+_PHASES = ("tab_alone", "agent_x1", "agent_x3")
+
+
+def _shared_row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
+    """Whole ms and tok/s; load average (1 min) at the variant's start → end, 1 decimal; hung is
+    the sum over the variant's three phases (the file records it per phase)."""
+    v = d["variants"][variant]
+
+    def tab(phase: str) -> str:
+        t = v[phase]["surfaces"]["tab"]
+        return f"{fixed(t['ttft_p50_ms'], 0)} / {fixed(t['ttft_p99_ms'], 0)}"
+
+    def agent(phase: str) -> list[str]:
+        p = v[phase]
+        reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
+        return [tab(phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
+
+    label = (
+        f"{run} (`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s)"
+        if first
+        else run
+    )
+    load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
+    hung = sum(v[p]["hung"] for p in _PHASES)
+    return [label, variant, load, tab("tab_alone"), *agent("agent_x1"), *agent("agent_x3"), str(hung)]
+
+
+def overload_shared(r: Results) -> str:
+    rows = []
+    for run, at in OVERLOAD_SHARED_RUNS:
+        d = r.get("overload_shared", at=at)
+        rows += [_shared_row(run, variant, d, first=i == 0) for i, variant in enumerate(("off", "on"))]
+    header = [
+        "run",
+        "variant",
+        "load avg",
+        "Tab alone p50 / p99",
+        "Tab at 1× p50 / p99",
+        "Agent goodput 1× (tok/s)",
+    ]
+    header += ["reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)", "reject p99 3×", "hung"]
+    return table(header, "lllrrrrrrrr", rows)

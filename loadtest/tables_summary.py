@@ -1,0 +1,182 @@
+"""BENCHMARKS.md's first table: each benchmark's command, result file, goal and status. Goals are
+the issues' targets, written here (they are not measurements); every figure in a status comes
+from the result file, and met / missed is computed against the goal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loadtest.table_format import Results, fixed, pct, signed, table
+
+
+def _pct(ratio: float) -> str:
+    return pct(ratio)[:-1] + " %"  # the page's style in this table: "6.5 %"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def _fidelity(r: Results) -> str:
+    d = r.get("engine_fidelity")
+    e2e, ttft = d["e2e_median_error"], d["ttft_median_error"]
+    return f"E2E {_pct(e2e)} {_met(e2e <= d['goal'])}; TTFT {_pct(ttft)} {_met(ttft <= d['goal'])}"
+
+
+def _planner(r: Results) -> str:
+    d = r.get("planner_validation")
+    ok = max(d["throughput_error"], d["concurrency_error"]) <= d["goal"]
+    return f"{_pct(d['throughput_error'])} / {_pct(d['concurrency_error'])} {_met(ok)}"
+
+
+def _micro(r: Results) -> str:
+    d = r.get("affinity_micro")
+    p50 = [c["p50_us"] for c in d["decide"].values()]  # every decision case
+    return f"{fixed(min(p50), 0)}–{fixed(max(p50), 0)} µs p50 {_met(d['goal_met'])}"
+
+
+def _kv_pressure(r: Results) -> str:
+    s = r.get("affinity")["scenarios"]
+    fits, kv = s["fits"]["goals"]["virtual_clock"], s["kv_pressure"]["goals"]["virtual_clock"]
+    kv_ok = kv["hit_rate_minus_ray"] >= 0.05 and kv["ttft_p90_ray_over_ours"] >= 1.3
+    return (
+        f"virtual clock only: fits {_met(fits['hit_rate_vs_oracle'] >= 0.95)}, kv_pressure "
+        f"{'met' if kv_ok else 'not'} ({signed(kv['hit_rate_minus_ray'], 3)}, "
+        f"{fixed(kv['ttft_p90_ray_over_ours'], 2)}×), 2 gateways {_met(kv['two_gateways_minus_one'] <= 0.02)}"
+    )
+
+
+def _overload_shared(r: Results) -> str:
+    variants = r.get("overload_shared")["variants"].values()
+    hung = sum(p["hung"] for v in variants for p in v.values() if isinstance(p, dict) and "hung" in p)
+    return f"{hung} hung {_met(hung == 0)}; the others missed on this box (see below)"
+
+
+def _overhead(r: Results) -> str:
+    d = r.get("overhead")
+    added = d["added_ttft_p50_ms_c1"]
+    return f"{signed(added, 1)} ms (peer {signed(d['peer_added_ttft_p50_ms_c1'], 1)}): {_met(added <= 1.0)}"
+
+
+def _faults(r: Results) -> str:
+    """Where every hung request came from one fault window, name it (``gateway kill 2 of 2``)."""
+    d = r.get("faults")
+    hung = d["endings"].get("hung", 0)
+    where = ""
+    for fault in dict.fromkeys(f["fault"] for f in d["faults"]):
+        windows = [f for f in d["faults"] if f["fault"] == fault]
+        for i, f in enumerate(windows, 1):
+            if hung and f["hung"] == hung:
+                where = f" in {fault} window {i} of {len(windows)}"
+    size = " (--long)" if "--long" in d.get("provenance", {}).get("argv", []) else ""
+    return f"{hung} hung{where}{size}: {_met(hung == 0)}"
+
+
+def _migration(r: Results) -> str:
+    d = r.get("migration")
+    n, ratio = d["killed_replica_streams"], d["completed_after_kill_ratio"]
+    # "k of n": k = ratio x n, the streams that completed (the file holds the ratio and n).
+    return f"{ratio} ({round(ratio * n)} of {n}) {_met(ratio == 1.0)}; see below"
+
+
+def _gpu(r: Results) -> str:
+    return "see below" if r.exists("gpu_overhead") else "not run yet: no GPU lent"
+
+
+def _see_below(_: Results) -> str:
+    return "see below"
+
+
+Row = tuple[str, str, str, str, Callable[[Results], str]]
+ROWS: list[Row] = [
+    (
+        "Engine model fidelity",
+        "`python -m loadtest.calibrate_engine` then `python -m loadtest.engine_fidelity`",
+        "engine_calibration.json, engine_fidelity.json",
+        "≤ 10 % median error",
+        _fidelity,
+    ),
+    (
+        "Planner validation",
+        "`python -m loadtest.planner_validation`",
+        "planner_validation.json",
+        "≤ 15 %",
+        _planner,
+    ),
+    (
+        "Affinity decision cost",
+        "`python -m loadtest.bench_affinity_micro`",
+        "affinity_micro.json",
+        "≤ 50 µs at 64 replicas, 1M blocks",
+        _micro,
+    ),
+    (
+        "Affinity vs peers",
+        "`python -m loadtest.bench_affinity`",
+        "affinity.json",
+        "≥ 95 % of oracle hit rate, ≥ 1.3× TTFT p90 vs Ray",
+        _see_below,
+    ),
+    (
+        "Affinity under KV pressure",
+        "`python -m loadtest.bench_affinity --scenario fits,kv_pressure`",
+        "affinity.json",
+        "fits ≥ 95 % of oracle; kv_pressure ≥ Ray + 0.05, ≥ 1.3× TTFT p90; 2 gateways within 0.02",
+        _kv_pressure,
+    ),
+    (
+        "Overload",
+        "`python -m loadtest.bench_overload`",
+        "overload.json",
+        "Tab p99 TTFT within SLO at 3× capacity",
+        _see_below,
+    ),
+    (
+        "Overload, shared pool, wall clock",
+        "`python -m loadtest.bench_overload_shared --factors 1,3`",
+        "overload_shared.json",
+        "Tab p99 ≤ 100 ms at 3×; Agent goodput on ≥ 80 % of off; reject p99 ≤ 5 ms; 0 hung",
+        _overload_shared,
+    ),
+    (
+        "Hedging",
+        "`python -m loadtest.bench_hedging`",
+        "hedging.json",
+        "hedge-on p99 ≤ 1.5× no-fault p99 at ≤ 5 % extra requests",
+        _see_below,
+    ),
+    (
+        "Gateway overhead",
+        "`python -m loadtest.bench_overhead`",
+        "overhead.json",
+        "≤ 1 ms p50 added TTFT",
+        _overhead,
+    ),
+    ("Faults under load", "`python -m loadtest.faults [--long]`", "faults.json", "0 hung", _faults),
+    (
+        "Soak",
+        "`python -m loadtest.soak --minutes 10`",
+        "soak.json, soak_rest.json",
+        "bounded RSS, no leaked tasks",
+        _see_below,
+    ),
+    (
+        "Mid-stream migration",
+        "`python -m loadtest.bench_migration`",
+        "migration.json",
+        "completed_after_kill_ratio 1.0 (self-hosted)",
+        _migration,
+    ),
+    (
+        "GPU path",
+        "`scripts/gpu-check.sh` (on an NVIDIA GPU)",
+        "gpu_overhead.json, gpu_affinity.json",
+        "< 10 min end to end",
+        _gpu,
+    ),
+]
+
+
+def summary(r: Results) -> str:
+    rows = [[name, cmd, files, goal, status(r)] for name, cmd, files, goal, status in ROWS]
+    return table(["benchmark", "command", "result file", "goal", "status"], "lllll", rows)
