@@ -80,32 +80,8 @@ class Gateway:
         backends = [b.name for b in cfg.backends]
         self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
-        self.views: dict[str, BackendView] = {}
-        pickers: dict[str, ReplicaPicker] = {}
-        providers: dict[str, Any] = {}
         self.replica_id = replica = serve.get_replica_context().replica_id.unique_id
-        for b in cfg.backends:
-            model = cfg.model(b.model)
-            assert model is not None  # validated
-            if b.kind == "provider":
-                from deployments.provider_budget import get_budget
-                from deployments.providers import build_provider_backend
-
-                os.environ.update(b.env)  # the adapter runs here: its key's variable, for one
-
-                providers[b.name] = build_provider_backend(
-                    b,
-                    model,
-                    f"{replica}/{b.name}",
-                    budget=get_budget(b, (budgets or {}).get(b.name)),
-                    on_unsettled=functools.partial(_count_unsettled, b.name),
-                )
-                continue
-            policy = AffinityRouter(block_size(b), b.model, AffinityParams(**b.affinity.params()))
-            cap = b.max_in_flight_per_replica
-            view = BackendView(b.name, policy, self.board.replicas(b.name), cap, b.routing)
-            self.views[b.name] = view
-            pickers[b.name] = ReplicaPicker(engines[b.name], view)
+        self.views, pickers, providers = self._backends(engines, budgets or {})
         self.providers = providers
         self._session: Any = None
         self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
@@ -129,7 +105,11 @@ class Gateway:
         node = ray.get_runtime_context().get_node_id()
         haproxy_errors.install(node)
         self._errpage_task = asyncio.get_event_loop().create_task(haproxy_errors.keep_installed(node))
-        self._routes = {
+        self._routes = self._route_table()
+
+    def _route_table(self) -> dict[tuple[str, str], Any]:
+        """(method, path) -> handler(scope, receive, send)."""
+        return {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
             ("POST", "/v1/messages"): functools.partial(self._native, native_api.MESSAGES),
@@ -139,6 +119,38 @@ class Gateway:
             ("GET", "/openapi.json"): self._openapi_json,
             ("GET", "/internal/status"): self._status,
         }
+
+    def _backends(
+        self, engines: dict[str, Any], budgets: dict[str, Any]
+    ) -> tuple[dict[str, BackendView], dict[str, ReplicaPicker], dict[str, Any]]:
+        """Each engine backend's routing view and replica picker, each provider's adapter (it runs
+        in this process, with the app's shared budget when the provider has limits)."""
+        cfg = self.cfg
+        views: dict[str, BackendView] = {}
+        pickers: dict[str, ReplicaPicker] = {}
+        providers: dict[str, Any] = {}
+        for b in cfg.backends:
+            model = cfg.model(b.model)
+            assert model is not None  # validated
+            if b.kind == "provider":
+                from deployments.provider_budget import get_budget
+                from deployments.providers import build_provider_backend
+
+                os.environ.update(b.env)  # the adapter runs here: its key's variable, for one
+
+                providers[b.name] = build_provider_backend(
+                    b,
+                    model,
+                    f"{self.replica_id}/{b.name}",
+                    budget=get_budget(b, budgets.get(b.name)),
+                    on_unsettled=functools.partial(_count_unsettled, b.name),
+                )
+                continue
+            policy = AffinityRouter(block_size(b), b.model, AffinityParams(**b.affinity.params()))
+            cap = b.max_in_flight_per_replica
+            views[b.name] = view = BackendView(b.name, policy, self.board.replicas(b.name), cap, b.routing)
+            pickers[b.name] = ReplicaPicker(engines[b.name], view)
+        return views, pickers, providers
 
     async def _native(self, api: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
         """/v1/messages and /v1/responses: translated into the chat route and back."""
