@@ -468,6 +468,13 @@ class AffinityRouter:
         ours = [h for h in (kv.pop(e, None) for e in block_hashes) if h is not None]
         self.index.on_block_removed(replica, ours)
 
+    def replica_lost(self, replica: str) -> None:
+        """The replica's process is gone or going (its event feed broke) though Serve still lists
+        it: its cached blocks go, and its contexts lose their home, so they are placed elsewhere
+        rather than sent back to it; it stays event-fed (see :class:`cluster.routing_view.BackendView`)."""
+        self.apply_kv_cleared(replica)
+        self.homes.remove_replica(replica)
+
     def apply_kv_cleared(self, replica: str) -> None:
         """The engine reset its prefix cache: its blocks go (the replica gets a new slot)."""
         self.index.remove_replica(replica)

@@ -39,6 +39,7 @@ the random generator.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -57,17 +58,19 @@ class _Load(Protocol):
 class ContextHomes:
     """Sticky homes of prompt blocks and each replica's decayed demand (module docstring)."""
 
-    def __init__(self, capacity_blocks: int, half_life_requests: float, gone_capacity: int = 4096) -> None:
+    def __init__(self, capacity_blocks: int, half_life_requests: float) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         if half_life_requests <= 0:
             raise ValueError("half_life_requests must be positive")
         self.capacity = capacity_blocks
         self._keep = 0.5 ** (1.0 / half_life_requests)
-        self._home: OrderedDict[int, str] = OrderedDict()
+        # block hash -> its home's token; a replica's token is one shared (name, generation) tuple,
+        # replaced when the replica is removed, so its homes go void at once without a scan
+        self._home: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._tokens: dict[str, tuple[str, int]] = {}
+        self._generation = itertools.count()
         self._demand: dict[str, float] = {}  # replica -> decayed blocks it became home to
-        self._gone: OrderedDict[str, None] = OrderedDict()  # removed replicas: their homes are void
-        self._gone_capacity = gone_capacity
 
     def __len__(self) -> int:
         return len(self._home)
@@ -82,24 +85,27 @@ class ContextHomes:
         lo, hi, who = 0, len(hashes), None
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            r = home.get(hashes[mid - 1])
-            if r is not None:
-                lo, who = mid, r
+            t = home.get(hashes[mid - 1])
+            if t is not None:
+                lo, who = mid, t
             else:
                 hi = mid - 1
-        if who is not None and who in self._gone:
+        if who is None or self._tokens.get(who[0]) is not who:
             return lo, None
-        return lo, who
+        return lo, who[0]
 
     def claim(self, replica: str, hashes: Sequence[int]) -> int:
         """A request with these blocks went to ``replica``: blocks without a live home are homed
         there and add to its demand (everyone's decays by one request); returns those blocks."""
-        home, gone = self._home, self._gone
+        home, tokens = self._home, self._tokens
+        token = tokens.get(replica)
+        if token is None:
+            token = tokens[replica] = (replica, next(self._generation))
         new = 0
         for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
             old = home.pop(h, None)
-            if old is None or old in gone:
-                old, new = replica, new + 1
+            if old is None or tokens.get(old[0]) is not old:
+                old, new = token, new + 1
             home[h] = old
         while len(home) > self.capacity:
             home.popitem(last=False)
@@ -123,8 +129,7 @@ class ContextHomes:
         return ties[0] if len(ties) == 1 else rng.choice(ties)
 
     def remove_replica(self, replica: str) -> None:
-        """The replica left: its contexts lose their home (placed anew on their next request)."""
+        """The replica left or died: its contexts lose their home (placed anew on their next
+        request); if it comes back, it is home only to what is sent to it from then on."""
         self._demand.pop(replica, None)
-        self._gone[replica] = None
-        while len(self._gone) > self._gone_capacity:
-            self._gone.popitem(last=False)
+        self._tokens.pop(replica, None)

@@ -80,6 +80,15 @@ def test_a_removed_replicas_contexts_lose_their_home_and_are_homed_anew():
     assert homes.lookup([1, 2, 3]) == (3, "b")
 
 
+def test_a_replica_back_after_removal_is_home_only_to_what_is_sent_to_it_again():
+    homes = ContextHomes(1000, 64)
+    homes.claim("a", [1, 2, 3])
+    homes.remove_replica("a")
+    homes.claim("a", [9])
+    assert homes.lookup([1, 2, 3]) == (3, None)
+    assert homes.lookup([9]) == (1, "a")
+
+
 def test_bounded_homes_evict_tails_first_so_the_deepest_homed_block_is_still_found():
     homes = ContextHomes(capacity_blocks=6, half_life_requests=64)
     homes.claim("a", [1, 2, 3, 4])
@@ -210,3 +219,13 @@ def test_a_removed_replicas_context_is_placed_as_new_and_rehomed():
     assert (d.reason, d.diverted) == ("new_prefix", False)  # no home to be kept from
     rt.record(d.replica, hs, 1)
     assert rt.homes.lookup(hs) == (len(hs), d.replica)
+
+
+def test_a_lost_replicas_contexts_are_placed_elsewhere_while_serve_still_lists_it():
+    rt = router()
+    hs = rt.hash(toks(1024))
+    rt.record("r0", hs, 0)
+    rt.replica_lost("r0")  # its event feed broke: the process died, Serve has not noticed yet
+    assert rt.homes.lookup(hs) == (len(hs), None)
+    d = rt.decide(hs, loads(R2, r0={"in_flight": 1}), random.Random(0), 1)
+    assert (d.replica, d.diverted) == ("r1", False)  # placed as new, not sent back to a dead home
