@@ -522,11 +522,12 @@ def _print(policy: str, r: dict[str, Any], seconds: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 PREVIOUS = "cache_aware+previous"
-# Issue 17 made min_match_ratio 0.5 and new prefixes to the least loaded eligible replica (then the
-# emptiest cache) the config's defaults (``cache_aware``), with the index fed by the engines' KV
-# events. ``cache_aware+previous`` is the policy shipped before it, for comparison: a 64-token match
-# steers, a new prefix goes to the rendezvous home of its session id or first 64 tokens, and the
-# index is the routed-record guess. Both are config (``backends[].affinity``), nothing patched.
+# Issue 17 made min_match_ratio 0.5 and new prefixes to their context's home (cluster/placement.py;
+# before that, to the least loaded eligible replica) the config's defaults (``cache_aware``), with
+# the index fed by the engines' KV events. ``cache_aware+previous`` is the policy shipped before
+# it, for comparison: a 64-token match steers, a new prefix goes to the rendezvous home of its
+# session id or first 64 tokens, and the index is the routed-record guess. Both are config
+# (``backends[].affinity``), nothing patched.
 PREVIOUS_AFFINITY: dict[str, Any] = {"min_match_ratio": 0.0, "new_prefix": "rendezvous"}
 # name -> (the backend's affinity config, gateway replicas); "cache_aware+2gw" is ours as shipped
 # behind two gateway replicas, each with its own index fed by the same events (issue 17's goal:
