@@ -101,10 +101,10 @@ class ContextHomes:
         token = tokens.get(replica)
         if token is None:
             token = tokens[replica] = (replica, next(self._generation))
-        new = 0
+        new, pop = 0, home.pop
         for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
-            old = home.pop(h, None)
-            if old is None or tokens.get(old[0]) is not old:
+            old = pop(h, None)
+            if old is not token and (old is None or tokens.get(old[0]) is not old):
                 old, new = token, new + 1
             home[h] = old
         while len(home) > self.capacity:
