@@ -272,35 +272,12 @@ class AffinityRouter:
         if not loads:
             raise ValueError("decide() needs at least one candidate replica")
         p, index, n_blocks = self.params, self.index, len(hashes)
-        bits, bit = index._bits, index.bit
         if index._recent_log:
             index.expire_recent(now - p.recent_ttl_s)
-        n_healthy = total = healthy_mask = 0
-        min_in_flight = sys.maxsize
-        avail: list[tuple[ReplicaLoad, int]] = []
-        for x in loads:
-            if x.healthy:
-                b = bits.get(x.replica) or bit(x.replica)
-                n_healthy += 1
-                total += x.in_flight
-                healthy_mask |= b
-                if x.in_flight < min_in_flight:
-                    min_in_flight = x.in_flight
-                if x.in_flight < x.max_in_flight:
-                    avail.append((x, b))
+        avail, healthy_mask = self._available(loads)
         if not avail:
             return RouteDecision(None, "saturated", 0, 0, n_blocks)
-        bound = max(math.ceil(p.load_factor * (total + 1) / n_healthy), min_in_flight + p.load_slack)
-        min_wait = min(x.waiting for x, _ in avail)
-        wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
-        kv_max = p.kv_usage_max
-        avail_mask = elig_mask = 0
-        eligible: list[tuple[ReplicaLoad, int]] = []
-        for x, b in avail:
-            avail_mask |= b
-            if x.in_flight < bound and x.waiting <= wait_cap and x.kv_usage < kv_max:
-                elig_mask |= b
-                eligible.append((x, b))
+        eligible, avail_mask, elig_mask = self._eligible(avail, loads)
         best_all = index.longest_match(hashes, avail_mask)[0] if n_blocks else 0
 
         diverted = False
@@ -327,6 +304,38 @@ class AffinityRouter:
         chosen, b, moved = self._new_prefix(hashes, session_id, avail, eligible, elig_mask, rng)
         matched = self._matched(hashes, b)
         return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted or moved)
+
+    def _available(self, loads: Sequence[ReplicaLoad]) -> tuple[list[tuple[ReplicaLoad, int]], int]:
+        """(healthy replicas below their cap with their index bits, the mask of healthy ones)."""
+        bits, bit = self.index._bits, self.index.bit
+        healthy_mask = 0
+        avail: list[tuple[ReplicaLoad, int]] = []
+        for x in loads:
+            if x.healthy:
+                b = bits.get(x.replica) or bit(x.replica)
+                healthy_mask |= b
+                if x.in_flight < x.max_in_flight:
+                    avail.append((x, b))
+        return avail, healthy_mask
+
+    def _eligible(
+        self, avail: Sequence[tuple[ReplicaLoad, int]], loads: Sequence[ReplicaLoad]
+    ) -> tuple[list[tuple[ReplicaLoad, int]], int, int]:
+        """(the available replicas within the bound, the available mask, the eligible mask)."""
+        p = self.params
+        healthy = [x.in_flight for x in loads if x.healthy]
+        bound = max(math.ceil(p.load_factor * (sum(healthy) + 1) / len(healthy)), min(healthy) + p.load_slack)
+        min_wait = min(x.waiting for x, _ in avail)
+        wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
+        kv_max = p.kv_usage_max
+        avail_mask = elig_mask = 0
+        eligible: list[tuple[ReplicaLoad, int]] = []
+        for x, b in avail:
+            avail_mask |= b
+            if x.in_flight < bound and x.waiting <= wait_cap and x.kv_usage < kv_max:
+                elig_mask |= b
+                eligible.append((x, b))
+        return eligible, avail_mask, elig_mask
 
     def _new_prefix(
         self,
