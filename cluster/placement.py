@@ -13,9 +13,9 @@ LRU evicts the coldest of them, which take the misses, not everyone.
 The homes. ``block hash -> home replica`` for every full block of every prompt sent, bounded in
 blocks, LRU. The first replica a block is sent to stays its home (a request diverted by the load
 bound does not move its context; its own new blocks, a session's turns, are homed where it went),
-until that replica is gone. Blocks are inserted tail first, so eviction takes tails first and
-the homed set stays prefix-closed: the deepest homed block of a prompt is found by binary search,
-and its home is the context's home.
+until that replica leaves or its event feed is lost (its homes go void at once). Blocks are
+inserted tail first, so eviction takes tails first and the homed set stays prefix-closed: the
+deepest homed block of a prompt is found by binary search, and its home is the context's home.
 
 The demand. Each replica's hot working set: the blocks it became home to, decayed (half of it
 fades every ``half_life_requests`` requests the backend receives, so a context homed long ago and
