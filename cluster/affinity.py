@@ -21,7 +21,9 @@ which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any 
 measured about 3x slower (see loadtest/bench_affinity_micro.py).
 
 The index (:mod:`cluster.prefix_index`): ``block hash -> bitmask of replicas``, fed by the engines'
-KV events (exact) or by the routed requests (a guess), bounded, prefix-closed.
+KV events (exact) or by the routed requests (a guess), bounded, prefix-closed. The homes
+(:mod:`cluster.placement`, ``new_prefix="home"`` only): where each context lives even after its
+blocks are evicted, and each replica's hot working set, fed by the engines' ``BlocksQueued``.
 
 The decision, in order (reason in brackets):
 
@@ -45,6 +47,10 @@ The decision, in order (reason in brackets):
 4. [new_prefix] otherwise, with ``new_prefix="least_loaded"``: the least loaded eligible replica,
    ties to the one whose cache the index fills least (held blocks over the engine's KV blocks), so
    that a new context displaces the fewest hot ones and contexts partition over the replicas.
+   With ``new_prefix="home"`` (:mod:`cluster.placement`): the context's sticky home — the replica
+   its deepest homed block was first sent to, if that covers ``min_match_ratio`` of the prompt —
+   when eligible; else (a new context, or its home over the bound) the eligible replica with the
+   least hot working set per block of KV, which partitions the contexts over the replicas' caches.
    With ``new_prefix="rendezvous"``: rendezvous hashing of a home key (the session id, else the hash of the
    first ``home_key_tokens`` = 64 tokens): the eligible replica with the highest score, so
    concurrent requests that share a prefix converge on one replica instead of spraying, and when it
@@ -70,6 +76,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
+from cluster.placement import ContextHomes
 from cluster.prefix_index import PrefixIndex, SessionTable
 
 __all__ = [
@@ -87,7 +94,7 @@ __all__ = [
 Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
 REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
 HashAlgo = Literal["tuple", "blake2b"]
-NewPrefix = Literal["rendezvous", "least_loaded"]
+NewPrefix = Literal["rendezvous", "least_loaded", "home"]
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
 
@@ -164,7 +171,8 @@ class AffinityParams:
     min_match_tokens: int = 64  # shorter matches are template boilerplate, not worth a detour
     min_match_ratio: float = 0.0  # optionally also require this share of the prompt's blocks
     home_key_tokens: int = 64  # the prefix whose hash picks a new prefix's home replica
-    new_prefix: NewPrefix = "rendezvous"  # or "least_loaded": the least loaded eligible replica
+    new_prefix: NewPrefix = "rendezvous"  # or "least_loaded", or "home" (cluster/placement.py)
+    home_half_life_requests: float = 256.0  # "home": a replica's demand halves over this many requests
     recent_ttl_s: float = 5.0  # a sent request's blocks count for this long before events confirm them
     index_capacity_blocks: int = 1_000_000
     session_capacity: int = 100_000
@@ -176,8 +184,10 @@ class AffinityParams:
             raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
         if self.load_slack < 0:
             raise ValueError("load_slack must be >= 0")
-        if self.new_prefix not in ("rendezvous", "least_loaded"):
+        if self.new_prefix not in ("rendezvous", "least_loaded", "home"):
             raise ValueError(f"unknown new_prefix placement {self.new_prefix!r}")
+        if self.home_half_life_requests <= 0:
+            raise ValueError("home_half_life_requests must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +253,8 @@ class AffinityRouter:
         # prefix's last home, the same on every gateway replica since only events write it
         self._stored_by: OrderedDict[int, str] = OrderedDict()
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
+        self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests)
+        self._homing = p.new_prefix == "home"
 
     def hash(self, token_ids: Sequence[int]) -> list[int]:
         return self.hasher.hash_blocks(token_ids)
@@ -260,35 +272,12 @@ class AffinityRouter:
         if not loads:
             raise ValueError("decide() needs at least one candidate replica")
         p, index, n_blocks = self.params, self.index, len(hashes)
-        bits, bit = index._bits, index.bit
         if index._recent_log:
             index.expire_recent(now - p.recent_ttl_s)
-        n_healthy = total = healthy_mask = 0
-        min_in_flight = sys.maxsize
-        avail: list[tuple[ReplicaLoad, int]] = []
-        for x in loads:
-            if x.healthy:
-                b = bits.get(x.replica) or bit(x.replica)
-                n_healthy += 1
-                total += x.in_flight
-                healthy_mask |= b
-                if x.in_flight < min_in_flight:
-                    min_in_flight = x.in_flight
-                if x.in_flight < x.max_in_flight:
-                    avail.append((x, b))
+        avail, healthy_mask = self._available(loads)
         if not avail:
             return RouteDecision(None, "saturated", 0, 0, n_blocks)
-        bound = max(math.ceil(p.load_factor * (total + 1) / n_healthy), min_in_flight + p.load_slack)
-        min_wait = min(x.waiting for x, _ in avail)
-        wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
-        kv_max = p.kv_usage_max
-        avail_mask = elig_mask = 0
-        eligible: list[tuple[ReplicaLoad, int]] = []
-        for x, b in avail:
-            avail_mask |= b
-            if x.in_flight < bound and x.waiting <= wait_cap and x.kv_usage < kv_max:
-                elig_mask |= b
-                eligible.append((x, b))
+        eligible, avail_mask, elig_mask = self._eligible(avail, loads)
         best_all = index.longest_match(hashes, avail_mask)[0] if n_blocks else 0
 
         diverted = False
@@ -309,22 +298,74 @@ class AffinityRouter:
                 chosen, _ = _least_loaded([xb for xb in eligible if xb[1] & holders], rng)
                 diverted = diverted or best_all > matched
                 return RouteDecision(chosen.replica, "prefix", matched, best_all, n_blocks, diverted)
-        if (session_id is not None or n_blocks) and p.new_prefix == "least_loaded":
-            chosen, b = self._last_home(hashes, eligible) or _roomiest(eligible, index._held, rng)
-            return RouteDecision(
-                chosen.replica, "new_prefix", self._matched(hashes, b), best_all, n_blocks, diverted
-            )
-        if session_id is not None or n_blocks:
-            if session_id is not None:
-                key = stable_hash64("session", session_id)
-            else:
-                key = hashes[min(self._home_block, n_blocks) - 1]
-            home, chosen, b = self._rendezvous(key, avail, elig_mask)
-            diverted = diverted or home is not chosen
-            matched = self._matched(hashes, b)
-            return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted)
-        chosen, _ = _least_loaded(eligible, rng)
-        return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
+        if session_id is None and not n_blocks:
+            chosen, _ = _least_loaded(eligible, rng)
+            return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
+        chosen, b, moved = self._new_prefix(hashes, session_id, avail, eligible, elig_mask, rng)
+        matched = self._matched(hashes, b)
+        return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted or moved)
+
+    def _available(self, loads: Sequence[ReplicaLoad]) -> tuple[list[tuple[ReplicaLoad, int]], int]:
+        """(healthy replicas below their cap with their index bits, the mask of healthy ones)."""
+        bits, bit = self.index._bits, self.index.bit
+        healthy_mask = 0
+        avail: list[tuple[ReplicaLoad, int]] = []
+        for x in loads:
+            if x.healthy:
+                b = bits.get(x.replica) or bit(x.replica)
+                healthy_mask |= b
+                if x.in_flight < x.max_in_flight:
+                    avail.append((x, b))
+        return avail, healthy_mask
+
+    def _eligible(
+        self, avail: Sequence[tuple[ReplicaLoad, int]], loads: Sequence[ReplicaLoad]
+    ) -> tuple[list[tuple[ReplicaLoad, int]], int, int]:
+        """(the available replicas within the bound, the available mask, the eligible mask)."""
+        p = self.params
+        healthy = [x.in_flight for x in loads if x.healthy]
+        bound = max(math.ceil(p.load_factor * (sum(healthy) + 1) / len(healthy)), min(healthy) + p.load_slack)
+        min_wait = min(x.waiting for x, _ in avail)
+        wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
+        kv_max = p.kv_usage_max
+        avail_mask = elig_mask = 0
+        eligible: list[tuple[ReplicaLoad, int]] = []
+        for x, b in avail:
+            avail_mask |= b
+            if x.in_flight < bound and x.waiting <= wait_cap and x.kv_usage < kv_max:
+                elig_mask |= b
+                eligible.append((x, b))
+        return eligible, avail_mask, elig_mask
+
+    def _new_prefix(
+        self,
+        hashes: Sequence[int],
+        session_id: str | None,
+        avail: Sequence[tuple[ReplicaLoad, int]],
+        eligible: Sequence[tuple[ReplicaLoad, int]],
+        elig_mask: int,
+        rng: random.Random,
+    ) -> tuple[ReplicaLoad, int, bool]:
+        """(replica, its bit, diverted) for a prompt no eligible replica holds enough of, by the
+        ``new_prefix`` placement; diverted: the load bound kept it from its home."""
+        p = self.params
+        if p.new_prefix == "home":
+            blocks, home = self.homes.lookup(hashes)
+            if blocks < max(self._min_blocks, math.ceil(p.min_match_ratio * len(hashes))):
+                home = None  # a shared preamble, not this prompt's context: placed as new
+            at_home = next((xb for xb in eligible if xb[0].replica == home), None)
+            if at_home is not None:
+                return (*at_home, False)
+            x, b = eligible[self.homes.place([x for x, _ in eligible], rng)]
+            return x, b, home is not None  # a home, but the load bound (or its health) kept it away
+        if p.new_prefix == "least_loaded":
+            return (*(self._last_home(hashes, eligible) or _roomiest(eligible, self.index._held, rng)), False)
+        if session_id is not None:
+            key = stable_hash64("session", session_id)
+        else:
+            key = hashes[min(self._home_block, len(hashes)) - 1]
+        home_x, chosen, b = self._rendezvous(key, avail, elig_mask)
+        return chosen, b, home_x is not chosen
 
     def _last_home(
         self, hashes: Sequence[int], eligible: Sequence[tuple[ReplicaLoad, int]]
@@ -377,10 +418,12 @@ class AffinityRouter:
         """After dispatch: ``replica`` will hold these blocks; the session now lives there. For a
         replica fed by its engine's KV events the blocks only count for ``recent_ttl_s`` (until its
         ``BlockStored`` events confirm them); for the others they stay until LRU drops them."""
-        if replica in self.event_fed:
+        if replica in self.event_fed:  # its BlocksQueued claims the homes, on every gateway
             self.index.note_recent(replica, hashes, now)
         else:
             self.index.record(replica, hashes)
+            if self._homing:
+                self.homes.claim(replica, hashes)
         if session_id is not None:
             self.sessions.bind(session_id, replica, now)
 
@@ -390,6 +433,7 @@ class AffinityRouter:
         self._seeds.pop(replica, None)
         self._kv_maps.pop(replica, None)
         self.event_fed.discard(replica)
+        self.homes.remove_replica(replica)
 
     # Engine KV events (vLLM BlockStored / BlockRemoved / AllBlocksCleared) ---------------------
     def apply_kv_stored(
@@ -433,6 +477,13 @@ class AffinityRouter:
         ours = [h for h in (kv.pop(e, None) for e in block_hashes) if h is not None]
         self.index.on_block_removed(replica, ours)
 
+    def replica_lost(self, replica: str) -> None:
+        """The replica's process is gone or going (its event feed broke) though Serve still lists
+        it: its cached blocks go, and its contexts lose their home, so they are placed elsewhere
+        rather than sent back to it; it stays event-fed (see :class:`cluster.routing_view.BackendView`)."""
+        self.apply_kv_cleared(replica)
+        self.homes.remove_replica(replica)
+
     def apply_kv_cleared(self, replica: str) -> None:
         """The engine reset its prefix cache: its blocks go (the replica gets a new slot)."""
         self.index.remove_replica(replica)
@@ -457,6 +508,8 @@ class AffinityRouter:
                 elif isinstance(ev, BlockRemoved):
                     self.apply_kv_removed(replica, ev.block_hashes)
                 elif isinstance(ev, BlocksQueued):
+                    if self._homing:
+                        self.homes.claim(replica, ev.block_hashes)
                     if now is not None:
                         self.index.note_recent(replica, ev.block_hashes, now)
                         if ev.session_id is not None:

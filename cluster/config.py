@@ -143,9 +143,9 @@ class Autoscaling(Strict):
 
 class AffinityConfig(Strict):
     """The cache-aware policy's knobs (``routing: cache_aware``); cluster/affinity.py says what
-    each does. ``min_match_ratio`` 0.5 and ``new_prefix: least_loaded`` are the defaults here (not
-    in the pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV
-    pressure and no worse when the contexts fit (BENCHMARKS.md, issue 17)."""
+    each does. ``min_match_ratio`` 0.5 and ``new_prefix: home`` are the defaults here (not in the
+    pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV pressure
+    and no worse when the contexts fit, behind one gateway replica or two (BENCHMARKS.md, issue 17)."""
 
     min_match_tokens: int = Field(
         64,
@@ -166,13 +166,19 @@ class AffinityConfig(Strict):
     load_slack: int = Field(
         8, ge=0, description="... unless it is within this many requests of the least loaded."
     )
-    new_prefix: Literal["rendezvous", "least_loaded"] = Field(
-        "least_loaded",
+    new_prefix: Literal["rendezvous", "least_loaded", "home"] = Field(
+        "home",
         description=(
             "Where a prompt with no useful cached prefix goes: its home by rendezvous hashing of the session "
-            "id or first blocks (concurrent sharers converge), or the least loaded eligible replica whose "
-            "cache is least full."
+            "id or first blocks (concurrent sharers converge), the least loaded eligible replica whose "
+            "cache is least full, or (home) its context's sticky home, new contexts to the replica with the "
+            "least hot demand per KV block (cluster/placement.py)."
         ),
+    )
+    home_half_life_requests: float = Field(
+        256.0,
+        gt=0,
+        description="new_prefix home: a replica's hot demand halves over this many requests to the backend.",
     )
     kv_events: bool = Field(
         True,

@@ -82,7 +82,7 @@ class BackendView:
         the race handle a dead one), and its next page of events, if any, starts afresh."""
         if self.policy is not None:
             # Still event-fed: attempts routed to it until Serve drops it count only briefly.
-            self.policy.apply_kv_cleared(replica)
+            self.policy.replica_lost(replica)
 
     def choose(
         self,

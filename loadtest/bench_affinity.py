@@ -58,8 +58,12 @@ bound in practice rather than a theorem).
 ``virtual_clock_whatif``: the same replay through N simulated engines on the virtual clock, without
 Ray or HTTP (seconds to run, no CPU noise): ours as shipped and as before issue 17, each with and
 without the engines' KV events (the real policy code; events applied at each decision, without the
-live feed's lag), and an emulation of Ray's prefix router (``_RayPrefixEmulation``). It explains the
-live numbers and predicts them closely (hit rates within a few points).
+live feed's lag), each new-prefix placement by config (``PLACEMENTS``: ``least_loaded``, ``home``),
+behind one and two gateway replicas, and an emulation of Ray's prefix router
+(``_RayPrefixEmulation``). It explains the live numbers and predicts them closely (hit rates within
+a few points). ``--extra-seeds 2,3`` replays the placements and Ray's emulation on other workload
+seeds too (``virtual_clock_whatif.other_workload_seeds``): one workload is one draw of which groups
+are hot, and a placement's edge on one draw can be luck.
 
 Goals (issues 5 and 17): ours >= 95 % of the oracle's hit rate when the contexts fit; under KV
 pressure ours >= Ray's hit rate + 0.05 and TTFT p90 >= 1.3x better than Ray's (``goals``; Ray from
@@ -518,11 +522,12 @@ def _print(policy: str, r: dict[str, Any], seconds: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 PREVIOUS = "cache_aware+previous"
-# Issue 17 made min_match_ratio 0.5 and new prefixes to the least loaded eligible replica (then the
-# emptiest cache) the config's defaults (``cache_aware``), with the index fed by the engines' KV
-# events. ``cache_aware+previous`` is the policy shipped before it, for comparison: a 64-token match
-# steers, a new prefix goes to the rendezvous home of its session id or first 64 tokens, and the
-# index is the routed-record guess. Both are config (``backends[].affinity``), nothing patched.
+# Issue 17 made min_match_ratio 0.5 and new prefixes to their context's home (cluster/placement.py;
+# before that, to the least loaded eligible replica) the config's defaults (``cache_aware``), with
+# the index fed by the engines' KV events. ``cache_aware+previous`` is the policy shipped before
+# it, for comparison: a 64-token match steers, a new prefix goes to the rendezvous home of its
+# session id or first 64 tokens, and the index is the routed-record guess. Both are config
+# (``backends[].affinity``), nothing patched.
 PREVIOUS_AFFINITY: dict[str, Any] = {"min_match_ratio": 0.0, "new_prefix": "rendezvous"}
 # name -> (the backend's affinity config, gateway replicas); "cache_aware+2gw" is ours as shipped
 # behind two gateway replicas, each with its own index fed by the same events (issue 17's goal:
@@ -746,12 +751,21 @@ class _RayPrefixEmulation:
         return k
 
 
+# Issue 17 item 2: the new-prefix placements compared by config, each named whichever is the
+# default (``cache_aware`` is ours as the config ships it): the least loaded eligible replica, or
+# the context's sticky home with new contexts packed by hot working set per KV block.
+PLACEMENTS: dict[str, dict[str, Any]] = {
+    "least_loaded": {"new_prefix": "least_loaded"},
+    "home": {"new_prefix": "home"},
+}
 WHATIF = {  # name -> (affinity config, fed by KV events)
     "previous (routed records)": ({**PREVIOUS_AFFINITY, "kv_events": False}, False),
     "previous (kv events)": (PREVIOUS_AFFINITY, True),
     "cache_aware (routed records)": ({"kv_events": False}, False),
     "cache_aware (kv events)": ({}, True),
+    **{f"new_prefix {k} (kv events)": (v, True) for k, v in PLACEMENTS.items()},
 }
+TWO_GATEWAYS = {"cache_aware": {}, **{f"new_prefix {k}": v for k, v in PLACEMENTS.items()}}
 
 
 TIE_SEEDS = 5  # our policy breaks load ties with a seeded generator: one seed is one path of many
@@ -797,12 +811,47 @@ def whatif(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: a
     out: dict[str, Any] = {}
     for name, (affinity, events) in WHATIF.items():
         out[name] = _replay_ours(specs, token_ids, args, affinity, events, 1)
-    out["cache_aware (kv events, 2 gateways)"] = _replay_ours(specs, token_ids, args, {}, True, 2)
+    for name, affinity in TWO_GATEWAYS.items():
+        out[f"{name} (kv events, 2 gateways)"] = _replay_ours(specs, token_ids, args, affinity, True, 2)
     engines, _ = _engines(sim_profile(args), args.replicas, False)
     out["ray_prefix (emulated)"] = simulate(
         specs, token_ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup
     )
     return out
+
+
+def other_seeds(args: argparse.Namespace, tok: Any) -> dict[str, Any] | None:
+    """The placements and Ray's emulation on other workload seeds (``--extra-seeds``): one workload
+    is one draw of which groups are hot and when they come, and a placement's edge on it can be
+    that draw's luck; ours as a mean over the tie-break seeds, as in the what-if."""
+    if not args.extra_seeds:
+        return None
+    rows: dict[str, Any] = {}
+    for seed in args.extra_seeds:
+        specs = workload(args).generate(seed)
+        ids = [tok.chat_ids(list(s.messages)) for s in specs]
+        row: dict[str, Any] = {"oracle_hit_rate": oracle(specs, ids, args)["hit_rate"]}
+        for k, v in PLACEMENTS.items():
+            r = _replay_ours(specs, ids, args, v, True, 1)
+            row[k] = {"hit_rate": r["hit_rate_mean"], "ttft_p90_sim_ms": r["ttft_p90_sim_ms_mean"]}
+        engines, _ = _engines(sim_profile(args), args.replicas, False)
+        ray = simulate(specs, ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup)
+        row["ray_prefix (emulated)"] = {
+            "hit_rate": ray["hit_rate"],
+            "ttft_p90_sim_ms": ray["ttft_p90_sim_ms"],
+        }
+        rows[str(seed)] = row
+    names = [*PLACEMENTS, "ray_prefix (emulated)"]
+    mean = {
+        n: {
+            m: round(sum(r[n][m] for r in rows.values()) / len(rows), 4)
+            for m in ("hit_rate", "ttft_p90_sim_ms")
+        }
+        for n in names
+    }
+    mean["oracle_hit_rate"] = round(sum(r["oracle_hit_rate"] for r in rows.values()) / len(rows), 4)
+    print(f"[{args.scenario}] other workload seeds {args.extra_seeds}, means: {json.dumps(mean)}", flush=True)
+    return {"seeds": args.extra_seeds, "per_seed": rows, "mean": mean}
 
 
 # --------------------------------------------------------------------------------------------
@@ -853,6 +902,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of sessions per group")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--extra-seeds",
+        default="",
+        help="comma-separated workload seeds to replay too, on the virtual clock (placements and Ray's)",
+    )
     ap.add_argument("--request-timeout-s", type=float, default=120.0)
     ap.add_argument(
         "--policies",
@@ -873,6 +927,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.groups, args.sessions, args.turns = 8, 2, 2
     args.scenarios = [x for x in args.scenario.split(",") if x]
+    args.extra_seeds = [int(x) for x in args.extra_seeds.split(",") if x]
     bad = set(args.scenarios) - set(SCENARIOS)
     if bad or not args.scenarios:
         ap.error(f"unknown scenarios: {sorted(bad)} (from {', '.join(SCENARIOS)})")
@@ -920,7 +975,8 @@ def run_scenario(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
     print(f"[{args.scenario}] oracle hit rate {orc['hit_rate']}; virtual-clock what-if:", flush=True)
     for name, r in offline.items():
         mean = f" (mean of {TIE_SEEDS} tie seeds {r['hit_rate_mean']})" if "hit_rate_mean" in r else ""
-        print(f"  {name:40s} hit {r['hit_rate']}{mean}  ttft p90 {r['ttft_p90_sim_ms']} sim ms", flush=True)
+        print(f"  {name:48s} hit {r['hit_rate']}{mean}  ttft p90 {r['ttft_p90_sim_ms']} sim ms", flush=True)
+    extra = other_seeds(args, tok)
     meta = machine()
     per_policy: dict[str, Any] = {}
     if not args.offline:
@@ -928,6 +984,8 @@ def run_scenario(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         run = run_concurrent if args.mode == "concurrent" else run_sequential
         per_policy = run(args.policy_list, specs, args, port)
     meta["provenance"] = provenance(list(argv or sys.argv[1:]), git, load_before, started)
+    if extra:
+        offline = {**offline, "other_workload_seeds": extra}
     write_report(args, wl, specs, token_ids, per_policy, orc, offline, meta, time.perf_counter() - t_start)
 
 
@@ -1016,7 +1074,30 @@ def goals(
         }
         if v_two:
             g["virtual_clock"]["two_gateways_minus_one"] = round(v_two["hit_rate_mean"] - hit, 4)
+        g["virtual_clock"]["placements"] = _placement_goals(offline or {}, v_ray, oracle_rate)
     return g
+
+
+def _placement_goals(offline: dict[str, Any], v_ray: dict[str, Any], oracle_rate: float) -> dict[str, Any]:
+    """Each new-prefix placement against the goals, whichever is the default (item 2's what-if)."""
+    out: dict[str, Any] = {}
+    for k in PLACEMENTS:
+        one, two = (
+            offline.get(f"new_prefix {k} (kv events)"),
+            offline.get(f"new_prefix {k} (kv events, 2 gateways)"),
+        )
+        if not one:
+            continue
+        hit, p90 = one["hit_rate_mean"], one["ttft_p90_sim_ms_mean"]
+        out[k] = {
+            "hit_rate_mean": hit,
+            "hit_rate_vs_oracle": round(hit / oracle_rate, 3) if oracle_rate else None,
+            "hit_rate_minus_ray": round(hit - v_ray["hit_rate"], 4),
+            "ttft_p90_sim_ms_mean": p90,
+            "ttft_p90_ray_over_ours": round(v_ray["ttft_p90_sim_ms"] / p90, 3) if p90 else None,
+            "two_gateways_minus_one": round(two["hit_rate_mean"] - hit, 4) if two else None,
+        }
+    return out
 
 
 def _free_port() -> int:

@@ -34,6 +34,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "affinity-common-prompt": tables_affinity.common_prompt,
     "affinity-kv-pressure-live": tables_affinity.kv_pressure_live,
     "affinity-kv-pressure-virtual": tables_affinity.kv_pressure_virtual,
+    "affinity-kv-pressure-seeds": tables_affinity.kv_pressure_seeds,
     "overhead": tables_load.overhead,
     "faults-issue-10": tables_reliability.faults_issue_10,
     "faults-final": tables_reliability.faults_final,

@@ -106,6 +106,18 @@ def test_affinity_config_reaches_the_policy() -> None:
     assert b.affinity.kv_events  # on unless the config says otherwise
 
 
+def test_home_placement_is_config() -> None:
+    from cluster.affinity import AffinityParams
+
+    raw = _base()
+    raw["backends"][0]["affinity"] = {"new_prefix": "home", "home_half_life_requests": 64}
+    p = AffinityParams(**parse_config(raw).backends[0].affinity.params())
+    assert (p.new_prefix, p.home_half_life_requests) == ("home", 64)
+    raw["backends"][0]["affinity"] = {"new_prefix": "home", "home_half_life_requests": 0}
+    with pytest.raises(ConfigError, match="home_half_life_requests"):
+        parse_config(raw)
+
+
 def test_candidates_prefer_surface_specific_routes() -> None:
     raw = _base()
     raw["backends"].append({"name": "vllm-b", "kind": "vllm", "model": "tiny-llama"})
