@@ -33,6 +33,7 @@ class ReplicaInfo:
     healthy: bool = True
     kv_events: bool = False  # the replica serves its engine's KV events (GET /kv_events)
     kv_blocks: int = 0  # its KV cache in blocks (0: unknown)
+    ttft: tuple[tuple[int, float, int, float], ...] = ()  # its recent first tokens (cluster.ttft_window)
 
 
 @dataclass

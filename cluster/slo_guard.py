@@ -16,6 +16,10 @@ every ``interval_s`` by :meth:`SloGuard.update`, AIMD-style:
   capacity goes to deferrable work at once when Tab is quiet.
 * otherwise (between the two fractions, or too few samples) the cap holds.
 
+The samples are this gateway's own clients' TTFTs plus, for engine backends, the engines' own
+(:meth:`SloGuard.absorb`: each replica reports the TTFT of every gateway's requests through Serve's
+routing stats), so that every gateway replica acts on the same picture of the shared replicas.
+
 Deferred work waits in admission's queue (and is rejected at once when its predicted wait passes
 its deadline). Pure: ``now`` and the loads are passed in; the gateway drives it.
 """
@@ -73,7 +77,10 @@ class SloGuard:
         """``surfaces``: name -> (priority, TTFT objective in seconds)."""
         self.cfg = cfg
         top = min(p for p, _ in surfaces.values())
+        self.top_priority = top
         self.slo_s = {name: slo for name, (p, slo) in surfaces.items() if p == top}
+        self._engine_slo_s = min(self.slo_s.values())  # engines know a request's priority only
+        self._seen: dict[tuple[str, str], int] = {}  # (backend, replica) -> last engine sample seen
         self.deferrable = frozenset(name for name, (p, _) in surfaces.items() if p != top)
         self._backends = {b: _Backend() for b in backends}
         self._last_protected = -math.inf
@@ -95,6 +102,40 @@ class SloGuard:
         if slo is not None and b is not None:
             b.samples.append((now, ttft_s / slo))
 
+    def absorb(
+        self, backend: str, replica: str, samples: Iterable[tuple[int, float, int, float]], now: float
+    ) -> int:
+        """An engine replica's own TTFT samples (:class:`cluster.ttft_window.TtftWindow`: every
+        gateway's requests there, so every gateway's guard sees the same ones), each counted once
+        however often it is read; those of the protected priority join this backend's samples,
+        against the tightest protected objective. Returns how many were new."""
+        b = self._backends.get(backend)
+        if b is None:
+            return 0
+        key = (backend, replica)
+        last = self._seen.get(key, 0)
+        added = 0
+        for seq, age_s, priority, ttft_s in samples:
+            if seq <= last:
+                continue
+            last = seq
+            if priority == self.top_priority:  # protected work is active, whichever gateway took it
+                b.samples.append((now - age_s, ttft_s / self._engine_slo_s))
+                self._last_protected = max(self._last_protected, now - age_s)
+                added += 1
+        self._seen[key] = last
+        return added
+
+    def sample_counts(self) -> dict[str, int]:
+        """Per backend, the protected TTFT samples it holds (its own clients' and the engines')."""
+        return {name: len(b.samples) for name, b in self._backends.items()}
+
+    def forget_replicas(self, backend: str, live: Iterable[str]) -> None:
+        """Replicas no longer live: their sequence numbers go (a bounded table)."""
+        keep = set(live)
+        for key in [k for k in self._seen if k[0] == backend and k[1] not in keep]:
+            del self._seen[key]
+
     def update(
         self, now: float, deferrable_in_flight: Mapping[str, int], ceiling: Mapping[str, int | None]
     ) -> dict[str, int | None]:
@@ -108,12 +149,16 @@ class SloGuard:
 
     def _revise(self, name: str, b: _Backend, now: float, low: int, ceiling: int | None) -> GuardState:
         cfg = self.cfg
-        while b.samples and b.samples[0][0] <= now - cfg.window_s:
+        horizon = now - cfg.window_s
+        while b.samples and b.samples[0][0] <= horizon:
             b.samples.popleft()
         if not cfg.enabled or now - self._last_protected >= cfg.quiet_s:
             b.cap = None
             return GuardState(name, None, None, "quiet" if cfg.enabled else "uncapped")
-        ratios = sorted(r for t, r in b.samples if t > b.changed_at)
+        # Engine samples arrive up to a stats period late, so the deque is only nearly in time
+        # order: the window and the last change are checked per sample.
+        since = max(b.changed_at, horizon)
+        ratios = sorted(r for t, r in b.samples if t > since)
         if len(ratios) < cfg.min_samples:
             return GuardState(name, b.cap, None, "hold")
         q = ratios[min(len(ratios) - 1, math.ceil(cfg.quantile * len(ratios)) - 1)]

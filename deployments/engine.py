@@ -39,9 +39,10 @@ from cluster.engine_wire import (
 from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
 from cluster.kv_events import KVEventLog
 from cluster.migration import DRAINING_CODE
-from cluster.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.trace import engine_span, new_id, parse_traceparent
+from cluster.ttft_window import TtftWindow
 from deployments.internal import internal_token, token_ok
 from deployments.kv_endpoint import KVEventEndpoint, no_events
 
@@ -85,6 +86,7 @@ class EngineReplica:
         self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
         self._token = internal_token()
         self.ongoing = 0
+        self.ttft = TtftWindow()  # reported in the routing stats: the gateways' SLO guards read it
         self.draining = False  # set when Serve stops this replica: streams end with a drain error
         self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
         trace_cfg = TracingConfig.model_validate(tracing or {})
@@ -145,6 +147,7 @@ class EngineReplica:
             "kv_usage": s.kv_usage,
             "kv_events": self.kv_events is not None,  # the gateways follow GET /kv_events
             "kv_blocks": int(s.extra.get("num_kv_blocks", 0)),
+            "ttft": self.ttft.report(time.monotonic()),  # every gateway's SLO guard reads them
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -213,6 +216,7 @@ class EngineReplica:
         flags: tuple[bool, bool, bool],  # collect, ids, continued
         span: _EngineSpan | None = None,
     ) -> web.StreamResponse:
+        arrived = time.monotonic()
         gen = self.backend.generate(req)
         try:
             try:
@@ -223,6 +227,9 @@ class EngineReplica:
                 return web.json_response({"error": to_wire(err)}, status=err.status_code)
             except StopAsyncIteration:
                 first = Chunk(finish_reason="stop", usage=Usage(len(req.prompt_token_ids), 0))
+            if not flags[2]:  # a continued (migrated) stream's first token is not a request's
+                now = time.monotonic()
+                self.ttft.add(now, req.priority, now - arrived)
             if span is not None:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -252,12 +259,16 @@ class EngineReplica:
         chunk: Chunk | None = first
         sent_first = continued
         finish, usage = "stop", None
+        text_events = TextEvents(meta)
         try:
             while chunk is not None:
                 if ids:
                     pending.extend(chunk.token_ids)
                 if chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort"):
-                    event = sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
+                    if sent_first and chunk.finish_reason is None:  # the common case: text only
+                        event = text_events.event(chunk.text)
+                    else:
+                        event = sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
                     if pending:
                         event, pending = event_with_ids(event, pending), []
                     await resp.write(event)

@@ -60,6 +60,7 @@ class _Pick:
                     float(st.get("kv_usage", 0.0)),
                     kv_events=bool(st.get("kv_events", False)),
                     kv_blocks=int(st.get("kv_blocks", 0)),
+                    ttft=tuple(tuple(x) for x in st.get("ttft", ())),
                 )
             )
         self.view.sync(infos)

@@ -176,12 +176,22 @@ class Gateway:
         period = self.cfg.policies.slo_guard.interval_s
         while True:
             try:
+                self._absorb_engine_ttft()
                 ceilings = {b: ctl.backend_cap(b) for b in backends}
                 caps = self.guard.update(time.monotonic(), ctl.deferred_in_flight(), ceilings)
                 self.admission.set_guard_caps(caps)
             except Exception:  # a bug here must not stop admission; the caps hold as they were
                 log.exception("gateway: SLO guard update failed")
             await asyncio.sleep(period)
+
+    def _absorb_engine_ttft(self) -> None:
+        """The engines' own TTFT samples (every gateway's requests) into this gateway's guard, from
+        the routing stats the last replica choice saw (Serve pushes them every half second)."""
+        now = time.monotonic()
+        for name, view in self.views.items():
+            for r in view.live.values():
+                self.guard.absorb(name, r.replica, r.ttft, now)
+            self.guard.forget_replicas(name, view.live)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self._asgi)
@@ -387,6 +397,7 @@ class Gateway:
             "admission": {"balanced": c.balanced(), **{f.name: getattr(c, f.name) for f in fields(c)}},
             "policy": self.attempts.snapshot(),
             "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
+            "slo_guard_samples": self.guard.sample_counts(),
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in v.live.items()},

@@ -166,3 +166,24 @@ async def test_a_tenants_budget_is_counted_once_across_gateway_replicas(two_gate
     over = [r for r in rs if r.status_code == 429]
     assert all("tenant 'metered'" in r.json()["error"]["message"] for r in over)
     assert all(int(r.headers["retry-after"]) >= 1 for r in over)
+
+
+async def test_every_gateway_replica_guards_tab_with_the_engines_ttft_of_all_of_them(two_gateways) -> None:
+    """Issue 16 item 5: HAProxy spreads Tab over both gateways, so each saw about half of Tab's
+    first tokens and judged Tab's latency on those alone. The engine replica reports the TTFT of
+    every request it served (Serve's routing stats): each gateway's guard holds at least all N
+    Tab samples (its own clients' and the engine's), not only the ones its clients sent."""
+    url = two_gateways.base_url + "/chat/completions"
+    n = 6
+    async with httpx.AsyncClient(timeout=60) as c:
+        for i in range(n):  # one at a time, so that HAProxy alternates between the gateways
+            r = await c.post(url, json=_body(2, f"tab {i}"), headers={"x-surface": "tab"})
+            assert r.status_code == 200, r.text
+    seen: dict[str, int] = {}
+    end = time.monotonic() + 30
+    while time.monotonic() < end and (len(seen) < 2 or min(seen.values()) < n):
+        s = two_gateways.status()
+        seen[s["replica"]] = s["slo_guard_samples"].get(BACKEND, 0)
+        time.sleep(0.2)
+    assert len(seen) == 2, seen  # both gateways were asked
+    assert min(seen.values()) >= n, seen

@@ -112,3 +112,29 @@ def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline()
     assert rejected[0].reason == "predicted_wait" and rejected[0].error.status_code == 429
     n = c.counters("agent")
     assert (n.rejected_unreachable, n.waiting) == (1, 2) and n.balanced()
+
+
+def test_a_gateway_that_saw_no_tab_caps_agent_from_the_engines_own_ttft() -> None:
+    """Two gateway replicas: only A's clients send Tab, B takes the Agent flood. Without the
+    engines' samples B saw Tab quiet and admitted Agent up to the static limit."""
+    a, b = guard(), guard()
+    tab_ttfts(a, 1.0, 0.09, 0.095)
+    slow_tab = [(1, 0.2, 0, 0.09), (2, 0.1, 0, 0.095), (3, 0.05, 2, 2.5)]  # (seq, age, priority, ttft)
+    assert b.update(1.0, {"gpu": 16}, {"gpu": 64}) == {"gpu": None}  # alone: Tab looks quiet
+    assert b.absorb("gpu", "replica-1", slow_tab, 1.0) == 2  # the Agent sample is not Tab's
+    assert a.absorb("gpu", "replica-1", slow_tab, 1.0) == 2
+    assert b.update(1.0, {"gpu": 16}, {"gpu": 64}) == {"gpu": 8}
+    assert a.update(1.0, {"gpu": 16}, {"gpu": 64}) == {"gpu": 8}  # the same decision on both
+    assert b.last["gpu"].reason == "pressure"
+
+
+def test_an_engine_sample_read_twice_counts_once_and_a_gone_replica_is_forgotten() -> None:
+    g = guard()
+    report = [(1, 0.3, 0, 0.02), (2, 0.2, 0, 0.03)]
+    assert g.absorb("gpu", "r1", report, 1.0) == 2
+    assert g.absorb("gpu", "r1", report, 1.5) == 0  # pushed again with the next stats
+    assert g.absorb("gpu", "r1", [*report, (3, 0.0, 0, 0.04)], 1.5) == 1
+    assert g.absorb("gpu", "r2", report, 1.5) == 2  # another replica numbers its own
+    assert g.absorb("nope", "r1", report, 1.5) == 0  # not a backend of this guard
+    g.forget_replicas("gpu", ["r2"])
+    assert g.absorb("gpu", "r1", report, 2.0) == 2  # a replica seen anew starts afresh
