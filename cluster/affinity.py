@@ -73,8 +73,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
+from cluster.block_hash import BlockHash
 from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
 from cluster.placement import ContextHomes
 from cluster.prefix_index import PrefixIndex, SessionTable
@@ -118,19 +119,19 @@ class BlockHasher:
         self.extra = stable_hash64("extra", model, salt)  # vLLM's extra_keys: model + cache salt
         self.root = stable_hash64("root", str(block_size), algo)  # vLLM's NONE_HASH, but fixed
 
-    def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
+    def hash_blocks(self, token_ids: Sequence[int], parent: BlockHash | None = None) -> list[BlockHash]:
         """Hashes of the full blocks of ``token_ids``; ``parent`` continues an existing chain."""
         bs = self.block_size
         n = len(token_ids) - len(token_ids) % bs
-        h = self.root if parent is None else parent
-        out: list[int] = []
+        h: int = self.root if parent is None else parent
+        out: list[int] = []  # BlockHash values: the NewType's call per block is left out (hot path)
         if self.algo == "tuple":
             toks = tuple(token_ids)
             extra = self.extra
             for i in range(0, n, bs):
                 h = hash((h, extra, toks[i : i + bs]))
                 out.append(h)
-            return out
+            return cast("list[BlockHash]", out)
         arr = array("i", token_ids[:n])
         if sys.byteorder == "big":
             arr.byteswap()
@@ -143,7 +144,7 @@ class BlockHasher:
             ).digest()
             h = int.from_bytes(digest, "little")
             out.append(h)
-        return out
+        return cast("list[BlockHash]", out)
 
 
 @dataclass(slots=True)
@@ -256,13 +257,13 @@ class AffinityRouter:
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests)
         self._homing = p.new_prefix == "home"
 
-    def hash(self, token_ids: Sequence[int]) -> list[int]:
+    def hash(self, token_ids: Sequence[int]) -> list[BlockHash]:
         return self.hasher.hash_blocks(token_ids)
 
     # The decision ------------------------------------------------------------------------------
     def decide(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         loads: Sequence[ReplicaLoad],
         rng: random.Random,
         now: float,
@@ -339,7 +340,7 @@ class AffinityRouter:
 
     def _new_prefix(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         session_id: str | None,
         avail: Sequence[tuple[ReplicaLoad, int]],
         eligible: Sequence[tuple[ReplicaLoad, int]],
@@ -368,7 +369,7 @@ class AffinityRouter:
         return chosen, b, home_x is not chosen
 
     def _last_home(
-        self, hashes: Sequence[int], eligible: Sequence[tuple[ReplicaLoad, int]]
+        self, hashes: Sequence[BlockHash], eligible: Sequence[tuple[ReplicaLoad, int]]
     ) -> tuple[ReplicaLoad, int] | None:
         """The eligible replica whose engine last stored the longest prefix of these blocks (at
         least ``min_match_tokens``), though it evicted them since: where the context's sessions
@@ -388,7 +389,7 @@ class AffinityRouter:
             return None
         return next((xb for xb in eligible if xb[0].replica == who), None)
 
-    def _matched(self, hashes: Sequence[int], replica_bit: int) -> int:
+    def _matched(self, hashes: Sequence[BlockHash], replica_bit: int) -> int:
         return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0
 
     def _rendezvous(
@@ -414,7 +415,9 @@ class AffinityRouter:
         return home, chosen, chosen_b
 
     # Updates ---------------------------------------------------------------------------------
-    def record(self, replica: str, hashes: Sequence[int], now: float, session_id: str | None = None) -> None:
+    def record(
+        self, replica: str, hashes: Sequence[BlockHash], now: float, session_id: str | None = None
+    ) -> None:
         """After dispatch: ``replica`` will hold these blocks; the session now lives there. For a
         replica fed by its engine's KV events the blocks only count for ``recent_ttl_s`` (until its
         ``BlockStored`` events confirm them); for the others they stay until LRU drops them."""

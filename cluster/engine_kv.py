@@ -32,11 +32,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.block_hash import EngineBlockHash as BlockHash
 from cluster.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-BlockHash = bytes
-
-ROOT_HASH: BlockHash = hashlib.sha256(b"cluster.engine_kv root").digest()
+ROOT_HASH = BlockHash(hashlib.sha256(b"cluster.engine_kv root").digest())
 
 
 def hash_block_tokens(
@@ -47,7 +46,7 @@ def hash_block_tokens(
     h.update(array("q", token_ids).tobytes())  # fixed width: a full block's encoding is unambiguous
     if extra_keys:
         h.update(repr(extra_keys).encode())
-    return h.digest()
+    return BlockHash(h.digest())
 
 
 def hash_request_tokens(

@@ -45,6 +45,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from cluster.block_hash import BlockHash
+
 
 class _Load(Protocol):
     """What placement reads of a replica (:class:`cluster.affinity.ReplicaLoad`)."""
@@ -78,7 +80,7 @@ class ContextHomes:
     def demand(self, replica: str) -> float:
         return self._demand.get(replica, 0.0)
 
-    def lookup(self, hashes: Sequence[int]) -> tuple[int, str | None]:
+    def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, str | None]:
         """``(blocks, home)``: the deepest homed block of the prompt and its live home; ``(0, None)``
         when no block is homed, ``(blocks, None)`` when the home is gone."""
         home = self._home
@@ -94,7 +96,7 @@ class ContextHomes:
             return lo, None
         return lo, who[0]
 
-    def claim(self, replica: str, hashes: Sequence[int]) -> int:
+    def claim(self, replica: str, hashes: Sequence[BlockHash]) -> int:
         """A request with these blocks went to ``replica``: blocks without a live home are homed
         there and add to its demand (everyone's decays by one request); returns those blocks."""
         home, tokens = self._home, self._tokens

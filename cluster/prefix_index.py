@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+from cluster.block_hash import BlockHash
+
 
 class PrefixIndex:
     """Bounded LRU map ``block hash -> replicas believed to hold it`` (a bitmask of replica slots)."""
@@ -80,7 +82,7 @@ class PrefixIndex:
     def holders(self, block_hash: int) -> list[str]:
         return self.replicas(self._map.get(block_hash, 0))
 
-    def record(self, replica: str, hashes: Sequence[int]) -> None:
+    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         """``replica`` now holds these blocks (a routed request, or the engine said so)."""
         bit = self.bit(replica)
         m = self._map
@@ -111,7 +113,7 @@ class PrefixIndex:
         """Blocks the index says ``replica`` holds (exact when its engine's events feed it)."""
         return self._held.get(self._bits.get(replica, 0), 0)
 
-    def on_block_removed(self, replica: str, hashes: Iterable[int]) -> None:
+    def on_block_removed(self, replica: str, hashes: Iterable[BlockHash]) -> None:
         """The engine evicted these blocks from ``replica``."""
         bit = self._bits.get(replica)
         if bit is None:
@@ -129,7 +131,7 @@ class PrefixIndex:
                 del m[h]
 
     # Recent routes: blocks a request was just sent with, before the engine's events confirm them --
-    def note_recent(self, replica: str, hashes: Sequence[int], now: float) -> None:
+    def note_recent(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         """``replica`` is computing these blocks (a request was just sent): they count for
         :meth:`longest_match` until ``expire_recent`` passes ``now + ttl``, by when the engine's
         ``BlockStored`` events have put them in the index, if it kept them."""
@@ -183,7 +185,7 @@ class PrefixIndex:
         self._retired_count = 0
         self.purges += 1
 
-    def longest_match(self, hashes: Sequence[int], mask: int) -> tuple[int, int]:
+    def longest_match(self, hashes: Sequence[BlockHash], mask: int) -> tuple[int, int]:
         """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
         the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries."""
         get, recent = self._map.get, self._recent.get

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.affinity import AffinityRouter, ReplicaLoad, RouteDecision
+from cluster.block_hash import BlockHash
 from cluster.failover import ReplicaEjector
 from cluster.kv_events import KVEventPage
 
@@ -87,7 +88,7 @@ class BackendView:
 
     def choose(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         now: float,
         session_id: str | None = None,
         avoid: Sequence[str] = (),
@@ -116,7 +117,9 @@ class BackendView:
         assert url is not None  # sync keeps only replicas with an endpoint
         return Choice(replica, url, decision)
 
-    def started(self, choice: Choice, hashes: Sequence[int], now: float, session_id: str | None) -> None:
+    def started(
+        self, choice: Choice, hashes: Sequence[BlockHash], now: float, session_id: str | None
+    ) -> None:
         """The attempt went out: count it, remember where its blocks now live."""
         self.in_flight[choice.replica] += 1
         reason = self.mode if self.mode != "cache_aware" else choice.decision.reason
