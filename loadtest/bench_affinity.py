@@ -76,11 +76,8 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict, deque
@@ -89,14 +86,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from loadtest.sim_live import (  # the live client, shared with the overload benchmarks
+    MODEL,
+    PROFILE,
+    RESULTS,
+    ROOT,
+    Result,
+    machine,
+    ms,
+    percentile,
+    replay,
+    warm_up,
+)
 from loadtest.workloads import RequestSpec, SharedPrefixWorkload, summary
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "loadtest" / "results"
-MODEL = "sim-llama-8b"
-PROFILE = "llama-3.1-8b-h100"
 # power_of_two (Serve's default request router) and ray_prefix (Ray's PrefixCacheAffinityRouter)
 # were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
 # request router of every engine deployment) and streams from it over HTTP, so no Serve request
@@ -105,150 +108,6 @@ PROFILE = "llama-3.1-8b-h100"
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "cache_aware+previous", "cache_aware+2gw")
 DROPPED = {"power_of_two", "ray_prefix"}
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB
-
-
-# --------------------------------------------------------------------------------------------
-# The client: streamed chat requests, replayed at their arrival times
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    """What the client saw of one request (times in seconds from the replay's start)."""
-
-    index: int
-    session_id: str
-    surface: str | None
-    sent_s: float = 0.0
-    status: int = 0  # HTTP status; 0 when no response came
-    ttft_s: float | None = None  # send -> first content chunk
-    latency_s: float | None = None  # send -> end of the response
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    replica: str = ""
-    retry_after: str | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    hung: bool = False  # the client's deadline ended it, not the server
-
-
-async def stream_chat(
-    client: httpx.AsyncClient,
-    url: str,
-    spec: RequestSpec,
-    res: Result,
-    t0: float,
-    *,
-    timeout_s: float,
-    model: str = MODEL,
-    session_header: bool = True,
-) -> None:
-    body = {
-        "model": model,
-        "messages": [dict(m) for m in spec.messages],
-        "max_tokens": spec.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {}
-    if session_header:
-        headers["x-session-id"] = spec.session_id
-    if spec.surface:
-        headers["x-surface"] = spec.surface
-    clock = time.perf_counter
-    start = clock()
-    res.sent_s = start - t0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=body, headers=headers) as resp:
-                res.status = resp.status_code
-                res.replica = resp.headers.get("x-llmc-replica", "")
-                res.retry_after = resp.headers.get("retry-after")
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")
-                    res.error = text[:300]
-                    return
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        res.error = json.dumps(obj["error"])[:300]
-                        continue
-                    for choice in obj.get("choices") or ():
-                        if choice.get("delta", {}).get("content"):
-                            if res.ttft_s is None:
-                                res.ttft_s = clock() - start
-                            res.output_tokens += 1  # one chunk per token (fallback if no usage)
-                        if choice.get("finish_reason"):
-                            res.finish_reason = choice["finish_reason"]
-                    usage = obj.get("usage")
-                    if usage:
-                        res.output_tokens = usage.get("completion_tokens", res.output_tokens)
-                        res.prompt_tokens = usage.get("prompt_tokens", 0)
-                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    except TimeoutError:
-        res.hung = True
-        res.error = f"no end within {timeout_s} s"
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        res.latency_s = clock() - start
-
-
-async def replay(
-    url: str,
-    specs: Sequence[RequestSpec],
-    *,
-    timeout_s: float,
-    closed_loop: bool = True,
-    session_header: bool = True,
-) -> tuple[list[Result], float]:
-    """Send every spec at its arrival time (a session's next turn waits for its previous one when
-    ``closed_loop``); returns the results in spec order and the wall time of the whole replay."""
-    results = [Result(i, s.session_id, s.surface) for i, s in enumerate(specs)]
-    done = [asyncio.Event() for _ in specs]
-    prev: list[int | None] = []
-    last: dict[str, int] = {}
-    for i, s in enumerate(specs):
-        prev.append(last.get(s.session_id))
-        last[s.session_id] = i
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits) as client:
-        t0 = time.perf_counter()
-
-        async def one(i: int, spec: RequestSpec) -> None:
-            try:
-                await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
-                p = prev[i]
-                if closed_loop and p is not None:
-                    await done[p].wait()
-                await stream_chat(
-                    client, url, spec, results[i], t0, timeout_s=timeout_s, session_header=session_header
-                )
-            finally:
-                done[i].set()
-
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
-        wall = time.perf_counter() - t0
-    return results, wall
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    v = sorted(values)
-    k = max(0, min(len(v) - 1, math.ceil(q / 100 * len(v)) - 1))
-    return v[k]
-
-
-def ms(x: float | None, scale: float = 1.0) -> float | None:
-    return None if x is None else round(x * 1000 * scale, 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,19 +194,6 @@ def settled_stats(app_url: str, replicas: int, timeout_s: float = 15.0) -> dict[
             return stats
         last = tot if quiet else None
         time.sleep(0.5)
-
-
-async def warm_up(url: str, n: int) -> None:
-    """A few short requests (no full KV block, so no routing state): Serve's first-request costs."""
-    spec = RequestSpec(0.0, "warmup", ({"role": "user", "content": "warm up"},), 2)
-    async with httpx.AsyncClient(timeout=60) as client:
-        rs = [Result(i, "warmup", None) for i in range(n)]
-        await asyncio.gather(
-            *(stream_chat(client, url, spec, r, 0.0, timeout_s=60, session_header=False) for r in rs)
-        )
-    bad = [r for r in rs if r.status != 200]
-    if bad:
-        raise RuntimeError(f"warm-up failed: {bad[0].status} {bad[0].error}")
 
 
 def summarize(results: Sequence[Result], speedup: float) -> dict[str, Any]:
@@ -855,26 +701,6 @@ def other_seeds(args: argparse.Namespace, tok: Any) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    import ray
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "ray": ray.__version__,
-        "git_commit": commit,
-        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "note": "a shared machine: other work ran alongside; its load average is recorded per run",
-    }
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -57,7 +57,8 @@ from typing import Any
 import httpx
 
 from deployments.local import free_port
-from loadtest.bench_affinity import (
+from loadtest.provenance import git_state, provenance
+from loadtest.sim_live import (
     MODEL,
     PROFILE,
     RESULTS,
@@ -70,7 +71,6 @@ from loadtest.bench_affinity import (
     stream_chat,
     warm_up,
 )
-from loadtest.provenance import git_state, provenance
 from loadtest.workloads import RequestSpec, SharedPrefixWorkload, merge, summary
 
 APP = "llmc-overload"

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from deployments.local import free_port
-from loadtest.bench_affinity import RESULTS, Result, machine, ms, percentile, replay, warm_up
 from loadtest.bench_overload import (
     APP,
     admission_counters,
@@ -44,6 +43,7 @@ from loadtest.bench_overload import (
     workloads,
 )
 from loadtest.provenance import git_state, provenance
+from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
 VARIANTS = ("off", "on")
 

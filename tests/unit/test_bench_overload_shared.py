@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loadtest.bench_affinity import Result
 from loadtest.bench_overload_shared import phase_report, variant_config
+from loadtest.sim_live import Result
 
 
 def test_variants_differ_only_in_engine_priority_and_the_guard() -> None:
