@@ -125,6 +125,12 @@ class ProviderConfig(Strict):
     cost_per_mtok_input: float = Field(0.0, ge=0, description="USD per 1M uncached input tokens.")
     cost_per_mtok_cached_input: float = Field(0.0, ge=0, description="USD per 1M cached input tokens.")
     cost_per_mtok_output: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
+    cost_per_mtok_cache_write: float | None = Field(
+        None,
+        ge=0,
+        description="USD per 1M prompt-cache write tokens (Anthropic's cache_creation_input_tokens; "
+        "1.25x input for the 5-minute cache); unset: the input price.",
+    )
 
 
 class Resources(Strict):

@@ -4,10 +4,12 @@ request the gateway serves, and the answer back as a Messages response. Pure.
 So an Anthropic-native agent runs through the same admission, affinity, failover and relay as
 chat completions, on any backend kind. Translated: ``system`` (a string or text blocks), text and
 image blocks, ``tool_use`` / ``tool_result`` blocks, ``tools``, ``tool_choice`` (with
-``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``
-and ``stream``. Refused with a 400 naming the field, never dropped: ``top_k`` (no OpenAI
-counterpart), ``thinking`` and thinking blocks (a round trip through the OpenAI shape would lose
-their signatures), ``cache_control``, documents and server tools.
+``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``,
+``stream``, and ``cache_control`` on text blocks (kept on the chat text part, so it reaches an
+Anthropic backend on its block; other backends refuse it by the capability table). Refused with a
+400 naming the field, never dropped: ``top_k`` (no OpenAI counterpart), ``thinking`` and thinking
+blocks (a round trip through the OpenAI shape would lose their signatures), ``cache_control`` on
+tools, images and tool results, documents and server tools.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def to_chat(body: Any) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system:
-        messages.append({"role": "system", "content": _text_only(system, "system")})
+        messages.append({"role": "system", "content": _system(system)})
     for i, m in enumerate(body.get("messages") or []):
         messages.extend(_message(m, i))
     out["messages"] = messages
@@ -123,7 +125,26 @@ def _text_only(content: Any, where: str) -> str:
 
 def _no_cache_control(block: Any, where: str) -> None:
     if isinstance(block, dict) and "cache_control" in block:
-        raise _bad(f"{where}: 'cache_control' is not served on /v1/messages yet", where)
+        kind = block.get("type") or "tool"
+        msg = f"{where}: 'cache_control' on a {kind} block is not served (only on text blocks)"
+        raise _bad(msg, where.split(".", 1)[0])
+
+
+def _system(system: Any) -> Any:
+    """The system prompt: a string, or text parts when a block holds a ``cache_control`` breakpoint
+    (the chat shape keeps it on its part, and the route narrows to backends that honour it)."""
+    if not isinstance(system, list) or not any(isinstance(b, dict) and "cache_control" in b for b in system):
+        return _text_only(system, "system")
+    return [_text_part(b, "system") for b in system]
+
+
+def _text_part(b: Any, where: str) -> dict[str, Any]:
+    if not isinstance(b, dict) or b.get("type") != "text":
+        raise _bad(f"{where}: only text blocks are allowed here", where)
+    part: dict[str, Any] = {"type": "text", "text": str(b.get("text", ""))}
+    if "cache_control" in b:
+        part["cache_control"] = b["cache_control"]
+    return part
 
 
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
@@ -139,10 +160,11 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for b in content:
-        _no_cache_control(b, where)
         kind = b.get("type") if isinstance(b, dict) else None
+        if kind != "text":
+            _no_cache_control(b, where)
         if kind == "text":
-            parts.append({"type": "text", "text": str(b.get("text", ""))})
+            parts.append(_text_part(b, where))
         elif kind == "image" and m["role"] == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(b, where)}})
         elif kind == "tool_use" and m["role"] == "assistant":
@@ -172,7 +194,9 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _joined(parts: list[dict[str, Any]]) -> str:
+def _joined(parts: list[dict[str, Any]]) -> Any:
+    if any("cache_control" in p for p in parts):
+        return parts  # a breakpoint in an assistant turn stays on its part
     return "".join(p["text"] for p in parts)
 
 
@@ -211,11 +235,14 @@ def _tool_choice(tc: Any) -> dict[str, Any]:
 
 
 def usage(u: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI usage as Anthropic's: ``input_tokens`` are the prompt tokens neither read from nor
+    written to a prompt cache."""
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    written = int(u.get("cache_creation_input_tokens") or 0)
     return {
-        "input_tokens": int(u.get("prompt_tokens") or 0) - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": max(int(u.get("prompt_tokens") or 0) - cached - written, 0),
+        "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
         "output_tokens": int(u.get("completion_tokens") or 0),
     }

@@ -33,6 +33,10 @@ def usage_dict(u: Usage) -> dict[str, Any]:
         "total_tokens": u.total_tokens,
     }
     d["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    if u.cache_creation_tokens:
+        # No OpenAI field holds cache writes: LiteLLM's name for Anthropic's, which clients that
+        # price them already read (and our /v1/messages turns back into Anthropic's usage).
+        d["cache_creation_input_tokens"] = u.cache_creation_tokens
     return d
 
 

@@ -247,9 +247,16 @@ class GenerateRequest:
 
 @dataclass
 class Usage:
+    """Tokens as the backend counted them. ``prompt_tokens`` is the whole prompt; of it,
+    ``cached_tokens`` were read from a prefix cache (vLLM's and the sim's ``num_cached_tokens``,
+    OpenAI's ``prompt_tokens_details.cached_tokens``, Anthropic's ``cache_read_input_tokens``) and
+    ``cache_creation_tokens`` were written to one (Anthropic's ``cache_creation_input_tokens``,
+    billed above the input price; 0 elsewhere)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_creation_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -9,7 +9,8 @@ models refuse both at once. What has no Anthropic counterpart (seed, penalties, 
 1, ``response_format``, ...) never gets here: :mod:`cluster.capabilities` refuses it with a 400.
 
 Responses: ``usage.input_tokens`` counts only uncached input, so OpenAI's ``prompt_tokens`` is the
-sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens``.
+sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens`` and cache
+writes as ``cache_creation_tokens`` (priced apart: :mod:`cluster.cost`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cluster.openai_format import usage_dict
 from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_tools
 
@@ -76,6 +78,7 @@ def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
         created = int(obj.get("cache_creation_input_tokens") or 0)
         u.prompt_tokens = int(obj.get("input_tokens") or 0) + read + created
         u.cached_tokens = read
+        u.cache_creation_tokens = created
     if "output_tokens" in obj:
         u.completion_tokens = int(obj.get("output_tokens") or 0)
     return u
@@ -154,12 +157,7 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
                 "finish_reason": finish_reason(msg.get("stop_reason")),
             }
         ],
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        },
+        "usage": usage_dict(usage),
     }
 
 

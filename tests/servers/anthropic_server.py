@@ -10,7 +10,9 @@ does for what adapters get wrong: ``anthropic-version`` header, ``max_tokens`` r
 only user/assistant, the first turn a user one, temperature within 0..1, and tools the way the API
 checks them (:mod:`tests.servers.tools`: tool_use only in assistant turns, tool_result first in the
 next user turn and naming a tool_use of the turn before). With tools it answers with ``tool_use``
-blocks and ``stop_reason: tool_use``, after a tool result with text.
+blocks and ``stop_reason: tool_use``, after a tool result with text. ``cache_control`` breakpoints
+cache prompt prefixes as the API documents (:mod:`tests.servers.prompt_cache`), reported in
+``cache_creation_input_tokens`` / ``cache_read_input_tokens``.
 
 Standalone: ``python -m tests.servers.anthropic_server --port 8102 [--api-key-env VAR] [--fault SPEC]``.
 """
@@ -35,6 +37,7 @@ from tests.servers.common import (
     main,
     sse,
 )
+from tests.servers.prompt_cache import AnthropicCache
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -101,6 +104,14 @@ def _validate(body: Any) -> str | None:
 class AnthropicServer(LoopbackServer):
     name = "anthropic"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache = AnthropicCache()
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache.clear()
+
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self._messages)
 
@@ -142,6 +153,9 @@ class AnthropicServer(LoopbackServer):
         system = body.get("system")
         texts = [_text(m["content"]) for m in body["messages"]] + ([_text(system)] if system else [])
         rec.prompt_tokens = count_prompt_tokens(texts)
+        use = self.cache.use(body)
+        rec.prompt_tokens = max(rec.prompt_tokens, use.read + use.written)
+        rec.cached_tokens, rec.cache_write_tokens = use.read, use.written
         stop = list(body.get("stop_sequences") or [])
         n = min(body["max_tokens"], fault.tokens if fault.tokens is not None else self.output_tokens)
         tokens, matched = answer_tokens(n, stop)
@@ -177,9 +191,9 @@ class AnthropicServer(LoopbackServer):
 
     def _usage(self, rec: RequestRecord, output: int) -> dict[str, Any]:
         return {
-            "input_tokens": rec.prompt_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "input_tokens": rec.prompt_tokens - rec.cached_tokens - rec.cache_write_tokens,
+            "cache_creation_input_tokens": rec.cache_write_tokens,
+            "cache_read_input_tokens": rec.cached_tokens,
             "output_tokens": output,
             "service_tier": "standard",
         }

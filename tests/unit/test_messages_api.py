@@ -46,7 +46,10 @@ def test_the_documented_round_trip_request_becomes_the_openai_one() -> None:
         ("top_k", 5),
         ("thinking", {"type": "enabled", "budget_tokens": 1024}),
         ("unknown_field", 1),
-        ("system", [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]),
+        (
+            "tools",
+            [{"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}],
+        ),
     ],
 )
 def test_what_has_no_translation_is_a_400_naming_it(field: str, value: Any) -> None:
@@ -54,6 +57,26 @@ def test_what_has_no_translation_is_a_400_naming_it(field: str, value: Any) -> N
     with pytest.raises(InvalidRequest) as exc:
         M.to_chat(body)
     assert exc.value.param == field
+
+
+def test_cache_control_on_text_blocks_stays_on_the_chat_part() -> None:
+    cc = {"type": "ephemeral"}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": "rules"}, {"type": "text", "text": "docs", "cache_control": cc}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "q", "cache_control": cc}]}],
+    }
+    chat = M.to_chat(body)
+    assert chat["messages"][0] == {
+        "role": "system",
+        "content": [{"type": "text", "text": "rules"}, {"type": "text", "text": "docs", "cache_control": cc}],
+    }
+    assert chat["messages"][1]["content"] == [{"type": "text", "text": "q", "cache_control": cc}]
+    ChatCompletionRequest.model_validate(chat)  # the chat route takes it as is
+    img = {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}, "cache_control": cc}
+    with pytest.raises(InvalidRequest, match="on a image block"):
+        M.to_chat({**body, "messages": [{"role": "user", "content": [img]}]})
 
 
 def test_thinking_blocks_in_history_are_refused_not_dropped() -> None:
@@ -104,6 +127,21 @@ def test_a_chat_completion_becomes_a_message() -> None:
         "input_tokens": 6,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 4,
+        "output_tokens": 3,
+    }
+
+
+def test_cache_reads_and_writes_come_back_as_anthropic_usage() -> None:
+    u = {
+        "prompt_tokens": 3512,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 2000},
+        "cache_creation_input_tokens": 1500,
+    }
+    assert M.usage(u) == {
+        "input_tokens": 12,
+        "cache_creation_input_tokens": 1500,
+        "cache_read_input_tokens": 2000,
         "output_tokens": 3,
     }
 

@@ -270,7 +270,9 @@ def test_anthropic_stream_state() -> None:
     assert "".join(d.text for d in deltas) == "Hello"
     last = deltas[-1]
     assert last.done and last.finish_reason == "length"
-    assert last.usage == Usage(prompt_tokens=35, completion_tokens=7, cached_tokens=20)
+    assert last.usage == Usage(
+        prompt_tokens=35, completion_tokens=7, cached_tokens=20, cache_creation_tokens=5
+    )
 
 
 def test_anthropic_stream_errors_and_malformed() -> None:
@@ -498,6 +500,38 @@ def test_cost() -> None:
     b = ProviderBudget.from_config(cfg)
     b.try_reserve("a", 1, 1, 0.0)
     assert b.settle("a", Usage(1_000_000, 1_000_000), 1.0) == pytest.approx(3.0)
+
+
+def test_cache_writes_cost_the_write_price_or_else_the_input_price() -> None:
+    u = Usage(
+        prompt_tokens=1_000_000, completion_tokens=0, cached_tokens=500_000, cache_creation_tokens=400_000
+    )
+    priced = Prices(input=3.0, cached_input=0.3, output=15.0, cache_write=3.75)
+    assert cost_usd(u, priced) == pytest.approx(0.1 * 3.0 + 0.5 * 0.3 + 0.4 * 3.75)
+    assert cost_usd(u, Prices(input=3.0, cached_input=0.3)) == pytest.approx(0.5 * 3.0 + 0.5 * 0.3)
+    cfg = ProviderConfig(
+        api="anthropic", base_url="http://x", cost_per_mtok_input=3.0, cost_per_mtok_cache_write=3.75
+    )
+    assert Prices.from_config(cfg).cache_write == 3.75
+
+
+def test_anthropic_cache_reads_and_writes_reach_the_openai_usage() -> None:
+    msg = {
+        "content": [{"type": "text", "text": "ok"}],
+        "stop_reason": "end_turn",
+        "usage": {
+            "input_tokens": 12,
+            "cache_creation_input_tokens": 1500,
+            "cache_read_input_tokens": 2000,
+            "output_tokens": 3,
+        },
+    }
+    usage = anthropic_wire.response_to_openai(msg, "m")["usage"]
+    assert usage["prompt_tokens"] == 3512 and usage["prompt_tokens_details"] == {"cached_tokens": 2000}
+    assert usage["cache_creation_input_tokens"] == 1500
+    assert anthropic_wire.parse_usage(msg["usage"]) == Usage(3512, 3, 2000, 1500)
+    plain = anthropic_wire.response_to_openai({**msg, "usage": {"input_tokens": 5, "output_tokens": 1}})
+    assert "cache_creation_input_tokens" not in plain["usage"]  # the OpenAI shape, exactly, otherwise
 
 
 async def test_local_budget_waits_for_room_and_gives_up_in_time() -> None:
