@@ -383,3 +383,83 @@ def test_messages_share_the_chat_routes_narrowing_and_failover(fx, servers) -> N
     r = httpx.post(fx.url + "/v1/messages", json={**body, "tools": ANT_TOOLS}, timeout=30)
     assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-gpt"
     assert r.json()["stop_reason"] == "tool_use" and r.json()["content"][0]["type"] == "tool_use"
+
+
+# -- prompt caching: cached-token usage as each backend counted it ---------------------------------
+# About 1,100 of the loopback servers' tokens (their minimum to cache is 1,024) and 2,000 of the tiny
+# model's (its window is 4,096).
+RULES = " ".join(f"Rule {i}: keep the code tidy and the tests honest." for i in range(90))
+BREAKPOINT = {"type": "ephemeral"}
+
+
+def _usage_of(client: OpenAI, stream: bool, **kw: Any) -> Any:
+    if not stream:
+        return client.chat.completions.create(**kw).usage
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == []
+    return chunks[-1].usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_anthropic_cache_writes_and_reads_reach_openai_usage(fx, servers, stream: bool) -> None:
+    _, ant = servers
+    ant.reset()
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    system = [{"type": "text", "text": RULES, "cache_control": BREAKPOINT}]
+    kw = {"model": "fx-claude", "max_tokens": 8, "messages": [{"role": "system", "content": system}, *ASK]}
+    first, second = _usage_of(client, stream, **kw), _usage_of(client, stream, **kw)
+    wrote, read = ant.stats().records
+    assert wrote.body["system"] == system  # the breakpoint reached Anthropic on its block
+    assert wrote.cache_write_tokens > 1000 and wrote.cached_tokens == 0
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert first.model_extra["cache_creation_input_tokens"] == wrote.cache_write_tokens
+    assert read.cached_tokens == wrote.cache_write_tokens and read.cache_write_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == read.cached_tokens
+    assert "cache_creation_input_tokens" not in (second.model_extra or {})
+    assert first.prompt_tokens == second.prompt_tokens == read.prompt_tokens  # input + read + written
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_openai_compatible_providers_cached_tokens_pass_through(fx, servers, stream: bool) -> None:
+    oai, _ = servers
+    oai.reset()
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    kw = {"model": "fx-gpt", "max_tokens": 8, "messages": [{"role": "user", "content": RULES + " Ready?"}]}
+    first, second = _usage_of(client, stream, **kw), _usage_of(client, stream, **kw)
+    cold, warm = oai.stats().records
+    assert first.prompt_tokens_details.cached_tokens == cold.cached_tokens == 0
+    assert warm.cached_tokens >= 1024 and warm.cached_tokens % 128 == 0
+    assert second.prompt_tokens_details.cached_tokens == warm.cached_tokens
+    assert "cache_creation_input_tokens" not in (second.model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_messages_report_cache_reads_and_writes_as_anthropic_usage(fx, servers, stream: bool) -> None:
+    import anthropic
+
+    oai, ant = servers
+    oai.reset()
+    ant.reset()
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+
+    def usage(model: str, system: Any) -> Any:
+        kw: dict[str, Any] = {"model": model, "max_tokens": 8, "system": system, "messages": ASK}
+        if not stream:
+            return client.messages.create(**kw).usage
+        with client.messages.stream(**kw) as s:
+            return s.get_final_message().usage
+
+    blocks = [{"type": "text", "text": RULES, "cache_control": BREAKPOINT}]
+    first, second = usage("fx-claude", blocks), usage("fx-claude", blocks)
+    wrote, read = ant.stats().records
+    assert (first.cache_creation_input_tokens, first.cache_read_input_tokens) == (wrote.cache_write_tokens, 0)
+    assert (second.cache_creation_input_tokens, second.cache_read_input_tokens) == (0, read.cached_tokens)
+    assert first.cache_creation_input_tokens > 1000 and second.input_tokens == first.input_tokens
+    assert second.input_tokens == read.prompt_tokens - read.cached_tokens  # Anthropic's own split
+    usage("fx-gpt", RULES)  # automatic caching upstream
+    warm = usage("fx-gpt", RULES)
+    assert warm.cache_read_input_tokens == oai.stats().records[-1].cached_tokens >= 1024
+    usage("fx-sim", RULES)  # the simulated engine's prefix cache
+    assert usage("fx-sim", RULES).cache_read_input_tokens > 1000
+    with pytest.raises(anthropic.BadRequestError, match="cache_control"):  # OpenAI has no breakpoints
+        usage("fx-gpt", blocks)
