@@ -51,6 +51,9 @@ SUPPORT: dict[str, frozenset[str]] = {
     "messages[].role=tool": _TOOLS,
     # structured output
     "response_format": _OPENAI | {"vllm"},
+    # Anthropic's extended thinking: the config, and the blocks (with signatures) sent back
+    "thinking": frozenset({"anthropic"}),
+    "messages[].thinking_blocks": frozenset({"anthropic"}),
     # content
     "messages[].name": _OPENAI,
     "messages[].content[].image_url": _TOOLS,  # OpenAI passes it through, Anthropic as image blocks
@@ -116,6 +119,8 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name == "response_format" and api.response_format.type == "text":  # type: ignore[union-attr]
             continue
+        if name == "thinking" and api.thinking.get("type") == "disabled":  # type: ignore[union-attr]
+            continue
         used.append(name)
     return used
 
@@ -129,6 +134,8 @@ def _in_messages(api: ChatCompletionRequest) -> list[str]:
             used.add("messages[].tool_calls")
         if m.role == "tool":
             used.add("messages[].role=tool")
+        if m.thinking_blocks:
+            used.add("messages[].thinking_blocks")
         for name in ("name", "audio", "function_call"):
             if getattr(m, name) is not None:
                 used.add(f"messages[].{name}")

@@ -5,11 +5,12 @@ So an Anthropic-native agent runs through the same admission, affinity, failover
 chat completions, on any backend kind. Translated: ``system`` (a string or text blocks), text and
 image blocks, ``tool_use`` / ``tool_result`` blocks, ``tools``, ``tool_choice`` (with
 ``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``,
-``stream``, and ``cache_control`` on text blocks (kept on the chat text part, so it reaches an
-Anthropic backend on its block; other backends refuse it by the capability table). Refused with a
-400 naming the field, never dropped: ``top_k`` (no OpenAI counterpart), ``thinking`` and thinking
-blocks (a round trip through the OpenAI shape would lose their signatures), ``cache_control`` on
-tools, images and tool results, documents and server tools.
+``stream``, ``cache_control`` on text blocks (kept on the chat text part, so it reaches an
+Anthropic backend on its block), and ``thinking`` with the assistant turns' ``thinking`` /
+``redacted_thinking`` blocks (passed as they are, signatures included: :mod:`cluster.thinking`).
+Other backends refuse the last two by the capability table, and a route narrows to those that take
+them. Refused with a 400 naming the field, never dropped: ``top_k`` (no OpenAI counterpart),
+``cache_control`` on tools, images and tool results, documents and server tools.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 from typing import Any
 
 from cluster.errors import InvalidRequest
+from cluster.thinking import KINDS as THINKING
 
 STOP_REASONS = {
     "stop": "end_turn",
@@ -27,11 +29,10 @@ STOP_REASONS = {
 }
 _KNOWN = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "tools",
-    "tool_choice", "metadata", "stream",
+    "tool_choice", "metadata", "stream", "thinking",
 }  # fmt: skip
 _REFUSED = {
     "top_k": "'top_k' has no OpenAI counterpart",
-    "thinking": "extended thinking is not served on /v1/messages yet",
     "service_tier": "'service_tier' is not served on /v1/messages",
     "container": "'container' (code execution) is not served",
     "mcp_servers": "'mcp_servers' is not served",
@@ -55,6 +56,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "tools": (list,),
     "tool_choice": (dict,),
     "metadata": (dict,),
+    "thinking": (dict,),
 }
 
 
@@ -103,6 +105,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     if body.get("tools"):
         out["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
     out.update(_tool_choice(body.get("tool_choice")))
+    if body.get("thinking") is not None:
+        out["thinking"] = body["thinking"]  # as sent: only Anthropic backends take it
     if body.get("stream"):
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}  # message_delta carries the usage
@@ -159,11 +163,16 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     tool_results: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[dict[str, Any]] = []
     for b in content:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind != "text":
             _no_cache_control(b, where)
-        if kind == "text":
+        if kind in THINKING and m["role"] == "assistant":
+            if parts or calls:  # the chat shape keeps them first, where the API puts them
+                raise _bad(f"{where}: '{kind}' blocks must come first in an assistant turn", "messages")
+            thinking.append(b)  # unchanged: the signature covers it
+        elif kind == "text":
             parts.append(_text_part(b, where))
         elif kind == "image" and m["role"] == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(b, where)}})
@@ -188,6 +197,8 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": "assistant", "content": _joined(parts) if parts else None}
         if calls:
             msg["tool_calls"] = calls
+        if thinking:
+            msg["thinking_blocks"] = thinking
         out.append(msg)
     elif parts:
         out.append({"role": "user", "content": parts})
@@ -252,7 +263,7 @@ def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
     """A chat completion as a Messages response."""
     choice = (resp.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    content: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] = list(msg.get("thinking_blocks") or [])
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:

@@ -53,7 +53,26 @@ class ToolResultBlock(_Wire):
     content: str | list[TextBlock] | None = None
 
 
-ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingContent(_Wire):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingContent(_Wire):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingContent | RedactedThinkingContent,
+    Field(discriminator="type"),
+]
+
+
+class ThinkingConfig(_Wire):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024)
 
 
 class MessageParam(_Wire):
@@ -92,6 +111,7 @@ class MessagesRequest(_Wire):
     tool_choice: AnthropicToolChoice | None = None
     metadata: MessagesMetadata | None = None
     stream: bool | None = None
+    thinking: ThinkingConfig | None = None
 
 
 # -- OpenAI Responses (minimal, stateless) ---------------------------------------------------------

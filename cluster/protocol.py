@@ -50,6 +50,17 @@ class ToolCall(_Wire):
     function: FunctionCall
 
 
+class ThinkingBlock(BaseModel):
+    """An Anthropic ``thinking`` (text + signature) or ``redacted_thinking`` (data) block. Other
+    keys the API may add are kept (``extra="allow"``): the block goes back upstream as it came."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -59,6 +70,9 @@ class ChatMessage(_Wire):
     refusal: str | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+    # Anthropic's thinking / redacted_thinking blocks of an assistant turn, exactly as the API gave
+    # them (signatures included), to be sent back (LiteLLM's field): Anthropic backends only.
+    thinking_blocks: list[ThinkingBlock] | None = None
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -66,6 +80,8 @@ class ChatMessage(_Wire):
             raise ValueError("a 'tool' message needs 'tool_call_id'")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an 'assistant' message may hold 'tool_calls'")
+        if self.thinking_blocks and self.role != "assistant":
+            raise ValueError("only an 'assistant' message may hold 'thinking_blocks'")
         return self
 
     def text(self) -> str:
@@ -154,6 +170,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    # Anthropic's extended-thinking config, passed as sent (LiteLLM's field): Anthropic backends only.
+    thinking: dict[str, Any] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Passed through to OpenAI-compatible providers only (cluster.capabilities says where).
     audio: Any = None
@@ -280,6 +298,8 @@ class Chunk:
     model: str | None = None  # set by the router on a request's first chunk (a bigger-window model)
     # OpenAI ``delta.tool_calls`` items (with index); last, so positional construction keeps its order
     tool_calls: list[dict[str, Any]] | None = None
+    # ``delta.thinking_blocks`` items (with index): an Anthropic thinking block's pieces
+    thinking: list[dict[str, Any]] | None = None
 
 
 @dataclass

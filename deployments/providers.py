@@ -284,10 +284,14 @@ class ProviderBackend:
                             break
                         usage = delta.usage or usage
                         finish = delta.finish_reason or finish
-                        if delta.text or delta.tool_calls:  # a tool call is content too
+                        if delta.text or delta.tool_calls or delta.thinking:  # all content
                             started = True
                             out_parts.append(delta.text)
-                            batch.append(self._chunk(text=delta.text, tool_calls=delta.tool_calls))
+                            batch.append(
+                                self._chunk(
+                                    text=delta.text, tool_calls=delta.tool_calls, thinking=delta.thinking
+                                )
+                            )
                         if delta.done:
                             done = True
                             break

@@ -463,3 +463,86 @@ def test_messages_report_cache_reads_and_writes_as_anthropic_usage(fx, servers, 
     assert usage("fx-sim", RULES).cache_read_input_tokens > 1000
     with pytest.raises(anthropic.BadRequestError, match="cache_control"):  # OpenAI has no breakpoints
         usage("fx-gpt", blocks)
+
+
+# -- extended thinking: passed through with signatures to Anthropic, refused elsewhere -------------
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def _thinking_round_trip(fx, servers, stream: bool, ask: str) -> list[dict[str, Any]]:
+    """The anthropic client through /v1/messages with thinking on: call -> tool_result -> answer,
+    the thinking block sent back as it came (the loopback server checks its signature)."""
+    import anthropic
+
+    _, ant = servers
+    ant.reset()
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+    kw: dict[str, Any] = {"model": "fx-claude", "max_tokens": 2048, "tools": ANT_TOOLS, "thinking": THINKING}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ask}]
+    if stream:
+        with client.messages.stream(messages=messages, **kw) as s:
+            kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+            first = s.get_final_message()
+        assert "thinking_delta" in kinds or first.content[0].type == "redacted_thinking"
+    else:
+        first = client.messages.create(messages=messages, **kw)
+    assert first.stop_reason == "tool_use" and first.content[0].type in ("thinking", "redacted_thinking")
+    turn = [b.model_dump(exclude_none=True) for b in first.content]
+    uses = [b for b in first.content if b.type == "tool_use"]
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "15 degrees"} for u in uses]
+    messages += [{"role": "assistant", "content": turn}, {"role": "user", "content": results}]
+    answer = client.messages.create(messages=messages, **kw)  # a changed signature would be a 400
+    assert answer.stop_reason == "end_turn" and answer.content[-1].type == "text"
+    calls, follow = ant.stats().records
+    assert calls.body["thinking"] == follow.body["thinking"] == THINKING
+    assert follow.body["messages"][1]["content"][0] == turn[0]  # the block as Anthropic gave it
+    return turn
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_thinking_blocks_round_trip_with_their_signatures(fx, servers, stream: bool) -> None:
+    from tests.servers import thinking as TH
+
+    turn = _thinking_round_trip(fx, servers, stream, ASK[0]["content"])
+    assert turn[0] == {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
+    redacted = _thinking_round_trip(fx, servers, stream, TH.MAGIC)
+    assert redacted[0]["type"] == "redacted_thinking" and redacted[0]["data"]
+
+
+def test_thinking_is_refused_where_it_cannot_be_honoured_and_narrows_the_route(fx) -> None:
+    body = {"model": "fx-gpt", "max_tokens": 2048, "thinking": THINKING, "messages": ASK}
+    for model in ("fx-gpt", "fx-sim"):
+        r = httpx.post(fx.url + "/v1/messages", json={**body, "model": model}, timeout=30)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert "cannot honour 'thinking'" in r.json()["error"]["message"]
+    r = httpx.post(fx.url + "/v1/messages", json={**body, "model": "fx-mix"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-claude"
+    assert r.json()["content"][0]["type"] == "thinking"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_thinking_through_our_openai_endpoint(fx, servers, stream: bool) -> None:
+    from tests.servers import thinking as TH
+
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    kw: dict[str, Any] = {
+        "model": "fx-claude",
+        "max_tokens": 2048,
+        "messages": ASK,
+        "extra_body": {"thinking": THINKING},
+    }
+    if stream:
+        pieces = [
+            c.choices[0].delta.model_extra.get("thinking_blocks")
+            for c in client.chat.completions.create(stream=True, **kw)
+            if c.choices
+        ]
+        items = [i for p in pieces if p for i in p]
+        assert "".join(i.get("thinking", "") for i in items) == TH.THOUGHT
+        assert [i["signature"] for i in items if "signature" in i] == [TH.sign(TH.THOUGHT)]
+    else:
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert msg.model_extra["thinking_blocks"] == [
+            {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
+        ]
+        assert msg.content

@@ -45,6 +45,21 @@ SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
         {"messages": [*MSG, {"role": "tool", "tool_call_id": "c1", "content": "4"}]},
     ),
     "response_format": (ChatCompletionRequest, {"response_format": {"type": "json_object"}}),
+    "thinking": (ChatCompletionRequest, {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+    "messages[].thinking_blocks": (
+        ChatCompletionRequest,
+        {
+            "messages": [
+                *MSG,
+                {
+                    "role": "assistant",
+                    "content": "4",
+                    "thinking_blocks": [{"type": "redacted_thinking", "data": "x"}],
+                },
+                {"role": "user", "content": "x"},
+            ]
+        },
+    ),
     "messages[].name": (
         ChatCompletionRequest,
         {"messages": [{"role": "user", "content": "x", "name": "ann"}]},
@@ -136,6 +151,7 @@ def test_a_used_field_is_detected_and_refused_where_unsupported(field: str) -> N
             "metadata": {"a": "b"},
         },
         {"modalities": ["text"], "parallel_tool_calls": None, "tools": []},
+        {"thinking": {"type": "disabled"}},
     ],
 )
 def test_neutral_values_ask_for_nothing(fields: dict[str, Any]) -> None:

@@ -44,7 +44,7 @@ def test_a_responses_request_with_a_function_call_is_valid_under_both() -> None:
     assert responses_api.to_chat(body)["response_format"]["json_schema"]["schema"] == {"type": "object"}
 
 
-@pytest.mark.parametrize("field", ["top_k", "thinking"])
+@pytest.mark.parametrize("field", ["top_k", "container"])
 def test_refused_fields_are_not_declared(field: str) -> None:
     with pytest.raises(ValidationError):
         MessagesRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [], field: 1})

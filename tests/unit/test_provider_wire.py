@@ -8,6 +8,7 @@ import email.utils
 import json
 import pickle
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import ProviderBudget
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
+from cluster.thinking import ThinkingAccumulator
 from cluster.token_counters import (
     CharEstimateTokenizer,
     HFFileTokenizer,
@@ -253,7 +255,7 @@ def test_anthropic_stream_state() -> None:
         ),
         (
             "content_block_delta",
-            {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "x"}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "citations_delta", "citation": {}}},
         ),
         (
             "content_block_delta",
@@ -606,3 +608,84 @@ def test_hf_tokenizer_file(tmp_path) -> None:
     assert isinstance(counter, HFFileTokenizer)
     assert counter.encode("hello world !") == [1, 2, 3]
     assert counter.count_chat([{"role": "user", "content": "hello world"}]) == 4 + 2
+
+
+def test_anthropic_thinking_streams_as_thinking_blocks_with_their_signature() -> None:
+    st = anthropic_wire.StreamState()
+
+    def ev(obj: dict[str, Any]) -> Any:
+        return st.on_event(obj["type"], json.dumps(obj))
+
+    deltas = [
+        ev(
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}
+        ),
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "thinking_delta", "thinking": "2+2"},
+            }
+        ),
+        ev(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "=4"}}
+        ),
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "signature_delta", "signature": "EqQB"},
+            }
+        ),
+        ev({"type": "content_block_stop", "index": 0}),
+        ev(
+            {
+                "type": "content_block_start",
+                "index": 1,
+                "content_block": {"type": "redacted_thinking", "data": "EmwK"},
+            }
+        ),
+        ev({"type": "content_block_start", "index": 2, "content_block": {"type": "text", "text": ""}}),
+        ev({"type": "content_block_delta", "index": 2, "delta": {"type": "text_delta", "text": "4"}}),
+    ]
+    acc = ThinkingAccumulator()
+    for d in deltas:
+        acc.feed(d.thinking or [])
+    assert acc.blocks() == [
+        {"type": "thinking", "thinking": "2+2=4", "signature": "EqQB"},
+        {"type": "redacted_thinking", "data": "EmwK"},
+    ]
+    assert deltas[-1].text == "4" and deltas[-1].thinking is None
+    with pytest.raises(ValueError, match="outside a thinking block"):
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 2,
+                "delta": {"type": "signature_delta", "signature": "x"},
+            }
+        )
+
+
+def test_thinking_config_and_blocks_go_upstream_as_sent() -> None:
+    think = {"type": "thinking", "thinking": "Let me look it up.", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA"}
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "thinking_blocks": [think]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "15 degrees"},
+    ]
+    req = GenerateRequest(
+        request_id="r",
+        model="m",
+        kind="chat",
+        prompt_token_ids=[1],
+        sampling=Sampling(max_tokens=2048),
+        messages=messages,
+        options={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    )
+    body = anthropic_wire.request_body(req, "claude-sonnet-4-5")
+    assert body["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert body["messages"][1]["content"] == [
+        think,
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}},
+    ]
