@@ -62,6 +62,11 @@ class ModelConfig(Strict):
     fim: FimTemplate | None = Field(
         None, description="FIM tokens: /v1/completions with 'suffix' on self-hosted engines; else a 400."
     )
+    accepts_images: bool = Field(
+        True,
+        description="False: a text-only model; image parts are a 400 naming the field on every backend "
+        "(engines refuse them anyway).",
+    )
 
 
 class EngineArgs(Strict):

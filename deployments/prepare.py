@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster import capabilities, tokens
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ModelConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from cluster.openai_format import ResponseMeta
@@ -96,7 +96,7 @@ def prepare(
         priority=surface.priority,
     )
     candidates = supporting_candidates(
-        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None
+        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None, model_gate(model)
     )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
     return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
@@ -122,21 +122,33 @@ def _block_hashes(
     return hashes
 
 
+def model_gate(model: ModelConfig) -> Callable[[list[str]], str | None] | None:
+    """A text-only model's check on the fields a request uses (None: the model takes images)."""
+    if model.accepts_images:
+        return None
+    return lambda used: capabilities.text_only_refusal(used, model.name)
+
+
 def supporting_candidates(
     cfg: ClusterConfig,
     api: ChatCompletionRequest | CompletionRequest,
     candidates: list[str],
     fim: bool = False,
+    gate: Callable[[list[str]], str | None] | None = None,
 ) -> list[str]:
     """The route's backends that honour every field the request uses (a failover stays among
     them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
-    template, so self-hosted engines take ``suffix`` too."""
+    template, so self-hosted engines take ``suffix`` too. ``gate``: what the model itself refuses,
+    whatever the backend (:func:`model_gate`)."""
 
     def kind_of(name: str) -> str:
         b = cfg.backend(name)
         return capabilities.backend_kind(b.kind, b.provider.api if b.provider else None)
 
-    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of, fim)
+    used = capabilities.used_fields(api)
+    if gate is not None and (why := gate(used)) is not None:
+        raise InvalidRequest(why, param="messages", code="unsupported_parameter")
+    kept, refusal = capabilities.narrow(used, candidates, kind_of, fim)
     if refusal is not None:
         raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
     return kept

@@ -66,7 +66,10 @@ def fx(deploy, servers):
     cfg = parse_config(
         {
             "name": "llm-cluster-fields",
-            "models": [{"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-gpt", "fx-mix")],
+            "models": [
+                *({"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-gpt", "fx-mix")),
+                {"name": "fx-text", "accepts_images": False, **tiny},  # a text-only model
+            ],
             "backends": [
                 {"name": "fx-sim-b", "model": "fx-sim", **sim},
                 {"name": "fx-mix-sim", "model": "fx-mix", **sim},
@@ -74,6 +77,7 @@ def fx(deploy, servers):
                 _provider("fx-gpt-b", "openai", oai.base_url, "fx-gpt"),
                 _provider("fx-mix-claude", "anthropic", ant.base_url, "fx-mix"),
                 _provider("fx-mix-gpt", "openai", oai.base_url, "fx-mix"),
+                _provider("fx-text-gpt", "openai", oai.base_url, "fx-text"),
             ],
             "surfaces": [{"name": "chat", "priority": 1}],
             "routes": [{"model": "fx-mix", "candidates": ["fx-mix-sim", "fx-mix-claude", "fx-mix-gpt"]}],
@@ -546,3 +550,31 @@ def test_thinking_through_our_openai_endpoint(fx, servers, stream: bool) -> None
             {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
         ]
         assert msg.content
+
+
+# -- a text-only model: image parts are a 400 naming the field, whatever the backend --------------
+PNG = (  # one pixel
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQ"
+    "AAAABJRU5ErkJggg=="
+)
+
+
+def test_images_to_a_text_only_model_are_refused_before_any_backend(fx, servers) -> None:
+    oai, _ = servers
+    oai.reset()
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": PNG}}]
+    r = _chat(fx, "fx-text", messages=[{"role": "user", "content": parts}])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["code"] == "unsupported_parameter"
+    assert "'fx-text' is text-only" in err["message"] and "image_url" in err["message"]
+    source = {"type": "base64", "media_type": "image/png", "data": PNG.split(",", 1)[1]}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": "What is this?"}]
+    body = {"model": "fx-text", "max_tokens": 8, "messages": [{"role": "user", "content": blocks}]}
+    r = httpx.post(fx.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "text-only" in r.json()["error"]["message"]
+    assert oai.stats().requests == 0  # nothing went upstream
+    assert _chat(fx, "fx-text").status_code == 200  # text is served
+    parts_gpt = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": parts}])
+    assert parts_gpt.status_code == 200  # a model that takes images passes them on
