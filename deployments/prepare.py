@@ -16,6 +16,7 @@ from cluster import capabilities, tokens
 from cluster.config import ClusterConfig, ModelConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.image_tokens import image_parts, image_tokens
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
@@ -67,7 +68,7 @@ def prepare(
         m = cfg.model(model_name)
         assert m is not None
         counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim)
-        return len(counted[model_name][0])
+        return len(counted[model_name][0]) + image_estimate(cfg, model_name, counted[model_name][1])
 
     param = "messages" if kind == "chat" else "prompt"
     try:
@@ -120,6 +121,15 @@ def _block_hashes(
     for name in candidates:
         hashes(name)
     return hashes
+
+
+def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
+    """Image parts' tokens for the context check: the most any of the model's providers counts
+    (:mod:`cluster.image_tokens`; engines refuse images). The adapter reserves its own count."""
+    if not messages or not image_parts(messages):
+        return 0
+    apis = {b.provider.api for b in cfg.backends if b.model == model_name and b.provider is not None}
+    return max((image_tokens(messages, a) for a in apis), default=0)
 
 
 def model_gate(model: ModelConfig) -> Callable[[list[str]], str | None] | None:

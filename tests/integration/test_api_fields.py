@@ -578,3 +578,18 @@ def test_images_to_a_text_only_model_are_refused_before_any_backend(fx, servers)
     assert _chat(fx, "fx-text").status_code == 200  # text is served
     parts_gpt = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": parts}])
     assert parts_gpt.status_code == 200  # a model that takes images passes them on
+
+
+def test_images_count_against_the_context_window_as_the_provider_counts_them(fx, servers) -> None:
+    oai, _ = servers
+    oai.reset()
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/photo.jpg"}}
+    parts = [{"type": "text", "text": "What is this?"}, image]
+    # 3,000 + a short prompt fits the 4,096 window; an image OpenAI may count at 1,445 does not
+    r = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": parts}], max_tokens=3000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert oai.stats().requests == 0
+    low = {"type": "image_url", "image_url": {"url": "https://example.com/photo.jpg", "detail": "low"}}
+    r = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": [parts[0], low]}], max_tokens=3000)
+    assert r.status_code == 200, r.text  # detail low: 85 tokens
+    assert oai.stats().records[-1].body["messages"][0]["content"][1] == low
