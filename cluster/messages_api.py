@@ -86,9 +86,12 @@ def to_chat(body: Any) -> dict[str, Any]:
     check_types(body, _TYPES)
     if body.get("max_tokens") is None:
         raise _bad("max_tokens: Field required", "max_tokens")
-    if isinstance(body["max_tokens"], bool) or not isinstance(body["max_tokens"], int):
+    max_tokens = body["max_tokens"]
+    if isinstance(max_tokens, float) and max_tokens.is_integer():
+        max_tokens = int(max_tokens)  # 1024.0 is an integer in JSON (and to the API's validation)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise _bad("max_tokens: Input should be a valid integer", "max_tokens")
-    out: dict[str, Any] = {"model": body.get("model"), "max_tokens": body["max_tokens"]}
+    out: dict[str, Any] = {"model": body.get("model"), "max_tokens": max_tokens}
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system:

@@ -19,6 +19,7 @@ class _Wire(BaseModel):
 
 
 CacheControl = dict[str, Any]
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # the chat schema's rule, which the translated request must meet
 
 
 # -- Anthropic Messages ----------------------------------------------------------------------------
@@ -42,8 +43,8 @@ class ImageBlock(_Wire):
 
 class ToolUseBlock(_Wire):
     type: Literal["tool_use"]
-    id: str
-    name: str
+    id: str = Field(min_length=1)
+    name: str = Field(pattern=TOOL_NAME)
     input: dict[str, Any]
 
 
@@ -64,25 +65,33 @@ class RedactedThinkingContent(_Wire):
     data: str
 
 
-ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingContent | RedactedThinkingContent,
-    Field(discriminator="type"),
-]
-
-
 class ThinkingConfig(_Wire):
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = Field(None, ge=1024)
 
 
-class MessageParam(_Wire):
-    role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[
+    TextBlock | ToolUseBlock | ThinkingContent | RedactedThinkingContent, Field(discriminator="type")
+]
+
+
+class UserMessage(_Wire):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+class AssistantMessage(_Wire):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+MessageParam = Annotated[UserMessage | AssistantMessage, Field(discriminator="role")]
 
 
 class AnthropicTool(_Wire):
     type: Literal["custom"] | None = None
-    name: str
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
 
@@ -100,13 +109,13 @@ class MessagesMetadata(_Wire):
 class MessagesRequest(_Wire):
     """Anthropic's Messages request, as far as this gateway serves it."""
 
-    model: str
+    model: str = Field(min_length=1)
     max_tokens: int = Field(ge=1)
-    messages: list[MessageParam]
+    messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: MessagesMetadata | None = None
@@ -122,7 +131,7 @@ class InputText(_Wire):
 
 class InputImage(_Wire):
     type: Literal["input_image"]
-    image_url: str
+    image_url: str = Field(min_length=1)
     detail: Literal["low", "high", "auto"] | None = None
 
 
@@ -134,20 +143,20 @@ class MessageItem(_Wire):
 
 class FunctionCallItem(_Wire):
     type: Literal["function_call"]
-    call_id: str
-    name: str
+    call_id: str = Field(min_length=1)
+    name: str = Field(pattern=TOOL_NAME)
     arguments: str
 
 
 class FunctionCallOutputItem(_Wire):
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: str = Field(min_length=1)
     output: str
 
 
 class FunctionTool(_Wire):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -173,12 +182,12 @@ class TextConfig(_Wire):
 class ResponsesRequest(_Wire):
     """OpenAI's Responses request, as far as this stateless gateway serves it."""
 
-    model: str
+    model: str = Field(min_length=1)
     input: str | list[MessageItem | FunctionCallItem | FunctionCallOutputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None

@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
 
 # --------------------------------------------------------------------------------------------
 # Wire (OpenAI) schemas
@@ -61,6 +70,14 @@ class ThinkingBlock(BaseModel):
     data: str | None = None
 
 
+# (roles, fields they may not carry, fields they must): ChatMessage's schema, one object per role
+_ROLE_SHAPES = (
+    (("system", "developer", "user"), {"tool_calls", "tool_call_id", "thinking_blocks"}, ["role"]),
+    (("assistant",), {"tool_call_id"}, ["role"]),
+    (("tool",), {"tool_calls", "thinking_blocks"}, ["role", "tool_call_id"]),
+)
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -73,6 +90,26 @@ class ChatMessage(_Wire):
     # Anthropic's thinking / redacted_thinking blocks of an assistant turn, exactly as the API gave
     # them (signatures included), to be sent back (LiteLLM's field): Anthropic backends only.
     thinking_blocks: list[ThinkingBlock] | None = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """One object per role, as OpenAI's own spec writes the message (``_tool_fields``' rules in
+        the schema), so clients and the fuzzer see which fields each role may carry."""
+        ref = handler(core)
+        schema = handler.resolve_ref_schema(ref)
+        props, title = schema["properties"], schema.get("title")
+        variants = []
+        for roles, drop, required in _ROLE_SHAPES:
+            shape = {k: v for k, v in props.items() if k not in drop}
+            shape["role"] = {"type": "string", "enum": list(roles)}
+            if "tool_call_id" in required:
+                shape["tool_call_id"] = {"type": "string", "minLength": 1}
+            variants.append(
+                {"type": "object", "additionalProperties": False, "properties": shape, "required": required}
+            )
+        schema.clear()
+        schema.update({"title": title, "oneOf": variants})
+        return ref
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -164,6 +201,11 @@ class _SamplingFields(_Wire):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    # _tool_choice_names_a_tool's first rule, in the schema
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"dependentRequired": {"tool_choice": ["tools"]}}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None

@@ -101,7 +101,7 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any]:
 def _item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
     if not isinstance(item, dict):
         raise _bad(f"input[{i}] must be an object", "input")
-    kind = item.get("type", "message")
+    kind = item.get("type") or "message"  # absent or null: a message item
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from cluster import messages_api, responses_api
 from cluster.native_schemas import MessagesRequest, ResponsesRequest
+from cluster.protocol import ChatCompletionRequest
 from deployments.http_api import openapi_document
 
 DATA = Path(__file__).parent / "data" / "tools"
@@ -62,3 +63,20 @@ def test_openapi_lists_the_native_routes_with_their_request_schemas() -> None:
         }
         assert post["responses"]["default"]["content"]["application/json"]["schema"]["$ref"].endswith(error)
         assert model in doc["components"]["schemas"]
+
+
+def test_the_chat_message_schema_is_one_object_per_role() -> None:
+    """What ChatMessage's validator enforces, the schema says (so a schema-valid body is valid)."""
+    variants = openapi_document()["components"]["schemas"]["ChatMessage"]["oneOf"]
+    by_role = {tuple(v["properties"]["role"]["enum"]): v for v in variants}
+    tool = by_role[("tool",)]
+    assert tool["required"] == ["role", "tool_call_id"] and "tool_calls" not in tool["properties"]
+    assert "thinking_blocks" not in by_role[("system", "developer", "user")]["properties"]
+    assert "tool_call_id" not in by_role[("assistant",)]["properties"]
+    assert ChatCompletionRequest.model_json_schema()["dependentRequired"] == {"tool_choice": ["tools"]}
+
+
+def test_an_integral_float_max_tokens_is_an_integer() -> None:
+    body = {"model": "m", "max_tokens": 1024.0, "messages": [{"role": "user", "content": "hi"}]}
+    assert messages_api.to_chat(body)["max_tokens"] == 1024
+    MessagesRequest.model_validate(body)
