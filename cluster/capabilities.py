@@ -29,6 +29,7 @@ _ALL = frozenset(KINDS)
 _ENGINES = frozenset({"vllm", "sim"})
 _OPENAI = frozenset({"openai"})
 _TOOLS = frozenset({"openai", "anthropic"})
+IMAGES = "messages[].content[].image_url"
 
 # field -> the kinds that honour it. Fields every kind honours (model, messages, max_tokens, stop,
 # stream, stream_options, top_p, user, metadata) are not listed.
@@ -51,9 +52,14 @@ SUPPORT: dict[str, frozenset[str]] = {
     "messages[].role=tool": _TOOLS,
     # structured output
     "response_format": _OPENAI | {"vllm"},
+    # Anthropic's extended thinking: the config, and the blocks (with signatures) sent back
+    "thinking": frozenset({"anthropic"}),
+    "messages[].thinking_blocks": frozenset({"anthropic"}),
     # content
     "messages[].name": _OPENAI,
-    "messages[].content[].image_url": _TOOLS,  # OpenAI passes it through, Anthropic as image blocks
+    # OpenAI passes it through, Anthropic as image blocks; a text-only model (ModelConfig.accepts_images
+    # false) refuses it on every backend (text_only_refusal)
+    IMAGES: _TOOLS,
     "messages[].content[].cache_control": frozenset({"anthropic"}),
     "messages[].content[].input_audio": _OPENAI,
     "messages[].content[].file": _OPENAI,
@@ -116,6 +122,8 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name == "response_format" and api.response_format.type == "text":  # type: ignore[union-attr]
             continue
+        if name == "thinking" and api.thinking.get("type") == "disabled":  # type: ignore[union-attr]
+            continue
         used.append(name)
     return used
 
@@ -129,6 +137,8 @@ def _in_messages(api: ChatCompletionRequest) -> list[str]:
             used.add("messages[].tool_calls")
         if m.role == "tool":
             used.add("messages[].role=tool")
+        if m.thinking_blocks:
+            used.add("messages[].thinking_blocks")
         for name in ("name", "audio", "function_call"):
             if getattr(m, name) is not None:
                 used.add(f"messages[].{name}")
@@ -147,6 +157,17 @@ def used_fields(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
     if isinstance(api, ChatCompletionRequest):
         used += _in_messages(api)
     return used
+
+
+def text_only_refusal(used: Iterable[str], model: str) -> str | None:
+    """Why a text-only model (``accepts_images: false``) cannot take the request, if it cannot:
+    images, whatever backend would serve it."""
+    if IMAGES not in used:
+        return None
+    return (
+        f"Model '{model}' is text-only (accepts_images: false): it cannot honour '{IMAGES}'. "
+        "Remove the image parts, or ask a model that accepts images."
+    )
 
 
 def unsupported(used: Iterable[str], kind: str, fim: bool = False) -> list[str]:

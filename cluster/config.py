@@ -62,6 +62,11 @@ class ModelConfig(Strict):
     fim: FimTemplate | None = Field(
         None, description="FIM tokens: /v1/completions with 'suffix' on self-hosted engines; else a 400."
     )
+    accepts_images: bool = Field(
+        True,
+        description="False: a text-only model; image parts are a 400 naming the field on every backend "
+        "(engines refuse them anyway).",
+    )
 
 
 class EngineArgs(Strict):
@@ -125,6 +130,12 @@ class ProviderConfig(Strict):
     cost_per_mtok_input: float = Field(0.0, ge=0, description="USD per 1M uncached input tokens.")
     cost_per_mtok_cached_input: float = Field(0.0, ge=0, description="USD per 1M cached input tokens.")
     cost_per_mtok_output: float = Field(0.0, ge=0, description="USD per 1M output tokens.")
+    cost_per_mtok_cache_write: float | None = Field(
+        None,
+        ge=0,
+        description="USD per 1M prompt-cache write tokens (Anthropic's cache_creation_input_tokens; "
+        "1.25x input for the 5-minute cache); unset: the input price.",
+    )
 
 
 class Resources(Strict):

@@ -4,10 +4,13 @@ request the gateway serves, and the answer back as a Messages response. Pure.
 So an Anthropic-native agent runs through the same admission, affinity, failover and relay as
 chat completions, on any backend kind. Translated: ``system`` (a string or text blocks), text and
 image blocks, ``tool_use`` / ``tool_result`` blocks, ``tools``, ``tool_choice`` (with
-``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``
-and ``stream``. Refused with a 400 naming the field, never dropped: ``top_k`` (no OpenAI
-counterpart), ``thinking`` and thinking blocks (a round trip through the OpenAI shape would lose
-their signatures), ``cache_control``, documents and server tools.
+``disable_parallel_tool_use``), ``stop_sequences``, ``temperature``, ``top_p``, ``metadata.user_id``,
+``stream``, ``cache_control`` on text blocks (kept on the chat text part, so it reaches an
+Anthropic backend on its block), and ``thinking`` with the assistant turns' ``thinking`` /
+``redacted_thinking`` blocks (passed as they are, signatures included: :mod:`cluster.thinking`).
+Other backends refuse the last two by the capability table, and a route narrows to those that take
+them. Refused with a 400 naming the field, never dropped: ``top_k`` (no OpenAI counterpart),
+``cache_control`` on tools, images and tool results, documents and server tools.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 from typing import Any
 
 from cluster.errors import InvalidRequest
+from cluster.thinking import KINDS as THINKING
 
 STOP_REASONS = {
     "stop": "end_turn",
@@ -25,11 +29,10 @@ STOP_REASONS = {
 }
 _KNOWN = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "tools",
-    "tool_choice", "metadata", "stream",
+    "tool_choice", "metadata", "stream", "thinking",
 }  # fmt: skip
 _REFUSED = {
     "top_k": "'top_k' has no OpenAI counterpart",
-    "thinking": "extended thinking is not served on /v1/messages yet",
     "service_tier": "'service_tier' is not served on /v1/messages",
     "container": "'container' (code execution) is not served",
     "mcp_servers": "'mcp_servers' is not served",
@@ -53,6 +56,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "tools": (list,),
     "tool_choice": (dict,),
     "metadata": (dict,),
+    "thinking": (dict,),
 }
 
 
@@ -82,13 +86,16 @@ def to_chat(body: Any) -> dict[str, Any]:
     check_types(body, _TYPES)
     if body.get("max_tokens") is None:
         raise _bad("max_tokens: Field required", "max_tokens")
-    if isinstance(body["max_tokens"], bool) or not isinstance(body["max_tokens"], int):
+    max_tokens = body["max_tokens"]
+    if isinstance(max_tokens, float) and max_tokens.is_integer():
+        max_tokens = int(max_tokens)  # 1024.0 is an integer in JSON (and to the API's validation)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise _bad("max_tokens: Input should be a valid integer", "max_tokens")
-    out: dict[str, Any] = {"model": body.get("model"), "max_tokens": body["max_tokens"]}
+    out: dict[str, Any] = {"model": body.get("model"), "max_tokens": max_tokens}
     messages: list[dict[str, Any]] = []
     system = body.get("system")
     if system:
-        messages.append({"role": "system", "content": _text_only(system, "system")})
+        messages.append({"role": "system", "content": _system(system)})
     for i, m in enumerate(body.get("messages") or []):
         messages.extend(_message(m, i))
     out["messages"] = messages
@@ -101,6 +108,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     if body.get("tools"):
         out["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
     out.update(_tool_choice(body.get("tool_choice")))
+    if body.get("thinking") is not None:
+        out["thinking"] = body["thinking"]  # as sent: only Anthropic backends take it
     if body.get("stream"):
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}  # message_delta carries the usage
@@ -123,7 +132,26 @@ def _text_only(content: Any, where: str) -> str:
 
 def _no_cache_control(block: Any, where: str) -> None:
     if isinstance(block, dict) and "cache_control" in block:
-        raise _bad(f"{where}: 'cache_control' is not served on /v1/messages yet", where)
+        kind = block.get("type") or "tool"
+        msg = f"{where}: 'cache_control' on a {kind} block is not served (only on text blocks)"
+        raise _bad(msg, where.split(".", 1)[0])
+
+
+def _system(system: Any) -> Any:
+    """The system prompt: a string, or text parts when a block holds a ``cache_control`` breakpoint
+    (the chat shape keeps it on its part, and the route narrows to backends that honour it)."""
+    if not isinstance(system, list) or not any(isinstance(b, dict) and "cache_control" in b for b in system):
+        return _text_only(system, "system")
+    return [_text_part(b, "system") for b in system]
+
+
+def _text_part(b: Any, where: str) -> dict[str, Any]:
+    if not isinstance(b, dict) or b.get("type") != "text":
+        raise _bad(f"{where}: only text blocks are allowed here", where)
+    part: dict[str, Any] = {"type": "text", "text": str(b.get("text", ""))}
+    if "cache_control" in b:
+        part["cache_control"] = b["cache_control"]
+    return part
 
 
 def _message(m: Any, i: int) -> list[dict[str, Any]]:
@@ -138,11 +166,17 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     tool_results: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thinking: list[dict[str, Any]] = []
     for b in content:
-        _no_cache_control(b, where)
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text":
-            parts.append({"type": "text", "text": str(b.get("text", ""))})
+        if kind != "text":
+            _no_cache_control(b, where)
+        if kind in THINKING and m["role"] == "assistant":
+            if parts or calls:  # the chat shape keeps them first, where the API puts them
+                raise _bad(f"{where}: '{kind}' blocks must come first in an assistant turn", "messages")
+            thinking.append(b)  # unchanged: the signature covers it
+        elif kind == "text":
+            parts.append(_text_part(b, where))
         elif kind == "image" and m["role"] == "user":
             parts.append({"type": "image_url", "image_url": {"url": _image_url(b, where)}})
         elif kind == "tool_use" and m["role"] == "assistant":
@@ -166,13 +200,17 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": "assistant", "content": _joined(parts) if parts else None}
         if calls:
             msg["tool_calls"] = calls
+        if thinking:
+            msg["thinking_blocks"] = thinking
         out.append(msg)
     elif parts:
         out.append({"role": "user", "content": parts})
     return out
 
 
-def _joined(parts: list[dict[str, Any]]) -> str:
+def _joined(parts: list[dict[str, Any]]) -> Any:
+    if any("cache_control" in p for p in parts):
+        return parts  # a breakpoint in an assistant turn stays on its part
     return "".join(p["text"] for p in parts)
 
 
@@ -211,11 +249,14 @@ def _tool_choice(tc: Any) -> dict[str, Any]:
 
 
 def usage(u: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI usage as Anthropic's: ``input_tokens`` are the prompt tokens neither read from nor
+    written to a prompt cache."""
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    written = int(u.get("cache_creation_input_tokens") or 0)
     return {
-        "input_tokens": int(u.get("prompt_tokens") or 0) - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": max(int(u.get("prompt_tokens") or 0) - cached - written, 0),
+        "cache_creation_input_tokens": written,
         "cache_read_input_tokens": cached,
         "output_tokens": int(u.get("completion_tokens") or 0),
     }
@@ -225,7 +266,7 @@ def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
     """A chat completion as a Messages response."""
     choice = (resp.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    content: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] = list(msg.get("thinking_blocks") or [])
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:

@@ -2,9 +2,10 @@
 
 Fed the SSE bytes the relay writes (``chat.completion.chunk`` events, the usage chunk, ``[DONE]``,
 or a terminal error event), it writes the Messages events: ``message_start``, then per content
-block ``content_block_start`` / ``content_block_delta`` (``text_delta``, or ``input_json_delta``
-for a tool call's arguments) / ``content_block_stop``, then ``message_delta`` (stop reason and
-usage) and ``message_stop``; an error becomes ``event: error``.
+block ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``input_json_delta``
+for a tool call's arguments, ``thinking_delta`` and ``signature_delta`` for a thinking block, from
+``delta.thinking_blocks``: :mod:`cluster.thinking`) / ``content_block_stop``, then ``message_delta``
+(stop reason and usage) and ``message_stop``; an error becomes ``event: error``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class MessagesStream:
         self.block: tuple[str, int] | None = None  # (kind, our block index) of the open block
         self.blocks = 0
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> our block index
+        self.thinking_blocks: dict[int, int] = {}  # thinking block index -> our block index
         self.stop_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.ended = False
@@ -88,7 +90,7 @@ class MessagesStream:
         return _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        out: list[bytes] = []
+        out: list[bytes] = [self._thinking_piece(t) for t in delta.get("thinking_blocks") or []]
         text = delta.get("content")
         if text:
             if self.block is None or self.block[0] != "text":
@@ -116,6 +118,25 @@ class MessagesStream:
             d = {"type": "input_json_delta", "partial_json": fn["arguments"]}
             ev = {"type": "content_block_delta", "index": self.tool_blocks[i], "delta": d}
             out += _event("content_block_delta", ev)
+        return out
+
+    def _thinking_piece(self, item: dict[str, Any]) -> bytes:
+        """A ``delta.thinking_blocks`` item as Anthropic's events: the block's start (a redacted
+        block whole), then ``thinking_delta`` / ``signature_delta``."""
+        i = int(item.get("index", 0))
+        out = b""
+        if i not in self.thinking_blocks:
+            if item.get("type") == "redacted_thinking":
+                block: dict[str, Any] = {"type": "redacted_thinking", "data": item.get("data", "")}
+            else:
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+            out = self._open("thinking", block)
+            self.thinking_blocks[i] = self.blocks - 1
+        for key, kind in (("thinking", "thinking_delta"), ("signature", "signature_delta")):
+            if item.get("type") == "thinking" and item.get(key):
+                d = {"type": kind, key: item[key]}
+                ev = {"type": "content_block_delta", "index": self.thinking_blocks[i], "delta": d}
+                out += _event("content_block_delta", ev)
         return out
 
     def _end(self) -> bytes:

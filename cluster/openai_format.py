@@ -35,6 +35,10 @@ def usage_dict(u: Usage) -> dict[str, Any]:
         "total_tokens": u.total_tokens,
     }
     d["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    if u.cache_creation_tokens:
+        # No OpenAI field holds cache writes: LiteLLM's name for Anthropic's, which clients that
+        # price them already read (and our /v1/messages turns back into Anthropic's usage).
+        d["cache_creation_input_tokens"] = u.cache_creation_tokens
     return d
 
 
@@ -44,16 +48,20 @@ def stream_chunk(
     finish_reason: str | None,
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
+    thinking: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     base = {"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model}
     if meta.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if finish_reason is not None and not text and not first:
             delta = {}
-        if tool_calls:
+        if tool_calls or thinking:
             if not text:
                 delta.pop("content", None)
-            delta["tool_calls"] = tool_calls
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            if thinking:
+                delta["thinking_blocks"] = thinking  # cluster.thinking
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -77,12 +85,15 @@ def full_response(
     finish_reason: str,
     usage: Usage,
     tool_calls: list[dict[str, Any]] | None = None,
+    thinking: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     base = {"id": meta.id, "created": meta.created, "model": meta.model, "usage": usage_dict(usage)}
     if meta.kind == "chat":
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             msg = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        if thinking:
+            msg["thinking_blocks"] = thinking  # cluster.thinking
         choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish_reason}
         return {**base, "object": "chat.completion", "choices": [choice]}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

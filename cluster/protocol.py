@@ -13,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetJsonSchemaHandler,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
 
 # --------------------------------------------------------------------------------------------
 # Wire (OpenAI) schemas
@@ -50,6 +59,25 @@ class ToolCall(_Wire):
     function: FunctionCall
 
 
+class ThinkingBlock(BaseModel):
+    """An Anthropic ``thinking`` (text + signature) or ``redacted_thinking`` (data) block. Other
+    keys the API may add are kept (``extra="allow"``): the block goes back upstream as it came."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+# (roles, fields they may not carry, fields they must): ChatMessage's schema, one object per role
+_ROLE_SHAPES = (
+    (("system", "developer", "user"), {"tool_calls", "tool_call_id", "thinking_blocks"}, ["role"]),
+    (("assistant",), {"tool_call_id"}, ["role"]),
+    (("tool",), {"tool_calls", "thinking_blocks"}, ["role", "tool_call_id"]),
+)
+
+
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -59,6 +87,29 @@ class ChatMessage(_Wire):
     refusal: str | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
+    # Anthropic's thinking / redacted_thinking blocks of an assistant turn, exactly as the API gave
+    # them (signatures included), to be sent back (LiteLLM's field): Anthropic backends only.
+    thinking_blocks: list[ThinkingBlock] | None = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        """One object per role, as OpenAI's own spec writes the message (``_tool_fields``' rules in
+        the schema), so clients and the fuzzer see which fields each role may carry."""
+        ref = handler(core)
+        schema = handler.resolve_ref_schema(ref)
+        props, title = schema["properties"], schema.get("title")
+        variants = []
+        for roles, drop, required in _ROLE_SHAPES:
+            shape = {k: v for k, v in props.items() if k not in drop}
+            shape["role"] = {"type": "string", "enum": list(roles)}
+            if "tool_call_id" in required:
+                shape["tool_call_id"] = {"type": "string", "minLength": 1}
+            variants.append(
+                {"type": "object", "additionalProperties": False, "properties": shape, "required": required}
+            )
+        schema.clear()
+        schema.update({"title": title, "oneOf": variants})
+        return ref
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -66,6 +117,8 @@ class ChatMessage(_Wire):
             raise ValueError("a 'tool' message needs 'tool_call_id'")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an 'assistant' message may hold 'tool_calls'")
+        if self.thinking_blocks and self.role != "assistant":
+            raise ValueError("only an 'assistant' message may hold 'thinking_blocks'")
         return self
 
     def text(self) -> str:
@@ -148,12 +201,19 @@ class _SamplingFields(_Wire):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    # _tool_choice_names_a_tool's first rule, in the schema
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"dependentRequired": {"tool_choice": ["tools"]}}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
+    # Anthropic's extended-thinking config, passed as sent (LiteLLM's field): Anthropic backends only.
+    thinking: dict[str, Any] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Passed through to OpenAI-compatible providers only (cluster.capabilities says where).
     audio: Any = None
@@ -247,9 +307,16 @@ class GenerateRequest:
 
 @dataclass
 class Usage:
+    """Tokens as the backend counted them. ``prompt_tokens`` is the whole prompt; of it,
+    ``cached_tokens`` were read from a prefix cache (vLLM's and the sim's ``num_cached_tokens``,
+    OpenAI's ``prompt_tokens_details.cached_tokens``, Anthropic's ``cache_read_input_tokens``) and
+    ``cache_creation_tokens`` were written to one (Anthropic's ``cache_creation_input_tokens``,
+    billed above the input price; 0 elsewhere)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_creation_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -273,6 +340,8 @@ class Chunk:
     model: str | None = None  # set by the router on a request's first chunk (a bigger-window model)
     # OpenAI ``delta.tool_calls`` items (with index); last, so positional construction keeps its order
     tool_calls: list[dict[str, Any]] | None = None
+    # ``delta.thinking_blocks`` items (with index): an Anthropic thinking block's pieces
+    thinking: list[dict[str, Any]] | None = None
 
 
 @dataclass

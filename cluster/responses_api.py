@@ -101,7 +101,7 @@ def _format(fmt: dict[str, Any]) -> dict[str, Any]:
 def _item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
     if not isinstance(item, dict):
         raise _bad(f"input[{i}] must be an object", "input")
-    kind = item.get("type", "message")
+    kind = item.get("type") or "message"  # absent or null: a message item
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "system", "developer", "assistant"):
@@ -165,10 +165,11 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
 def usage(u: dict[str, Any] | None) -> dict[str, Any]:
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    written = int(u.get("cache_creation_input_tokens") or 0)
     inp, outp = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     return {
         "input_tokens": inp,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": outp,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": inp + outp,

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from cluster.errors import ClusterError, InvalidRequest, PayloadTooLarge
+from cluster.native_schemas import MessagesRequest, ResponsesRequest
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 
 Scope = dict[str, Any]
@@ -167,31 +168,47 @@ _HEADERS = [
     {"name": "x-surface", "in": "header", "required": False, "schema": {"type": "string"}},
     {"name": "x-session-id", "in": "header", "required": False, "schema": {"type": "string"}},
 ]
-_ERRORS = {
-    "default": {
-        "description": "An OpenAI error object.",
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
-    }
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
 }
 
 
-def _post(model: type[BaseModel], summary: str) -> dict[str, Any]:
+def _errors(schema: str, what: str) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(model=schema)}
+    return {"default": {"description": what, "content": {"application/json": {"schema": ref}}}}
+
+
+_ERRORS = _errors("ErrorResponse", "An OpenAI error object.")
+
+
+def _post(model: type[BaseModel], summary: str, errors: dict[str, Any] = _ERRORS) -> dict[str, Any]:
     ref = {"$ref": _REF.format(model=model.__name__)}
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
             "parameters": _HEADERS,
-            "responses": {"200": {"description": "The completion (SSE when stream is true)."}, **_ERRORS},
+            "responses": {"200": {"description": "The answer (SSE when stream is true)."}, **errors},
         }
     }
 
 
 def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict[str, Any]:
-    schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest):
+    schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
+    for model in (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest):
         schema = model.model_json_schema(ref_template=_REF)
-        schemas.update(schema.pop("$defs", {}))
+        for name, sub in schema.pop("$defs", {}).items():
+            if schemas.setdefault(name, sub) != sub:
+                raise ValueError(f"two request schemas define {name!r} differently")
         schemas[model.__name__] = schema
     ok = {"200": {"description": "OK"}, **_ERRORS}
     return {
@@ -200,6 +217,12 @@ def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict
         "paths": {
             "/v1/chat/completions": _post(ChatCompletionRequest, "OpenAI chat completions"),
             "/v1/completions": _post(CompletionRequest, "OpenAI completions"),
+            "/v1/messages": _post(
+                MessagesRequest,
+                "Anthropic Messages (served through the chat route)",
+                _errors("AnthropicError", "An Anthropic error object."),
+            ),
+            "/v1/responses": _post(ResponsesRequest, "OpenAI Responses (minimal, stateless)"),
             "/v1/models": {"get": {"summary": "The configured models", "responses": ok}},
             "/healthz": {"get": {"summary": "Liveness", "responses": ok}},
         },

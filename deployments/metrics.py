@@ -41,10 +41,10 @@ LATENCY = Histogram(
 TOKENS = Counter(
     "llmc_tokens_total",
     description=(
-        "Tokens processed, by kind (prompt, completion, cached) and outcome: completed (the usage a "
-        "client was given) or cancelled (a provider stream that ended without usage: a client cancel, "
-        "a lost hedge, a stall; the provider bills it, counted as sent and received) or migrated (a "
-        "continuation's prompt, prefilled again after a stream broke mid-answer)."
+        "Tokens processed, by kind (prompt, completion, cached, cache_write) and outcome: completed "
+        "(the usage a client was given) or cancelled (a provider stream that ended without usage: a "
+        "client cancel, a lost hedge, a stall; the provider bills it, counted as sent and received) "
+        "or migrated (a continuation's prompt, prefilled again after a stream broke mid-answer)."
     ),
     tag_keys=("surface", "backend", "kind", "outcome"),
 )
@@ -190,6 +190,7 @@ def record_usage(surface: str, backend: str, usage: Usage, outcome: str = "compl
         ("prompt", usage.prompt_tokens),
         ("completion", usage.completion_tokens),
         ("cached", usage.cached_tokens),
+        ("cache_write", usage.cache_creation_tokens),
     ):
         if n > 0:  # Ray's counters refuse increments of zero
             TOKENS.inc(n, tags={**tags, "kind": kind})

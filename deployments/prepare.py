@@ -13,9 +13,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster import capabilities, tokens
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ModelConfig
 from cluster.context import fit_context
 from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.image_tokens import image_parts, image_tokens
 from cluster.openai_format import ResponseMeta
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
 from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
@@ -67,7 +68,7 @@ def prepare(
         m = cfg.model(model_name)
         assert m is not None
         counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim)
-        return len(counted[model_name][0])
+        return len(counted[model_name][0]) + image_estimate(cfg, model_name, counted[model_name][1])
 
     param = "messages" if kind == "chat" else "prompt"
     try:
@@ -96,7 +97,7 @@ def prepare(
         priority=surface.priority,
     )
     candidates = supporting_candidates(
-        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None
+        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None, model_gate(model)
     )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
     return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
@@ -122,21 +123,42 @@ def _block_hashes(
     return hashes
 
 
+def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
+    """Image parts' tokens for the context check: the most any of the model's providers counts
+    (:mod:`cluster.image_tokens`; engines refuse images). The adapter reserves its own count."""
+    if not messages or not image_parts(messages):
+        return 0
+    apis = {b.provider.api for b in cfg.backends if b.model == model_name and b.provider is not None}
+    return max((image_tokens(messages, a) for a in apis), default=0)
+
+
+def model_gate(model: ModelConfig) -> Callable[[list[str]], str | None] | None:
+    """A text-only model's check on the fields a request uses (None: the model takes images)."""
+    if model.accepts_images:
+        return None
+    return lambda used: capabilities.text_only_refusal(used, model.name)
+
+
 def supporting_candidates(
     cfg: ClusterConfig,
     api: ChatCompletionRequest | CompletionRequest,
     candidates: list[str],
     fim: bool = False,
+    gate: Callable[[list[str]], str | None] | None = None,
 ) -> list[str]:
     """The route's backends that honour every field the request uses (a failover stays among
     them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
-    template, so self-hosted engines take ``suffix`` too."""
+    template, so self-hosted engines take ``suffix`` too. ``gate``: what the model itself refuses,
+    whatever the backend (:func:`model_gate`)."""
 
     def kind_of(name: str) -> str:
         b = cfg.backend(name)
         return capabilities.backend_kind(b.kind, b.provider.api if b.provider else None)
 
-    kept, refusal = capabilities.narrow(capabilities.used_fields(api), candidates, kind_of, fim)
+    used = capabilities.used_fields(api)
+    if gate is not None and (why := gate(used)) is not None:
+        raise InvalidRequest(why, param="messages", code="unsupported_parameter")
+    kept, refusal = capabilities.narrow(used, candidates, kind_of, fim)
     if refusal is not None:
         raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
     return kept

@@ -30,6 +30,7 @@ from httpx_aiohttp import AiohttpTransport
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
 from cluster.errors import ClusterError, ProviderAuthError, RateLimited
+from cluster.image_tokens import image_tokens
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
@@ -294,10 +295,14 @@ class ProviderBackend:
                             break
                         usage = delta.usage or usage
                         finish = delta.finish_reason or finish
-                        if delta.text or delta.tool_calls:  # a tool call is content too
+                        if delta.text or delta.tool_calls or delta.thinking:  # all content
                             started = True
                             out_parts.append(delta.text)
-                            batch.append(self._chunk(text=delta.text, tool_calls=delta.tool_calls))
+                            batch.append(
+                                self._chunk(
+                                    text=delta.text, tool_calls=delta.tool_calls, thinking=delta.thinking
+                                )
+                            )
                         if delta.done:
                             done = True
                             break
@@ -468,13 +473,14 @@ class ProviderBackend:
             flight.timeout = None
 
     async def _estimate_input(self, req: GenerateRequest) -> int:
-        if req.prompt_token_ids:
-            return len(req.prompt_token_ids)  # the router counted with this model's tokenizer
+        if req.prompt_token_ids:  # the router counted with this model's tokenizer; images our way
+            return len(req.prompt_token_ids) + image_tokens(req.messages or [], self.api)
         if req.kind == "chat" and req.messages is not None:
             size = sum(len(str(m.get("content") or "")) for m in req.messages)
+            images = image_tokens(req.messages, self.api)
             if size > BIG_PROMPT_CHARS:
-                return await asyncio.to_thread(self.counter.count_chat, req.messages)
-            return self.counter.count_chat(req.messages)
+                return await asyncio.to_thread(self.counter.count_chat, req.messages) + images
+            return self.counter.count_chat(req.messages) + images
         text = req.prompt_text or ""
         if len(text) > BIG_PROMPT_CHARS:
             return await asyncio.to_thread(self.counter.count, text)

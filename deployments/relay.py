@@ -20,6 +20,7 @@ from cluster.openai_format import SSE_DONE, TextEvents, full_response, sse, stre
 from cluster.protocol import Chunk, Usage
 from cluster.providers.budget import cost_usd
 from cluster.race import RaceResult, first_token, follow
+from cluster.thinking import ThinkingAccumulator
 from cluster.tool_calls import ToolCallAccumulator
 from cluster.trace import RequestTrace
 from deployments import http_api as h
@@ -66,6 +67,7 @@ class _Framer:
         self.finish = "stop"
         self.tokens = 0
         self.tool_calls = ToolCallAccumulator()
+        self.thinking = ThinkingAccumulator()
 
     def frame(self, batch: list[Chunk]) -> bytes:
         if len(batch) == 1:
@@ -77,18 +79,24 @@ class _Framer:
             self.usage = chunk.usage
         if chunk.finish_reason is not None:
             self.finish = chunk.finish_reason
-        calls = chunk.tool_calls
-        if not (chunk.text or calls or chunk.finish_reason is not None or not self.sent_first):
+        calls, thinking = chunk.tool_calls, chunk.thinking
+        if not (chunk.text or calls or thinking or chunk.finish_reason is not None or not self.sent_first):
             return b""
-        if chunk.text or calls:
+        if chunk.text or calls or thinking:
             self.tokens += 1
             self.parts.append(chunk.text)
         if calls:
             self.tool_calls.feed(calls)
-        elif self.sent_first and chunk.finish_reason is None:  # the common case: text, nothing else
-            return self.text_events.event(chunk.text)
+        if thinking:
+            self.thinking.feed(thinking)
+        if not (calls or thinking) and self.sent_first and chunk.finish_reason is None:
+            return self.text_events.event(chunk.text)  # the common case: text, nothing else
         first = not self.sent_first
-        data = sse(stream_chunk(self.meta, chunk.text, chunk.finish_reason, first=first, tool_calls=calls))
+        data = sse(
+            stream_chunk(
+                self.meta, chunk.text, chunk.finish_reason, first, tool_calls=calls, thinking=thinking
+            )
+        )
         self.sent_first = True
         return data
 
@@ -191,7 +199,9 @@ class Relay:
         end = getattr(stream, "end", None)
         text = end.text if end is not None and end.text is not None else "".join(framer.parts)
         calls = framer.tool_calls.calls()
-        body = full_response(p.meta, text, acct.finish, acct.usage or Usage(), calls)
+        body = full_response(
+            p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks()
+        )
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED
 

@@ -106,7 +106,8 @@ def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
         if text:
             result["content"] = text
         return [result]
-    blocks = _content_blocks(m.get("content"))
+    # Thinking first, as the API gave it: its signature covers the exact text.
+    blocks = [*(m.get("thinking_blocks") or []), *_content_blocks(m.get("content"))]
     for call in m.get("tool_calls") or []:
         blocks.append(
             {

@@ -3,13 +3,15 @@
 Requests: system and developer messages become the top-level ``system`` prompt; tools, tool calls
 and tool results become tool blocks (:mod:`cluster.providers.anthropic_tools`); consecutive messages
 of one role are merged (the Messages API wants user and assistant turns to alternate);
+``thinking`` and assistant thinking blocks go as sent (:mod:`cluster.thinking`);
 ``max_tokens`` is always sent (Anthropic requires it); ``stop`` becomes ``stop_sequences``;
 ``temperature`` and ``top_p`` are only sent when they differ from the neutral 1.0, since recent
 models refuse both at once. What has no Anthropic counterpart (seed, penalties, a temperature above
 1, ``response_format``, ...) never gets here: :mod:`cluster.capabilities` refuses it with a 400.
 
 Responses: ``usage.input_tokens`` counts only uncached input, so OpenAI's ``prompt_tokens`` is the
-sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens``.
+sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens`` and cache
+writes as ``cache_creation_tokens`` (priced apart: :mod:`cluster.cost`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cluster.openai_format import loads
+from cluster.openai_format import loads, usage_dict
 from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_tools
+from cluster.thinking import KINDS, ThinkingStream
 
 API_VERSION = "2023-06-01"
 
@@ -61,6 +64,8 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
     choice = anthropic_tools.tool_choice(opts.get("tool_choice"), opts.get("parallel_tool_calls"))
     if choice is not None:
         body["tool_choice"] = choice
+    if opts.get("thinking") is not None:
+        body["thinking"] = opts["thinking"]  # as the client sent it (cluster.thinking)
     if stream:
         body["stream"] = True
     return body
@@ -77,6 +82,7 @@ def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
         created = int(obj.get("cache_creation_input_tokens") or 0)
         u.prompt_tokens = int(obj.get("input_tokens") or 0) + read + created
         u.cached_tokens = read
+        u.cache_creation_tokens = created
     if "output_tokens" in obj:
         u.completion_tokens = int(obj.get("output_tokens") or 0)
     return u
@@ -89,6 +95,7 @@ class StreamState:
         self.usage: Usage | None = None
         self.stop_reason: str | None = None
         self.tools = anthropic_tools.ToolStream()
+        self.thinking = ThinkingStream()
 
     def on_event(self, event: str, data: str) -> StreamDelta:
         """One SSE event (name, data). Raises ValueError when the payload is malformed."""
@@ -119,12 +126,17 @@ class StreamState:
                 if not isinstance(part, str):
                     raise ValueError("input_json_delta without partial_json")
                 return StreamDelta(tool_calls=self.tools.delta(int(obj.get("index", 0)), part))
-            return StreamDelta()  # thinking and signatures: not surfaced on the chat API
+            if delta.get("type") in ("thinking_delta", "signature_delta"):
+                return StreamDelta(thinking=self.thinking.delta(int(obj.get("index", 0)), delta))
+            return StreamDelta()  # citations and delta types added later
         if kind == "content_block_start":
             block = obj.get("content_block")
             if not isinstance(block, dict):
                 raise ValueError("content_block_start without a content_block")
-            return StreamDelta(tool_calls=self.tools.start(int(obj.get("index", 0)), block))
+            index = int(obj.get("index", 0))
+            return StreamDelta(
+                tool_calls=self.tools.start(index, block), thinking=self.thinking.start(index, block)
+            )
         if kind == "message_delta":
             delta = obj.get("delta") or {}
             self.stop_reason = delta.get("stop_reason") or self.stop_reason
@@ -143,6 +155,8 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls := anthropic_tools.response_tool_calls(content):
         message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+    if thinking := [b for b in content if b.get("type") in KINDS]:
+        message["thinking_blocks"] = thinking
     return {
         "id": msg.get("id", ""),
         "object": "chat.completion",
@@ -155,12 +169,7 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
                 "finish_reason": finish_reason(msg.get("stop_reason")),
             }
         ],
-        "usage": {
-            "prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        },
+        "usage": usage_dict(usage),
     }
 
 

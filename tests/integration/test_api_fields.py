@@ -66,7 +66,10 @@ def fx(deploy, servers):
     cfg = parse_config(
         {
             "name": "llm-cluster-fields",
-            "models": [{"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-gpt", "fx-mix")],
+            "models": [
+                *({"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-gpt", "fx-mix")),
+                {"name": "fx-text", "accepts_images": False, **tiny},  # a text-only model
+            ],
             "backends": [
                 {"name": "fx-sim-b", "model": "fx-sim", **sim},
                 {"name": "fx-mix-sim", "model": "fx-mix", **sim},
@@ -74,6 +77,7 @@ def fx(deploy, servers):
                 _provider("fx-gpt-b", "openai", oai.base_url, "fx-gpt"),
                 _provider("fx-mix-claude", "anthropic", ant.base_url, "fx-mix"),
                 _provider("fx-mix-gpt", "openai", oai.base_url, "fx-mix"),
+                _provider("fx-text-gpt", "openai", oai.base_url, "fx-text"),
             ],
             "surfaces": [{"name": "chat", "priority": 1}],
             "routes": [{"model": "fx-mix", "candidates": ["fx-mix-sim", "fx-mix-claude", "fx-mix-gpt"]}],
@@ -383,3 +387,209 @@ def test_messages_share_the_chat_routes_narrowing_and_failover(fx, servers) -> N
     r = httpx.post(fx.url + "/v1/messages", json={**body, "tools": ANT_TOOLS}, timeout=30)
     assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-gpt"
     assert r.json()["stop_reason"] == "tool_use" and r.json()["content"][0]["type"] == "tool_use"
+
+
+# -- prompt caching: cached-token usage as each backend counted it ---------------------------------
+# About 1,100 of the loopback servers' tokens (their minimum to cache is 1,024) and 2,000 of the tiny
+# model's (its window is 4,096).
+RULES = " ".join(f"Rule {i}: keep the code tidy and the tests honest." for i in range(90))
+BREAKPOINT = {"type": "ephemeral"}
+
+
+def _usage_of(client: OpenAI, stream: bool, **kw: Any) -> Any:
+    if not stream:
+        return client.chat.completions.create(**kw).usage
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == []
+    return chunks[-1].usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_anthropic_cache_writes_and_reads_reach_openai_usage(fx, servers, stream: bool) -> None:
+    _, ant = servers
+    ant.reset()
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    system = [{"type": "text", "text": RULES, "cache_control": BREAKPOINT}]
+    kw = {"model": "fx-claude", "max_tokens": 8, "messages": [{"role": "system", "content": system}, *ASK]}
+    first, second = _usage_of(client, stream, **kw), _usage_of(client, stream, **kw)
+    wrote, read = ant.stats().records
+    assert wrote.body["system"] == system  # the breakpoint reached Anthropic on its block
+    assert wrote.cache_write_tokens > 1000 and wrote.cached_tokens == 0
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert first.model_extra["cache_creation_input_tokens"] == wrote.cache_write_tokens
+    assert read.cached_tokens == wrote.cache_write_tokens and read.cache_write_tokens == 0
+    assert second.prompt_tokens_details.cached_tokens == read.cached_tokens
+    assert "cache_creation_input_tokens" not in (second.model_extra or {})
+    assert first.prompt_tokens == second.prompt_tokens == read.prompt_tokens  # input + read + written
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_an_openai_compatible_providers_cached_tokens_pass_through(fx, servers, stream: bool) -> None:
+    oai, _ = servers
+    oai.reset()
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    kw = {"model": "fx-gpt", "max_tokens": 8, "messages": [{"role": "user", "content": RULES + " Ready?"}]}
+    first, second = _usage_of(client, stream, **kw), _usage_of(client, stream, **kw)
+    cold, warm = oai.stats().records
+    assert first.prompt_tokens_details.cached_tokens == cold.cached_tokens == 0
+    assert warm.cached_tokens >= 1024 and warm.cached_tokens % 128 == 0
+    assert second.prompt_tokens_details.cached_tokens == warm.cached_tokens
+    assert "cache_creation_input_tokens" not in (second.model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_messages_report_cache_reads_and_writes_as_anthropic_usage(fx, servers, stream: bool) -> None:
+    import anthropic
+
+    oai, ant = servers
+    oai.reset()
+    ant.reset()
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+
+    def usage(model: str, system: Any) -> Any:
+        kw: dict[str, Any] = {"model": model, "max_tokens": 8, "system": system, "messages": ASK}
+        if not stream:
+            return client.messages.create(**kw).usage
+        with client.messages.stream(**kw) as s:
+            return s.get_final_message().usage
+
+    blocks = [{"type": "text", "text": RULES, "cache_control": BREAKPOINT}]
+    first, second = usage("fx-claude", blocks), usage("fx-claude", blocks)
+    wrote, read = ant.stats().records
+    assert (first.cache_creation_input_tokens, first.cache_read_input_tokens) == (wrote.cache_write_tokens, 0)
+    assert (second.cache_creation_input_tokens, second.cache_read_input_tokens) == (0, read.cached_tokens)
+    assert first.cache_creation_input_tokens > 1000 and second.input_tokens == first.input_tokens
+    assert second.input_tokens == read.prompt_tokens - read.cached_tokens  # Anthropic's own split
+    usage("fx-gpt", RULES)  # automatic caching upstream
+    warm = usage("fx-gpt", RULES)
+    assert warm.cache_read_input_tokens == oai.stats().records[-1].cached_tokens >= 1024
+    usage("fx-sim", RULES)  # the simulated engine's prefix cache
+    assert usage("fx-sim", RULES).cache_read_input_tokens > 1000
+    with pytest.raises(anthropic.BadRequestError, match="cache_control"):  # OpenAI has no breakpoints
+        usage("fx-gpt", blocks)
+
+
+# -- extended thinking: passed through with signatures to Anthropic, refused elsewhere -------------
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def _thinking_round_trip(fx, servers, stream: bool, ask: str) -> list[dict[str, Any]]:
+    """The anthropic client through /v1/messages with thinking on: call -> tool_result -> answer,
+    the thinking block sent back as it came (the loopback server checks its signature)."""
+    import anthropic
+
+    _, ant = servers
+    ant.reset()
+    client = anthropic.Anthropic(base_url=fx.url, api_key="x", max_retries=0)
+    kw: dict[str, Any] = {"model": "fx-claude", "max_tokens": 2048, "tools": ANT_TOOLS, "thinking": THINKING}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": ask}]
+    if stream:
+        with client.messages.stream(messages=messages, **kw) as s:
+            kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+            first = s.get_final_message()
+        assert "thinking_delta" in kinds or first.content[0].type == "redacted_thinking"
+    else:
+        first = client.messages.create(messages=messages, **kw)
+    assert first.stop_reason == "tool_use" and first.content[0].type in ("thinking", "redacted_thinking")
+    turn = [b.model_dump(exclude_none=True) for b in first.content]
+    uses = [b for b in first.content if b.type == "tool_use"]
+    results = [{"type": "tool_result", "tool_use_id": u.id, "content": "15 degrees"} for u in uses]
+    messages += [{"role": "assistant", "content": turn}, {"role": "user", "content": results}]
+    answer = client.messages.create(messages=messages, **kw)  # a changed signature would be a 400
+    assert answer.stop_reason == "end_turn" and answer.content[-1].type == "text"
+    calls, follow = ant.stats().records
+    assert calls.body["thinking"] == follow.body["thinking"] == THINKING
+    assert follow.body["messages"][1]["content"][0] == turn[0]  # the block as Anthropic gave it
+    return turn
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_thinking_blocks_round_trip_with_their_signatures(fx, servers, stream: bool) -> None:
+    from tests.servers import thinking as TH
+
+    turn = _thinking_round_trip(fx, servers, stream, ASK[0]["content"])
+    assert turn[0] == {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
+    redacted = _thinking_round_trip(fx, servers, stream, TH.MAGIC)
+    assert redacted[0]["type"] == "redacted_thinking" and redacted[0]["data"]
+
+
+def test_thinking_is_refused_where_it_cannot_be_honoured_and_narrows_the_route(fx) -> None:
+    body = {"model": "fx-gpt", "max_tokens": 2048, "thinking": THINKING, "messages": ASK}
+    for model in ("fx-gpt", "fx-sim"):
+        r = httpx.post(fx.url + "/v1/messages", json={**body, "model": model}, timeout=30)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert "cannot honour 'thinking'" in r.json()["error"]["message"]
+    r = httpx.post(fx.url + "/v1/messages", json={**body, "model": "fx-mix"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == "fx-mix-claude"
+    assert r.json()["content"][0]["type"] == "thinking"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_thinking_through_our_openai_endpoint(fx, servers, stream: bool) -> None:
+    from tests.servers import thinking as TH
+
+    client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
+    kw: dict[str, Any] = {
+        "model": "fx-claude",
+        "max_tokens": 2048,
+        "messages": ASK,
+        "extra_body": {"thinking": THINKING},
+    }
+    if stream:
+        pieces = [
+            c.choices[0].delta.model_extra.get("thinking_blocks")
+            for c in client.chat.completions.create(stream=True, **kw)
+            if c.choices
+        ]
+        items = [i for p in pieces if p for i in p]
+        assert "".join(i.get("thinking", "") for i in items) == TH.THOUGHT
+        assert [i["signature"] for i in items if "signature" in i] == [TH.sign(TH.THOUGHT)]
+    else:
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert msg.model_extra["thinking_blocks"] == [
+            {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
+        ]
+        assert msg.content
+
+
+# -- a text-only model: image parts are a 400 naming the field, whatever the backend --------------
+PNG = (  # one pixel
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQ"
+    "AAAABJRU5ErkJggg=="
+)
+
+
+def test_images_to_a_text_only_model_are_refused_before_any_backend(fx, servers) -> None:
+    oai, _ = servers
+    oai.reset()
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": PNG}}]
+    r = _chat(fx, "fx-text", messages=[{"role": "user", "content": parts}])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["code"] == "unsupported_parameter"
+    assert "'fx-text' is text-only" in err["message"] and "image_url" in err["message"]
+    source = {"type": "base64", "media_type": "image/png", "data": PNG.split(",", 1)[1]}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": "What is this?"}]
+    body = {"model": "fx-text", "max_tokens": 8, "messages": [{"role": "user", "content": blocks}]}
+    r = httpx.post(fx.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "text-only" in r.json()["error"]["message"]
+    assert oai.stats().requests == 0  # nothing went upstream
+    assert _chat(fx, "fx-text").status_code == 200  # text is served
+    parts_gpt = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": parts}])
+    assert parts_gpt.status_code == 200  # a model that takes images passes them on
+
+
+def test_images_count_against_the_context_window_as_the_provider_counts_them(fx, servers) -> None:
+    oai, _ = servers
+    oai.reset()
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/photo.jpg"}}
+    parts = [{"type": "text", "text": "What is this?"}, image]
+    # 3,000 + a short prompt fits the 4,096 window; an image OpenAI may count at 1,445 does not
+    r = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": parts}], max_tokens=3000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert oai.stats().requests == 0
+    low = {"type": "image_url", "image_url": {"url": "https://example.com/photo.jpg", "detail": "low"}}
+    r = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": [parts[0], low]}], max_tokens=3000)
+    assert r.status_code == 200, r.text  # detail low: 85 tokens
+    assert oai.stats().records[-1].body["messages"][0]["content"][1] == low

@@ -1,6 +1,7 @@
 """Fuzzed input against the gateway's own OpenAPI document (``/openapi.json``, request bodies and
 headers declared there), with schemathesis: schema-valid and schema-violating requests for every
-route. No 5xx, every 4xx an OpenAI error object, and the server still serves afterwards.
+route. No 5xx, every 4xx its API's error object (Anthropic's on /v1/messages, OpenAI's elsewhere),
+and the server still serves afterwards.
 
 Then hand-written cases that extend tests/integration/test_bad_input.py: roles, ``stream`` types,
 huge and odd numbers, deep nesting, invalid and unusual text encodings, header injection, unknown
@@ -22,7 +23,15 @@ from loadtest.reliability import CLAUDE, MIX, is_openai_error, our_id
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
 EXAMPLES = 400 if os.environ.get("LLMC_LONG") == "1" else 40
-ROUTES = {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /healthz"}
+ROUTES = {
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/messages",
+    "POST /v1/responses",
+    "GET /v1/models",
+    "GET /healthz",
+}
+BODY_ROUTES = sorted(r for r in ROUTES if r.startswith("POST"))
 OK_MSG = [{"role": "user", "content": "hi"}]
 
 
@@ -53,6 +62,8 @@ def test_openapi_document_declares_the_request_bodies(rel) -> None:
     for path, model in (
         ("/v1/chat/completions", "ChatCompletionRequest"),
         ("/v1/completions", "CompletionRequest"),
+        ("/v1/messages", "MessagesRequest"),
+        ("/v1/responses", "ResponsesRequest"),
     ):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{model}"}
@@ -73,6 +84,38 @@ def _walk_refs(node):
             yield from _walk_refs(v)
 
 
+def is_anthropic_error(obj) -> bool:
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return (
+        isinstance(obj, dict)
+        and obj.get("type") == "error"
+        and isinstance(err, dict)
+        and isinstance(err.get("type"), str)
+        and isinstance(err.get("message"), str)
+        and bool(err["message"])
+    )
+
+
+# One plain body per body route, run first: the success side of each route is reached whatever
+# the random bodies do (schema-valid bodies still fail the rules a JSON schema cannot say, or the
+# upstream's own checks, and a shift in the generator's stream once left chat without a 200).
+SERVED = {
+    "/v1/chat/completions": {"messages": OK_MSG, "max_tokens": 4},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/v1/messages": {"messages": OK_MSG, "max_tokens": 4},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+}
+
+
+def _served_example(op):
+    from hypothesis import example
+
+    body = SERVED.get(op.path)
+    if body is None:
+        return lambda f: f
+    return example(case=op.Case(body={"model": MIX, **body}, media_type="application/json"), model=MIX)
+
+
 def _fuzz(op, mode, examples: int, call, seen: dict[str, set[int]], problems: list[str]):
     """One operation in one generation mode: a Hypothesis test over schemathesis' cases."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -89,6 +132,7 @@ def _fuzz(op, mode, examples: int, call, seen: dict[str, set[int]], problems: li
         suppress_health_check=list(HealthCheck),
     )
     @given(case=op.as_strategy(generation_mode=mode), model=st.sampled_from([None, MIX, CLAUDE]))
+    @_served_example(op)
     def run(case, model) -> None:
         # Most random model names are a 404: point a share of the bodies at real models.
         if model is not None and isinstance(case.body, dict) and "model" in case.body:
@@ -98,12 +142,14 @@ def _fuzz(op, mode, examples: int, call, seen: dict[str, set[int]], problems: li
         if r.status_code >= 500:
             problems.append(f"{label}: {r.status_code} {r.text[:300]} for {case.body!r:.300}")
         elif r.status_code >= 400:
+            # /v1/messages answers in Anthropic's error shape, the rest in OpenAI's
+            check = is_anthropic_error if op.path == "/v1/messages" else is_openai_error
             try:
-                ok = is_openai_error(r.json())
+                ok = check(r.json())
             except ValueError:
                 ok = False
             if not ok or not r.headers.get("x-request-id"):
-                problems.append(f"{label}: {r.status_code} not an OpenAI error: {r.text[:300]}")
+                problems.append(f"{label}: {r.status_code} not its API's error object: {r.text[:300]}")
 
     return run
 
@@ -128,7 +174,7 @@ def test_fuzz_every_route(rel, api_schema) -> None:
             _fuzz(op, GenerationMode.POSITIVE, 5, call, seen, problems)()
     assert problems == [], "\n".join(problems[:20])
     # The fuzzer reached both sides of validation on the body routes.
-    for label in ("POST /v1/chat/completions", "POST /v1/completions"):
+    for label in BODY_ROUTES:
         assert 200 in seen[label] and (seen[label] & {400, 404}), seen
     _still_serving(rel)
 

@@ -10,7 +10,11 @@ does for what adapters get wrong: ``anthropic-version`` header, ``max_tokens`` r
 only user/assistant, the first turn a user one, temperature within 0..1, and tools the way the API
 checks them (:mod:`tests.servers.tools`: tool_use only in assistant turns, tool_result first in the
 next user turn and naming a tool_use of the turn before). With tools it answers with ``tool_use``
-blocks and ``stop_reason: tool_use``, after a tool result with text.
+blocks and ``stop_reason: tool_use``, after a tool result with text. ``cache_control`` breakpoints
+cache prompt prefixes as the API documents (:mod:`tests.servers.prompt_cache`), reported in
+``cache_creation_input_tokens`` / ``cache_read_input_tokens``. With ``thinking`` enabled the answer
+starts with a signed thinking block (streamed as ``thinking_delta`` / ``signature_delta``), and
+thinking blocks sent back are checked as the API checks them (:mod:`tests.servers.thinking`).
 
 Standalone: ``python -m tests.servers.anthropic_server --port 8102 [--api-key-env VAR] [--fault SPEC]``.
 """
@@ -20,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from tests.servers import thinking as TH
 from tests.servers import tools as T
 from tests.servers.common import (
     FOREVER_S,
@@ -35,6 +41,7 @@ from tests.servers.common import (
     main,
     sse,
 )
+from tests.servers.prompt_cache import AnthropicCache
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -95,11 +102,28 @@ def _validate(body: Any) -> str | None:
     system = body.get("system")
     if system is not None and not isinstance(system, str | list):
         return "system: Input should be a valid string or list"
-    return T.anthropic_problem(body)
+    return T.anthropic_problem(body) or TH.problem(body)
+
+
+@dataclass
+class _Answer:
+    tokens: list[str]
+    stop_reason: str
+    matched: str | None
+    uses: list[dict[str, Any]]
+    thought: dict[str, Any] | None  # the thinking block that comes first, when thinking is on
 
 
 class AnthropicServer(LoopbackServer):
     name = "anthropic"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache = AnthropicCache()
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache.clear()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self._messages)
@@ -139,16 +163,53 @@ class AnthropicServer(LoopbackServer):
             return self._error(rec, 400, f"x-api-key: invalid value {given!r}")
         if fault.status is not None:
             return self._fault_status(rec, fault)
+        self._count_prompt(body, rec)
+        answer = self._answer(body, fault)
+        tokens, stop_reason, matched, uses, thought = (
+            answer.tokens,
+            answer.stop_reason,
+            answer.matched,
+            answer.uses,
+            answer.thought,
+        )
+        ident = "msg_" + uuid.uuid4().hex[:24]
+        if not body.get("stream"):
+            if fault.slow_first_s:
+                await asyncio.sleep(fault.slow_first_s)
+            rec.completion_tokens = len(tokens) + 10 * len(uses) + (20 if thought else 0)
+            return web.json_response(
+                {
+                    "id": ident,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [
+                        *([thought] if thought else []),
+                        {"type": "text", "text": "".join(tokens)},
+                        *uses,
+                    ],
+                    "stop_reason": stop_reason,
+                    "stop_sequence": matched,
+                    "usage": self._usage(rec, rec.completion_tokens),
+                },
+                headers={"request-id": f"req_{rec.id}"},
+            )
+        return await self._stream(request, rec, fault, ident, model, answer)
+
+    def _count_prompt(self, body: dict[str, Any], rec: RequestRecord) -> None:
         system = body.get("system")
         texts = [_text(m["content"]) for m in body["messages"]] + ([_text(system)] if system else [])
-        rec.prompt_tokens = count_prompt_tokens(texts)
+        use = self.cache.use(body)
+        rec.prompt_tokens = max(count_prompt_tokens(texts), use.read + use.written)
+        rec.cached_tokens, rec.cache_write_tokens = use.read, use.written
+
+    def _answer(self, body: dict[str, Any], fault: Fault) -> _Answer:
         stop = list(body.get("stop_sequences") or [])
         n = min(body["max_tokens"], fault.tokens if fault.tokens is not None else self.output_tokens)
         tokens, matched = answer_tokens(n, stop)
         stop_reason = (
             "stop_sequence" if matched else "end_turn" if len(tokens) < body["max_tokens"] else "max_tokens"
         )
-        ident = "msg_" + uuid.uuid4().hex[:24]
         calls = T.anthropic_calls(body)
         if calls:  # a short preamble, then the calls (as the documented example answers)
             tokens, matched, stop_reason = tokens[:2], None, "tool_use"
@@ -156,30 +217,14 @@ class AnthropicServer(LoopbackServer):
             {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": name, "input": args}
             for name, args in calls
         ]
-        if not body.get("stream"):
-            if fault.slow_first_s:
-                await asyncio.sleep(fault.slow_first_s)
-            rec.completion_tokens = len(tokens) + 10 * len(uses)
-            return web.json_response(
-                {
-                    "id": ident,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [{"type": "text", "text": "".join(tokens)}, *uses],
-                    "stop_reason": stop_reason,
-                    "stop_sequence": matched,
-                    "usage": self._usage(rec, rec.completion_tokens),
-                },
-                headers={"request-id": f"req_{rec.id}"},
-            )
-        return await self._stream(request, rec, fault, ident, model, tokens, stop_reason, matched, uses)
+        thought = TH.block(body) if TH.enabled(body) else None  # first, before text and tool use
+        return _Answer(tokens, stop_reason, matched, uses, thought)
 
     def _usage(self, rec: RequestRecord, output: int) -> dict[str, Any]:
         return {
-            "input_tokens": rec.prompt_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
+            "input_tokens": rec.prompt_tokens - rec.cached_tokens - rec.cache_write_tokens,
+            "cache_creation_input_tokens": rec.cache_write_tokens,
+            "cache_read_input_tokens": rec.cached_tokens,
             "output_tokens": output,
             "service_tier": "standard",
         }
@@ -204,11 +249,9 @@ class AnthropicServer(LoopbackServer):
         fault: Fault,
         ident: str,
         model: str,
-        tokens: list[str],
-        stop_reason: str,
-        matched: str | None,
-        uses: list[dict[str, Any]] | None = None,
+        answer: _Answer,
     ) -> web.StreamResponse:
+        tokens, stop_reason, matched, uses = answer.tokens, answer.stop_reason, answer.matched, answer.uses
         resp = web.StreamResponse(
             headers={
                 "content-type": "text/event-stream; charset=utf-8",
@@ -231,7 +274,8 @@ class AnthropicServer(LoopbackServer):
             },
         }
         await resp.write(sse(start, "message_start"))
-        block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+        at = await self._stream_thinking(resp, rec, answer.thought)  # the text block's index
+        block = {"type": "content_block_start", "index": at, "content_block": {"type": "text", "text": ""}}
         await resp.write(sse(block, "content_block_start"))
         await resp.write(sse({"type": "ping"}, "ping"))
         if fault.slow_first_s:
@@ -240,14 +284,14 @@ class AnthropicServer(LoopbackServer):
             mid = fault.mid_stream(i)
             if mid is not None:
                 return await self._mid_stream_fault(request, resp, rec, mid)
-            delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": tok}}
+            delta = {"type": "content_block_delta", "index": at, "delta": {"type": "text_delta", "text": tok}}
             await resp.write(sse(delta, "content_block_delta"))
             rec.completion_tokens += 1
             await self.pace(fault)
         if fault.mid_stream(len(tokens)) is not None:
             return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
-        await resp.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
-        for i, use in enumerate(uses or [], start=1):
+        await resp.write(sse({"type": "content_block_stop", "index": at}, "content_block_stop"))
+        for i, use in enumerate(uses, start=at + 1):
             await self._stream_tool_use(resp, rec, i, use)
         md = {
             "type": "message_delta",
@@ -259,6 +303,36 @@ class AnthropicServer(LoopbackServer):
             await resp.write(sse({"type": "message_stop"}, "message_stop"))
         await resp.write_eof()
         return resp
+
+    async def _stream_thinking(
+        self, resp: web.StreamResponse, rec: RequestRecord, block: dict[str, Any] | None
+    ) -> int:
+        """Block 0 as the API streams it: a thinking block opens empty, its text comes in
+        ``thinking_delta`` pieces, then one ``signature_delta``; a redacted block comes whole.
+        Returns the next block's index."""
+        if block is None:
+            return 0
+        if block["type"] == "redacted_thinking":
+            await resp.write(
+                sse(
+                    {"type": "content_block_start", "index": 0, "content_block": block}, "content_block_start"
+                )
+            )
+        else:
+            start = {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "thinking", "thinking": ""},
+            }
+            await resp.write(sse(start, "content_block_start"))
+            deltas = [{"type": "thinking_delta", "thinking": p} for p in T.pieces(block["thinking"])]
+            for d in [*deltas, {"type": "signature_delta", "signature": block["signature"]}]:
+                await resp.write(
+                    sse({"type": "content_block_delta", "index": 0, "delta": d}, "content_block_delta")
+                )
+                rec.completion_tokens += 1
+        await resp.write(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
+        return 1
 
     async def _stream_tool_use(
         self, resp: web.StreamResponse, rec: RequestRecord, index: int, use: dict[str, Any]

@@ -119,6 +119,8 @@ class RequestRecord:
     t_end: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, read from the server's prompt cache
+    cache_write_tokens: int = 0  # of prompt_tokens, written to it (Anthropic's cache_creation)
     outcome: str = "running"  # ok, status:<n>, disconnect, dropped, stalled, error_event, malformed
     body: Any = None  # the request body as received (JSON), for field-by-field checks
 

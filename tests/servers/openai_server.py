@@ -4,7 +4,9 @@ Streams are ``data: {chunk}\\n\\n`` lines ending in ``data: [DONE]``; with
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
 ``choices`` carries the usage, as the real API does. With ``tools`` it answers with ``tool_calls``
 (streamed as ``delta.tool_calls`` pieces by index) and ``finish_reason: tool_calls``
-(:mod:`tests.servers.tools`). Errors are ``{"error": {message, type, param,
+(:mod:`tests.servers.tools`). Prompts of 1,024 tokens or more are cached automatically, as the real
+API does, and a shared prefix is reported in ``prompt_tokens_details.cached_tokens``
+(:mod:`tests.servers.prompt_cache`). Errors are ``{"error": {message, type, param,
 code}}`` with the real statuses and headers. Faults: see :mod:`tests.servers.common`.
 
 Standalone: ``python -m tests.servers.openai_server --port 8101 [--api-key-env VAR] [--fault SPEC]``.
@@ -31,6 +33,7 @@ from tests.servers.common import (
     main,
     sse,
 )
+from tests.servers.prompt_cache import OpenAICache
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -57,12 +60,12 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
@@ -74,6 +77,14 @@ def _usage(prompt: int, completion: int) -> dict[str, Any]:
 
 class OpenAIServer(LoopbackServer):
     name = "openai"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache = OpenAICache()
+
+    def reset(self) -> None:
+        super().reset()
+        self.cache.clear()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -180,6 +191,8 @@ class OpenAIServer(LoopbackServer):
                 error_body("'messages' must be a non-empty array", "invalid_request_error", param="messages"),
             )
         rec.prompt_tokens = count_prompt_tokens([_content_text(m.get("content")) for m in messages])
+        prefix = json.dumps([body.get("tools"), messages], sort_keys=True)
+        rec.cached_tokens = self.cache.use(prefix, rec.prompt_tokens)
         return await self._answer(request, rec, body, fault, chat=True)
 
     async def _completion_body(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
@@ -193,6 +206,7 @@ class OpenAIServer(LoopbackServer):
                 rec, 400, error_body("'prompt' must be a string", "invalid_request_error", param="prompt")
             )
         rec.prompt_tokens = count_prompt_tokens([prompt]) - 6
+        rec.cached_tokens = self.cache.use(prompt, rec.prompt_tokens)
         return await self._answer(request, rec, body, fault, chat=False)
 
     async def _answer(
@@ -296,7 +310,7 @@ class OpenAIServer(LoopbackServer):
         if include_usage and not fault.no_usage:
             last = chunk(None, None)
             last["choices"] = []
-            last["usage"] = _usage(rec.prompt_tokens, rec.completion_tokens)
+            last["usage"] = _usage(rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens)
             await resp.write(sse(last))
         if not fault.no_done:
             await resp.write(b"data: [DONE]\n\n")
@@ -329,7 +343,7 @@ class OpenAIServer(LoopbackServer):
     def _full(
         self, ident: str, created: int, rec: RequestRecord, text: str, finish: str, chat: bool
     ) -> dict[str, Any]:
-        usage = _usage(rec.prompt_tokens, rec.completion_tokens)
+        usage = _usage(rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens)
         if chat:
             message = {"role": "assistant", "content": text, "refusal": None, "annotations": []}
             return {

@@ -13,7 +13,7 @@ from cluster.config import parse_config
 from cluster.errors import InvalidRequest
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from deployments import http_api as h
-from deployments.prepare import supporting_candidates
+from deployments.prepare import model_gate, supporting_candidates
 
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -45,6 +45,21 @@ SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
         {"messages": [*MSG, {"role": "tool", "tool_call_id": "c1", "content": "4"}]},
     ),
     "response_format": (ChatCompletionRequest, {"response_format": {"type": "json_object"}}),
+    "thinking": (ChatCompletionRequest, {"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+    "messages[].thinking_blocks": (
+        ChatCompletionRequest,
+        {
+            "messages": [
+                *MSG,
+                {
+                    "role": "assistant",
+                    "content": "4",
+                    "thinking_blocks": [{"type": "redacted_thinking", "data": "x"}],
+                },
+                {"role": "user", "content": "x"},
+            ]
+        },
+    ),
     "messages[].name": (
         ChatCompletionRequest,
         {"messages": [{"role": "user", "content": "x", "name": "ann"}]},
@@ -136,6 +151,7 @@ def test_a_used_field_is_detected_and_refused_where_unsupported(field: str) -> N
             "metadata": {"a": "b"},
         },
         {"modalities": ["text"], "parallel_tool_calls": None, "tools": []},
+        {"thinking": {"type": "disabled"}},
     ],
 )
 def test_neutral_values_ask_for_nothing(fields: dict[str, Any]) -> None:
@@ -236,3 +252,19 @@ def test_the_route_is_narrowed_to_backends_that_honour_the_request() -> None:
         supporting_candidates(cfg, _api(ChatCompletionRequest, {"seed": 1}), ["claude-m"])
     assert exc.value.status_code == 400 and exc.value.param == "seed"
     assert "backend 'claude-m' (kind anthropic) cannot honour 'seed'" in str(exc.value)
+
+
+def test_a_text_only_model_refuses_images_on_every_backend() -> None:
+    cfg = _cfg()
+    route = cfg.candidates("m", "chat")
+    image = [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}, {"type": "text", "text": "?"}]
+    api = _api(ChatCompletionRequest, {"messages": [{"role": "user", "content": image}]})
+    assert supporting_candidates(cfg, api, route) == ["claude-m", "gpt-m"]  # the model takes images
+    text_only = cfg.models[0].model_copy(update={"accepts_images": False})
+    with pytest.raises(InvalidRequest) as exc:
+        supporting_candidates(cfg, api, route, gate=model_gate(text_only))
+    assert exc.value.param == "messages" and exc.value.code == "unsupported_parameter"
+    assert "Model 'm' is text-only (accepts_images: false)" in str(exc.value)
+    assert "'messages[].content[].image_url'" in str(exc.value)
+    plain = _api(ChatCompletionRequest, {})
+    assert supporting_candidates(cfg, plain, route, gate=model_gate(text_only)) == route

@@ -17,6 +17,7 @@ from cluster.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usa
 from cluster.protocol import ChatCompletionRequest, Usage
 from cluster.providers import anthropic_wire
 from cluster.providers.sse import SSEDecoder
+from cluster.thinking import ThinkingAccumulator
 from cluster.tool_calls import ToolCallAccumulator
 from deployments import http_api as h
 
@@ -44,9 +45,12 @@ def test_the_documented_round_trip_request_becomes_the_openai_one() -> None:
     ("field", "value"),
     [
         ("top_k", 5),
-        ("thinking", {"type": "enabled", "budget_tokens": 1024}),
+        ("thinking", "enabled"),  # not an object
         ("unknown_field", 1),
-        ("system", [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]),
+        (
+            "tools",
+            [{"name": "f", "input_schema": {"type": "object"}, "cache_control": {"type": "ephemeral"}}],
+        ),
     ],
 )
 def test_what_has_no_translation_is_a_400_naming_it(field: str, value: Any) -> None:
@@ -56,12 +60,92 @@ def test_what_has_no_translation_is_a_400_naming_it(field: str, value: Any) -> N
     assert exc.value.param == field
 
 
-def test_thinking_blocks_in_history_are_refused_not_dropped() -> None:
-    think = {"type": "thinking", "thinking": "hmm", "signature": "sig"}
-    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"},
-            {"role": "assistant", "content": [think]}]}  # fmt: skip
-    with pytest.raises(InvalidRequest, match="thinking"):
-        M.to_chat(body)
+def test_cache_control_on_text_blocks_stays_on_the_chat_part() -> None:
+    cc = {"type": "ephemeral"}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": "rules"}, {"type": "text", "text": "docs", "cache_control": cc}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "q", "cache_control": cc}]}],
+    }
+    chat = M.to_chat(body)
+    assert chat["messages"][0] == {
+        "role": "system",
+        "content": [{"type": "text", "text": "rules"}, {"type": "text", "text": "docs", "cache_control": cc}],
+    }
+    assert chat["messages"][1]["content"] == [{"type": "text", "text": "q", "cache_control": cc}]
+    ChatCompletionRequest.model_validate(chat)  # the chat route takes it as is
+    img = {"type": "image", "source": {"type": "url", "url": "https://x/a.png"}, "cache_control": cc}
+    with pytest.raises(InvalidRequest, match="on a image block"):
+        M.to_chat({**body, "messages": [{"role": "user", "content": [img]}]})
+
+
+THINK = {"type": "thinking", "thinking": "The user wants weather.", "signature": "EqQBCgIYAhIM1gbcDa9G"}
+REDACTED = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}
+
+
+def test_thinking_and_thinking_blocks_pass_as_they_are() -> None:
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    body = {
+        "model": "m",
+        "max_tokens": 2048,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": [THINK, REDACTED, {"type": "text", "text": "Let me see."}, use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "4"}]},
+        ],
+    }
+    chat = M.to_chat(body)
+    assert chat["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert chat["messages"][1]["thinking_blocks"] == [THINK, REDACTED]
+    api = ChatCompletionRequest.model_validate(chat)
+    assert api.messages[1].model_dump(exclude_none=True)["thinking_blocks"] == [THINK, REDACTED]
+    late = {**body, "messages": [body["messages"][0], {"role": "assistant", "content": [use, THINK]}]}
+    with pytest.raises(InvalidRequest, match="must come first"):
+        M.to_chat(late)
+
+
+def test_a_chat_answer_with_thinking_becomes_thinking_blocks_first() -> None:
+    resp = {
+        "id": "chatcmpl-t",
+        "choices": [{"message": {"role": "assistant", "content": "4", "thinking_blocks": [THINK]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 9},
+    }
+    assert M.from_chat(resp, "m")["content"] == [THINK, {"type": "text", "text": "4"}]
+
+
+def test_streamed_thinking_becomes_thinking_and_signature_deltas() -> None:
+    meta = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
+    pieces = [
+        [{"index": 0, "type": "thinking", "thinking": ""}],
+        [{"index": 0, "type": "thinking", "thinking": "The user "}],
+        [{"index": 0, "type": "thinking", "thinking": "wants weather."}],
+        [{"index": 0, "type": "thinking", "signature": THINK["signature"]}],
+        [{"index": 1, "type": "redacted_thinking", "data": REDACTED["data"]}],
+    ]
+    chunks = [sse(stream_chunk(meta, "", None, first=i == 0, thinking=p)) for i, p in enumerate(pieces)]
+    chunks += [sse(stream_chunk(meta, "4", None)), sse(stream_chunk(meta, "", "stop")), SSE_DONE]
+    tr = MessagesStream("m")
+    events = SSEDecoder().feed(b"".join(tr.feed(c) for c in chunks))
+    data = [json.loads(e.data) for e in events]
+    starts = [d["content_block"] for d in data if d["type"] == "content_block_start"]
+    assert starts == [
+        {"type": "thinking", "thinking": "", "signature": ""},
+        {"type": "redacted_thinking", "data": REDACTED["data"]},
+        {"type": "text", "text": ""},
+    ]
+    deltas = [d["delta"] for d in data if d["type"] == "content_block_delta"]
+    assert deltas[:3] == [
+        {"type": "thinking_delta", "thinking": "The user "},
+        {"type": "thinking_delta", "thinking": "wants weather."},
+        {"type": "signature_delta", "signature": THINK["signature"]},
+    ]
+    state = anthropic_wire.StreamState()  # our own Anthropic stream reader reads it back
+    acc = ThinkingAccumulator()
+    for e in events:
+        acc.feed(state.on_event(e.event, e.data).thinking or [])
+    assert acc.blocks() == [THINK, REDACTED]
 
 
 def test_tool_choice_any_and_images() -> None:
@@ -104,6 +188,21 @@ def test_a_chat_completion_becomes_a_message() -> None:
         "input_tokens": 6,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 4,
+        "output_tokens": 3,
+    }
+
+
+def test_cache_reads_and_writes_come_back_as_anthropic_usage() -> None:
+    u = {
+        "prompt_tokens": 3512,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 2000},
+        "cache_creation_input_tokens": 1500,
+    }
+    assert M.usage(u) == {
+        "input_tokens": 12,
+        "cache_creation_input_tokens": 1500,
+        "cache_read_input_tokens": 2000,
         "output_tokens": 3,
     }
 

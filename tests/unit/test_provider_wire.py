@@ -8,6 +8,7 @@ import email.utils
 import json
 import pickle
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import ProviderBudget
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
+from cluster.thinking import ThinkingAccumulator
 from cluster.token_counters import (
     CharEstimateTokenizer,
     HFFileTokenizer,
@@ -253,7 +255,7 @@ def test_anthropic_stream_state() -> None:
         ),
         (
             "content_block_delta",
-            {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "x"}},
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "citations_delta", "citation": {}}},
         ),
         (
             "content_block_delta",
@@ -270,7 +272,9 @@ def test_anthropic_stream_state() -> None:
     assert "".join(d.text for d in deltas) == "Hello"
     last = deltas[-1]
     assert last.done and last.finish_reason == "length"
-    assert last.usage == Usage(prompt_tokens=35, completion_tokens=7, cached_tokens=20)
+    assert last.usage == Usage(
+        prompt_tokens=35, completion_tokens=7, cached_tokens=20, cache_creation_tokens=5
+    )
 
 
 def test_anthropic_stream_errors_and_malformed() -> None:
@@ -500,6 +504,38 @@ def test_cost() -> None:
     assert b.settle("a", Usage(1_000_000, 1_000_000), 1.0) == pytest.approx(3.0)
 
 
+def test_cache_writes_cost_the_write_price_or_else_the_input_price() -> None:
+    u = Usage(
+        prompt_tokens=1_000_000, completion_tokens=0, cached_tokens=500_000, cache_creation_tokens=400_000
+    )
+    priced = Prices(input=3.0, cached_input=0.3, output=15.0, cache_write=3.75)
+    assert cost_usd(u, priced) == pytest.approx(0.1 * 3.0 + 0.5 * 0.3 + 0.4 * 3.75)
+    assert cost_usd(u, Prices(input=3.0, cached_input=0.3)) == pytest.approx(0.5 * 3.0 + 0.5 * 0.3)
+    cfg = ProviderConfig(
+        api="anthropic", base_url="http://x", cost_per_mtok_input=3.0, cost_per_mtok_cache_write=3.75
+    )
+    assert Prices.from_config(cfg).cache_write == 3.75
+
+
+def test_anthropic_cache_reads_and_writes_reach_the_openai_usage() -> None:
+    msg = {
+        "content": [{"type": "text", "text": "ok"}],
+        "stop_reason": "end_turn",
+        "usage": {
+            "input_tokens": 12,
+            "cache_creation_input_tokens": 1500,
+            "cache_read_input_tokens": 2000,
+            "output_tokens": 3,
+        },
+    }
+    usage = anthropic_wire.response_to_openai(msg, "m")["usage"]
+    assert usage["prompt_tokens"] == 3512 and usage["prompt_tokens_details"] == {"cached_tokens": 2000}
+    assert usage["cache_creation_input_tokens"] == 1500
+    assert anthropic_wire.parse_usage(msg["usage"]) == Usage(3512, 3, 2000, 1500)
+    plain = anthropic_wire.response_to_openai({**msg, "usage": {"input_tokens": 5, "output_tokens": 1}})
+    assert "cache_creation_input_tokens" not in plain["usage"]  # the OpenAI shape, exactly, otherwise
+
+
 async def test_local_budget_waits_for_room_and_gives_up_in_time() -> None:
     lb = LocalBudget(ProviderBudget(max_in_flight=1))
     assert (await lb.reserve("a", 1, 1)).ok
@@ -572,3 +608,84 @@ def test_hf_tokenizer_file(tmp_path) -> None:
     assert isinstance(counter, HFFileTokenizer)
     assert counter.encode("hello world !") == [1, 2, 3]
     assert counter.count_chat([{"role": "user", "content": "hello world"}]) == 4 + 2
+
+
+def test_anthropic_thinking_streams_as_thinking_blocks_with_their_signature() -> None:
+    st = anthropic_wire.StreamState()
+
+    def ev(obj: dict[str, Any]) -> Any:
+        return st.on_event(obj["type"], json.dumps(obj))
+
+    deltas = [
+        ev(
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}
+        ),
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "thinking_delta", "thinking": "2+2"},
+            }
+        ),
+        ev(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "=4"}}
+        ),
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "signature_delta", "signature": "EqQB"},
+            }
+        ),
+        ev({"type": "content_block_stop", "index": 0}),
+        ev(
+            {
+                "type": "content_block_start",
+                "index": 1,
+                "content_block": {"type": "redacted_thinking", "data": "EmwK"},
+            }
+        ),
+        ev({"type": "content_block_start", "index": 2, "content_block": {"type": "text", "text": ""}}),
+        ev({"type": "content_block_delta", "index": 2, "delta": {"type": "text_delta", "text": "4"}}),
+    ]
+    acc = ThinkingAccumulator()
+    for d in deltas:
+        acc.feed(d.thinking or [])
+    assert acc.blocks() == [
+        {"type": "thinking", "thinking": "2+2=4", "signature": "EqQB"},
+        {"type": "redacted_thinking", "data": "EmwK"},
+    ]
+    assert deltas[-1].text == "4" and deltas[-1].thinking is None
+    with pytest.raises(ValueError, match="outside a thinking block"):
+        ev(
+            {
+                "type": "content_block_delta",
+                "index": 2,
+                "delta": {"type": "signature_delta", "signature": "x"},
+            }
+        )
+
+
+def test_thinking_config_and_blocks_go_upstream_as_sent() -> None:
+    think = {"type": "thinking", "thinking": "Let me look it up.", "signature": "EqQBCgIYAhIM1gbcDa9GJwZA"}
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "thinking_blocks": [think]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "15 degrees"},
+    ]
+    req = GenerateRequest(
+        request_id="r",
+        model="m",
+        kind="chat",
+        prompt_token_ids=[1],
+        sampling=Sampling(max_tokens=2048),
+        messages=messages,
+        options={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    )
+    body = anthropic_wire.request_body(req, "claude-sonnet-4-5")
+    assert body["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert body["messages"][1]["content"] == [
+        think,
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}},
+    ]
