@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import ray
 
 from deployments import haproxy_errors
-from tests.integration.test_dataplane import MODEL, STALL_MODEL, _admission, _dp_cfg, _gateway_actor, _wait
+from loadtest.actor_probe import gateway_counters, replica_ids
+from tests.integration.test_dataplane import MODEL, STALL_MODEL, _dp_cfg, _wait
 from tests.rawhttp import RawRequest
 
 pytestmark = pytest.mark.integration
@@ -31,19 +33,48 @@ def dp(deploy):
     return deploy(cfg, "/haperr")
 
 
-def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
+def _waiting(dp) -> int:
+    """The gateway's admission queue, read through Ray (no request through HAProxy: each would
+    leave HAProxy an idle connection to the replica, which the waiter's request could reuse)."""
+    return sum(c["waiting"] for c in gateway_counters(dp.cfg.name).values())
+
+
+def _routed(dp) -> bool:
+    try:
+        return httpx.get(dp.url + "/healthz", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _one_kill(dp) -> tuple[RawRequest, bytes, str]:
+    """Hold Tab's one slot, queue a second request behind it, kill the gateway: the waiter's answer."""
     url = dp.base_url + "/chat/completions"
-    a0 = _admission(dp)
+    w0 = _waiting(dp)
     stall = {"model": STALL_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
     holder = RawRequest(url, stall | {"max_tokens": 64}, {"x-surface": "tab"})
     holder.read_until(b'"content":"')  # tab's one slot is held: its engine went silent
     body = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 4}
     waiter = RawRequest(url, body, {"x-surface": "tab"})  # queued: not a byte of answer yet
-    assert _wait(lambda: _admission(dp)["waiting"] == a0["waiting"] + 1, 20), _admission(dp)
-    ray.kill(_gateway_actor(dp), no_restart=True)
+    assert _wait(lambda: _waiting(dp) == w0 + 1, 20), gateway_counters(dp.cfg.name)
+    (rid,) = replica_ids(dp.cfg.name, "Gateway")
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{dp.cfg.name}#Gateway#{rid}", namespace="serve"), no_restart=True)
     raw = waiter.read_response()
     holder.close()
-    assert raw, "HAProxy closed the connection without an answer"
+    return waiter, raw, rid
+
+
+def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
+    # When HAProxy gave the waiter a reused idle connection it closes the client's connection with
+    # no answer (see the fixture): then the replica Serve starts in the killed one's place is tried
+    # again, at most twice more. Without the fix every answer that comes is Ray's text/plain 500.
+    for _ in range(3):
+        waiter, raw, killed = _one_kill(dp)
+        if raw:
+            break
+        assert _wait(lambda k=killed: replica_ids(dp.cfg.name, "Gateway") not in ([], [k]), 60)
+        assert _wait(lambda: len(gateway_counters(dp.cfg.name)) == 1, 60)
+        assert _wait(lambda: _routed(dp), 60)
+    assert raw, "HAProxy closed the connection without an answer, 3 times"
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert waiter.status == 503, raw[:300]
     assert b"retry-after: 1" in head.lower(), head
