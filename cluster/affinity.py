@@ -75,7 +75,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from cluster.block_hash import BlockHash
+from cluster.block_hash import BlockHash, deepest_held
 from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
 from cluster.placement import ContextHomes
 from cluster.prefix_index import PrefixIndex, SessionTable
@@ -377,14 +377,7 @@ class AffinityRouter:
         hist = self._stored_by
         if not hist or not hashes:
             return None
-        lo, hi, who = 0, len(hashes), None
-        while lo < hi:  # prefix-closed like the index: the chain's head is stored before its tail
-            mid = (lo + hi + 1) >> 1
-            r = hist.get(hashes[mid - 1])
-            if r is not None:
-                lo, who = mid, r
-            else:
-                hi = mid - 1
+        lo, who = deepest_held(hist, hashes)  # prefix-closed like the index: head stored before tail
         if who is None or lo < self._min_blocks:
             return None
         return next((xb for xb in eligible if xb[0].replica == who), None)

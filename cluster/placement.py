@@ -45,7 +45,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from cluster.block_hash import BlockHash
+from cluster.block_hash import BlockHash, deepest_held
 
 
 class _Load(Protocol):
@@ -83,15 +83,7 @@ class ContextHomes:
     def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, str | None]:
         """``(blocks, home)``: the deepest homed block of the prompt and its live home; ``(0, None)``
         when no block is homed, ``(blocks, None)`` when the home is gone."""
-        home = self._home
-        lo, hi, who = 0, len(hashes), None
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            t = home.get(hashes[mid - 1])
-            if t is not None:
-                lo, who = mid, t
-            else:
-                hi = mid - 1
+        lo, who = deepest_held(self._home, hashes)
         if who is None or self._tokens.get(who[0]) is not who:
             return lo, None
         return lo, who[0]
