@@ -69,24 +69,23 @@ def groups(r: Results) -> str:
     return table(["policy", "hit rate", "TTFT p50 / p90 / p99 ms"], "lll", rows)
 
 
-def common_prompt(r: Results) -> str:
-    s = _scenario(r, "common-prompt")
+def _with_replicas(r: Results, scenario: str, labels: dict[str, str], ttft_head: str) -> str:
+    """A scenario's policies with hit rate, TTFT (whole ms) and requests per replica."""
+    s = _scenario(r, scenario)
     pol, n = s["policies"], s["setup"]["replicas"]
     rows = [
         [label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 0), _per_replica(pol[k], n)]
-        for k, label in _ordered(pol, POLICY_LABELS)
+        for k, label in _ordered(pol, labels)
     ]
-    return table(["policy", "hit rate", "TTFT p50 / p90 / p99 ms", "requests per replica"], "llll", rows)
+    return table(["policy", "hit rate", ttft_head, "requests per replica"], "llll", rows)
+
+
+def common_prompt(r: Results) -> str:
+    return _with_replicas(r, "common-prompt", POLICY_LABELS, "TTFT p50 / p90 / p99 ms")
 
 
 def kv_pressure_live(r: Results) -> str:
-    s = _scenario(r, "kv_pressure")
-    pol, n = s["policies"], s["setup"]["replicas"]
-    rows = [
-        [label, fixed(pol[k]["hit_rate"], 3), _ttft(pol[k], 0), _per_replica(pol[k], n)]
-        for k, label in _ordered(pol, _KV_LIVE_LABELS)
-    ]
-    return table(["policy", "hit rate", "TTFT p50 / p90 / p99 sim ms", "requests per replica"], "llll", rows)
+    return _with_replicas(r, "kv_pressure", _KV_LIVE_LABELS, "TTFT p50 / p90 / p99 sim ms")
 
 
 def _mean_and_range(v: dict[str, Any]) -> str:
