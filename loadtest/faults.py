@@ -29,6 +29,7 @@ Markdown table (``--markdown``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,7 +43,6 @@ from typing import Any
 
 from loadtest.actor_probe import (
     GATEWAY,
-    deployment_running,
     gateway_counters,
     gateway_policies,
     kill_actor,
@@ -122,10 +122,12 @@ class FaultRun:
         )
         self.counters_before_gateway_kill: dict[str, Any] | None = None
         self.gateway_killed: str | None = None
+        self.gateway_replicas_at_kill: list[str] = []  # live (named) gateway replicas at the kill
         # (counters read, ray.kill called, process seen gone)
         self.gateway_kill_times: tuple[float, float, float | None] | None = None
         self.probes: list[Record] = []  # they reach the providers too: part of the accounting
         self.watchers: list[threading.Thread] = []
+        self.killed: dict[str, list[str]] = {}  # deployment -> the replicas this run killed
 
     # -- what "normal" means -------------------------------------------------------------------
     def _served(self, shape: Shape, backend: str | None) -> Callable[[], bool]:
@@ -137,17 +139,31 @@ class FaultRun:
         return ok
 
     # -- faults: each returns (fault end time, "normal" predicate, "restored" predicate or None) ---
-    def _whole(self, deployment: str, replicas: int) -> None:
-        """Before a kill: the deployment has all its replicas (a repeat waits for the last restart)."""
+    def _whole(self, deployment: str, replicas: int) -> bool:
+        """Before a kill: the deployment has all its replicas again, the ones this run killed
+        replaced (a repeat waits for the last restart). Serve's status alone is not enough: it goes
+        on counting a killed replica RUNNING until a health check fails (19 s after a gateway kill
+        here), so a repeat that trusted it killed the only live gateway (issue 15: the "hang after
+        the second gateway kill" was the whole ingress down while a replacement started)."""
+        killed = self.killed.get(deployment, [])
         deadline = time.monotonic() + RESTORE_TIMEOUT_S
-        while not deployment_running(self.app, deployment, replicas) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # the controller is busy: look again
+                if replaced(self.app, deployment, killed, replicas):
+                    return True
             time.sleep(0.25)
+        return False
+
+    def _kill(self, deployment: str, victim: str) -> tuple[float, float | None]:
+        self.killed.setdefault(deployment, []).append(victim)
+        return kill_actor(self.app, deployment, victim)
 
     def _kill_sim_replica(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
         from deployments.local import replica_stats
 
         deployment = f"backend-{SIM_BACKEND}"
-        self._whole(deployment, 2)
+        if not self._whole(deployment, 2):
+            raise RuntimeError(f"{deployment} did not have its 2 replicas back in time")
         deadline = time.monotonic() + 5  # wait (a little) for a replica with streams in flight
         while True:
             sims = [s for s in replica_stats(self.url).values() if s.backend == SIM_BACKEND]
@@ -156,7 +172,7 @@ class FaultRun:
                 break
             time.sleep(0.05)
         victim = busy.replica if busy is not None else replica_ids(self.app, deployment)[0]
-        kill_actor(self.app, deployment, victim)
+        self._kill(deployment, victim)
         restored = lambda: replaced(self.app, deployment, [victim], 2)  # noqa: E731
         return time.monotonic(), self._served(PROBE_SIM, SIM_BACKEND), restored
 
@@ -176,14 +192,16 @@ class FaultRun:
         return time.monotonic(), self._served(shape, backend), None
 
     def _kill_gateway(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
-        self._whole(GATEWAY, GATEWAY_REPLICAS)
+        if not self._whole(GATEWAY, GATEWAY_REPLICAS):
+            raise RuntimeError(f"the gateway did not have its {GATEWAY_REPLICAS} replicas back in time")
         ids = replica_ids(self.app, GATEWAY)
+        self.gateway_replicas_at_kill = ids
         self.gateway_killed = ids[0]
         t_read = time.monotonic()
         self.counters_before_gateway_kill = gateway_counters(self.app)
-        t_kill, t_gone = kill_actor(self.app, GATEWAY, ids[0])
+        t_kill, t_gone = self._kill(GATEWAY, ids[0])
         self.gateway_kill_times = (t_read, t_kill, t_gone)
-        restored = lambda: replaced(self.app, GATEWAY, ids[:1], len(ids))  # noqa: E731
+        restored = lambda: replaced(self.app, GATEWAY, ids[:1], GATEWAY_REPLICAS)  # noqa: E731
         return time.monotonic(), self._served(PROBE_OPENAI, None), restored
 
     def inject(self, name: str) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
@@ -235,6 +253,7 @@ class FaultRun:
         gone = t_gone if t_gone is not None else float("inf")
         return {
             "replica": self.gateway_killed,
+            "replicas_at_kill": list(self.gateway_replicas_at_kill),
             "victim_in_flight": victim.get("in_flight"),
             "victim_waiting": victim.get("waiting"),  # queued for admission: their connections too
             "process_gone_s": None if t_gone is None else round(t_gone - t_kill, 3),

@@ -50,6 +50,10 @@ def test_streams_end_cleanly_and_errors_are_openai_errors(fault_run) -> None:
         # from that read until its process was gone), and no request sent once it was gone lost its
         # connection (HAProxy retries a refused connection on the other replica).
         k = f["kill"]
+        # One of the two replicas, never the last one standing: a repeat that trusted Serve's status
+        # (a killed replica counted RUNNING until its health check fails) killed the only live
+        # gateway, and the requests of the next ~25 s waited for a replacement to start.
+        assert len(k["replicas_at_kill"]) == 2, k
         assert k["victim_in_flight"] is not None and k["process_gone_s"] is not None, k
         assert k["conn_error_sent_after_gone"] == 0 and k["conn_error_ended_before_kill"] == 0, k
         held = k["victim_in_flight"] + k["victim_waiting"] + k["sent_between_read_and_gone"]
