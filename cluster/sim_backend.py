@@ -144,6 +144,10 @@ class SimBackend:
         self.requests_started = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        # the extra_latency_* fault: requests it delayed, and those cancelled while delayed (never
+        # started on the engine, so in no other counter)
+        self.extra_latency_requests = 0
+        self.extra_latency_cancelled = 0
 
     @classmethod
     def from_config(
@@ -194,7 +198,12 @@ class SimBackend:
                 f"prompt of {len(req.prompt_token_ids)} tokens does not fit the {limit}-token context"
             )
         if opts.extra_latency_s and self._rng.random() < opts.extra_latency_fraction:
-            await asyncio.sleep(opts.extra_latency_s / opts.speedup)
+            self.extra_latency_requests += 1
+            try:
+                await asyncio.sleep(opts.extra_latency_s / opts.speedup)
+            except asyncio.CancelledError:  # e.g. the slow attempt of a hedge race, cancelled
+                self.extra_latency_cancelled += 1
+                raise
         stream = self._add(req)
         produced = 0
         done = False
@@ -265,6 +274,8 @@ class SimBackend:
                 "evictions": e.kv.pool.evictions,
                 "steps": c.steps,
                 "virtual_time": e.now,
+                "extra_latency_requests": self.extra_latency_requests,
+                "extra_latency_cancelled": self.extra_latency_cancelled,
             },
         )
 

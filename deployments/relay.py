@@ -134,6 +134,9 @@ class Relay:
                 "x-llmc-gateway": gw.replica_id,
                 "x-llmc-backend": acct.backend,
                 "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
+                # the race to the first token: attempts started, and whether a hedge won it
+                "x-llmc-attempts": str(len(result.attempts)),
+                "x-llmc-hedge-won": "1" if winner.hedge else "0",
             }
             rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
             stream = winner.stream

@@ -162,8 +162,6 @@ class FaultRun:
         from deployments.local import replica_stats
 
         deployment = f"backend-{SIM_BACKEND}"
-        if not self._whole(deployment, 2):
-            raise RuntimeError(f"{deployment} did not have its 2 replicas back in time")
         deadline = time.monotonic() + 5  # wait (a little) for a replica with streams in flight
         while True:
             sims = [s for s in replica_stats(self.url).values() if s.backend == SIM_BACKEND]
@@ -192,8 +190,6 @@ class FaultRun:
         return time.monotonic(), self._served(shape, backend), None
 
     def _kill_gateway(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
-        if not self._whole(GATEWAY, GATEWAY_REPLICAS):
-            raise RuntimeError(f"the gateway did not have its {GATEWAY_REPLICAS} replicas back in time")
         ids = replica_ids(self.app, GATEWAY)
         self.gateway_replicas_at_kill = ids
         self.gateway_killed = ids[0]
@@ -220,7 +216,17 @@ class FaultRun:
         raise ValueError(f"unknown fault {name!r}")
 
     # ------------------------------------------------------------------------------------------
+    def _ready(self, name: str) -> None:
+        """Before a kill (outside its measured window): the deployment whole again."""
+        deployment, replicas = {
+            "kill_gateway": (GATEWAY, GATEWAY_REPLICAS),
+            "kill_sim_replica": (f"backend-{SIM_BACKEND}", 2),
+        }.get(name, (None, 0))
+        if deployment is not None and not self._whole(deployment, replicas):
+            raise RuntimeError(f"{deployment} did not have its {replicas} replicas back in time")
+
     def run(self, name: str) -> dict[str, Any]:
+        self._ready(name)
         t_inject = time.monotonic()
         in_flight = len(self.load.in_flight())
         t_end, normal, restored = self.inject(name)

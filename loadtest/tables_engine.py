@@ -113,12 +113,33 @@ _HEDGE_VARIANTS = {
 
 
 def hedging(r: Results) -> str:
-    """hedging.json ``variants``: ms to 1 decimal, extra requests as % to 1 decimal."""
+    """hedging.json ``legs``: ms to 1 decimal, extra requests as % to 1 decimal; the upstream
+    columns are the engines' or the loopback server's own counts."""
     rows = []
-    for key, label in _HEDGE_VARIANTS.items():
-        v = r.get("hedging")["variants"][key]
-        hedges = f"{v['hedges_sent']} / {v['hedges_won']}" if v["hedges_sent"] else "–"
-        extra = pct(v["extra_request_ratio"]) if v["extra_request_ratio"] else "0"
-        rows.append([label, fixed(v["ttft_p50_ms"], 1), fixed(v["ttft_p99_ms"], 1), hedges, extra])
-    header = ["variant", "TTFT p50 (ms)", "TTFT p99 (ms)", "hedges sent / won", "extra upstream requests"]
-    return table(header, "lrrrr", rows)
+    for leg, d in r.get("hedging")["legs"].items():
+        for key, label in _HEDGE_VARIANTS.items():
+            v = d["variants"][key]
+            up = v["upstream"]
+            hedged = f"{v['hedged']} / {v['hedges_won']}" if v["hedged"] else "–"
+            extra = pct(v["extra_request_ratio"]) if v["extra_request_ratio"] else "0"
+            rows.append(
+                [
+                    leg,
+                    label,
+                    fixed(v["ttft_p50_ms"], 1),
+                    fixed(v["ttft_p99_ms"], 1),
+                    hedged,
+                    extra,
+                    f"{up['losers']} / {up['losers_not_cancelled']}",
+                ]
+            )
+    header = [
+        "leg",
+        "variant",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "hedged / hedge won",
+        "extra upstream requests",
+        "losers upstream / not cancelled",
+    ]
+    return table(header, "llrrrrr", rows)

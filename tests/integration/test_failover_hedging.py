@@ -193,6 +193,7 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
     r = _chat(mix, "mix", surface="tab", max_tokens=5)
     assert r.status_code == 200, r.text
     assert r.headers["x-llmc-backend"] == "sim-mix"  # the hedge won
+    assert (r.headers["x-llmc-attempts"], r.headers["x-llmc-hedge-won"]) == ("2", "1")
     assert time.monotonic() - t0 < 4  # well before the slow provider's first token (5 s)
     snap = mix.status()["policy"]
     assert snap["hedges_won"] == snap0["hedges_won"] + 1

@@ -35,6 +35,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import socket
 import threading
 import time
@@ -186,6 +187,10 @@ class LoopbackServer:
         self.output_tokens = output_tokens
         self.token_delay_s = token_delay_s
         self.default_fault = default_fault
+        # (spec, share, seed): a seeded draw gives that share of requests the spec (when no header,
+        # queued fault or default fault applies), e.g. ("slow_first:0.5", 0.05, 7) for a slow tail.
+        self.random_fault: tuple[str, float] | None = None
+        self._rng = random.Random(0)
         self._queue: deque[str] = deque()
         self._lock = threading.Lock()
         # Notified whenever a request's bookkeeping ends: a client can read the last byte before
@@ -303,7 +308,18 @@ class LoopbackServer:
         if spec is None:
             with self._lock:
                 spec = self._queue.popleft() if self._queue else self.default_fault
+                if spec is None and self.random_fault is not None:
+                    rare, share = self.random_fault
+                    spec = rare if self._rng.random() < share else None
         return base, parse_fault(spec)
+
+    def set_random_fault(self, spec: str | None, share: float = 0.0, seed: int = 0) -> None:
+        """Give a seeded ``share`` of later requests the fault ``spec`` (None: none)."""
+        if spec is not None:
+            parse_fault(spec)
+        with self._lock:
+            self.random_fault = None if spec is None else (spec, share)
+            self._rng = random.Random(seed)
 
     def begin(self, request: web.Request, path: str) -> RequestRecord:
         rec = RequestRecord(

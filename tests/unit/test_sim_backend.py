@@ -248,6 +248,18 @@ async def test_extra_latency_delays_the_first_token_of_a_fraction() -> None:
     assert await settled(slow) and await settled(never) and await settled(scaled)
 
 
+async def test_a_request_cancelled_while_delayed_is_counted() -> None:
+    """The slow attempt of a hedge race is cancelled during its delay, before the engine ever saw
+    it: counted there, since no other counter holds it."""
+    b = make(extra_latency_s=5.0, extra_latency_fraction=1.0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(b.generate(greq("a", toks(0, 4), 1))), 0.05)
+    s = b.stats()
+    assert (s.extra["extra_latency_requests"], s.extra["extra_latency_cancelled"]) == (1, 1)
+    assert (s.requests_started, s.requests_finished, s.requests_aborted) == (0, 0, 0)
+    assert await settled(b)
+
+
 @pytest.mark.parametrize("after", [0, 2])
 async def test_stall_after_tokens_goes_silent_until_cancelled(after: int) -> None:
     b = make(stall_after_tokens=after)
