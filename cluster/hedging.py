@@ -120,6 +120,9 @@ class TtftTracker:
     def quantile(self, surface: str, backend: str, q: float, now: float) -> float | None:
         return self.sketch(surface, backend).quantile(q, now)
 
+    def items(self) -> list[tuple[tuple[str, str], QuantileSketch]]:
+        return list(self._sketches.items())
+
 
 def hedge_delay(config: HedgeConfig, observed: float | None) -> float | None:
     """The delay before hedging: the observed quantile clamped to [min, max]; the fixed delay while
@@ -172,9 +175,14 @@ def should_hedge(
 ) -> bool:
     """Whether to send a hedge now, for a request still waiting for its first token ``elapsed_s``
     after the primary went out. A True answer has spent the budget token the hedge costs."""
-    if not enabled or delay_s is None or hedges_sent >= max_hedges or elapsed_s < delay_s:
-        return False
-    return budget.try_spend()
+    return hedge_due(enabled, elapsed_s, delay_s, hedges_sent, max_hedges) and budget.try_spend()
+
+
+def hedge_due(
+    enabled: bool, elapsed_s: float, delay_s: float | None, hedges_sent: int, max_hedges: int
+) -> bool:
+    """A hedge is due (the budget aside)."""
+    return enabled and delay_s is not None and hedges_sent < max_hedges and elapsed_s >= delay_s
 
 
 @dataclass
@@ -187,6 +195,7 @@ class HedgeStats:
     hedges_sent: int = 0
     hedges_won: int = 0  # the hedge produced the first token; the primary was cancelled
     hedges_cancelled: int = 0  # the primary answered first; the hedge was cancelled
+    hedges_refused: int = 0  # due, but the budget had no token
 
     def on_request(self) -> None:
         self.requests += 1
@@ -238,14 +247,18 @@ class HedgePolicy:
         self, enabled: bool, elapsed_s: float, delay_s: float | None, hedges_sent: int = 0
     ) -> bool:
         """As :func:`should_hedge`; counts the hedge in the stats when it says yes."""
-        ok = should_hedge(
-            enabled,
-            elapsed_s,
-            delay_s,
-            self.budget,
-            hedges_sent=hedges_sent,
-            max_hedges=self.config.max_hedges,
-        )
-        if ok:
-            self.stats.on_hedge()
-        return ok
+        if not hedge_due(enabled, elapsed_s, delay_s, hedges_sent, self.config.max_hedges):
+            return False
+        if not self.budget.try_spend():
+            self.stats.hedges_refused += 1
+            return False
+        self.stats.on_hedge()
+        return True
+
+    def delays(self, now: float) -> dict[str, float | None]:
+        """The hedge delay now per "surface/backend" seen (for the status page)."""
+        q = self.config.quantile
+        return {
+            f"{surface}/{backend}": hedge_delay(self.config, None if q is None else sk.quantile(q, now))
+            for (surface, backend), sk in self.tracker.items()
+        }

@@ -215,6 +215,8 @@ class AttemptRunner:
             "hedges_sent": s.hedges_sent,
             "hedges_won": s.hedges_won,
             "hedges_cancelled": s.hedges_cancelled,
+            "hedges_refused": s.hedges_refused,
+            "hedge_delay_s": self.hedge.delays(now),
             "requests": s.requests,
             "extra_load_ratio": s.extra_load_ratio,
             "failovers": dict(self.failovers),

@@ -217,6 +217,7 @@ class Leg:
         self.urls = {v: f"http://127.0.0.1:{port}/hedge-{leg}-{v}" for v in VARIANTS}
         self.chat = {v: u + "/v1/chat/completions" for v, u in self.urls.items()}
         self.servers: dict[str, Any] = {}
+        self.delays: list[dict[str, float | None]] = []  # hedge_on's delay (ms) after each round
 
     def _deploy(self, v: str, cfg_of: Any) -> None:
         from deployments import local
@@ -259,6 +260,8 @@ class Leg:
         return quantile([r["ttft_ms"] for r in cal if r["ok"]], 0.5)
 
     def interleaved(self) -> tuple[dict[str, list[dict[str, Any]]], dict[str, float]]:
+        from deployments.local import gateway_status
+
         rows: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         walls = dict.fromkeys(VARIANTS, 0.0)
         n, step = self.args.requests, self.args.round
@@ -267,6 +270,10 @@ class Leg:
                 t0 = time.monotonic()
                 rows[v] += self.send(v, range(start, min(n, start + step)))
                 walls[v] += time.monotonic() - t0
+            pol = gateway_status(self.urls["hedge_on"])["policy"]  # the delay it hedged after
+            self.delays.append(
+                {k: None if d is None else round(d * 1000, 1) for k, d in pol["hedge_delay_s"].items()}
+            )
         return rows, walls
 
     def stop(self) -> None:
@@ -301,12 +308,12 @@ def run_leg(leg: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
             s = summarize(rows[v], median_ms)
             pol = gateway_status(run.urls[v])["policy"]
             s["wall_s"] = round(walls[v], 1)
-            s["gateway"] = {
-                k: pol[k] - policy0[v][k] for k in ("hedges_sent", "hedges_won", "hedges_cancelled")
-            }
+            keys = ("hedges_sent", "hedges_won", "hedges_cancelled", "hedges_refused")
+            s["gateway"] = {k: pol[k] - policy0[v][k] for k in keys}
             s["upstream"] = upstream(before[v], run.counts(v), len(rows[v]), s["extra_attempts"])
             out["variants"][v] = s
             print(f"[{leg}] {v}: {json.dumps(s)}", flush=True)
+        out["hedge_on_delay_ms_by_round"] = run.delays
         # per request, for reading a missed goal: [index, TTFT ms (None: failed), attempts, hedge won]
         out["requests"] = {v: [_row(r) for r in rows[v]] for v in VARIANTS}
         return out

@@ -242,6 +242,10 @@ def test_policy_end_to_end():
     assert not p.should_hedge(True, 1.0, delay, hedges_sent=1)
     assert (p.stats.requests, p.stats.hedges_sent, p.stats.attempts) == (20, 1, 21)
     assert p.stats.extra_load_ratio == pytest.approx(0.05)
+    # due twice (elapsed past the delay): the first no-budget refusal was counted, and this one
+    assert not p.should_hedge(True, 1.0, delay)
+    assert p.stats.hedges_refused == 2
+    assert p.delays(100.0) == {"tab/vllm": pytest.approx(0.9505), "chat/vllm": None}
 
 
 def test_policy_with_fixed_delay_only():
