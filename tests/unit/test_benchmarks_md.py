@@ -53,7 +53,7 @@ def test_every_renderer_has_its_region_and_no_table_is_outside_one() -> None:
 def test_rewrite_replaces_only_the_regions() -> None:
     doc = "prose 13.2 %\n<!-- table:hedging -->\n| made | up |\n<!-- /table:hedging -->\nmore prose\n"
     out = rewrite(doc, RESULTS)
-    assert out.startswith("prose 13.2 %\n<!-- table:hedging -->\n| variant |")
+    assert out.startswith("prose 13.2 %\n<!-- table:hedging -->\n| leg | variant |")
     assert out.endswith("<!-- /table:hedging -->\nmore prose\n")
     assert rewrite(out, RESULTS) == out
     with pytest.raises(KeyError, match="nope"):
