@@ -42,12 +42,11 @@ from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.kv_feed import kv_index_status, start_feeds
-from deployments.prepare import prepare
+from deployments.prepare import prepare_off_loop
 from deployments.relay import Relay
 from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
 
 log = logging.getLogger("ray.serve")
-INLINE_PREPARE_BYTES = 64 * 1024  # bigger bodies are validated and tokenized off the event loop
 
 
 def block_size(b: BackendConfig) -> int:
@@ -275,11 +274,7 @@ class Gateway:
             self._precheck(surface)
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
-            args = (self.cfg, raw, schema, kind, rid, surface, session, self.views)
-            if len(raw) > INLINE_PREPARE_BYTES:
-                prepared = await asyncio.to_thread(prepare, *args)
-            else:
-                prepared = prepare(*args)
+            prepared = await prepare_off_loop(self.cfg, raw, schema, kind, rid, surface, session, self.views)
         except ClusterError as err:
             await h.send_error(send, err)
             return
