@@ -38,6 +38,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overhead": tables_load.overhead,
     "faults-issue-10": tables_reliability.faults_issue_10,
     "faults-final": tables_reliability.faults_final,
+    "faults-second-kill": tables_reliability.faults_second_kill,
     "faults-issue-15": tables_reliability.faults_issue_15,
     "soak": tables_reliability.soak,
     "overload": tables_load.overload,

@@ -12,6 +12,7 @@ from loadtest.table_format import Results, fixed, num, signed, table
 # Earlier runs the page keeps beside the current one: faults.json as these commits recorded it.
 FAULTS_ISSUE_10 = "af8c2bd"  # the old three-hop path
 FAULTS_ISSUE_15 = "64d11cf"  # the gateway path, before the final code
+FAULTS_SECOND_KILL = "7a62083"  # the last run before the harness's repeated kill was fixed
 
 
 def _seconds(x: float | None) -> str:
@@ -66,6 +67,11 @@ def faults_issue_10(r: Results) -> str:
 
 def faults_issue_15(r: Results) -> str:
     return _paired(r.get("faults", at=FAULTS_ISSUE_15), _COLUMNS_15)
+
+
+def faults_second_kill(r: Results) -> str:
+    """faults.json at ``FAULTS_SECOND_KILL``, through the script's own table."""
+    return faults_markdown(r.get("faults", at=FAULTS_SECOND_KILL))
 
 
 def faults_final(r: Results) -> str:
