@@ -17,7 +17,7 @@ vLLM's structured decoding holds the engine to. Pure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.errors import InvalidRequest
@@ -30,9 +30,10 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 @dataclass(frozen=True)
 class ToolPlan:
     render_tools: bool  # the chat template shows the tool definitions
-    parse: dict[str, Any] | None = None  # GenerateRequest.tool_parse: mode, name, max_calls
+    # GenerateRequest.tool_parse: mode, name, max_calls, and stop (strings only the engine adds,
+    # not the client's: a provider serving the same request never sees them)
+    parse: dict[str, Any] | None = None
     structured: dict[str, Any] | None = None  # Sampling.structured: {"json": schema}
-    stop: list[str] = field(default_factory=list)  # stop strings the engine adds
 
 
 def parameters(tool: Tool) -> dict[str, Any]:
@@ -84,4 +85,4 @@ def plan(req: ChatCompletionRequest) -> ToolPlan | None:
         return ToolPlan(True, {"mode": "list"}, {"json": call_list_schema(tools, parallel)})
     if parallel:
         return ToolPlan(True, {"mode": "hermes"})
-    return ToolPlan(True, {"mode": "hermes", "max_calls": 1}, stop=[CLOSE])
+    return ToolPlan(True, {"mode": "hermes", "max_calls": 1, "stop": [CLOSE]})

@@ -136,7 +136,8 @@ class VLLMBackend:
             max_tokens=s.max_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
-            stop=s.stop or None,
+            # a tool plan's own stop strings (one call only: stop at its end) join the client's
+            stop=[*s.stop, *(req.tool_parse or {}).get("stop", ())] or None,
             seed=s.seed,
             ignore_eos=s.ignore_eos,
             presence_penalty=s.presence_penalty,
