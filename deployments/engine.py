@@ -235,7 +235,7 @@ class EngineReplica:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            usage = await self._relay(resp, gen, first, req, meta, flags)
+            usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse)
             if span is not None:
                 span.usage = usage
             await resp.write_eof()
@@ -248,9 +248,9 @@ class EngineReplica:
         resp: web.StreamResponse,
         gen: Any,
         first: Chunk,
-        req: GenerateRequest,
         meta: ResponseMeta,
         flags: tuple[bool, bool, bool],
+        tool_parse: dict[str, Any] | None = None,
     ) -> Usage | None:
         """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
         ``ids`` each event names its token ids (those of chunks with no text yet ride on the next
@@ -262,7 +262,7 @@ class EngineReplica:
         sent_first = continued
         finish, usage = "stop", None
         text_events = TextEvents(meta)
-        tools = ToolEvents(meta, req.tool_parse) if req.tool_parse and meta.kind == "chat" else None
+        tools = ToolEvents(meta, tool_parse) if tool_parse and meta.kind == "chat" else None
         try:
             while chunk is not None:
                 if ids:
