@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.errors import BackendUnavailable, StreamInterrupted
+from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.kv_events import KVEventLog
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.tokens import resolve_model_path
@@ -173,6 +173,8 @@ class VLLMBackend:
         except Exception as exc:
             if completion_tokens:
                 raise StreamInterrupted(f"vLLM replica {self.replica} failed mid-stream: {exc}") from exc
+            if _client_error(exc):  # e.g. a schema xgrammar cannot compile: the client's, never retried
+                raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
             raise BackendUnavailable(
                 f"vLLM replica {self.replica} failed: {exc}", backend=self.backend
             ) from exc
@@ -217,6 +219,16 @@ class VLLMBackend:
         if self._kv_sub is not None:
             self._kv_sub.stop()
         self.engine.shutdown()
+
+
+def _client_error(exc: BaseException) -> bool:
+    """vLLM's own request errors (VLLMClientError: validation, an unsupported or broken grammar),
+    or a ValueError its input checks raise before the first token."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM
+        return isinstance(exc, ValueError)
+    return isinstance(exc, VLLMClientError | ValueError)
 
 
 def _num_blocks(engine: Any) -> int:

@@ -115,7 +115,7 @@ def test_a_tool_round_trip_reaches_the_engine_with_the_rendered_result(cluster) 
     # The engine computed those very tokens: a follow-up's prefix-cache hit reaches past the point
     # where this prompt left the first one, well into the tool result.
     first = tok.tool_chat_ids(ASK, [WEATHER])
-    shared = next(i for i, (a, b) in enumerate(zip(first, expected, strict=False)) if a != b)
+    shared = next((i for i, (a, b) in enumerate(zip(first, expected, strict=False)) if a != b), len(first))
     follow = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "thanks"}]
     again = client.chat.completions.create(
         model="tiny-llama",
@@ -135,3 +135,19 @@ def test_auto_renders_the_tools_and_text_stays_content(cluster) -> None:
     assert r.usage is not None and r.usage.prompt_tokens == len(tok.tool_chat_ids(ASK, TOOLS))
     # the random model writes no <tool_call> block: its text is the content, no calls
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+
+
+def test_a_parameters_schema_the_engine_cannot_compile_is_a_400(cluster) -> None:
+    """vLLM refuses the grammar before its first token: the client's error, not a failover or a 503."""
+    from openai import BadRequestError
+
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}}  # fmt: skip
+    with pytest.raises(BadRequestError) as e:
+        _client(cluster).chat.completions.create(
+            model="tiny-llama",
+            messages=ASK,
+            tools=[bad],
+            tool_choice={"type": "function", "function": {"name": "f"}},  # type: ignore[list-item,arg-type]
+        )
+    assert "tools" in str(e.value) or "schema" in str(e.value).lower()
