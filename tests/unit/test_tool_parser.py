@@ -79,7 +79,7 @@ def test_hermes_streams_arguments_before_the_call_closes() -> None:
             "id": _ids(0),
             "type": "function",
             "function": {"name": "f", "arguments": '{"city": "Par'},
-        }  # noqa: E501
+        }
     ]
     assert p.feed('is"}') == [{"index": 0, "function": {"arguments": 'is"'}}]  # "}" may close the object
     assert p.feed("}\n</tool_call>") == [{"index": 0, "function": {"arguments": "}"}}]
