@@ -150,3 +150,14 @@ def test_tools_on_vllm_only_for_models_with_a_tool_call_format() -> None:
     assert C.unsupported(used, "sim", tools=True)  # the simulator writes no calls
     strict = C.used_fields(_req(tools=[{"type": "function", "function": {"name": "f", "strict": True}}]))
     assert C.unsupported(strict, "vllm", tools=True) == ["tools[].function.strict"]
+
+
+def test_a_configured_template_overrides_the_tokenizers_own() -> None:
+    tok = tokens.load("@tiny")
+    assert isinstance(tok, tokens.HFTokenizer)
+    own = (
+        "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    ids, _, _ = prompt_ids(_req(tools=[WEATHER, CLOCK]), tok, None, ToolCallsConfig(chat_template=own))
+    assert tok.decode(ids) == "[get_weather][get_time]Weather in Paris?"
