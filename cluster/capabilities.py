@@ -6,7 +6,8 @@ the backends that honour everything the request uses, so a failover never lands 
 ignore part of it. Pure: no I/O, no Ray.
 
 Kinds: ``vllm`` and ``sim`` (self-hosted engines; the simulator models vLLM, so it takes vLLM's
-sampling fields, but it produces no tools or JSON), ``openai`` (an OpenAI-compatible provider: every
+sampling fields, but it produces no tools or JSON; vLLM serves tools for models with a tool-call
+format), ``openai`` (an OpenAI-compatible provider: every
 OpenAI field is passed through as sent) and ``anthropic`` (the Messages API: what has an exact
 translation).
 
@@ -91,8 +92,14 @@ SUPPORT: dict[str, frozenset[str]] = {
 }
 
 
-# Honoured only on models that say how: a FIM template (ModelConfig.fim) lets engines take suffix.
+# Honoured only on models that say how: a FIM template (ModelConfig.fim) lets engines take suffix;
+# a tool-call format (ModelConfig.tool_calls) lets vLLM take tools (the simulator writes no calls).
 WITH_FIM: dict[str, frozenset[str]] = {"suffix": _ENGINES}
+_VLLM = frozenset({"vllm"})
+WITH_TOOLS: dict[str, frozenset[str]] = {
+    f: _VLLM
+    for f in ("tools", "tool_choice", "parallel_tool_calls", "messages[].tool_calls", "messages[].role=tool")
+}
 
 
 def backend_kind(kind: str, api: str | None) -> Kind:
@@ -170,8 +177,15 @@ def text_only_refusal(used: Iterable[str], model: str) -> str | None:
     )
 
 
-def unsupported(used: Iterable[str], kind: str, fim: bool = False) -> list[str]:
-    return [f for f in used if kind not in SUPPORT[f] and not (fim and kind in WITH_FIM.get(f, ()))]
+def unsupported(used: Iterable[str], kind: str, fim: bool = False, tools: bool = False) -> list[str]:
+    """``fim`` / ``tools``: the model has a FIM template / a tool-call format."""
+    return [
+        f
+        for f in used
+        if kind not in SUPPORT[f]
+        and not (fim and kind in WITH_FIM.get(f, ()))
+        and not (tools and kind in WITH_TOOLS.get(f, ()))
+    ]
 
 
 @dataclass(frozen=True)
@@ -199,11 +213,16 @@ def _what(field: str) -> str:
 
 
 def narrow(
-    used: list[str], candidates: list[str], kind_of: Callable[[str], str], fim: bool = False
+    used: list[str],
+    candidates: list[str],
+    kind_of: Callable[[str], str],
+    fim: bool = False,
+    tools: bool = False,
 ) -> tuple[list[str], Refusal | None]:
     """The candidates that honour every used field, in order (a failover stays among them); when
-    none does, the refusal says what each candidate lacks. ``fim``: the model has a FIM template."""
-    lacks = {c: unsupported(used, kind_of(c), fim) for c in candidates}
+    none does, the refusal says what each candidate lacks. ``fim``: the model has a FIM template;
+    ``tools``: a tool-call format."""
+    lacks = {c: unsupported(used, kind_of(c), fim, tools) for c in candidates}
     kept = [c for c in candidates if not lacks[c]]
     if kept or not candidates:
         return kept, None

@@ -43,6 +43,20 @@ class FimTemplate(Strict):
     )
 
 
+class ToolCallsConfig(Strict):
+    """How a self-hosted model writes tool calls: the format its chat template teaches and our
+    parser reads (:mod:`cluster.tool_parser`)."""
+
+    format: Literal["hermes"] = Field(
+        "hermes", description="The call format: 'hermes' is <tool_call>{name, arguments}</tool_call>."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template that renders tools, calls and tool results in that format "
+        "(None: the tokenizer's own, which must).",
+    )
+
+
 class ModelConfig(Strict):
     name: str = Field(min_length=1, description="Model id served at /v1/models and asked for in requests.")
     tokenizer: str = Field(
@@ -61,6 +75,11 @@ class ModelConfig(Strict):
     default_max_tokens: int = Field(256, gt=0, description="max_tokens when the request gives none.")
     fim: FimTemplate | None = Field(
         None, description="FIM tokens: /v1/completions with 'suffix' on self-hosted engines; else a 400."
+    )
+    tool_calls: ToolCallsConfig | None = Field(
+        None,
+        description="Self-hosted engines serve tools (the template renders them, our parser reads "
+        "the calls); None: tools on engines are a 400.",
     )
     accepts_images: bool = Field(
         True,

@@ -7,7 +7,8 @@ client's SSE events must say: id, model, created). The engine answers:
 * otherwise status 200 and the client's own SSE events (``data: {chat.completion.chunk}``), one per
   token or batch of tokens, which the gateway passes through as bytes without parsing them;
 * then exactly one control frame, an SSE comment that ends the stream: ``: llmc end {json}`` with
-  the finish reason, usage and (when the gateway asked to collect) the whole text, or
+  the finish reason, usage and (when the gateway asked to collect) the whole text and the tool
+  calls, or
   ``: llmc error {json}`` with a typed error after tokens went out.
 
 SSE clients ignore comment lines, and JSON text never holds a raw newline, so a control frame is
@@ -96,10 +97,18 @@ def control_frame(kind: str, payload: dict[str, Any]) -> bytes:
     return CONTROL + kind.encode() + b" " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def end_frame(finish_reason: str, usage: Usage, text: str | None = None, replica: str = "") -> bytes:
+def end_frame(
+    finish_reason: str,
+    usage: Usage,
+    text: str | None = None,
+    replica: str = "",
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> bytes:
     payload: dict[str, Any] = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
     if text is not None:
         payload["text"] = text
+    if tool_calls:
+        payload["tool_calls"] = tool_calls
     return control_frame("end", payload)
 
 
@@ -116,6 +125,7 @@ class StreamEnd:
     text: str | None = None
     replica: str = ""
     error: ClusterError | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # the message's, when the gateway collects
 
 
 def parse_control(frame: bytes) -> StreamEnd:
@@ -128,6 +138,7 @@ def parse_control(frame: bytes) -> StreamEnd:
         usage=Usage(**payload.get("usage", {})),
         text=payload.get("text"),
         replica=payload.get("replica", ""),
+        tool_calls=payload.get("tool_calls"),
     )
 
 

@@ -7,7 +7,8 @@ remaining ``max_tokens`` and the same sampling parameters and seed: an engine th
 deterministically (greedy vLLM, the simulator's seeded sampler) produces exactly the tokens the
 uninterrupted run would have; any engine produces a valid continuation of what the client has.
 Never for a provider backend (its stream cannot be resumed from token ids), never across models,
-at most ``max_per_request`` times per request and within a budget shared by all requests
+never under structured decoding or a tool-call parser (their state is not in the token ids), at
+most ``max_per_request`` times per request and within a budget shared by all requests
 (``ratio`` of the requests in a sliding window, plus ``min_per_s``), like the retry budget. When
 migration is refused the stream ends as before: one clean terminal error event.
 
@@ -124,6 +125,13 @@ class MigrationPolicy:
             return "stop_strings"
         if s.presence_penalty or s.frequency_penalty:
             return "penalties"
+        # Structured decoding (response_format, a forced tool call) would restart its grammar on
+        # the new replica at the continuation's first token, not where the text stands; a tool-call
+        # parser there would not know the calls already sent. The stream ends as before.
+        if s.structured:
+            return "structured"
+        if req.tool_parse:
+            return "tools"
         return None
 
 

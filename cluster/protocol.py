@@ -298,6 +298,9 @@ class GenerateRequest:
     # The client's fields beyond the sampling ones (tools, tool_choice, response_format, suffix, ...)
     # as sent: provider adapters pass or translate them; capabilities refused the rest before here.
     options: dict[str, Any] = field(default_factory=dict)
+    # How a self-hosted engine reads tool calls out of its text (cluster.tool_schema.ToolPlan.parse:
+    # mode hermes / named / list, name, max_calls, stop); None: no tools to parse.
+    tool_parse: dict[str, Any] | None = None
 
     @property
     def route_key(self) -> str:

@@ -10,10 +10,11 @@ import time
 from typing import Any
 
 from cluster import fim as fim_prompt
-from cluster.config import ClusterConfig, FimTemplate, ModelConfig
+from cluster.config import ClusterConfig, FimTemplate, ModelConfig, ToolCallsConfig
 from cluster.errors import InvalidRequest, NotFound
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling
-from cluster.tokens import Tokenizer
+from cluster.tokens import HFTokenizer, Tokenizer
+from cluster.tool_schema import plan as tool_plan
 
 ApiRequest = ChatCompletionRequest | CompletionRequest
 
@@ -26,14 +27,27 @@ def lookup_model(cfg: ClusterConfig, name: str) -> ModelConfig:
 
 
 def prompt_ids(
-    req: ApiRequest, tok: Tokenizer, fim: FimTemplate | None = None
+    req: ApiRequest,
+    tok: Tokenizer,
+    fim: FimTemplate | None = None,
+    tool_calls: ToolCallsConfig | None = None,
 ) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
     """The prompt's token ids, plus what providers need: the messages (chat) or the text.
 
     A completion with ``suffix`` on a model with a FIM template is tokenized as the engine will
-    see it (:mod:`cluster.fim`); the text providers get stays the client's own prompt."""
+    see it (:mod:`cluster.fim`); the text providers get stays the client's own prompt. A chat on a
+    model with a tool-call format is rendered with the tools by its tool-aware template, as the
+    engine will see it (:mod:`cluster.tool_schema` says when the tools are shown)."""
     if isinstance(req, ChatCompletionRequest):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        if tool_calls is not None and isinstance(tok, HFTokenizer):
+            plan = tool_plan(req)
+            shown = (
+                [t.model_dump(exclude_none=True) for t in req.tools or []]
+                if plan and plan.render_tools
+                else None
+            )
+            return tok.tool_chat_ids(messages, shown, tool_calls.chat_template), messages, None
         return tok.chat_ids(messages) + _tool_ids(req, messages, tok), messages, None
     if req.suffix is not None and fim is not None:
         if isinstance(req.prompt, list):
@@ -47,9 +61,10 @@ def prompt_ids(
 
 
 def _tool_ids(req: ChatCompletionRequest, messages: list[dict[str, Any]], tok: Tokenizer) -> list[int]:
-    """Tool definitions and earlier calls count against the window and the budgets too. Only
-    providers serve tools (cluster.capabilities), and each renders them its own way: the JSON's
-    tokens are the estimate (OpenAI and Anthropic both put the schemas into the prompt)."""
+    """Tool definitions and earlier calls count against the window and the budgets too. Without a
+    tool-aware template only providers serve tools (cluster.capabilities), and each renders them
+    its own way: the JSON's tokens are the estimate (OpenAI and Anthropic both put the schemas
+    into the prompt)."""
     calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
     if not req.tools and not calls:
         return []
@@ -71,6 +86,8 @@ def build_generate_request(
     max_tokens: int,
     priority: int = 0,
 ) -> GenerateRequest:
+    chat = isinstance(req, ChatCompletionRequest)
+    tools = tool_plan(req) if chat and model.tool_calls is not None else None  # type: ignore[arg-type]
     return GenerateRequest(
         request_id=request_id,
         model=model.name,
@@ -85,9 +102,10 @@ def build_generate_request(
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            structured=structured(req),
+            structured=(tools.structured if tools and tools.structured else None) or structured(req),
         ),
         options=options(req),
+        tool_parse=tools.parse if tools else None,
         messages=messages,
         prompt_text=text,
         surface=surface,

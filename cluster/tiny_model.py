@@ -2,8 +2,8 @@
 
 Nothing comes from a model hub. The tokenizer is trained on local text (this Python's standard
 library sources), has special tokens (FIM's prefix, suffix and middle among them) and a ChatML chat
-template; the model is a 2-layer Llama (hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048
-positions) in bf16 with seeded random weights.
+template that renders tools, calls and tool results (Hermes-style); the model is a 2-layer Llama
+(hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048 positions) in bf16 with seeded random weights.
 Its output is gibberish; it exercises the real engine, scheduler, KV cache and prefix caching.
 
     python -m cluster.tiny_model            # builds once into the cache folder, prints the path
@@ -23,7 +23,7 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-VERSION = "v2"  # v2: FIM tokens (a new folder: builds of v1 in use elsewhere stay as they are)
+VERSION = "v3"  # v2: FIM tokens; v3: a tool-aware chat template (a new folder each: builds in use stay)
 VOCAB = 2048
 CONTEXT = 2048
 FIM_TOKENS = {"prefix": "<|fim_prefix|>", "suffix": "<|fim_suffix|>", "middle": "<|fim_middle|>"}
@@ -35,11 +35,32 @@ SPECIAL = [
     "<|im_end|>",
     *FIM_TOKENS.values(),
 ]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+# ChatML, tool-aware in the Hermes way (``tool_calls: {format: hermes}`` in the config names it):
+# with ``tools`` a system turn lists them in <tools></tools> and shows the <tool_call> format; an
+# assistant turn's calls are <tool_call> blocks with the arguments as the client sent them; a
+# ``tool`` turn's result sits in <tool_response></tool_response>. Without tools or tool turns
+# it renders exactly v2's ChatML (the same token ids for every other prompt).
+_CONTENT = (
+    "{% if m['content'] is string %}{{ m['content'] }}{% elif m['content'] %}"
     "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% endif %}"
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions. "
+    "Their signatures are within <tools></tools>:\n<tools>\n"
+    "{% for t in tools %}{{ (t['function'] if t['function'] is defined else t) | tojson }}\n{% endfor %}"
+    "</tools>\n\nFor each call, write a JSON object with the function's name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'tool' %}<tool_response>\n" + _CONTENT + "{{ '\\n' }}</tool_response>"
+    "{% else %}" + _CONTENT + "{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>\n"
+    "{\"name\": {{ c['function']['name'] | tojson }}, \"arguments\": "
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # The geometry the config's `kv:` section for this model must match.

@@ -74,6 +74,23 @@ class HFTokenizer(ChatCounting):
         # tokens gives exactly the ids the engine would compute itself.
         return self.encode(self.render_chat(messages))
 
+    def tool_chat_ids(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """The prompt with the tool definitions rendered by a tool-aware template (the model's own,
+        or ``chat_template``): what the engine sees, so its count is the prompt's count."""
+        text = self._tok.apply_chat_template(
+            list(messages),
+            tools=tools,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return self.encode(str(text))
+
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids)))
 

@@ -41,6 +41,7 @@ from cluster.kv_events import KVEventLog
 from cluster.migration import DRAINING_CODE
 from cluster.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.tool_stream import ToolEvents
 from cluster.trace import engine_span, new_id, parse_traceparent
 from cluster.ttft_window import TtftWindow
 from deployments.internal import internal_token, token_ok
@@ -234,7 +235,7 @@ class EngineReplica:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            usage = await self._relay(resp, gen, first, meta, flags)
+            usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse)
             if span is not None:
                 span.usage = usage
             await resp.write_eof()
@@ -249,6 +250,7 @@ class EngineReplica:
         first: Chunk,
         meta: ResponseMeta,
         flags: tuple[bool, bool, bool],
+        tool_parse: dict[str, Any] | None = None,
     ) -> Usage | None:
         """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
         ``ids`` each event names its token ids (those of chunks with no text yet ride on the next
@@ -260,21 +262,26 @@ class EngineReplica:
         sent_first = continued
         finish, usage = "stop", None
         text_events = TextEvents(meta)
+        tools = ToolEvents(meta, tool_parse) if tool_parse and meta.kind == "chat" else None
         try:
             while chunk is not None:
                 if ids:
                     pending.extend(chunk.token_ids)
-                if chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort"):
-                    if sent_first and chunk.finish_reason is None:  # the common case: text only
-                        event = text_events.event(chunk.text)
-                    else:
-                        event = sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
+                event = b""
+                if tools is not None:  # the text goes through the request's tool-call parser
+                    ended = chunk.finish_reason if chunk.finish_reason != "abort" else None
+                    event = tools.event(chunk.text, ended, not sent_first)
+                    if ended is not None:
+                        chunk.finish_reason = tools.finish_reason(ended)
+                else:
+                    event = _plain_event(chunk, meta, text_events, sent_first)
+                    if parts is not None:
+                        parts.append(chunk.text)
+                if event:
                     if pending:
                         event, pending = event_with_ids(event, pending), []
                     await resp.write(event)
                     sent_first = True
-                    if parts is not None:
-                        parts.append(chunk.text)
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
                 if chunk.usage is not None:
@@ -291,8 +298,9 @@ class EngineReplica:
         if finish == "abort" and self.draining:  # Serve is stopping this replica: say so
             await resp.write(error_frame(self._mid_stream(None)))
             return usage
-        text = "".join(parts) if parts is not None else None
-        await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id))
+        text = (tools.text() if tools is not None else "".join(parts)) if parts is not None else None
+        calls = tools.calls() if tools is not None and collect else None
+        await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id, calls))
         return usage
 
     def _mid_stream(self, exc: BaseException | None) -> StreamInterrupted:
@@ -311,6 +319,15 @@ class _EngineSpan:
     first: int | None = None
     usage: Usage | None = None
     error: str | None = None
+
+
+def _plain_event(chunk: Chunk, meta: ResponseMeta, text_events: TextEvents, sent_first: bool) -> bytes:
+    """A chunk's event without tools (``b""``: nothing to say yet)."""
+    if not (chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort")):
+        return b""
+    if sent_first and chunk.finish_reason is None:  # the common case: text only
+        return text_events.event(chunk.text)
+    return sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
 
 
 def _broken(exc: BaseException) -> StreamInterrupted:

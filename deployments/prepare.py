@@ -91,7 +91,7 @@ def prepare(
     def count(model_name: str) -> int:
         m = cfg.model(model_name)
         assert m is not None
-        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim)
+        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim, m.tool_calls)
         return len(counted[model_name][0]) + image_estimate(cfg, model_name, counted[model_name][1])
 
     param = "messages" if kind == "chat" else "prompt"
@@ -121,7 +121,12 @@ def prepare(
         priority=surface.priority,
     )
     candidates = supporting_candidates(
-        cfg, api, cfg.candidates(model.name, surface.name), model.fim is not None, model_gate(model)
+        cfg,
+        api,
+        cfg.candidates(model.name, surface.name),
+        model.fim is not None,
+        model_gate(model),
+        tools=model.tool_calls is not None,
     )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
     return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
@@ -169,11 +174,13 @@ def supporting_candidates(
     candidates: list[str],
     fim: bool = False,
     gate: Callable[[list[str]], str | None] | None = None,
+    tools: bool = False,
 ) -> list[str]:
     """The route's backends that honour every field the request uses (a failover stays among
-    them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
-    template, so self-hosted engines take ``suffix`` too. ``gate``: what the model itself refuses,
-    whatever the backend (:func:`model_gate`)."""
+        them); a 400 naming the field and the backends when none does. ``fim``: the model has a FIM
+        template, so self-hosted engines take ``suffix`` too; ``tools``: it has a tool-call format, so
+    vLLM takes tools. ``gate``: what the model itself refuses,
+        whatever the backend (:func:`model_gate`)."""
 
     def kind_of(name: str) -> str:
         b = cfg.backend(name)
@@ -182,7 +189,7 @@ def supporting_candidates(
     used = capabilities.used_fields(api)
     if gate is not None and (why := gate(used)) is not None:
         raise InvalidRequest(why, param="messages", code="unsupported_parameter")
-    kept, refusal = capabilities.narrow(used, candidates, kind_of, fim)
+    kept, refusal = capabilities.narrow(used, candidates, kind_of, fim, tools)
     if refusal is not None:
         raise InvalidRequest(refusal.message(), param=refusal.param, code="unsupported_parameter")
     return kept

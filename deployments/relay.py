@@ -201,7 +201,7 @@ class Relay:
         self._settle(stream, framer, acct)
         end = getattr(stream, "end", None)
         text = end.text if end is not None and end.text is not None else "".join(framer.parts)
-        calls = framer.tool_calls.calls()
+        calls = end.tool_calls if end is not None and end.tool_calls else framer.tool_calls.calls()
         body = full_response(
             p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks()
         )

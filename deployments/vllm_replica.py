@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.errors import BackendUnavailable, StreamInterrupted
+from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.kv_events import KVEventLog
 from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.tokens import resolve_model_path
@@ -127,23 +127,8 @@ class VLLMBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-        s = req.sampling
-        # response_format: vLLM's structured decoding constrains every token to the schema.
-        so = StructuredOutputsParams(**s.structured) if s.structured else None
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            stop=s.stop or None,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            structured_outputs=so,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = _sampling_params(req)
         self._started += 1
         engine_id = f"{req.request_id}-{req.attempt}"  # a hedge or retry may reach this replica too
         completion_tokens = 0
@@ -172,6 +157,8 @@ class VLLMBackend:
         except Exception as exc:
             if completion_tokens:
                 raise StreamInterrupted(f"vLLM replica {self.replica} failed mid-stream: {exc}") from exc
+            if _client_error(exc):  # e.g. a schema xgrammar cannot compile: the client's, never retried
+                raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
             raise BackendUnavailable(
                 f"vLLM replica {self.replica} failed: {exc}", backend=self.backend
             ) from exc
@@ -216,6 +203,37 @@ class VLLMBackend:
         if self._kv_sub is not None:
             self._kv_sub.stop()
         self.engine.shutdown()
+
+
+def _sampling_params(req: GenerateRequest) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+    s = req.sampling
+    # response_format or a forced tool call: vLLM's structured decoding holds every token to the schema.
+    so = StructuredOutputsParams(**s.structured) if s.structured else None
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        # a tool plan's own stop strings (one call only: stop at its end) join the client's
+        stop=[*s.stop, *(req.tool_parse or {}).get("stop", ())] or None,
+        seed=s.seed,
+        ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        structured_outputs=so,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _client_error(exc: BaseException) -> bool:
+    """vLLM's own request errors (VLLMClientError: validation, an unsupported or broken grammar),
+    or a ValueError its input checks raise before the first token."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # an older vLLM
+        return isinstance(exc, ValueError)
+    return isinstance(exc, VLLMClientError | ValueError)
 
 
 def _num_blocks(engine: Any) -> int:

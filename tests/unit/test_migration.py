@@ -63,6 +63,18 @@ def test_stop_strings_penalties_reasons_and_the_switch() -> None:
         MigrationConfig(reasons=["crash"])  # type: ignore[list-item]
 
 
+def test_structured_decoding_and_tool_calls_never_migrate() -> None:
+    """A continuation would restart the grammar from its first token, and another replica's parser
+    would not know the calls already sent: response_format, forced and parsed tool calls end the
+    stream as before. (Breaking the rule makes every assertion here fail.)"""
+    p = MigrationPolicy()
+    assert p.decide(req(structured={"json": {"type": "object"}}), brk(), 0.0).why == "structured"
+    assert p.decide(req(structured={"json_object": True}), brk(), 0.0).why == "structured"
+    tools = GenerateRequest("r1", "m", "chat", [1], Sampling(max_tokens=9), tool_parse={"mode": "hermes"})
+    assert p.decide(tools, brk(), 0.0).why == "tools"
+    assert p.decide(req(), brk(), 0.0).allowed  # the same request without either migrates
+
+
 def test_the_budget_is_a_share_of_requests_over_the_window() -> None:
     p = MigrationPolicy(MigrationConfig(ratio=0.1, min_per_s=0.0, window_s=10.0))
     for _ in range(20):

@@ -6,6 +6,7 @@ the continuation, the non-streaming client's text."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -183,7 +184,10 @@ class _Resp:
 
 
 async def _engine_relay(
-    chunks: list[Chunk], flags: tuple[bool, bool, bool], draining: bool = False
+    chunks: list[Chunk],
+    flags: tuple[bool, bool, bool],
+    draining: bool = False,
+    tool_parse: dict[str, Any] | None = None,
 ) -> list[bytes]:
     from deployments.engine import EngineReplica
 
@@ -197,7 +201,7 @@ async def _engine_relay(
             yield c
 
     resp = _Resp()
-    await replica._relay(resp, gen(), chunks[0], META, flags)
+    await replica._relay(resp, gen(), chunks[0], META, flags, tool_parse)
     return resp.writes
 
 
@@ -217,3 +221,22 @@ async def test_a_draining_engine_ends_its_aborted_streams_with_a_drain_error() -
     assert last.error is not None and last.error.code == DRAINING_CODE
     last = parse_control((await _engine_relay(chunks, (False, True, False)))[-1].rstrip(b"\n"))
     assert last.error is None and last.finish_reason == "abort"  # an abort that is no drain: as before
+
+
+async def test_the_engine_turns_a_tool_parsers_text_into_tool_calls_with_their_ids_and_end_frame() -> None:
+    """A named function's arguments, cut across chunks: tool_calls deltas (the token ids still
+    ride along), the finish reason tool_calls, and the whole call in the collected end frame."""
+    chunks = [Chunk('{"unit":', [1]), Chunk("", [2]), Chunk('"c"}', [3], "stop", Usage(3, 3))]
+    writes = await _engine_relay(chunks, (True, True, False), tool_parse={"mode": "named", "name": "f"})
+    events = [json.loads(line[6:]) for w in writes for line in w.split(b"\n") if line.startswith(b"data: ")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"]["name"] == "f"
+    args = "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas if "tool_calls" in d)
+    assert args == '{"unit":"c"}' and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert parse_emitted(writes[:-1]).ids == [1, 2, 3]
+    end = parse_control(writes[-1].rstrip(b"\n"))
+    assert end.finish_reason == "tool_calls" and end.text == ""
+    assert end.tool_calls is not None and end.tool_calls[0]["function"] == {
+        "name": "f",
+        "arguments": '{"unit":"c"}',
+    }
