@@ -12,8 +12,8 @@ faults' short scale, the CI soak length) and its defaults otherwise; ``--full`` 
 named in BENCHMARKS.md's table of commands. The page's prose describes the full runs: after a
 quick run, read it against the new tables. A failed step is reported and the next one runs; the
 load average is read before and after each step. What ran is written to
-``loadtest/results/bench_all.json``. Not re-run here: ``soak_rest.json`` (an earlier soak kept
-beside ``soak.json``) and the GPU files (``scripts/gpu-check.sh``, on a GPU machine).
+``loadtest/results/bench_all.json``. Not re-run here: ``soak_rest.json`` and ``soak_long.json``
+(earlier soaks kept beside ``soak.json``; the long one is ``--minutes 12``) and the GPU files (``scripts/gpu-check.sh``, on a GPU machine).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def _soak_row(name: str, d: dict[str, Any]) -> list[str]:
 
 
 def soak(r: Results) -> str:
-    rows = [_soak_row(f"{name}.json", r.get(name)) for name in ("soak", "soak_rest")]
+    rows = [_soak_row(f"{name}.json", r.get(name)) for name in ("soak", "soak_rest", "soak_long")]
     header = [
         "run",
         "requests",
