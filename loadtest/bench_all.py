@@ -13,7 +13,8 @@ named in BENCHMARKS.md's table of commands. The page's prose describes the full 
 quick run, read it against the new tables. A failed step is reported and the next one runs; the
 load average is read before and after each step. What ran is written to
 ``loadtest/results/bench_all.json``. Not re-run here: ``soak_rest.json`` and ``soak_long.json``
-(earlier soaks kept beside ``soak.json``; the long one is ``--minutes 12``) and the GPU files (``scripts/gpu-check.sh``, on a GPU machine).
+(earlier soaks kept beside ``soak.json``; the long one is ``--minutes 12``) and the GPU files
+(``scripts/gpu-check.sh``, on a GPU machine).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ STEPS: tuple[Step, ...] = (
 # every file in loadtest/results).
 NOT_RERUN = {
     "soak_rest.json": "an earlier soak kept beside soak.json (python -m loadtest.soak --out ... by hand)",
+    "soak_long.json": "a 12-minute soak kept beside soak.json (loadtest.soak --minutes 12 --out ...)",
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
