@@ -30,6 +30,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "planner-validation": tables_engine.planner_validation,
     "affinity-micro": tables_engine.affinity_micro,
     "hedging": tables_engine.hedging,
+    "hedging-run-1": tables_engine.hedging_run_1,
     "affinity-groups": tables_affinity.groups,
     "affinity-common-prompt": tables_affinity.common_prompt,
     "affinity-kv-pressure-live": tables_affinity.kv_pressure_live,

@@ -112,11 +112,18 @@ _HEDGE_VARIANTS = {
 }
 
 
-def hedging(r: Results) -> str:
+HEDGING_RUN_1 = "6f88d36"  # the first run on the new path, kept beside the current file
+
+
+def hedging_run_1(r: Results) -> str:
+    return hedging(r, at=HEDGING_RUN_1)
+
+
+def hedging(r: Results, at: str | None = None) -> str:
     """hedging.json ``legs``: ms to 1 decimal, extra requests as % to 1 decimal; the upstream
     columns are the engines' or the loopback server's own counts."""
     rows = []
-    for leg, d in r.get("hedging")["legs"].items():
+    for leg, d in r.get("hedging", at=at)["legs"].items():
         for key, label in _HEDGE_VARIANTS.items():
             v = d["variants"][key]
             up = v["upstream"]
