@@ -248,6 +248,18 @@ async def test_extra_latency_delays_the_first_token_of_a_fraction() -> None:
     assert await settled(slow) and await settled(never) and await settled(scaled)
 
 
+def test_replicas_of_one_backend_draw_their_faults_independently() -> None:
+    """Same seed, same sequence on one replica; another replica draws its own (one shared sequence
+    made a hedge of a slow call slow too)."""
+
+    def draws(replica: str) -> list[float]:
+        b = SimBackend(profile(), options={"seed": 7}, replica=replica, backend="simb")
+        return [b._rng.random() for _ in range(8)]
+
+    assert draws("r0") == draws("r0")
+    assert draws("r0") != draws("r1")
+
+
 async def test_a_request_cancelled_while_delayed_is_counted() -> None:
     """The slow attempt of a hedge race is cancelled during its delay, before the engine ever saw
     it: counted there, since no other counter holds it."""
