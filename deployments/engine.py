@@ -25,8 +25,8 @@ from typing import Any
 from aiohttp import web
 from ray import serve
 
-from cluster.affinity import BlockHasher
 from cluster.backend import Backend
+from cluster.block_hash import BlockHasher
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine_wire import (
     INTERNAL_TOKEN_HEADER,

@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from cluster.affinity import BlockHasher
+from cluster.block_hash import BlockHasher
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER
 from cluster.errors import InvalidRequest, to_wire
 from cluster.kv_events import BlocksQueued, KVEventLog, page_to_wire
