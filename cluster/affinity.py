@@ -10,15 +10,7 @@ events' token ids, and a routed request's blocks only count until ``recent_ttl_s
 engine's events confirm them. Without events the index is an optimistic guess that forgets in LRU
 order.
 
-Hashing. Like vLLM's ``hash_block_tokens``: only full blocks, each block's hash chains its parent's
-hash, its tokens and the extra keys (the model name and a salt, folded into one 64-bit integer).
-The default hash is CPython's tuple hash over ints: ints hash to themselves modulo 2**61-1 and the
-tuple hash is a fixed xxHash-style mix, so unlike ``hash(str)`` it does *not* depend on
-``PYTHONHASHSEED`` — the same tokens give the same hashes in every process of one CPython build
-(checked by a test that runs two interpreters with different seeds). It is 64-bit, not
-cryptographic: a collision or a crafted prompt can only mislead a routing hint, never the engine,
-which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any Python version),
-measured about 3x slower (see loadtest/bench_affinity_micro.py).
+Hashing: :class:`cluster.block_hash.BlockHasher` (chained, like vLLM's ``hash_block_tokens``).
 
 The index (:mod:`cluster.prefix_index`): ``block hash -> bitmask of replicas``, fed by the engines'
 KV events (exact) or by the routed requests (a guess), bounded, prefix-closed. The homes
@@ -65,17 +57,15 @@ The decision, in order (reason in brackets):
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
-from cluster.block_hash import BlockHash, deepest_held
+from cluster.block_hash import BlockHash, BlockHasher, HashAlgo, deepest_held, stable_hash64
 from cluster.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
 from cluster.placement import ContextHomes
 from cluster.prefix_index import PrefixIndex, SessionTable
@@ -94,57 +84,9 @@ __all__ = [
 
 Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
 REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
-HashAlgo = Literal["tuple", "blake2b"]
 NewPrefix = Literal["rendezvous", "least_loaded", "home"]
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
-
-
-def stable_hash64(*parts: str) -> int:
-    """A 64-bit hash of strings that is the same in every process (``hash(str)`` is seeded)."""
-    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-class BlockHasher:
-    """Chained hashes of full token blocks: ``h_i = H(h_{i-1}, extra, tokens of block i)``."""
-
-    def __init__(self, block_size: int, model: str, salt: str = "", algo: HashAlgo = "tuple") -> None:
-        if block_size <= 0:
-            raise ValueError("block_size must be positive")
-        if algo not in ("tuple", "blake2b"):
-            raise ValueError(f"unknown hash algo {algo!r}")
-        self.block_size = block_size
-        self.algo = algo
-        self.extra = stable_hash64("extra", model, salt)  # vLLM's extra_keys: model + cache salt
-        self.root = stable_hash64("root", str(block_size), algo)  # vLLM's NONE_HASH, but fixed
-
-    def hash_blocks(self, token_ids: Sequence[int], parent: BlockHash | None = None) -> list[BlockHash]:
-        """Hashes of the full blocks of ``token_ids``; ``parent`` continues an existing chain."""
-        bs = self.block_size
-        n = len(token_ids) - len(token_ids) % bs
-        h: int = self.root if parent is None else parent
-        out: list[int] = []  # BlockHash values: the NewType's call per block is left out (hot path)
-        if self.algo == "tuple":
-            toks = tuple(token_ids)
-            extra = self.extra
-            for i in range(0, n, bs):
-                h = hash((h, extra, toks[i : i + bs]))
-                out.append(h)
-            return cast("list[BlockHash]", out)
-        arr = array("i", token_ids[:n])
-        if sys.byteorder == "big":
-            arr.byteswap()
-        packed = arr.tobytes()
-        extra_b = self.extra.to_bytes(8, "little")
-        step = 4 * bs
-        for i in range(0, 4 * n, step):
-            digest = hashlib.blake2b(
-                h.to_bytes(8, "little") + extra_b + packed[i : i + step], digest_size=8
-            ).digest()
-            h = int.from_bytes(digest, "little")
-            out.append(h)
-        return cast("list[BlockHash]", out)
 
 
 @dataclass(slots=True)

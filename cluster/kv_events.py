@@ -58,7 +58,7 @@ class AllBlocksCleared:
 @dataclass(frozen=True, slots=True)
 class BlocksQueued:
     """Ours, not vLLM's: a request reached the replica; these are the *router's* hashes of its
-    prompt's full blocks (:class:`cluster.affinity.BlockHasher`), which the engine will compute
+    prompt's full blocks (:class:`cluster.block_hash.BlockHasher`), which the engine will compute
     unless they are cached. Published by the replica as the request arrives, so that every gateway
     learns where a context is going before the engine's ``BlockStored`` (which waits for its
     prefill, and for the queue before it) could tell them; gateways count them for a short time.

@@ -14,7 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cluster.affinity import AffinityParams, AffinityRouter, BlockHasher
+from cluster.affinity import AffinityParams, AffinityRouter
+from cluster.block_hash import BlockHasher
 from cluster.config import load_config
 from cluster.engine_wire import INTERNAL_TOKEN_HEADER
 from cluster.failover import ReplicaEjector

@@ -16,12 +16,11 @@ from cluster.affinity import (
     REASONS,
     AffinityParams,
     AffinityRouter,
-    BlockHasher,
     PrefixIndex,
     ReplicaLoad,
     SessionTable,
-    stable_hash64,
 )
+from cluster.block_hash import BlockHasher, stable_hash64
 
 BS = 16
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +99,7 @@ def test_hasher_rejects_bad_arguments():
 
 def test_hashes_are_the_same_in_processes_with_different_hash_seeds():
     code = (
-        "from cluster.affinity import BlockHasher;"
+        "from cluster.block_hash import BlockHasher;"
         "print(BlockHasher(16, 'm', 's').hash_blocks(list(range(64))),"
         "BlockHasher(16, 'm', 's', 'blake2b').hash_blocks(list(range(64))))"
     )
