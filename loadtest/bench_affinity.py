@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import (  # the live client, shared with the overload benchmarks
     MODEL,
     PROFILE,
@@ -98,7 +99,7 @@ from loadtest.sim_live import (  # the live client, shared with the overload ben
     replay,
     warm_up,
 )
-from loadtest.workloads import RequestSpec, SharedPrefixWorkload, summary
+from loadtest.workloads import SharedPrefixWorkload, summary
 
 # power_of_two (Serve's default request router) and ray_prefix (Ray's PrefixCacheAffinityRouter)
 # were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
