@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 from pydantic import Field, model_validator
 
@@ -385,12 +386,26 @@ class BreakerBoard:
 # --------------------------------------------------------------------------------------------
 
 
+class RatioBudgetConfig(Protocol):
+    """What a ratio budget reads of its config (the retry budget's, the migration policy's)."""
+
+    @property
+    def ratio(self) -> float: ...
+    @property
+    def min_per_s(self) -> float: ...
+    @property
+    def window_s(self) -> float: ...
+    @property
+    def window_buckets(self) -> int: ...
+
+
 class RetryBudget:
     """Retries allowed over the window: ``ratio * requests + min_per_s * window_s`` minus the
-    retries already made in it. Only first attempts count as requests; hedges have their own budget."""
+    retries already made in it. Only first attempts count as requests; hedges have their own budget.
+    Mid-stream migrations spend one of their own (:class:`cluster.migration.MigrationPolicy`)."""
 
-    def __init__(self, config: RetryBudgetConfig | None = None) -> None:
-        self.config = config or RetryBudgetConfig()
+    def __init__(self, config: RatioBudgetConfig | None = None) -> None:
+        self.config: RatioBudgetConfig = config or RetryBudgetConfig()
         # a: requests, b: retries
         self._counts = WindowCounts(self.config.window_s, self.config.window_buckets)
 

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from cluster.base import Strict
 from cluster.errors import UpstreamTimeout
-from cluster.failover import WindowCounts
+from cluster.failover import RetryBudget
 from cluster.protocol import GenerateRequest, Usage
 
 Reason = Literal["death", "drain", "stall", "error"]
@@ -82,26 +82,21 @@ class MigrationPolicy:
 
     def __init__(self, config: MigrationConfig | None = None) -> None:
         self.config = config or MigrationConfig()
-        self._counts = WindowCounts(
-            self.config.window_s, self.config.window_buckets
-        )  # a: requests, b: migrations
+        self._budget = RetryBudget(self.config)  # the retries' ratio budget, spent on migrations
 
     def on_request(self, now: float) -> None:
-        self._counts.add(now, a=1)
+        self._budget.record_request(now)
 
     def available(self, now: float) -> float:
-        requests, spent = self._counts.totals(now)
-        c = self.config
-        return c.ratio * requests + c.min_per_s * c.window_s - spent
+        return self._budget.available(now)
 
     def decide(self, req: GenerateRequest, brk: Break, now: float) -> Decision:
         """May this broken stream continue elsewhere? Allowing spends one from the budget."""
         why = self._refusal(req, brk)
-        if why is None and self.available(now) < 1 - 1e-9:
+        if why is None and not self._budget.try_retry(now):
             why = "budget"
         if why is not None:
             return Decision(False, why)
-        self._counts.add(now, b=1)
         return Decision(True, "migrate")
 
     def _refusal(self, req: GenerateRequest, brk: Break) -> str | None:

@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     GetJsonSchemaHandler,
     StrictBool,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -170,6 +171,13 @@ class ResponseFormat(_Wire):
         return self
 
 
+def _at_least_one(v: int | None, info: ValidationInfo) -> int | None:
+    """A token count the client sets must ask for at least one token."""
+    if v is not None and v <= 0:
+        raise ValueError(f"{info.field_name} must be at least 1")
+    return v
+
+
 class _SamplingFields(_Wire):
     model: str = Field(min_length=1)
     max_tokens: int | None = None
@@ -187,12 +195,7 @@ class _SamplingFields(_Wire):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None  # chat: a bool; completions: an int
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("max_tokens must be at least 1")
-        return v
+    _positive = field_validator("max_tokens")(_at_least_one)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -243,12 +246,7 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return self
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _positive_mct(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("max_completion_tokens must be at least 1")
-        return v
+    _positive_mct = field_validator("max_completion_tokens")(_at_least_one)
 
 
 class CompletionRequest(_SamplingFields):

@@ -5,6 +5,7 @@ Nothing here does I/O; ``deployments/providers.py`` holds the httpx adapters tha
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,3 +27,15 @@ class StreamDelta:
     usage: Usage | None = None
     done: bool = False
     error: dict[str, Any] | None = None
+
+
+def error_value(body: bytes | dict[str, Any] | None) -> Any:
+    """The ``error`` member of a provider's error body (both APIs put it there), or None when the
+    body is not a JSON object."""
+    obj: Any = body
+    if isinstance(body, bytes | bytearray):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+    return obj.get("error") if isinstance(obj, dict) else None

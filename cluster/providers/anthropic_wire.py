@@ -16,12 +16,11 @@ writes as ``cache_creation_tokens`` (priced apart: :mod:`cluster.cost`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from cluster.openai_format import loads, usage_dict
 from cluster.protocol import GenerateRequest, Usage
-from cluster.providers import StreamDelta, anthropic_tools
+from cluster.providers import StreamDelta, anthropic_tools, error_value
 from cluster.thinking import KINDS, ThinkingStream
 
 API_VERSION = "2023-06-01"
@@ -175,11 +174,5 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
 
 def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
     """The ``error`` object of an Anthropic error body ``{"type": "error", "error": {...}}``."""
-    obj: Any = body
-    if isinstance(body, bytes | bytearray):
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return {}
-    err = obj.get("error") if isinstance(obj, dict) else None
+    err = error_value(body)
     return err if isinstance(err, dict) else {}
