@@ -21,19 +21,10 @@ from cluster.affinity import (
     SessionTable,
 )
 from cluster.block_hash import BlockHasher, stable_hash64
+from tests.unit.affinity_helpers import loads, toks
 
 BS = 16
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def toks(n: int, seed: int = 0) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(50_000) for _ in range(n)]
-
-
-def loads(names, **per) -> list[ReplicaLoad]:
-    """Loads for ``names``; ``per`` maps a replica to a dict of field overrides."""
-    return [ReplicaLoad(n, **per.get(n, {})) for n in names]
 
 
 def router(**params) -> AffinityRouter:
