@@ -12,15 +12,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cluster import capabilities, tokens
+from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig
-from cluster.context import fit_context
-from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
-from cluster.image_tokens import image_parts, image_tokens
-from cluster.openai_format import ResponseMeta
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
-from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
-from cluster.routing_view import BackendView
+from cluster.policy import capabilities
+from cluster.policy.context import fit_context
+from cluster.routing.view import BackendView
+from cluster.tokens.images import image_parts, image_tokens
+from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.wire.openai_format import ResponseMeta
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
+from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import http_api as h
 from deployments import metrics
 
@@ -125,7 +126,7 @@ def _block_hashes(
 
 def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
     """Image parts' tokens for the context check: the most any of the model's providers counts
-    (:mod:`cluster.image_tokens`; engines refuse images). The adapter reserves its own count."""
+    (:mod:`cluster.tokens.images`; engines refuse images). The adapter reserves its own count."""
     if not messages or not image_parts(messages):
         return 0
     apis = {b.provider.api for b in cfg.backends if b.model == model_name and b.provider is not None}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.protocol import Usage
+from cluster.wire.protocol import Usage
 
 EWMA_ALPHA = 0.1
 

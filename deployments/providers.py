@@ -1,4 +1,4 @@
-"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as :class:`cluster.backend.Backend`.
+"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as :class:`cluster.wire.backend.Backend`.
 
 One pooled ``httpx.AsyncClient`` per process (per event loop) carries every request; each is
 streamed, parsed event by event and never buffered whole. Four clocks bound a request, from the
@@ -27,13 +27,13 @@ import httpx
 
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
-from cluster.errors import ClusterError, ProviderAuthError, RateLimited
-from cluster.image_tokens import image_tokens
-from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, cost_usd
 from cluster.providers.sse import SSEDecoder, SSEEvent
+from cluster.tokens.images import image_tokens
+from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
+from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.provider_budget import Budget, get_budget
 from deployments.provider_counters import ProviderCounters
 from deployments.provider_http import (

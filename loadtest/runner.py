@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from cluster import prometheus
+from cluster.observability import prometheus
 from loadtest.client import EventStream
 from loadtest.request_spec import RequestSpec
 from loadtest.stats import quantile

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import Usage
+from cluster.wire.protocol import Usage
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class StreamDelta:
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
-    thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.thinking)
+    thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.wire.thinking)
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.openai_format import loads
-from cluster.protocol import GenerateRequest, Usage
 from cluster.providers import StreamDelta, error_value
+from cluster.wire.openai_format import loads
+from cluster.wire.protocol import GenerateRequest, Usage
 
 # Reasoning models refuse ``max_tokens`` and want ``max_completion_tokens`` (same meaning for us).
 _MAX_COMPLETION_TOKENS_PREFIXES = ("o1", "o3", "o4", "gpt-5")

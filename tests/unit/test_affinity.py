@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.affinity import (
+from cluster.routing.affinity import (
     REASONS,
     AffinityParams,
     AffinityRouter,
@@ -20,7 +20,7 @@ from cluster.affinity import (
     ReplicaLoad,
     SessionTable,
 )
-from cluster.block_hash import BlockHasher, stable_hash64
+from cluster.routing.block_hash import BlockHasher, stable_hash64
 from tests.unit.affinity_helpers import loads, toks
 
 BS = 16
@@ -90,7 +90,7 @@ def test_hasher_rejects_bad_arguments():
 
 def test_hashes_are_the_same_in_processes_with_different_hash_seeds():
     code = (
-        "from cluster.block_hash import BlockHasher;"
+        "from cluster.routing.block_hash import BlockHasher;"
         "print(BlockHasher(16, 'm', 's').hash_blocks(list(range(64))),"
         "BlockHasher(16, 'm', 's', 'blake2b').hash_blocks(list(range(64))))"
     )

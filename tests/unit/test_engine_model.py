@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from cluster.engine_kv import BlockPool, KVCacheManager, hash_block_tokens, hash_request_tokens
-from cluster.engine_model import EngineModel, Status, fake_token_id
-from cluster.profiles import FittedCoefficients, Profile, get_profile
+from cluster.engine.kv import BlockPool, KVCacheManager, hash_block_tokens, hash_request_tokens
+from cluster.engine.model import EngineModel, Status, fake_token_id
+from cluster.engine.profiles import FittedCoefficients, Profile, get_profile
 from tests.unit.engine_profiles import linear_profile
 
 PREFILL = 1e-3  # s per prefill token

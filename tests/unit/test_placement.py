@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from cluster.affinity import AffinityParams, AffinityRouter, ReplicaLoad
-from cluster.kv_events import BlocksQueued, KVEventLog
-from cluster.placement import ContextHomes
+from cluster.engine.kv_events import BlocksQueued, KVEventLog
+from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.placement import ContextHomes
 from tests.unit.affinity_helpers import loads, toks
 
 BS = 16

@@ -8,12 +8,12 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from cluster.backend import Backend
 from cluster.config import BackendConfig, EngineArgs, ModelConfig
-from cluster.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest
-from cluster.profiles import FittedCoefficients, Profile
-from cluster.protocol import Chunk, GenerateRequest, Sampling, Usage
-from cluster.sim_backend import SimBackend, SimOptions, fake_word
+from cluster.engine.profiles import FittedCoefficients, Profile
+from cluster.engine.sim_backend import SimBackend, SimOptions, fake_word
+from cluster.wire.backend import Backend
+from cluster.wire.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest
+from cluster.wire.protocol import Chunk, GenerateRequest, Sampling, Usage
 from tests.unit.engine_profiles import linear_profile
 
 PREFILL = 0.1e-3
