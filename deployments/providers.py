@@ -1,4 +1,5 @@
-"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as :class:`cluster.wire.backend.Backend`.
+"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as
+:class:`cluster.wire.backend.Backend`.
 
 One pooled ``httpx.AsyncClient`` per process (per event loop) carries every request; each is
 streamed, parsed event by event and never buffered whole. Four clocks bound a request, from the

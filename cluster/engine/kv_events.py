@@ -6,7 +6,8 @@ The events mirror ``vllm.distributed.kv_events`` (the ``kv_events_config`` publi
 :class:`BlockStored` (the engine's block hashes, the parent's hash, the blocks' token ids and the
 block size), :class:`BlockRemoved` (hashes only) and :class:`AllBlocksCleared`. Block hashes are
 the engine's own (vLLM's are seeded per process, the sim's are SHA-256): a router keys its index by
-its own hash of the token ids and keeps the map (:meth:`cluster.routing.affinity.AffinityRouter.apply_kv_stored`).
+its own hash of the token ids and keeps the map
+(:meth:`cluster.routing.affinity.AffinityRouter.apply_kv_stored`).
 
 Transport: pull, with sequence numbers. Each engine replica appends its batches to a bounded
 :class:`KVEventLog` (sequence numbers from 1, an ``epoch`` drawn at start); each gateway replica

@@ -40,7 +40,8 @@ and errs by less than one request per replica otherwise (the ceiling keeps a sma
 rounding to zero).
 
 Budgets live elsewhere: a provider's, one count per backend for the app, in
-:mod:`cluster.providers.budget`; a tenant's in :mod:`cluster.policy.tenants`. Async: :mod:`cluster.policy.admission_async`.
+:mod:`cluster.providers.budget`; a tenant's in :mod:`cluster.policy.tenants`. Async:
+:mod:`cluster.policy.admission_async`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""cluster.observability.prometheus and cluster.observability.status: reading a scrape of Ray's metrics agent, the dashboard's
-PromQL, and the rows of ``cluster status``."""
+"""cluster.observability.prometheus and cluster.observability.status: reading a scrape of Ray's
+metrics agent, the dashboard's PromQL, and the rows of ``cluster status``."""
 
 from __future__ import annotations
 

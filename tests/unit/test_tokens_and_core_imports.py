@@ -133,11 +133,11 @@ def test_core_imports_without_ray_or_vllm() -> None:
         "import sys\n"
         "for name in ('ray', 'vllm', 'fastapi', 'torch'):\n"
         "    sys.modules[name] = None  # any import of them now fails\n"
-        "import cluster, cluster.config, cluster.wire.protocol, cluster.wire.errors, cluster.wire.requests, cluster.tokens\n"
-        "import cluster.wire.openai_format, cluster.wire.backend\n"
+        "import cluster, cluster.config, cluster.wire.protocol, cluster.wire.errors, cluster.wire.requests\n"
+        "import cluster.tokens, cluster.wire.openai_format, cluster.wire.backend\n"
         "import pkgutil, importlib\n"
-        "for m in pkgutil.iter_modules(cluster.__path__):\n"
-        "    importlib.import_module('cluster.' + m.name)\n"
+        "for m in pkgutil.walk_packages(cluster.__path__, 'cluster.'):  # every module, at any depth\n"
+        "    importlib.import_module(m.name)\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

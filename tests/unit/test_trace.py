@@ -1,4 +1,5 @@
-"""cluster.observability.trace: a request's trace as plain data, and the spans it becomes (GenAI conventions)."""
+"""cluster.observability.trace: a request's trace as plain data, and the spans it becomes (GenAI
+conventions)."""
 
 from __future__ import annotations
 
