@@ -19,9 +19,9 @@ from cluster.config import ConfigError, load_config
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("cluster.cli", "add_check_parser"),
     ("deployments.cli_serve", "add_serve_parser"),
-    ("cluster.cli_k8s", "add_k8s_parser"),
-    ("cluster.cli_plan", "add_plan_parser"),
-    ("cluster.cli_status", "add_status_parser"),
+    ("cluster.k8s.cli_k8s", "add_k8s_parser"),
+    ("cluster.planner.cli_plan", "add_plan_parser"),
+    ("cluster.observability.cli_status", "add_status_parser"),
     ("loadtest.cli_bench", "add_bench_parser"),
     ("loadtest.bench_all", "add_bench_all_parser"),
 )

@@ -14,12 +14,12 @@ from pydantic import Field, model_validator
 
 from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
-from cluster.failover import FailoverConfig
-from cluster.hedging import HedgeConfig
-from cluster.migration import MigrationConfig
-from cluster.slo_guard import SloGuardConfig
+from cluster.policy.failover import FailoverConfig
+from cluster.policy.hedging import HedgeConfig
+from cluster.policy.migration import MigrationConfig
+from cluster.policy.slo_guard import SloGuardConfig
 
-TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.tiny_model)
+TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.engine.tiny_model)
 
 
 class KVGeometry(Strict):
@@ -45,7 +45,7 @@ class FimTemplate(Strict):
 
 class ToolCallsConfig(Strict):
     """How a self-hosted model writes tool calls: the format its chat template teaches and our
-    parser reads (:mod:`cluster.tool_parser`)."""
+    parser reads (:mod:`cluster.wire.tool_parser`)."""
 
     format: Literal["hermes"] = Field(
         "hermes", description="The call format: 'hermes' is <tool_call>{name, arguments}</tool_call>."
@@ -172,7 +172,7 @@ class Autoscaling(Strict):
 
 
 class AffinityConfig(Strict):
-    """The cache-aware policy's knobs (``routing: cache_aware``); cluster/affinity.py says what
+    """The cache-aware policy's knobs (``routing: cache_aware``); cluster/routing/affinity.py says what
     each does. ``min_match_ratio`` 0.5 and ``new_prefix: home`` are the defaults here (not in the
     pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV pressure
     and no worse when the contexts fit, behind one gateway replica or two (BENCHMARKS.md, issue 17)."""
@@ -202,7 +202,7 @@ class AffinityConfig(Strict):
             "Where a prompt with no useful cached prefix goes: its home by rendezvous hashing of the session "
             "id or first blocks (concurrent sharers converge), the least loaded eligible replica whose "
             "cache is least full, or (home) its context's sticky home, new contexts to the replica with the "
-            "least hot demand per KV block (cluster/placement.py)."
+            "least hot demand per KV block (cluster/routing/placement.py)."
         ),
     )
     home_half_life_requests: float = Field(
@@ -224,7 +224,7 @@ class AffinityConfig(Strict):
     )
 
     def params(self) -> dict[str, Any]:
-        """The fields :class:`cluster.affinity.AffinityParams` takes."""
+        """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""
         return self.model_dump(exclude={"kv_events"})
 
 

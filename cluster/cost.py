@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.config import ProviderConfig
-from cluster.protocol import Usage
+from cluster.wire.protocol import Usage
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
-"""The gateway's attempts for one request, wired: the race (:mod:`cluster.race`) gets hooks that
+"""The gateway's attempts for one request, wired: the race (:mod:`cluster.policy.race`) gets hooks that
 start the two kinds of attempt the gateway makes in its own process, an HTTP stream from an
 engine replica (:class:`EngineStream`, pass-through bytes) or a provider adapter
 (:class:`ProviderBackend`, batches of typed chunks), and verdicts applied to the breakers, the
-hedge policy and the metrics by the pure rules of :mod:`cluster.attempt_policy`.
+hedge policy and the metrics by the pure rules of :mod:`cluster.policy.attempts`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.attempt_policy import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
 from cluster.config import ClusterConfig
-from cluster.engine_wire import request_body
-from cluster.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
-from cluster.hedging import HedgePolicy
-from cluster.migration import MigrationPolicy
-from cluster.openai_format import ResponseMeta
-from cluster.protocol import GenerateRequest
-from cluster.race import Attempt, RaceHooks, RaceResult, Verdict
-from cluster.trace import AttemptSpans, AttemptTrace, RequestTrace
+from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
+from cluster.policy.attempts import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
+from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
+from cluster.policy.hedging import HedgePolicy
+from cluster.policy.migration import MigrationPolicy
+from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.wire.engine_stream import request_body
+from cluster.wire.openai_format import ResponseMeta
+from cluster.wire.protocol import GenerateRequest
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 

@@ -13,8 +13,8 @@ from typing import Any
 from ray import serve
 
 from cluster.config import ProviderConfig
-from cluster.protocol import Usage
 from cluster.providers.budget import Admission
+from cluster.wire.protocol import Usage
 from deployments.provider_budget import LocalBudget
 
 

@@ -4,7 +4,7 @@ token stream over HTTP itself so that no token crosses a Ray call.
 Serve owns the replica (start, health checks, autoscaling, draining); the replica starts a small
 aiohttp server on a free port of its node and publishes the URL, with its engine's load, through
 Serve's routing stats, which reach every gateway's handle (``record_routing_stats``). The gateway
-POSTs ``/generate`` (see :mod:`cluster.engine_wire`) with the cluster's internal credential; a
+POSTs ``/generate`` (see :mod:`cluster.wire.engine_stream`) with the cluster's internal credential; a
 client that goes away closes the connection, which cancels the handler, which closes the
 backend's stream, which aborts the engine request. Serve counts nothing of this traffic, so the
 replica reports its own ongoing requests for autoscaling (``record_autoscaling_stats``).
@@ -25,10 +25,14 @@ from typing import Any
 from aiohttp import web
 from ray import serve
 
-from cluster.affinity import BlockHasher
-from cluster.backend import Backend
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
-from cluster.engine_wire import (
+from cluster.engine.kv_events import KVEventLog
+from cluster.observability.trace import engine_span, new_id, parse_traceparent
+from cluster.policy.migration import DRAINING_CODE
+from cluster.policy.ttft_window import TtftWindow
+from cluster.routing.block_hash import BlockHasher
+from cluster.wire.backend import Backend
+from cluster.wire.engine_stream import (
     INTERNAL_TOKEN_HEADER,
     end_frame,
     error_frame,
@@ -36,14 +40,10 @@ from cluster.engine_wire import (
     parse_flags,
     parse_request,
 )
-from cluster.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
-from cluster.kv_events import KVEventLog
-from cluster.migration import DRAINING_CODE
-from cluster.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
-from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
-from cluster.tool_stream import ToolEvents
-from cluster.trace import engine_span, new_id, parse_traceparent
-from cluster.ttft_window import TtftWindow
+from cluster.wire.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
+from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.wire.tool_stream import ToolEvents
 from deployments.internal import internal_token, token_ok
 from deployments.kv_endpoint import KVEventEndpoint, no_events
 
@@ -58,7 +58,7 @@ def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> B
 
         return VLLMBackend(backend, model, replica)
     if backend.kind == "sim":
-        from cluster.sim_backend import SimBackend
+        from cluster.engine.sim_backend import SimBackend
 
         return SimBackend.from_config(backend, model, replica)
     raise ValueError(f"backend '{backend.name}' of kind {backend.kind} is not an engine")

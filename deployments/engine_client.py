@@ -3,13 +3,13 @@
 :class:`ReplicaPicker` asks Serve for the engine deployment's live replicas through
 ``DeploymentHandle.choose_replica`` (no request is dispatched through Ray): Serve runs our
 :class:`deployments.request_router.ShimRequestRouter` in this process with its current replica
-list, and the shim hands that list to the backend's :class:`cluster.routing_view.BackendView`,
+list, and the shim hands that list to the backend's :class:`cluster.routing.view.BackendView`,
 which decides. A replica Serve no longer lists (dead, drained, scaled down) is gone from the
 next decision.
 
 :class:`EngineStream` then POSTs the request to the chosen replica and yields the client's SSE
 bytes as they arrive (whole events; nothing parsed but the end frame, see
-:mod:`cluster.engine_wire`). Closing it closes the connection, which aborts the engine request.
+:mod:`cluster.wire.engine_stream`). Closing it closes the connection, which aborts the engine request.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import aiohttp
 
-from cluster.engine_wire import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
-from cluster.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
-from cluster.migration import DRAINING_CODE
-from cluster.routing_view import BackendView, Choice, ReplicaInfo
+from cluster.policy.migration import DRAINING_CODE
+from cluster.routing.view import BackendView, Choice, ReplicaInfo
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
+from cluster.wire.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
 
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
 

@@ -24,18 +24,24 @@ import ray
 from ray import serve
 
 from cluster import tokens
-from cluster.admission import AdmissionController, Outcome
-from cluster.admission_async import AsyncAdmission
-from cluster.affinity import AffinityParams, AffinityRouter
 from cluster.config import BackendConfig, ClusterConfig
-from cluster.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
-from cluster.failover import BreakerBoard
-from cluster.protocol import BackendStats, ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
+from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
+from cluster.policy.admission import AdmissionController, Outcome
+from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.failover import BreakerBoard
+from cluster.policy.slo_guard import SloGuard
+from cluster.policy.tenants import TenantReservation
 from cluster.providers.budget import Prices
-from cluster.routing_view import BackendView
-from cluster.slo_guard import SloGuard
-from cluster.tenants import TenantReservation
-from cluster.trace import RequestTrace, new_id, parse_traceparent
+from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.view import BackendView
+from cluster.wire.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
+from cluster.wire.protocol import (
+    BackendStats,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    Usage,
+)
 from deployments import haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
@@ -54,8 +60,8 @@ def block_size(b: BackendConfig) -> int:
     if b.engine.block_size:
         return b.engine.block_size
     if b.kind == "sim":
-        from cluster.profiles import get_profile
-        from cluster.sim_backend import DEFAULT_PROFILE
+        from cluster.engine.profiles import get_profile
+        from cluster.engine.sim_backend import DEFAULT_PROFILE
 
         return get_profile(b.sim_profile or DEFAULT_PROFILE).engine.block_size
     return 16  # vLLM's GPU default

@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from cluster.errors import ClusterError, InvalidRequest, PayloadTooLarge
-from cluster.native_schemas import MessagesRequest, ResponsesRequest
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge
+from cluster.wire.native_schemas import MessagesRequest, ResponsesRequest
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

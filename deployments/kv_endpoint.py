@@ -1,4 +1,4 @@
-"""An engine replica's side of the KV-event transport (:mod:`cluster.kv_events`): its log served as
+"""An engine replica's side of the KV-event transport (:mod:`cluster.engine.kv_events`): its log served as
 ``GET /kv_events?after=N&epoch=E&wait=S`` (a long poll, the internal credential required), and the
 ``BlocksQueued`` it publishes as each request arrives. The gateways' side is
 :mod:`deployments.kv_feed`."""
@@ -11,11 +11,11 @@ import time
 
 from aiohttp import web
 
-from cluster.affinity import BlockHasher
-from cluster.engine_wire import INTERNAL_TOKEN_HEADER
-from cluster.errors import InvalidRequest, to_wire
-from cluster.kv_events import BlocksQueued, KVEventLog, page_to_wire
-from cluster.protocol import GenerateRequest
+from cluster.engine.kv_events import BlocksQueued, KVEventLog, page_to_wire
+from cluster.routing.block_hash import BlockHasher
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
+from cluster.wire.errors import InvalidRequest, to_wire
+from cluster.wire.protocol import GenerateRequest
 from deployments.internal import token_ok
 
 MAX_WAIT_S = 30.0

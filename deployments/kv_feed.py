@@ -5,7 +5,7 @@ Serve for the backend's live replicas (``ReplicaPicker.refresh``: the same list 
 keeps one follower task per replica that publishes events; a follower long-polls the replica's
 ``GET /kv_events?after=N&epoch=E&wait=S`` and applies each page to the view in order. Every gateway
 replica runs its own feed on the same logs, so all of them hold the same index (see
-:mod:`cluster.kv_events` for why the gateways pull). A replica whose connection is refused or cut
+:mod:`cluster.engine.kv_events` for why the gateways pull). A replica whose connection is refused or cut
 (its process died) loses its entries at once, before Serve's health check notices; one Serve drops
 loses its follower here and its entries in the view at the next decision, whichever comes first.
 """
@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 
-from cluster.engine_wire import INTERNAL_TOKEN_HEADER
-from cluster.kv_events import FeedCursor, page_from_wire
-from cluster.routing_view import BackendView
+from cluster.engine.kv_events import FeedCursor, page_from_wire
+from cluster.routing.view import BackendView
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 
 log = logging.getLogger("ray.serve")
 REFRESH_S = 1.0  # how often the replica list is re-read

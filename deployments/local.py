@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig, load_config
-from cluster.tiny_model import cache_root
+from cluster.engine.tiny_model import cache_root
 
 # vLLM's CPU build on small shared machines (see shared notes): in-process engine, one OpenMP
 # thread per engine, no pinning, offline.
@@ -202,7 +202,7 @@ def gateway_status(url: str) -> dict[str, Any]:
 def replica_stats(url: str) -> dict[str, Any]:
     """What each engine replica reports now (replica id → BackendStats), asked over its own
     token endpoint; the replicas' URLs come from a gateway's routing view."""
-    from cluster.protocol import BackendStats
+    from cluster.wire.protocol import BackendStats
 
     out: dict[str, Any] = {}
     status = gateway_status(url)

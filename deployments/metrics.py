@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from cluster.protocol import BackendStats, Usage
+from cluster.wire.protocol import BackendStats, Usage
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60, 120]
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5]

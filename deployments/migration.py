@@ -4,8 +4,8 @@ uninterrupted stream.
 
 :class:`Seamless` wraps the winning attempt's items for the relay. When they end with
 :class:`StreamInterrupted`, it reads back what the broken stream sent (the token ids ride in the
-events, :func:`cluster.engine_wire.parse_emitted`), asks the pure policy
-(:mod:`cluster.migration`) whether to continue, and races the continuation (prompt + tokens sent,
+events, :func:`cluster.wire.engine_stream.parse_emitted`), asks the pure policy
+(:mod:`cluster.policy.migration`) whether to continue, and races the continuation (prompt + tokens sent,
 the remaining ``max_tokens``, same sampling and seed) over the same model's self-hosted
 candidates with the same routing policy, which sees the continuation's prefix and avoids the
 broken replica. Its stream was asked not to repeat the role delta, so its bytes pass through as
@@ -21,13 +21,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.attempt_policy import backend_of_slot
-from cluster.engine_wire import Emitted, StreamEnd, parse_emitted
-from cluster.errors import ClusterError, StreamInterrupted
-from cluster.migration import Break, classify, client_usage, continuation
-from cluster.protocol import GenerateRequest, Usage
-from cluster.race import Attempt, RaceResult, first_token, follow
-from cluster.trace import RequestTrace
+from cluster.observability.trace import RequestTrace
+from cluster.policy.attempts import backend_of_slot
+from cluster.policy.migration import Break, classify, client_usage, continuation
+from cluster.policy.race import Attempt, RaceResult, first_token, follow
+from cluster.wire.engine_stream import Emitted, StreamEnd, parse_emitted
+from cluster.wire.errors import ClusterError, StreamInterrupted
+from cluster.wire.protocol import GenerateRequest, Usage
 from deployments import metrics
 from deployments.attempts import Continuing
 

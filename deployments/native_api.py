@@ -1,8 +1,8 @@
 """``POST /v1/messages`` (Anthropic-compatible) and ``POST /v1/responses`` (OpenAI Responses, minimal)
 as thin shells over the gateway's chat route.
 
-The body is translated into the OpenAI chat body (:mod:`cluster.messages_api`,
-:mod:`cluster.responses_api`) and served by the gateway's own chat completions path, so admission,
+The body is translated into the OpenAI chat body (:mod:`cluster.wire.messages_api`,
+:mod:`cluster.wire.responses_api`) and served by the gateway's own chat completions path, so admission,
 affinity, failover and the relay are the same; what that route writes back is translated on the
 way out (a stream event by event, a whole response or an error at once). Anthropic clients send
 their key as ``x-api-key``: it stands in for ``Authorization: Bearer`` here.
@@ -15,10 +15,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster import messages_api, responses_api
-from cluster.errors import ClusterError
-from cluster.messages_stream import MessagesStream
-from cluster.responses_stream import ResponsesStream
+from cluster.wire import messages_api, responses_api
+from cluster.wire.errors import ClusterError
+from cluster.wire.messages_stream import MessagesStream
+from cluster.wire.responses_stream import ResponsesStream
 from deployments import http_api as h
 
 Route = Callable[[h.Scope, h.Receive, h.Send], Awaitable[None]]

@@ -13,15 +13,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from cluster import capabilities, tokens
+from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig
-from cluster.context import fit_context
-from cluster.errors import ContextLengthExceeded, InvalidRequest, NotFound
-from cluster.image_tokens import image_parts, image_tokens
-from cluster.openai_format import ResponseMeta
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
-from cluster.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
-from cluster.routing_view import BackendView
+from cluster.policy import capabilities
+from cluster.policy.context import fit_context
+from cluster.routing.view import BackendView
+from cluster.tokens.images import image_parts, image_tokens
+from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
+from cluster.wire.openai_format import ResponseMeta
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
+from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import http_api as h
 from deployments import metrics
 
@@ -67,6 +68,21 @@ async def prepare_off_loop(
     return prepare(*args)
 
 
+def _parse(
+    cfg: ClusterConfig, raw: bytes, schema: type[BaseModel], session_header: str | None
+) -> tuple[Any, str | None]:
+    """The body validated against its schema, its model known, and the session key checked."""
+    api = h.validate(schema, h.parse_json(raw))
+    if cfg.model(api.model) is None:
+        raise NotFound(
+            f"The model '{api.model}' does not exist or you do not have access to it.", param="model"
+        )
+    session = session_header or api.user
+    if session is not None and not h.SAFE_ID.match(session):
+        raise InvalidRequest("x-session-id / user must be 1-128 characters of [A-Za-z0-9._:-].", param="user")
+    return api, session
+
+
 def prepare(
     cfg: ClusterConfig,
     raw: bytes,
@@ -77,14 +93,7 @@ def prepare(
     session_header: str | None,
     views: dict[str, BackendView],
 ) -> Prepared:
-    api = h.validate(schema, h.parse_json(raw))
-    if cfg.model(api.model) is None:
-        raise NotFound(
-            f"The model '{api.model}' does not exist or you do not have access to it.", param="model"
-        )
-    session = session_header or api.user
-    if session is not None and not h.SAFE_ID.match(session):
-        raise InvalidRequest("x-session-id / user must be 1-128 characters of [A-Za-z0-9._:-].", param="user")
+    api, session = _parse(cfg, raw, schema, session_header)
     asked = lookup_model(cfg, api.model)
     counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
 
@@ -154,7 +163,7 @@ def _block_hashes(
 
 def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
     """Image parts' tokens for the context check: the most any of the model's providers counts
-    (:mod:`cluster.image_tokens`; engines refuse images). The adapter reserves its own count."""
+    (:mod:`cluster.tokens.images`; engines refuse images). The adapter reserves its own count."""
     if not messages or not image_parts(messages):
         return 0
     apis = {b.provider.api for b in cfg.backends if b.model == model_name and b.provider is not None}

@@ -23,9 +23,9 @@ from typing import Any, Protocol
 from cluster.config import BackendConfig, ProviderConfig
 from cluster.cost import Prices, cost_usd
 from cluster.dataplane import budget_deployment
-from cluster.errors import BackendUnavailable
-from cluster.protocol import Usage
 from cluster.providers.budget import Admission, ProviderBudget
+from cluster.wire.errors import BackendUnavailable
+from cluster.wire.protocol import Usage
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as :class:`cluster.backend.Backend`.
+"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as
+:class:`cluster.wire.backend.Backend`.
 
 One pooled ``httpx.AsyncClient`` per process (per event loop) carries every request; each is
 streamed, parsed event by event and never buffered whole. Four clocks bound a request, from the
@@ -20,112 +21,73 @@ import inspect
 import logging
 import os
 import time
-import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, ClassVar
 
 import httpx
-from httpx_aiohttp import AiohttpTransport
 
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
-from cluster.errors import ClusterError, ProviderAuthError, RateLimited
-from cluster.image_tokens import image_tokens
-from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, cost_usd
 from cluster.providers.sse import SSEDecoder, SSEEvent
+from cluster.tokens.images import image_tokens
+from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
+from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.provider_budget import Budget, get_budget
+from deployments.provider_counters import ProviderCounters
+from deployments.provider_http import (
+    Aborted,
+    Flight,
+    Secret,
+    aclose_shared_client,
+    read_capped,
+    shared_client,
+)
+
+__all__ = [
+    "AnthropicProviderBackend",
+    "OpenAIProviderBackend",
+    "ProviderBackend",
+    "aclose_shared_client",
+    "build_provider_backend",
+    "shared_client",
+]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-MAX_ERROR_BODY = 64 * 1024
-EWMA_ALPHA = 0.1
 BIG_PROMPT_CHARS = 200_000  # count tokens of bigger prompts in a thread, off the event loop
 
-# ------------------------------------------------------------------------------------------------
-# One pooled client per process (httpx clients are bound to the loop that first used them)
-# ------------------------------------------------------------------------------------------------
 
-_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
-    weakref.WeakKeyDictionary()
-)
+class _Stream:
+    """What one request's stream has seen so far, read by its error paths and its cleanup."""
 
+    __slots__ = (
+        "charged",
+        "done",
+        "finish",
+        "input_est",
+        "last",
+        "out_parts",
+        "reserved",
+        "response",
+        "settled",
+        "started",
+        "usage",
+    )
 
-class _NoCookies(httpx.Cookies):
-    """The shared client keeps no cookies: every tenant's requests go through it, so a provider's
-    ``Set-Cookie`` on one answer must not ride along on everyone's next request (and reading each
-    answer's cookies into a jar cost ~5 % of the gateway's CPU per request)."""
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        return None
-
-
-def shared_client() -> httpx.AsyncClient:
-    loop = asyncio.get_running_loop()
-    client = _CLIENTS.get(loop)
-    if client is None or client.is_closed:
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0)
-        client = httpx.AsyncClient(
-            # httpx's API over aiohttp's connection pool: httpx's own pool cost O(connections) per
-            # request, the largest single cost of a Python relay (shared/notes/ray-serve-fast-path.md).
-            transport=AiohttpTransport(limits=limits, trust_env=False),
-            limits=limits,
-            timeout=None,  # per request, from the provider config
-            follow_redirects=False,
-        )
-        client._cookies = _NoCookies()  # httpx has no switch for it; its setter copies into a jar
-        _CLIENTS[loop] = client
-    return client
-
-
-async def aclose_shared_client() -> None:
-    """Close this loop's pooled client (tests, shutdown); the next request opens a new one."""
-    client = _CLIENTS.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        await client.aclose()
-
-
-class _Secret:
-    """An API key that never shows itself in a repr, a log line or a traceback's locals."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str | None) -> None:
-        self._value = value or None
-
-    def reveal(self) -> str | None:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "<secret>" if self._value else "<no secret>"
-
-    __str__ = __repr__
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Flight:
-    """One request in flight: what ``abort`` needs to reach it."""
-
-    __slots__ = ("aborted", "loop", "timeout")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.aborted = False
-        self.loop = loop
-        self.timeout: asyncio.Timeout | None = None
-
-    def abort(self) -> None:
-        self.aborted = True
-        cm = self.timeout
-        if cm is not None:  # fire the pending read's timeout now: it notices ``aborted``
-            self.loop.call_soon_threadsafe(
-                lambda: cm.reschedule(self.loop.time()) if not cm.expired() else None
-            )
+    def __init__(self, input_est: int) -> None:
+        self.input_est = input_est
+        self.charged = 0  # tokens to charge the budget if the provider never reports usage
+        self.out_parts: list[str] = []  # what came back, counted once, only where no usage is reported
+        self.reserved = self.settled = False
+        self.started = False  # content has been yielded
+        self.done = False  # the provider said the stream is over
+        self.usage: Usage | None = None
+        self.finish: str | None = None
+        self.last = 0.0  # loop time of the last read
+        self.response: httpx.Response | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +119,7 @@ class ProviderBackend:
         self.model = model.name
         self.upstream_model = self.cfg.upstream_model or model.name
         self.base_url = self.cfg.base_url.rstrip("/")
-        self._key = _Secret(os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
+        self._key = Secret(os.environ.get(self.cfg.api_key_env) if self.cfg.api_key_env else None)
         if self.cfg.api_key_env and self._key.reveal() is None:
             log.warning(
                 "provider backend %s: environment variable %s is not set", backend.name, self.cfg.api_key_env
@@ -166,30 +128,16 @@ class ProviderBackend:
         self.budget: Budget = budget if budget is not None else get_budget(backend)
         self._client = client
         self.admission_wait_s = admission_wait_s
-        self._flights: dict[str, list[_Flight]] = {}
+        self._flights: dict[str, list[Flight]] = {}
         self._timeout = httpx.Timeout(
             connect=self.cfg.connect_timeout_s,
             read=None,  # reads are bounded by the first-token / between-token clocks below
             write=self.cfg.between_tokens_timeout_s,
             pool=self.cfg.connect_timeout_s,
         )
-        # counters for stats()
-        self.started = self.finished = self.aborted = 0
-        self.errors: dict[str, int] = {}
-        self.auth_failures = 0
-        self.budget_denied = 0
-        self.usage_estimated = 0
-        self.cost_usd_total = 0.0
-        self.prompt_tokens_total = self.completion_tokens_total = 0
+        self.counts = ProviderCounters()
         self.prices = Prices.from_config(self.cfg)
         self.on_unsettled = on_unsettled  # (request, usage, cost) for streams ended without usage
-        self.cancelled_requests = 0
-        self.cancelled_prompt_tokens_total = self.cancelled_completion_tokens_total = 0
-        self.cancelled_cost_usd_total = 0.0
-        self._est_err_last: float | None = None
-        self._est_err_ewma: float | None = None
-        self._est_abs_err_sum = 0.0
-        self._est_samples = 0
 
     def __repr__(self) -> str:
         name = type(self).__name__
@@ -231,120 +179,20 @@ class ProviderBackend:
         total_deadline = t0 + self.cfg.total_timeout_s
         if req.deadline is not None:
             total_deadline = min(total_deadline, t0 + (req.deadline - time.time()))
-        flight = _Flight(loop)
+        flight = Flight(loop)
         self._flights.setdefault(req.request_id, []).append(flight)
-        self.started += 1
-        input_est = await self._estimate_input(req)
-        charged = 0  # tokens to charge the budget if the provider never reports usage
-        out_parts: list[str] = []  # what came back, counted once, only where no usage is reported
-        settled = reserved = False
-        response: httpx.Response | None = None
+        self.counts.started += 1
+        s = _Stream(await self._estimate_input(req))
         try:
             wait = max(0.0, min(self.admission_wait_s, total_deadline - loop.time()))
-            adm = await self.budget.reserve(req.request_id, input_est, req.sampling.max_tokens, wait)
-            if not adm.ok:
-                self.budget_denied += 1
-                raise RateLimited(
-                    f"provider backend '{self.backend_name}' is over its {adm.reason} budget",
-                    retry_after_s=adm.retry_after_s,
-                    backend=self.backend_name,
-                )
-            reserved = True
-            started = False  # content has been yielded
-            usage: Usage | None = None
-            finish: str | None = None
-            sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
-            first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
+            await self._reserve(req, s.input_est, wait)
+            s.reserved = True
+            relay = self._relay(req, flight, s, total_deadline)
             try:
-                response = await self._send(req, flight, first_deadline)
-                charged = input_est  # it reached the provider: it may bill the input
-                if response.status_code != 200:
-                    body = await self._timed(flight, first_deadline, _read_capped(response))
-                    raise self._map_status(response.status_code, body, response.headers)
-                decoder, parse = SSEDecoder(), self._parser()
-                chunks = response.aiter_bytes()
-                last = loop.time()
-                done = False
-                while not done:
-                    deadline = (
-                        min(total_deadline, last + self.cfg.between_tokens_timeout_s)
-                        if started
-                        else first_deadline
-                    )
-                    try:
-                        data = await self._timed(flight, deadline, anext(chunks))
-                    except StopAsyncIteration:
-                        break
-                    last = loop.time()
-                    batch: list[Chunk] = []
-                    failure: Exception | None = None  # raised once what came before it is out
-                    for ev in decoder.feed(data):
-                        try:
-                            delta: StreamDelta = parse(ev)
-                        except ValueError as exc:
-                            failure = exc
-                            break
-                        if delta.error is not None:
-                            failure = perrors.from_stream_error(
-                                delta.error,
-                                provider=self.api,
-                                backend=self.backend_name,
-                                started=started,
-                                secret=self._key.reveal(),
-                            )
-                            break
-                        usage = delta.usage or usage
-                        finish = delta.finish_reason or finish
-                        if delta.text or delta.tool_calls or delta.thinking:  # all content
-                            started = True
-                            out_parts.append(delta.text)
-                            batch.append(
-                                self._chunk(
-                                    text=delta.text, tool_calls=delta.tool_calls, thinking=delta.thinking
-                                )
-                            )
-                        if delta.done:
-                            done = True
-                            break
-                    if batch:
-                        yield batch
-                    if failure is not None:
-                        raise failure
-                if not done and (finish is None or self.api == "anthropic"):
-                    raise perrors.truncated(backend=self.backend_name, started=started)
-            except _Aborted:
-                self.aborted += 1
-                usage = Usage(prompt_tokens=input_est, completion_tokens=self._count_out(out_parts))
-                yield [
-                    Chunk(finish_reason="abort", usage=usage, replica=self.replica, backend=self.backend_name)
-                ]
-                return
-            except ClusterError:
-                raise
-            except (TimeoutError, httpx.HTTPError, OSError, ValueError) as exc:
-                waited = loop.time() - (last if started else sent_at)
-                raise perrors.from_transport(
-                    exc, backend=self.backend_name, started=started, waited_s=waited
-                ) from exc
-            if usage is None:
-                self.usage_estimated += 1
-                usage = Usage(prompt_tokens=input_est, completion_tokens=self._count_out(out_parts))
-            else:
-                self._observe_estimate(input_est, usage.prompt_tokens)
-            cost = await self.budget.settle(req.request_id, usage)
-            settled = True
-            self.cost_usd_total += cost
-            self.prompt_tokens_total += usage.prompt_tokens
-            self.completion_tokens_total += usage.completion_tokens
-            self.finished += 1
-            yield [
-                Chunk(
-                    finish_reason=finish or "stop",
-                    usage=usage,
-                    replica=self.replica,
-                    backend=self.backend_name,
-                )
-            ]
+                async for batch in relay:
+                    yield batch
+            finally:
+                await relay.aclose()
         except ClusterError as err:
             self._count_error(err, req)
             raise
@@ -354,17 +202,126 @@ class ProviderBackend:
                 flights.remove(flight)
             if not flights:
                 self._flights.pop(req.request_id, None)
-            release: int | None = None  # tokens to charge when the slot goes back without usage
-            if reserved and not settled:
-                release = 0
-                if charged:  # it reached the provider: the input, and what came back, may be billed
-                    out = self._count_out(out_parts)
-                    release = charged + out
-                    if response is not None and response.status_code == 200:
-                        self._count_unsettled(req, Usage(prompt_tokens=input_est, completion_tokens=out))
             # One shielded task for both steps: a second cancellation while the connection closes
             # must not skip the release (the slot would be held until the reservation expires).
-            await asyncio.shield(self._close(req.request_id, response, release))
+            await asyncio.shield(self._close(req.request_id, s.response, self._unsettled_release(req, s)))
+
+    async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> None:
+        """The budget's seat for this request, waiting at most ``wait_s``; a 429 when there is none."""
+        adm = await self.budget.reserve(req.request_id, input_est, req.sampling.max_tokens, wait_s)
+        if not adm.ok:
+            self.counts.budget_denied += 1
+            raise RateLimited(
+                f"provider backend '{self.backend_name}' is over its {adm.reason} budget",
+                retry_after_s=adm.retry_after_s,
+                backend=self.backend_name,
+            )
+
+    async def _relay(
+        self, req: GenerateRequest, flight: Flight, s: _Stream, total_deadline: float
+    ) -> AsyncIterator[list[Chunk]]:
+        """Send the request and pass its content on as it arrives, then its usage (settled)."""
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
+        first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
+        try:
+            s.response = response = await self._send(req, flight, first_deadline)
+            s.charged = s.input_est  # it reached the provider: it may bill the input
+            if response.status_code != 200:
+                body = await flight.timed(first_deadline, read_capped(response))
+                raise self._map_status(response.status_code, body, response.headers)
+            decoder, parse = SSEDecoder(), self._parser()
+            chunks = response.aiter_bytes()
+            s.last = loop.time()
+            while not s.done:
+                deadline = (
+                    min(total_deadline, s.last + self.cfg.between_tokens_timeout_s)
+                    if s.started
+                    else first_deadline
+                )
+                try:
+                    data = await flight.timed(deadline, anext(chunks))
+                except StopAsyncIteration:
+                    break
+                s.last = loop.time()
+                batch, failure = self._read_events(s, parse, decoder.feed(data))
+                if batch:
+                    yield batch
+                if failure is not None:
+                    raise failure
+            if not s.done and (s.finish is None or self.api == "anthropic"):
+                raise perrors.truncated(backend=self.backend_name, started=s.started)
+        except Aborted:
+            self.counts.aborted += 1
+            usage = Usage(prompt_tokens=s.input_est, completion_tokens=self._count_out(s.out_parts))
+            yield [Chunk(finish_reason="abort", usage=usage, replica=self.replica, backend=self.backend_name)]
+            return
+        except ClusterError:
+            raise
+        except (TimeoutError, httpx.HTTPError, OSError, ValueError) as exc:
+            waited = loop.time() - (s.last if s.started else sent_at)
+            raise perrors.from_transport(
+                exc, backend=self.backend_name, started=s.started, waited_s=waited
+            ) from exc
+        yield [await self._settle(req, s)]
+
+    def _read_events(
+        self, s: _Stream, parse: Callable[[SSEEvent], StreamDelta], events: list[SSEEvent]
+    ) -> tuple[list[Chunk], Exception | None]:
+        """One network read's events as chunks, and the failure to raise once they are out."""
+        batch: list[Chunk] = []
+        for ev in events:
+            try:
+                delta = parse(ev)
+            except ValueError as exc:
+                return batch, exc
+            if delta.error is not None:
+                return batch, perrors.from_stream_error(
+                    delta.error,
+                    provider=self.api,
+                    backend=self.backend_name,
+                    started=s.started,
+                    secret=self._key.reveal(),
+                )
+            s.usage = delta.usage or s.usage
+            s.finish = delta.finish_reason or s.finish
+            if delta.text or delta.tool_calls or delta.thinking:  # all content
+                s.started = True
+                s.out_parts.append(delta.text)
+                batch.append(
+                    self._chunk(text=delta.text, tool_calls=delta.tool_calls, thinking=delta.thinking)
+                )
+            if delta.done:
+                s.done = True
+                break
+        return batch, None
+
+    async def _settle(self, req: GenerateRequest, s: _Stream) -> Chunk:
+        """Settle the budget with the provider's usage (ours where it reported none): the last chunk."""
+        usage = s.usage
+        if usage is None:
+            self.counts.usage_estimated += 1
+            usage = Usage(prompt_tokens=s.input_est, completion_tokens=self._count_out(s.out_parts))
+        else:
+            self.counts.observe_estimate(s.input_est, usage.prompt_tokens)
+        cost = await self.budget.settle(req.request_id, usage)
+        s.settled = True
+        self.counts.settled(usage, cost)
+        return Chunk(
+            finish_reason=s.finish or "stop", usage=usage, replica=self.replica, backend=self.backend_name
+        )
+
+    def _unsettled_release(self, req: GenerateRequest, s: _Stream) -> int | None:
+        """Tokens to charge when the budget's slot goes back without usage (None: nothing to release)."""
+        if not s.reserved or s.settled:
+            return None
+        if not s.charged:
+            return 0
+        # It reached the provider: the input, and what came back, may be billed.
+        out = self._count_out(s.out_parts)
+        if s.response is not None and s.response.status_code == 200:
+            self._count_unsettled(req, Usage(prompt_tokens=s.input_est, completion_tokens=out))
+        return s.charged + out
 
     async def _close(self, request_id: str, response: httpx.Response | None, release: int | None) -> None:
         try:
@@ -379,10 +336,7 @@ class ProviderBackend:
         lost a hedge, stalled, broke): the provider bills what it read and wrote, so we count it too
         (prompt tokens as sent, output tokens as received), apart from the settled totals."""
         cost = cost_usd(usage, self.prices)
-        self.cancelled_requests += 1
-        self.cancelled_prompt_tokens_total += usage.prompt_tokens
-        self.cancelled_completion_tokens_total += usage.completion_tokens
-        self.cancelled_cost_usd_total += cost
+        self.counts.unsettled(usage, cost)
         if self.on_unsettled is not None:
             try:
                 self.on_unsettled(req, usage, cost)
@@ -402,9 +356,9 @@ class ProviderBackend:
             kind="provider",
             running=sum(len(v) for v in self._flights.values()),
             waiting=int(budget.get("waiting", 0)),
-            requests_started=self.started,
-            requests_finished=self.finished,
-            requests_aborted=self.aborted,
+            requests_started=self.counts.started,
+            requests_finished=self.counts.finished,
+            requests_aborted=self.counts.aborted,
             # Restarting a replica cannot fix a provider: failures show in the counters and breakers.
             healthy=True,
             extra=self._extra(budget),
@@ -416,26 +370,8 @@ class ProviderBackend:
             "api": self.api,
             "tokenizer": getattr(self.counter, "name", type(self.counter).__name__),
             "tokenizer_exact": bool(self.counter.exact),
-            # (our input estimate - the provider's prompt_tokens) / the provider's: > 0 over-reserves
-            "prompt_estimate_error": self._est_err_ewma,
-            "prompt_estimate_error_last": self._est_err_last,
-            "prompt_estimate_abs_error_mean": self._est_abs_err_sum / self._est_samples
-            if self._est_samples
-            else None,
-            "prompt_estimate_samples": self._est_samples,
-            "usage_estimated": self.usage_estimated,
-            "cost_usd_total": self.cost_usd_total,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "completion_tokens_total": self.completion_tokens_total,
-            # streams that reached the provider and ended without usage (cancels, stalls, breaks)
-            "cancelled_requests": self.cancelled_requests,
-            "cancelled_prompt_tokens_total": self.cancelled_prompt_tokens_total,
-            "cancelled_completion_tokens_total": self.cancelled_completion_tokens_total,
-            "cancelled_cost_usd_total": self.cancelled_cost_usd_total,
-            "auth_failures": self.auth_failures,
-            "budget_denied": self.budget_denied,
+            **self.counts.extra(),
         }
-        extra.update({f"errors_{name}": n for name, n in self.errors.items()})
         extra.update({f"budget_{k}": v for k, v in budget.items() if k != "waiting"})
         return {k: v for k, v in extra.items() if v is not None}
 
@@ -443,7 +379,7 @@ class ProviderBackend:
         """Nothing to free per adapter: the pooled client belongs to the process."""
 
     # -- internals --------------------------------------------------------------------------------
-    async def _send(self, req: GenerateRequest, flight: _Flight, deadline: float) -> httpx.Response:
+    async def _send(self, req: GenerateRequest, flight: Flight, deadline: float) -> httpx.Response:
         """POST the request; returns once the response headers are in (the body is still streaming)."""
         client = self._client or shared_client()
         request = client.build_request(
@@ -453,24 +389,7 @@ class ProviderBackend:
             headers=self._headers(req),
             timeout=self._timeout,
         )
-        return await self._timed(flight, deadline, client.send(request, stream=True))
-
-    async def _timed(self, flight: _Flight, deadline: float, aw: Awaitable[T]) -> T:
-        """Await ``aw`` until ``deadline`` (loop time); ``abort`` fires the same timeout early."""
-        if flight.aborted:
-            if inspect.iscoroutine(aw):
-                aw.close()
-            raise _Aborted
-        try:
-            async with asyncio.timeout_at(deadline) as cm:
-                flight.timeout = cm
-                return await aw
-        except TimeoutError:
-            if flight.aborted:
-                raise _Aborted from None
-            raise
-        finally:
-            flight.timeout = None
+        return await flight.timed(deadline, client.send(request, stream=True))
 
     async def _estimate_input(self, req: GenerateRequest) -> int:
         if req.prompt_token_ids:  # the router counted with this model's tokenizer; images our way
@@ -492,22 +411,11 @@ class ProviderBackend:
     def _count_out(self, parts: list[str]) -> int:
         return self.counter.count("".join(parts)) if parts else 0
 
-    def _observe_estimate(self, estimate: int, reported: int) -> None:
-        if reported <= 0:
-            return
-        err = (estimate - reported) / reported
-        self._est_err_last = err
-        self._est_err_ewma = (
-            err if self._est_err_ewma is None else (1 - EWMA_ALPHA) * self._est_err_ewma + EWMA_ALPHA * err
-        )
-        self._est_abs_err_sum += abs(err)
-        self._est_samples += 1
-
     def _count_error(self, err: ClusterError, req: GenerateRequest) -> None:
         name = type(err).__name__
-        self.errors[name] = self.errors.get(name, 0) + 1
-        if isinstance(err, ProviderAuthError):
-            self.auth_failures += 1
+        auth = isinstance(err, ProviderAuthError)
+        self.counts.error(name, auth=auth)
+        if auth:
             log.error(
                 "provider auth failed: backend=%s request=%s: %s", self.backend_name, req.request_id, err
             )
@@ -515,16 +423,6 @@ class ProviderBackend:
             log.warning(
                 "provider error: backend=%s request=%s %s: %s", self.backend_name, req.request_id, name, err
             )
-
-
-async def _read_capped(response: httpx.Response) -> bytes:
-    """An error body, at most MAX_ERROR_BODY bytes of it."""
-    buf = bytearray()
-    async for part in response.aiter_bytes():
-        buf += part
-        if len(buf) >= MAX_ERROR_BODY:
-            break
-    return bytes(buf[:MAX_ERROR_BODY])
 
 
 class OpenAIProviderBackend(ProviderBackend):

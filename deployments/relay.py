@@ -2,9 +2,9 @@
 to the client, then the accounting.
 
 An engine replica's stream arrives as the client's own SSE bytes and is passed through as read; a
-provider adapter's typed chunks are framed here (:mod:`cluster.openai_format`, the one SSE
+provider adapter's typed chunks are framed here (:mod:`cluster.wire.openai_format`, the one SSE
 writer). Per chunk: one read, one ``send``, a clock stamp. No task, no timer (one watchdog per
-stream, in :func:`cluster.race.follow`), no metrics call: those come once, at the end.
+stream, in :func:`cluster.policy.race.follow`), no metrics call: those come once, at the end.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.admission import Outcome
-from cluster.attempt_policy import backend_of_slot
-from cluster.errors import ClusterError, StreamInterrupted
-from cluster.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
-from cluster.protocol import Chunk, Usage
+from cluster.observability.trace import RequestTrace
+from cluster.policy.admission import Outcome
+from cluster.policy.attempts import backend_of_slot
+from cluster.policy.race import RaceResult, first_token, follow
 from cluster.providers.budget import cost_usd
-from cluster.race import RaceResult, first_token, follow
-from cluster.thinking import ThinkingAccumulator
-from cluster.tool_calls import ToolCallAccumulator
-from cluster.trace import RequestTrace
+from cluster.wire.errors import ClusterError, StreamInterrupted
+from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
+from cluster.wire.protocol import Chunk, Usage
+from cluster.wire.thinking import ThinkingAccumulator
+from cluster.wire.tool_calls import ToolCallAccumulator
 from deployments import http_api as h
 from deployments import metrics
 from deployments.migration import Seamless

@@ -3,7 +3,7 @@ replica (``DeploymentHandle.choose_replica``) with a routing payload from
 :mod:`deployments.engine_client`; Serve calls this router in the gateway's own process with the
 live replica list, and the payload's routing view decides. Serve keeps owning replica
 lifecycle, health checks and autoscaling; the decision and its state live in
-:class:`cluster.routing_view.BackendView`, one object, owned by the gateway.
+:class:`cluster.routing.view.BackendView`, one object, owned by the gateway.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ waiting. Should the deployment be unreachable, the request is admitted (the budg
 control; the providers' own limits still hold) and the failure is logged.
 
 Without Serve (unit tests, one process) the budgets are an in-process object. Both speak the same
-async interface; the pure accounting is :class:`cluster.tenants.TenantBudgets`.
+async interface; the pure accounting is :class:`cluster.policy.tenants.TenantBudgets`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 from ray import serve
 
 from cluster.config import TenantConfig
-from cluster.errors import RateLimited
-from cluster.tenants import TenantBudgets, TenantReservation
+from cluster.policy.tenants import TenantBudgets, TenantReservation
+from cluster.wire.errors import RateLimited
 
 log = logging.getLogger("ray.serve")
 Reserved = TenantReservation | RateLimited | None

@@ -1,7 +1,9 @@
-"""Export finished request traces (:mod:`cluster.trace`) over OTLP/HTTP, from a background thread.
+"""Export finished request traces (:mod:`cluster.observability.trace`) over OTLP/HTTP, from a
+background thread.
 
 Built only when ``tracing.otlp_endpoint`` is set: the gateway then makes one
-:class:`~cluster.trace.RequestTrace` per request and calls :meth:`Tracer.export` once when it ends.
+:class:`~cluster.observability.trace.RequestTrace` per request and calls :meth:`Tracer.export` once
+when it ends.
 Spans are created with the times the trace recorded (OpenTelemetry's SDK takes explicit start and
 end times), queued to a ``BatchSpanProcessor``; nothing waits on the collector, and a collector
 that is down costs a dropped batch, not a request.
@@ -15,7 +17,7 @@ import time
 from typing import Any
 
 from cluster.config import TracingConfig
-from cluster.trace import RequestTrace, SpanData, spans
+from cluster.observability.trace import RequestTrace, SpanData, spans
 
 _KINDS = {"server": "SERVER", "client": "CLIENT", "internal": "INTERNAL"}
 log = logging.getLogger("ray.serve")

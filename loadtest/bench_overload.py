@@ -58,6 +58,7 @@ import httpx
 
 from deployments.local import free_port
 from loadtest.provenance import git_state, provenance
+from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import (
     MODEL,
     PROFILE,
@@ -71,7 +72,7 @@ from loadtest.sim_live import (
     stream_chat,
     warm_up,
 )
-from loadtest.workloads import RequestSpec, SharedPrefixWorkload, merge, summary
+from loadtest.workloads import SharedPrefixWorkload, merge, summary
 
 APP = "llmc-overload"
 SURFACES = ("tab", "agent")

@@ -21,11 +21,11 @@ a median duration; :func:`fit_step_time` solves the non-negative least-squares p
 coefficients, minimising *relative* residuals (a 2 ms decode step matters as much as a 20 ms
 prefill). Three fits (see :func:`fit_all`): LinearStepTime's form with TTFT taken as one step,
 LinearStepTime's form fitted to steps alone (+ the request latency apart; this one is in
-``cluster/profiles.py``), and an extended form with a prefill base cost. The fitting functions are
+``cluster/engine/profiles.py``), and an extended form with a prefill base cost. The fitting functions are
 pure and unit-tested (``tests/unit/test_calibration_fit.py``).
 
 Writes ``loadtest/results/engine_calibration.json`` (raw medians, then the fits) and prints the
-``FittedCoefficients(...)`` to paste into ``cluster/profiles.py``. About 1.5 minutes.
+``FittedCoefficients(...)`` to paste into ``cluster/engine/profiles.py``. About 1.5 minutes.
 """
 
 from __future__ import annotations
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("  " + ", ".join(f"{k}={v:.3g}" for k, v in f["coefficients"].items()))
     for name in ("fit_linear_ttft", "fit_linear_steps"):
-        print(f"\nFor cluster/profiles.py (cpu-tiny), {name}:")
+        print(f"\nFor cluster/engine/profiles.py (cpu-tiny), {name}:")
         print(profile_snippet(result[name]["coefficients"]))
     return 0
 

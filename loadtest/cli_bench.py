@@ -14,8 +14,8 @@ Workloads (``--workload``): a surface (``tab``, ``chat``, ``agent``), ``mixed`` 
 ``tab=6,chat=3,agent=1`` — shapes from :mod:`loadtest.surfaces` at arrival times from
 :mod:`loadtest.arrivals` (``--arrival poisson|gamma|uniform``, ``--rate``, ``--duration``,
 ``--cv``, ``--seed``); a JSONL trace (``*.jsonl``: records of :class:`RequestSpec` with ``t``);
-or ``module:function`` / ``module:Class`` returning request specs (ours, or
-``loadtest.workloads.RequestSpec``), or records of them — called with whichever of ``seed, n,
+or ``module:function`` / ``module:Class`` returning request specs
+(:class:`loadtest.request_spec.RequestSpec`) or records of them — called with whichever of ``seed, n,
 rate, duration_s, times, scale, context_window, model`` it accepts, a class then asked to
 ``generate(seed)``; ``shared-prefix`` is ``loadtest.workloads:SharedPrefixWorkload``. Specs
 without an arrival time get the ``--arrival`` times in order.
@@ -41,7 +41,7 @@ import platform
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ import yaml
 from cluster.config import ClusterConfig, parse_config
 from deployments.local import free_port
 from loadtest import arrivals, runner
-from loadtest.surfaces import SHAPES, RequestSpec, parse_mix, schedule
+from loadtest.request_spec import RequestSpec
+from loadtest.surfaces import SHAPES, parse_mix, schedule
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -161,9 +162,9 @@ def _from_function(
     for i, item in enumerate(items):
         spec, timed = coerce_spec(item)
         if not timed:
-            spec.t = times[i] if i < len(times) else (times[-1] if times else 0.0)
+            spec.arrival_s = times[i] if i < len(times) else (times[-1] if times else 0.0)
         specs.append(spec)
-    return sorted(specs, key=lambda s: s.t)
+    return sorted(specs, key=lambda s: s.arrival_s)
 
 
 def _call(fn: Any, offered: dict[str, Any]) -> Any:
@@ -172,18 +173,16 @@ def _call(fn: Any, offered: dict[str, Any]) -> Any:
 
 
 def coerce_spec(item: Any) -> tuple[RequestSpec, bool]:
-    """Our RequestSpec from theirs (``loadtest.workloads.RequestSpec``: ``arrival_s``, messages …)
-    or from a record; the flag says whether it came with an arrival time."""
+    """A generator's item as a RequestSpec: one already (a spec without a surface is sent as Chat),
+    or a record (``t`` or ``arrival_s``, messages as any sequence; or an object's ``to_json()``);
+    the flag says whether it came with an arrival time."""
     if isinstance(item, RequestSpec):
-        return item, True
+        return (item if item.surface is not None else replace(item, surface="chat")), True
     d = dict(item.to_json() if hasattr(item, "to_json") else item)
     if "arrival_s" in d and "t" not in d:
         d["t"] = d.pop("arrival_s")
-    if isinstance(d.get("messages"), tuple):
-        d["messages"] = [dict(m) for m in d["messages"]]
     d.setdefault("kind", "chat" if "messages" in d else "completion")
     d["surface"] = d.get("surface") or "chat"
-    d.setdefault("turn", 0)
     return RequestSpec.from_record(d), "t" in d
 
 

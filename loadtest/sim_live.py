@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 from loadtest.client import EventStream
+from loadtest.request_spec import RequestSpec
 from loadtest.stats import nearest_rank
-from loadtest.workloads import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -53,7 +53,7 @@ class Result:
 def _request(spec: RequestSpec, model: str, session_header: bool) -> tuple[dict[str, Any], dict[str, str]]:
     body = {
         "model": model,
-        "messages": [dict(m) for m in spec.messages],
+        "messages": [dict(m) for m in spec.messages or ()],
         "max_tokens": spec.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -27,7 +27,7 @@ COLUMNS = (
     "request_latency_s",  # once per request, outside the step loop: not in EngineModel
     "request_latency_s_per_token",  # ... growing with the prompt (input processing)
 )
-# The shipped form (cluster.profiles.LinearStepTime): no prefill base, no request latency.
+# The shipped form (cluster.engine.profiles.LinearStepTime): no prefill base, no request latency.
 SHIPPED_FORM = {"prefill_base_s": 0.0, "request_latency_s": 0.0, "request_latency_s_per_token": 0.0}
 # The extended form: overhead and decode_base only ever appear as a sum once prefill steps have
 # their own base, so the fixed per-step cost is all put into overhead_s.
@@ -207,7 +207,7 @@ def decode_window_step(streams: Sequence[Sequence[tuple[float, int]]]) -> tuple[
 
 
 def profile_snippet(coefficients: dict[str, float]) -> str:
-    """The shipped-form coefficients as they go into cluster/profiles.py's cpu-tiny profile."""
+    """The shipped-form coefficients as they go into cluster/engine/profiles.py's cpu-tiny profile."""
     c = coefficients
     return (
         "fitted=FittedCoefficients(\n"
@@ -308,7 +308,8 @@ def fit_all(measured: dict[str, Any]) -> dict[str, Any]:
         "request_latency_fit": latency,
         "request_latency_constant": fit_request_latency(outside, per_token=False),
         "fit_linear_ttft": {
-            "model": linear + " (cluster.profiles.LinearStepTime); TTFT = one step; rows: ttft, itl, mixed",
+            "model": linear
+            + " (cluster.engine.profiles.LinearStepTime); TTFT = one step; rows: ttft, itl, mixed",
             **fit_summary(linear_ttft, client_rows),
         },
         "fit_linear_steps": {

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
 
-Kind = Literal["chat", "completion"]
+from loadtest.request_spec import Kind, RequestSpec
 
 _WORDS = tuple(
     [
@@ -142,55 +141,6 @@ SHAPES: dict[str, SurfaceShape] = {
 }
 
 
-@dataclass
-class RequestSpec:
-    """One request of a workload: what to send, for whom, when, and when the client gives up."""
-
-    surface: str
-    kind: Kind
-    session_id: str
-    turn: int
-    max_tokens: int
-    messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    cancel_after_s: float | None = None
-    t: float = 0.0  # arrival offset (s) in an open-loop schedule
-    prompt_tokens_est: int = 0
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
-
-    def body(self, model: str, *, stream: bool = True) -> dict[str, Any]:
-        b: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "ignore_eos": True}
-        if self.kind == "chat":
-            b["messages"] = self.messages
-        else:
-            b["prompt"] = self.prompt
-        if stream:
-            b["stream"] = True
-            b["stream_options"] = {"include_usage": True}
-        return b
-
-    def headers(self) -> dict[str, str]:
-        return {"x-surface": self.surface, "x-session-id": self.session_id}
-
-    def to_record(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-    @classmethod
-    def from_record(cls, rec: dict[str, Any]) -> RequestSpec:
-        known = {f for f in cls.__dataclass_fields__}
-        spec = cls(**{k: v for k, v in rec.items() if k in known})
-        if spec.kind not in ("chat", "completion"):
-            raise ValueError(f"record kind must be chat or completion, got {spec.kind!r}")
-        if (spec.kind == "chat") != (spec.messages is not None) or (
-            spec.kind == "completion" and spec.prompt is None
-        ):
-            raise ValueError("a chat record needs 'messages', a completion record needs 'prompt'")
-        return spec
-
-
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(0, n)))
 
@@ -282,7 +232,7 @@ class Session:
             messages=[dict(m) for m in self.history] if s.kind == "chat" else None,
             prompt=self.prefix if s.kind == "completion" else None,
             cancel_after_s=cancel,
-            t=t,
+            arrival_s=t,
             prompt_tokens_est=self.tokens,
         )
         self.turn += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.profiles import BatchShape, get_profile
+from cluster.engine.profiles import BatchShape, get_profile
 from loadtest.planner_validation import markdown as planner_markdown
 from loadtest.table_format import Results, fixed, pct, table
 
@@ -46,7 +46,7 @@ CONTEXT, CHUNK = 1024, 8192  # decode at 1,024 tokens of context per sequence; o
 
 
 def gpu_profiles(_: Results) -> str:
-    """Not measured: computed here from cluster/profiles.py's step-time model. ITL in ms to 2
+    """Not measured: computed here from cluster/engine/profiles.py's step-time model. ITL in ms to 2
     decimals, prefill tokens/s to the token, KV capacity = KV blocks x block size."""
     rows = []
     for name, label in GPU_PROFILES.items():
@@ -61,7 +61,7 @@ def gpu_profiles(_: Results) -> str:
         kv = p.num_kv_blocks() * p.engine.block_size
         rows.append([label, fixed(d1 * 1e3, 2), fixed(d64 * 1e3, 2), fixed(CHUNK / prefill, 0), f"{kv:,}"])
     caption = (
-        "Computed, not measured: `python -m loadtest.bench_tables` evaluates `cluster/profiles.py`'s "
+        "Computed, not measured: `python -m loadtest.bench_tables` evaluates `cluster/engine/profiles.py`'s "
         "step-time model for these rows (no result file holds them).\n\n"
     )
     header = ["profile", "decode ITL batch 1 (ms)", "decode ITL batch 64 (ms)", "prefill tokens/s"]

@@ -1,8 +1,8 @@
 """Seeded workload generators for the benchmarks: lists of request specs, usable outside Locust.
 
-A :class:`RequestSpec` is one chat request and when to send it (``arrival_s``, seconds from the
-start); :meth:`RequestSpec.to_json` gives a plain dict (``arrival_s``, ``session_id``, ``messages``,
-``max_tokens``, plus ``group``, ``turn``, ``surface``). Everything here is pure: the same arguments
+Each request is a :class:`loadtest.request_spec.RequestSpec` (the one the surfaces' sessions make
+too): a chat request, its session and group, and when to send it (``arrival_s``, seconds from the
+start). Everything here is pure: the same arguments
 and seed give the same specs on every machine, so several routers can be driven by exactly the same
 workload, and no tokenizer is needed (lengths are in words; with the tiny local tokenizer a word of
 the built-in vocabulary is 1.1 to 1.2 tokens, with Llama 3's about 1.3).
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from loadtest import arrivals
+from loadtest.request_spec import RequestSpec
 
 # Common words of code and prose; almost all are one token of the tiny tokenizer (trained on
 # Python's standard library), the rest two.
@@ -48,42 +49,6 @@ _VOCAB_TEXT = """the of and to in is that for it as with was on be by this are f
     load save dump sort filter reduce map join split strip lower upper replace encode decode length
     width height offset limit"""
 VOCAB: tuple[str, ...] = tuple(_VOCAB_TEXT.split())
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request of a workload: when to send it, for which session, and what to send."""
-
-    arrival_s: float
-    session_id: str
-    messages: tuple[dict[str, str], ...]
-    max_tokens: int
-    group: str = ""
-    turn: int = 0  # 0 for a session's first request
-    surface: str | None = None  # the product surface (x-surface), None: the server's default
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "arrival_s": self.arrival_s,
-            "session_id": self.session_id,
-            "messages": [dict(m) for m in self.messages],
-            "max_tokens": self.max_tokens,
-            "group": self.group,
-            "turn": self.turn,
-            "surface": self.surface,
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> RequestSpec:
-        return cls(
-            arrival_s=float(d["arrival_s"]),
-            session_id=str(d["session_id"]),
-            messages=tuple(dict(m) for m in d["messages"]),
-            max_tokens=int(d["max_tokens"]),
-            group=str(d.get("group", "")),
-            turn=int(d.get("turn", 0)),
-            surface=d.get("surface"),
-        )
 
 
 def poisson_arrivals(n: int, rate: float, rng: random.Random, start_s: float = 0.0) -> list[float]:
@@ -178,7 +143,7 @@ class SharedPrefixWorkload:
                 RequestSpec(
                     arrival_s=t,
                     session_id=f"{self.name}{g}-s{s}",
-                    messages=tuple(dict(m) for m in msgs),
+                    messages=[dict(m) for m in msgs],
                     max_tokens=self.max_tokens,
                     group=f"{self.name}{g}",
                     turn=k,
@@ -194,7 +159,7 @@ def merge(*workloads: Iterable[RequestSpec]) -> list[RequestSpec]:
 
 
 def prompt_chars(spec: RequestSpec) -> int:
-    return sum(len(m["content"]) for m in spec.messages)
+    return sum(len(m["content"]) for m in spec.messages or ())
 
 
 def summary(specs: Sequence[RequestSpec]) -> dict[str, Any]:

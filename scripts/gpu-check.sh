@@ -64,8 +64,8 @@ else
   run "installing the gpu extra (scripts/setup.sh gpu)" bash scripts/setup.sh gpu
 fi
 
-run "building the $shape random-weight Llama" "$py" -m cluster.tiny_model --shape "$shape" --quiet
-model="$("$py" -m cluster.tiny_model --shape "$shape")"
+run "building the $shape random-weight Llama" "$py" -m cluster.engine.tiny_model --shape "$shape" --quiet
+model="$("$py" -m cluster.engine.tiny_model --shape "$shape")"
 cfg="$work/gpu-check.yaml"
 run "writing the cluster config for the GPU" "$py" -m loadtest.gpu_check config --model "$model" \
   --gpu-gib "$gib" --shape "$shape" --out "$cfg"

@@ -59,5 +59,5 @@ else
   # The checkout may have moved (a fresh clone reusing LLMC_VENV): re-point the editable install.
   step "pointing the installed project at this checkout" "$venv/bin/python" -m pip install -q --no-deps -e .
 fi
-step "building the tiny local model (once)" "$venv/bin/python" -m cluster.tiny_model --quiet
+step "building the tiny local model (once)" "$venv/bin/python" -m cluster.engine.tiny_model --quiet
 echo "[setup] ready: $venv ($flavour) in $((SECONDS - started)) s; pip's output is in $log"

@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from cluster.config import ClusterConfig, load_config
 from deployments.local import free_port as free_port
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -50,12 +52,21 @@ class RunningCluster:
 
     def wait_stats(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> dict[str, Any]:
         """Poll the replicas' stats until ``pred`` holds."""
-        deadline = time.monotonic() + timeout
-        stats = self.replica_stats()
-        while not pred(stats) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            stats = self.replica_stats()
-        return stats
+        return _poll(self.replica_stats, pred, timeout)
+
+    def wait_status(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0) -> dict[str, Any]:
+        """The gateway's status once ``pred`` holds for it (or after ``timeout``: nothing hangs)."""
+        return _poll(self.status, pred, timeout)
+
+
+def _poll(read: Callable[[], T], pred: Callable[[T], bool], timeout: float) -> T:
+    """``read()`` every 0.1 s until ``pred`` holds for what it read, or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    got = read()
+    while not pred(got) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        got = read()
+    return got
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,11 @@ Nothing here does I/O; ``deployments/providers.py`` holds the httpx adapters tha
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import Usage
+from cluster.wire.protocol import Usage
 
 
 @dataclass(slots=True)
@@ -21,8 +22,20 @@ class StreamDelta:
 
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
-    thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.thinking)
+    thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.wire.thinking)
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False
     error: dict[str, Any] | None = None
+
+
+def error_value(body: bytes | dict[str, Any] | None) -> Any:
+    """The ``error`` member of a provider's error body (both APIs put it there), or None when the
+    body is not a JSON object."""
+    obj: Any = body
+    if isinstance(body, bytes | bytearray):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+    return obj.get("error") if isinstance(obj, dict) else None

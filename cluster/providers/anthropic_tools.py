@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cluster.errors import InvalidRequest
 from cluster.tokens import content_text
+from cluster.wire.errors import InvalidRequest
 
 
 def tools(openai_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,11 +3,11 @@
 Requests: system and developer messages become the top-level ``system`` prompt; tools, tool calls
 and tool results become tool blocks (:mod:`cluster.providers.anthropic_tools`); consecutive messages
 of one role are merged (the Messages API wants user and assistant turns to alternate);
-``thinking`` and assistant thinking blocks go as sent (:mod:`cluster.thinking`);
+``thinking`` and assistant thinking blocks go as sent (:mod:`cluster.wire.thinking`);
 ``max_tokens`` is always sent (Anthropic requires it); ``stop`` becomes ``stop_sequences``;
 ``temperature`` and ``top_p`` are only sent when they differ from the neutral 1.0, since recent
 models refuse both at once. What has no Anthropic counterpart (seed, penalties, a temperature above
-1, ``response_format``, ...) never gets here: :mod:`cluster.capabilities` refuses it with a 400.
+1, ``response_format``, ...) never gets here: :mod:`cluster.policy.capabilities` refuses it with a 400.
 
 Responses: ``usage.input_tokens`` counts only uncached input, so OpenAI's ``prompt_tokens`` is the
 sum of input, cache-read and cache-creation tokens, with cache reads as ``cached_tokens`` and cache
@@ -16,13 +16,12 @@ writes as ``cache_creation_tokens`` (priced apart: :mod:`cluster.cost`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from cluster.openai_format import loads, usage_dict
-from cluster.protocol import GenerateRequest, Usage
-from cluster.providers import StreamDelta, anthropic_tools
-from cluster.thinking import KINDS, ThinkingStream
+from cluster.providers import StreamDelta, anthropic_tools, error_value
+from cluster.wire.openai_format import loads, usage_dict
+from cluster.wire.protocol import GenerateRequest, Usage
+from cluster.wire.thinking import KINDS, ThinkingStream
 
 API_VERSION = "2023-06-01"
 
@@ -65,7 +64,7 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
     if choice is not None:
         body["tool_choice"] = choice
     if opts.get("thinking") is not None:
-        body["thinking"] = opts["thinking"]  # as the client sent it (cluster.thinking)
+        body["thinking"] = opts["thinking"]  # as the client sent it (cluster.wire.thinking)
     if stream:
         body["stream"] = True
     return body
@@ -175,11 +174,5 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
 
 def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
     """The ``error`` object of an Anthropic error body ``{"type": "error", "error": {...}}``."""
-    obj: Any = body
-    if isinstance(body, bytes | bytearray):
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return {}
-    err = obj.get("error") if isinstance(obj, dict) else None
+    err = error_value(body)
     return err if isinstance(err, dict) else {}

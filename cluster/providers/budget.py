@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cluster.config import ProviderConfig
 from cluster.cost import Prices, cost_usd
-from cluster.protocol import Usage
+from cluster.wire.protocol import Usage
 
 IN_FLIGHT_RETRY_S = 1.0  # a slot frees when some request ends; we cannot know when
 

@@ -1,4 +1,4 @@
-"""Provider failures -> :mod:`cluster.errors` types: the one mapping per adapter.
+"""Provider failures -> :mod:`cluster.wire.errors` types: the one mapping per adapter.
 
 What the router should do decides the type: a 429 or Anthropic's 529 is a quota or load signal
 (try elsewhere, cool down, honour ``retry-after``); 5xx, connect errors and timeouts are the
@@ -19,7 +19,9 @@ from typing import Any
 
 import httpx
 
-from cluster.errors import (
+from cluster.providers import anthropic_wire, openai_wire
+from cluster.providers.sse import SSEError
+from cluster.wire.errors import (
     BackendUnavailable,
     ClusterError,
     ContextLengthExceeded,
@@ -32,8 +34,6 @@ from cluster.errors import (
     StreamInterrupted,
     UpstreamTimeout,
 )
-from cluster.providers import anthropic_wire, openai_wire
-from cluster.providers.sse import SSEError
 
 MAX_MESSAGE_CHARS = 2000
 

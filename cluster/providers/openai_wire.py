@@ -7,12 +7,11 @@ arrives in the last chunk.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from cluster.openai_format import loads
-from cluster.protocol import GenerateRequest, Usage
-from cluster.providers import StreamDelta
+from cluster.providers import StreamDelta, error_value
+from cluster.wire.openai_format import loads
+from cluster.wire.protocol import GenerateRequest, Usage
 
 # Reasoning models refuse ``max_tokens`` and want ``max_completion_tokens`` (same meaning for us).
 _MAX_COMPLETION_TOKENS_PREFIXES = ("o1", "o3", "o4", "gpt-5")
@@ -110,13 +109,7 @@ def parse_response(obj: dict[str, Any]) -> tuple[str, str | None, Usage | None]:
 
 def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
     """The ``error`` object of an OpenAI-style error body, or {} when the body is not one."""
-    obj: Any = body
-    if isinstance(body, bytes | bytearray):
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return {}
-    err = obj.get("error") if isinstance(obj, dict) else None
+    err = error_value(body)
     if isinstance(err, dict):
         return err
     if isinstance(err, str):

@@ -6,6 +6,7 @@ official ``openai`` client, and the upstream request is checked field by field."
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,9 +16,10 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from cluster import capabilities as C
 from cluster.config import parse_config
-from cluster.protocol import CompletionRequest
+from cluster.policy import capabilities as C
+from cluster.wire.protocol import CompletionRequest
+from loadtest.reliability import provider_backend
 from tests.servers.anthropic_server import AnthropicServer
 from tests.servers.openai_server import OpenAIServer
 from tests.unit.test_capabilities import SAMPLES, _api
@@ -25,6 +27,7 @@ from tests.unit.test_capabilities import SAMPLES, _api
 pytestmark = pytest.mark.integration
 
 KEY = "sk-test-fields-0123456789"
+KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
 DATA = Path(__file__).parents[1] / "unit" / "data" / "tools"
 WEATHER = json.loads((DATA / "openai_round_trip.json").read_text())["tools"]
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
@@ -41,21 +44,9 @@ def servers() -> Iterator[tuple[OpenAIServer, AnthropicServer]]:
         yield oai, ant
 
 
-def _provider(name: str, api: str, url: str, model: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "kind": "provider",
-        "model": model,
-        "resources": {"num_cpus": 0.1},
-        "env": {"LLMC_TEST_PROVIDER_KEY": KEY},
-        "provider": {
-            "api": api,
-            "base_url": url,
-            "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
-            "api_key_env": "LLMC_TEST_PROVIDER_KEY",
-            "first_token_timeout_s": 10,
-        },
-    }
+_provider = functools.partial(
+    provider_backend, key_env=KEY_ENV, env={KEY_ENV: KEY}, first_token_timeout_s=10
+)  # (name, api, url, model)
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +241,7 @@ def test_json_schema_on_vllm_cpu_returns_json_that_validates(cluster) -> None:
 
 def test_fim_on_vllm_cpu_sends_the_models_fim_prompt(cluster) -> None:
     from cluster import tokens
-    from cluster.fim import render
+    from cluster.wire.fim import render
 
     model = cluster.cfg.model("tiny-llama")
     assert model is not None and model.fim is not None

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from cluster.config import BackendConfig, EngineArgs, load_config
-from cluster.protocol import GenerateRequest, Sampling
+from cluster.wire.protocol import GenerateRequest, Sampling
 from deployments.local import scratch_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -5,6 +5,7 @@ the loser aborted upstream, a replica killed mid-stream, context-window routing,
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 
@@ -13,6 +14,7 @@ import pytest
 from openai import APIError, OpenAI
 
 from cluster.config import parse_config
+from loadtest.reliability import provider_backend
 from tests.integration.test_sim_cluster import kill_replica
 from tests.servers.anthropic_server import AnthropicServer
 from tests.servers.openai_server import OpenAIServer
@@ -21,6 +23,7 @@ from tests.streamread import take_data_line
 pytestmark = pytest.mark.integration
 
 KEY = "sk-test-failover-0123456789"
+KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +35,16 @@ def servers():
         yield oai, ant
 
 
-def _provider(name: str, api: str, url: str, model: str) -> dict:
-    return {
-        "name": name,
-        "kind": "provider",
-        "model": model,
-        "replicas": 1,
-        "resources": {"num_cpus": 0.1},
-        "env": {"LLMC_TEST_PROVIDER_KEY": KEY},
-        "provider": {
-            "api": api,
-            "base_url": url,
-            "upstream_model": "gpt-4o-mini" if api == "openai" else "claude-sonnet-4-5",
-            "api_key_env": "LLMC_TEST_PROVIDER_KEY",
-            "first_token_timeout_s": 1.5,
-            "between_tokens_timeout_s": 5,
-            "total_timeout_s": 30,
-            "cost_per_mtok_input": 0.15,
-            "cost_per_mtok_output": 0.6,
-        },
-    }
+_provider = functools.partial(  # (name, api, url, model)
+    provider_backend,
+    key_env=KEY_ENV,
+    env={KEY_ENV: KEY},
+    first_token_timeout_s=1.5,
+    between_tokens_timeout_s=5,
+    total_timeout_s=30,
+    cost_per_mtok_input=0.15,
+    cost_per_mtok_output=0.6,
+)
 
 
 def _sim(name: str, model: str, replicas: int = 1) -> dict:

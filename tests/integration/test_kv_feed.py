@@ -14,13 +14,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cluster.affinity import AffinityParams, AffinityRouter, BlockHasher
 from cluster.config import load_config
-from cluster.engine_wire import INTERNAL_TOKEN_HEADER
-from cluster.failover import ReplicaEjector
-from cluster.protocol import GenerateRequest, Sampling
-from cluster.routing_view import BackendView, ReplicaInfo
-from cluster.sim_backend import SimBackend
+from cluster.engine.sim_backend import SimBackend
+from cluster.policy.failover import ReplicaEjector
+from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.block_hash import BlockHasher
+from cluster.routing.view import BackendView, ReplicaInfo
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
+from cluster.wire.protocol import GenerateRequest, Sampling
 from deployments.internal import internal_token
 from deployments.kv_endpoint import KVEventEndpoint
 from deployments.kv_feed import KVEventFeed, kv_index_status

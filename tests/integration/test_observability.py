@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.prometheus import Sample, family, parse, promql_metrics, promql_selectors
-from cluster.status import Scrape, summarize
+from cluster.observability.prometheus import Sample, family, parse, promql_metrics, promql_selectors
+from cluster.observability.status import Scrape, summarize
 
 pytestmark = pytest.mark.integration
 

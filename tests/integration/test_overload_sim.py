@@ -48,16 +48,6 @@ def _body(max_tokens: int, content: str = "hi") -> dict[str, Any]:
     }
 
 
-def _poll(cluster, pred, limit_s: float = 20.0) -> dict[str, Any]:
-    """The gateway's status once ``pred`` holds for it (or after ``limit_s``: nothing hangs)."""
-    end = time.monotonic() + limit_s
-    status = cluster.status()
-    while not pred(status) and time.monotonic() < end:
-        time.sleep(0.1)
-        status = cluster.status()
-    return status
-
-
 def _guard(status: dict[str, Any]) -> dict[str, Any]:
     return status["slo_guard"].get(BACKEND, {})
 
@@ -77,20 +67,20 @@ async def test_agent_is_deferred_only_while_tab_is_active(shared) -> None:
 
     async with httpx.AsyncClient(timeout=120) as c:
         flood = [asyncio.create_task(c.post(url, json=_body(300), headers=agent)) for _ in range(12)]
-        s = await asyncio.to_thread(_poll, shared, lambda s: s["admission"]["in_flight"] == 12)
+        s = await asyncio.to_thread(shared.wait_status, lambda s: s["admission"]["in_flight"] == 12)
         assert _guard(s).get("cap") is None  # no Tab yet: Agent has the replica to itself
         tabs = asyncio.create_task(tab_loop(c))
-        s = await asyncio.to_thread(_poll, shared, lambda s: _guard(s).get("cap") is not None)
+        s = await asyncio.to_thread(shared.wait_status, lambda s: _guard(s).get("cap") is not None)
         capped = _guard(s)
         assert capped["cap"] is not None and capped["cap"] < 12, capped
         # New Agent work waits in the queue while Tab is active ...
         late = [asyncio.create_task(c.post(url, json=_body(8), headers=agent)) for _ in range(2)]
-        s = await asyncio.to_thread(_poll, shared, lambda s: s["admission"]["waiting"] == 2)
+        s = await asyncio.to_thread(shared.wait_status, lambda s: s["admission"]["waiting"] == 2)
         assert s["admission"]["waiting"] == 2 and _guard(s)["cap"] is not None, s
         # ... and goes once Tab is quiet: the cap is lifted.
         tab_active = False
         assert await tabs > 0
-        s = await asyncio.to_thread(_poll, shared, lambda s: _guard(s).get("reason") == "quiet")
+        s = await asyncio.to_thread(shared.wait_status, lambda s: _guard(s).get("reason") == "quiet")
         assert _guard(s)["cap"] is None and _guard(s)["reason"] == "quiet", s
         rs = await asyncio.gather(*flood, *late)
     assert collections.Counter(r.status_code for r in rs) == {200: 14}

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from cluster import errors as E
 from cluster.config import BackendConfig, ModelConfig
-from cluster.protocol import Chunk, GenerateRequest, Sampling
 from cluster.providers.budget import ProviderBudget
+from cluster.wire import errors as E
+from cluster.wire.protocol import Chunk, GenerateRequest, Sampling
 from deployments.provider_budget import LocalBudget
 from deployments.providers import (
     AnthropicProviderBackend,

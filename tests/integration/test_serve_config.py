@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from cluster.dataplane import SERVE_ENV
-from cluster.k8s_rayservice import CPU_NODE_RESOURCE
-from cluster.kustomize import build, find
+from cluster.k8s.kustomize import build, find
+from cluster.k8s.rayservice import CPU_NODE_RESOURCE
 from deployments.local import free_port
 
 pytestmark = pytest.mark.integration

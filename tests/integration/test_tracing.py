@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.trace import traceparent
+from cluster.observability.trace import traceparent
 from tests.servers.otlp_collector import OtlpCollector, Span
 
 pytestmark = pytest.mark.integration

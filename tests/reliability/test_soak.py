@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from cluster.affinity import REASONS
+from cluster.routing.affinity import REASONS
 from loadtest.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
 from loadtest.soak import counted_tasks, run_soak
 

@@ -32,7 +32,6 @@ from aiohttp import web
 from tests.servers import thinking as TH
 from tests.servers import tools as T
 from tests.servers.common import (
-    FOREVER_S,
     Fault,
     LoopbackServer,
     RequestRecord,
@@ -154,15 +153,12 @@ class AnthropicServer(LoopbackServer):
         rec.body = body
         if problem:
             return self._error(rec, 400, problem)
-        model, fault = self.select_fault(request, body["model"])
-        rec.model, rec.fault, rec.stream = model, fault.spec, bool(body.get("stream"))
-        if fault.hang:
-            rec.outcome = "stalled"
-            await asyncio.sleep(FOREVER_S)
-        if fault.echo_key:
-            return self._error(rec, 400, f"x-api-key: invalid value {given!r}")
-        if fault.status is not None:
-            return self._fault_status(rec, fault)
+        fault, answered = await self.early_fault(
+            request, rec, body, lambda: self._error(rec, 400, f"x-api-key: invalid value {given!r}")
+        )
+        if answered is not None:
+            return answered
+        model = rec.model
         self._count_prompt(body, rec)
         answer = self._answer(body, fault)
         tokens, stop_reason, matched, uses, thought = (
@@ -278,18 +274,14 @@ class AnthropicServer(LoopbackServer):
         block = {"type": "content_block_start", "index": at, "content_block": {"type": "text", "text": ""}}
         await resp.write(sse(block, "content_block_start"))
         await resp.write(sse({"type": "ping"}, "ping"))
-        if fault.slow_first_s:
-            await asyncio.sleep(fault.slow_first_s)
-        for i, tok in enumerate(tokens):
-            mid = fault.mid_stream(i)
-            if mid is not None:
-                return await self._mid_stream_fault(request, resp, rec, mid)
+
+        def text_delta(tok: str) -> bytes:
             delta = {"type": "content_block_delta", "index": at, "delta": {"type": "text_delta", "text": tok}}
-            await resp.write(sse(delta, "content_block_delta"))
-            rec.completion_tokens += 1
-            await self.pace(fault)
-        if fault.mid_stream(len(tokens)) is not None:
-            return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
+            return sse(delta, "content_block_delta")
+
+        ended = await self.stream_tokens(request, resp, rec, fault, tokens, text_delta)
+        if ended is not None:
+            return ended
         await resp.write(sse({"type": "content_block_stop", "index": at}, "content_block_stop"))
         for i, use in enumerate(uses, start=at + 1):
             await self._stream_tool_use(resp, rec, i, use)
@@ -349,27 +341,11 @@ class AnthropicServer(LoopbackServer):
             rec.completion_tokens += 1
         await resp.write(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
 
-    async def _mid_stream_fault(
-        self, request: web.Request, resp: web.StreamResponse, rec: RequestRecord, kind: str
-    ) -> web.StreamResponse:
-        if kind == "stall":
-            rec.outcome = "stalled"
-            await asyncio.sleep(FOREVER_S)
-        elif kind == "malformed":
-            rec.outcome = "malformed"
-            await resp.write(
-                b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, "del\n\n'
-            )
-        elif kind == "error":
-            rec.outcome = "error_event"
-            await resp.write(sse(error_body("overloaded_error", "Overloaded"), "error"))
-        elif kind == "drop":
-            rec.outcome = "dropped"
-            await asyncio.sleep(0.05)
-            self.drop(request)
-            return resp
-        await resp.write_eof()
-        return resp
+    def malformed_event(self) -> bytes:
+        return b'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, "del\n\n'
+
+    def error_event(self) -> bytes:
+        return sse(error_body("overloaded_error", "Overloaded"), "error")
 
 
 if __name__ == "__main__":

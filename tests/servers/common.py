@@ -363,6 +363,81 @@ class LoopbackServer:
         if request.transport is not None:
             request.transport.close()
 
+    # -- what every API's handler shares ----------------------------------------------------------
+    def _fault_status(self, rec: RequestRecord, fault: Fault) -> web.Response:
+        """The API's own error answer for a ``status`` fault."""
+        raise NotImplementedError
+
+    async def _mid_stream_fault(
+        self, request: web.Request, resp: web.StreamResponse, rec: RequestRecord, kind: str
+    ) -> web.StreamResponse:
+        """End a started stream the way ``kind`` says: stall, a malformed or an error event, a drop."""
+        if kind == "stall":
+            rec.outcome = "stalled"
+            await asyncio.sleep(FOREVER_S)
+        elif kind == "malformed":
+            rec.outcome = "malformed"
+            await resp.write(self.malformed_event())
+        elif kind == "error":
+            rec.outcome = "error_event"
+            await resp.write(self.error_event())
+        elif kind == "drop":
+            rec.outcome = "dropped"
+            await asyncio.sleep(0.05)  # let the tokens already written reach the client first
+            self.drop(request)
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def malformed_event(self) -> bytes:
+        """A stream event cut in the middle of its JSON, in the API's framing."""
+        raise NotImplementedError
+
+    def error_event(self) -> bytes:
+        """A mid-stream error event, as the API sends one."""
+        raise NotImplementedError
+
+    async def early_fault(
+        self, request: web.Request, rec: RequestRecord, body: dict[str, Any], echo_key: Any
+    ) -> tuple[Fault, web.StreamResponse | None]:
+        """The request's fault, and its answer when the fault answers before any token: a hang, an
+        echoed key (``echo_key()`` makes that answer), a status. Records the model and the fault."""
+        model, fault = self.select_fault(request, body["model"])
+        rec.model, rec.fault, rec.stream = model, fault.spec, bool(body.get("stream"))
+        if fault.hang:
+            rec.outcome = "stalled"
+            await asyncio.sleep(FOREVER_S)
+        if fault.echo_key:
+            return fault, echo_key()
+        if fault.status is not None:
+            return fault, self._fault_status(rec, fault)
+        return fault, None
+
+    async def stream_tokens(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        rec: RequestRecord,
+        fault: Fault,
+        tokens: list[str],
+        event: Any,
+    ) -> web.StreamResponse | None:
+        """Write each token as ``event(token)`` at the fault's pace, after its slow first token; the
+        response when a mid-stream fault ended the stream there, else None."""
+        if fault.slow_first_s:
+            await asyncio.sleep(fault.slow_first_s)
+        for i, tok in enumerate(tokens):
+            mid = fault.mid_stream(i)
+            if mid is not None:
+                return await self._mid_stream_fault(request, resp, rec, mid)
+            await resp.write(event(tok))
+            rec.completion_tokens += 1
+            await self.pace(fault)
+        end = fault.mid_stream(len(tokens))
+        if end is not None:
+            return await self._mid_stream_fault(request, resp, rec, end)
+        return None
+
     async def run_handler(self, request: web.Request, path: str, body_handler: Any) -> web.StreamResponse:
         """Bookkeeping around one request: counts, in-flight, and disconnects (cancellation or a
         failed write both mean the client went away before we were done)."""

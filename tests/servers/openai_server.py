@@ -24,7 +24,6 @@ from aiohttp import web
 
 from tests.servers import tools as T
 from tests.servers.common import (
-    FOREVER_S,
     Fault,
     LoopbackServer,
     RequestRecord,
@@ -137,17 +136,13 @@ class OpenAIServer(LoopbackServer):
                 rec, 400, error_body("you must provide a model parameter", "invalid_request_error")
             )
         rec.body = body
-        model, fault = self.select_fault(request, body["model"])
-        rec.model, rec.fault, rec.stream = model, fault.spec, bool(body.get("stream"))
-        if fault.hang:
-            rec.outcome = "stalled"
-            await asyncio.sleep(FOREVER_S)
-        if fault.echo_key:
+
+        def echo_key() -> web.Response:
             msg = f"Invalid header value: {request.headers.get('authorization', '')!r}"
             return self._error(rec, 400, error_body(msg, "invalid_request_error"))
-        if fault.status is not None:
-            return self._fault_status(rec, fault)
-        return body, fault
+
+        fault, answered = await self.early_fault(request, rec, body, echo_key)
+        return answered if answered is not None else (body, fault)
 
     def _fault_status(self, rec: RequestRecord, fault: Fault) -> web.Response:
         s = fault.status or 500
@@ -281,17 +276,9 @@ class OpenAIServer(LoopbackServer):
 
         if chat:
             await resp.write(sse(chunk(None, None, role=True)))
-        if fault.slow_first_s:
-            await asyncio.sleep(fault.slow_first_s)
-        for i, tok in enumerate(tokens):
-            mid = fault.mid_stream(i)
-            if mid is not None:
-                return await self._mid_stream_fault(request, resp, rec, mid)
-            await resp.write(sse(chunk(tok, None)))
-            rec.completion_tokens += 1
-            await self.pace(fault)
-        if fault.mid_stream(len(tokens)) is not None:
-            return await self._mid_stream_fault(request, resp, rec, fault.mid_stream(len(tokens)) or "")
+        ended = await self.stream_tokens(request, resp, rec, fault, tokens, lambda tok: sse(chunk(tok, None)))
+        if ended is not None:
+            return ended
         for i, call in enumerate(tool_calls):
             for j, part in enumerate(T.pieces(call["function"]["arguments"])):
                 piece: dict[str, Any] = {"index": i, "function": {"arguments": part}}
@@ -317,28 +304,14 @@ class OpenAIServer(LoopbackServer):
         await resp.write_eof()
         return resp
 
-    async def _mid_stream_fault(
-        self, request: web.Request, resp: web.StreamResponse, rec: RequestRecord, kind: str
-    ) -> web.StreamResponse:
-        if kind == "stall":
-            rec.outcome = "stalled"
-            await asyncio.sleep(FOREVER_S)
-        elif kind == "malformed":
-            rec.outcome = "malformed"
-            await resp.write(b'data: {"id": "chatcmpl-broken", "choices": [{"delta": {"content": "oops\n\n')
-        elif kind == "error":
-            rec.outcome = "error_event"
-            err = error_body(
-                "The server had an error while processing your request. Sorry about that!", "server_error"
-            )
-            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-        elif kind == "drop":
-            rec.outcome = "dropped"
-            await asyncio.sleep(0.05)  # let the tokens already written reach the client first
-            self.drop(request)
-            return resp
-        await resp.write_eof()
-        return resp
+    def malformed_event(self) -> bytes:
+        return b'data: {"id": "chatcmpl-broken", "choices": [{"delta": {"content": "oops\n\n'
+
+    def error_event(self) -> bytes:
+        err = error_body(
+            "The server had an error while processing your request. Sorry about that!", "server_error"
+        )
+        return f"data: {json.dumps(err)}\n\n".encode()
 
     def _full(
         self, ident: str, created: int, rec: RequestRecord, text: str, finish: str, chat: bool

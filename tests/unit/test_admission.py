@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from cluster.admission import AdmissionController, Counters, Outcome, Queued, Rejection, Ticket
-from cluster.admission_async import AsyncAdmission
 from cluster.config import SurfaceConfig, parse_config
-from cluster.errors import Overloaded, RateLimited
+from cluster.policy.admission import AdmissionController, Counters, Outcome, Queued, Rejection, Ticket
+from cluster.policy.admission_async import AsyncAdmission
+from cluster.wire.errors import Overloaded, RateLimited
 
 
 def surf(name: str, priority: int, conc: int, queue: int, deadline_ms: float) -> SurfaceConfig:

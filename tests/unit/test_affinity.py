@@ -12,29 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from cluster.affinity import (
+from cluster.routing.affinity import (
     REASONS,
     AffinityParams,
     AffinityRouter,
-    BlockHasher,
     PrefixIndex,
     ReplicaLoad,
     SessionTable,
-    stable_hash64,
 )
+from cluster.routing.block_hash import BlockHasher, stable_hash64
+from tests.unit.affinity_helpers import loads, toks
 
 BS = 16
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def toks(n: int, seed: int = 0) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(50_000) for _ in range(n)]
-
-
-def loads(names, **per) -> list[ReplicaLoad]:
-    """Loads for ``names``; ``per`` maps a replica to a dict of field overrides."""
-    return [ReplicaLoad(n, **per.get(n, {})) for n in names]
 
 
 def router(**params) -> AffinityRouter:
@@ -100,7 +90,7 @@ def test_hasher_rejects_bad_arguments():
 
 def test_hashes_are_the_same_in_processes_with_different_hash_seeds():
     code = (
-        "from cluster.affinity import BlockHasher;"
+        "from cluster.routing.block_hash import BlockHasher;"
         "print(BlockHasher(16, 'm', 's').hash_blocks(list(range(64))),"
         "BlockHasher(16, 'm', 's', 'blake2b').hash_blocks(list(range(64))))"
     )

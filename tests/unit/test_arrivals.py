@@ -11,6 +11,7 @@ import random
 import pytest
 
 from loadtest import arrivals
+from loadtest.request_spec import RequestSpec
 from loadtest.runner import (
     Result,
     goodput,
@@ -21,7 +22,7 @@ from loadtest.runner import (
     server_summary,
     summarize,
 )
-from loadtest.surfaces import SHAPES, RequestSpec, Session, parse_mix, schedule
+from loadtest.surfaces import SHAPES, Session, parse_mix, schedule
 
 
 # --- arrival processes ------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def test_schedule_is_deterministic_and_follows_the_mix() -> None:
     share = {n: sum(s.surface == n for s in a) / len(a) for n in ("tab", "chat", "agent")}
     assert share["tab"] == pytest.approx(0.6, abs=0.05)
     assert share["agent"] == pytest.approx(0.1, abs=0.03)
-    assert all(s.t == t for s, t in zip(a, times, strict=True))
+    assert all(s.arrival_s == t for s, t in zip(a, times, strict=True))
 
 
 def test_surface_shapes() -> None:
@@ -308,7 +309,7 @@ def test_variants_overrides_and_report(tmp_path) -> None:
     # A spec of the other workload module's shape (arrival_s, tuple of messages, surface None).
     theirs = {"arrival_s": 1.5, "session_id": "g0-s1", "messages": ({"role": "user", "content": "hi"},)}
     spec, timed = coerce_spec({**theirs, "max_tokens": 8, "group": "g0", "turn": 0, "surface": None})
-    assert timed and spec.t == 1.5 and spec.kind == "chat" and spec.surface == "chat"
+    assert timed and spec.arrival_s == 1.5 and spec.kind == "chat" and spec.surface == "chat"
     assert spec.messages == [{"role": "user", "content": "hi"}]
 
     rs = [_res("tab", 0.05), _res("chat", 0.5)]

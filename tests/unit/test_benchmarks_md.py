@@ -20,7 +20,7 @@ from loadtest.table_format import CommitMissing, Results
 TEXT = BENCHMARKS_MD.read_text()
 RESULTS = Results()
 # Tables whose figures are not measurements: the summary's goals are the issues' targets and its
-# statuses are checked by the region test; the GPU profiles are computed from cluster/profiles.py.
+# statuses are checked by the region test; the GPU profiles are computed from cluster/engine/profiles.py.
 NOT_FROM_FILES = {"summary", "gpu-profiles"}
 # A number in a cell: digits with optional thousands separators and decimals, optionally signed,
 # not part of a word (``p95``, ``anthropic_529``, ``issue 17``'s label is in the first column).

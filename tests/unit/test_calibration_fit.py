@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from cluster.profiles import BatchShape, LinearStepTime, get_profile
+from cluster.engine.profiles import BatchShape, LinearStepTime, get_profile
 from loadtest.engine_fidelity import make_workload, replay_sim
 from loadtest.fidelity_stats import Observed, compare, quantile
 from loadtest.step_time_fit import (

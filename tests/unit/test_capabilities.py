@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from cluster import capabilities as C
 from cluster.config import parse_config
-from cluster.errors import InvalidRequest
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.policy import capabilities as C
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 from deployments import http_api as h
 from deployments.prepare import model_gate, supporting_candidates
 

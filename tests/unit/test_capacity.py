@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.capacity import plan
 from cluster.cli import main as cli_main
 from cluster.config import ClusterConfig, parse_config
-from cluster.demand import Demand, DemandError, TokenDist, parse_demand
-from cluster.profiles import GiB, get_profile
-from cluster.replica_model import ReplicaModel, Workload, backend_profile
+from cluster.engine.profiles import GiB, get_profile
+from cluster.planner.capacity import plan
+from cluster.planner.demand import Demand, DemandError, TokenDist, parse_demand
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -308,7 +308,7 @@ def test_demand_that_does_not_match_the_config_names_the_field(raw: dict[str, An
 
 
 def test_every_demand_field_is_described() -> None:
-    from cluster import demand
+    from cluster.planner import demand
 
     for cls in (demand.TokenDist, demand.RouteDemand, demand.Demand):
         assert cls.model_config.get("extra") == "forbid"

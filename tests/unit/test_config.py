@@ -91,7 +91,7 @@ def test_cli_check_exits_nonzero_naming_the_field(tmp_path: Path) -> None:
 
 
 def test_affinity_config_reaches_the_policy() -> None:
-    from cluster.affinity import AffinityParams
+    from cluster.routing.affinity import AffinityParams
 
     raw = _base()
     raw["backends"][0]["affinity"] = {"min_match_tokens": 128, "load_factor": 2.0, "new_prefix": "rendezvous"}
@@ -107,7 +107,7 @@ def test_affinity_config_reaches_the_policy() -> None:
 
 
 def test_home_placement_is_config() -> None:
-    from cluster.affinity import AffinityParams
+    from cluster.routing.affinity import AffinityParams
 
     raw = _base()
     raw["backends"][0]["affinity"] = {"new_prefix": "home", "home_half_life_requests": 64}

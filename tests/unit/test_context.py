@@ -3,8 +3,8 @@ import pickle
 import pytest
 
 from cluster.config import ModelConfig, parse_config
-from cluster.context import ContextDecision, fit_context
-from cluster.errors import Action, ContextLengthExceeded, InvalidRequest
+from cluster.policy.context import ContextDecision, fit_context
+from cluster.wire.errors import Action, ContextLengthExceeded, InvalidRequest
 
 
 def _m(name: str, window: int, overflow: str | None = None, default: int = 256) -> ModelConfig:

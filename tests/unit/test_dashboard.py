@@ -11,7 +11,7 @@ from typing import Any
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from cluster.prometheus import promql_metrics
+from cluster.observability.prometheus import promql_metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s/monitoring/grafana-dashboard.json"
 

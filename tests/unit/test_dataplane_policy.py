@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from cluster.affinity import AffinityParams, AffinityRouter
-from cluster.attempt_policy import avoid_replicas, effects, expand_slots
 from cluster.config import BackendConfig, load_config
-from cluster.engine_wire import (
+from cluster.policy.attempts import avoid_replicas, effects, expand_slots
+from cluster.policy.failover import ReplicaEjector
+from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.view import BackendView, ReplicaInfo
+from cluster.wire.engine_stream import (
     FrameSplitter,
     end_frame,
     error_frame,
     parse_request,
     request_body,
 )
-from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
-from cluster.failover import ReplicaEjector
-from cluster.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling, Usage
-from cluster.routing_view import BackendView, ReplicaInfo
+from cluster.wire.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
+from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling, Usage
 
 META = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
 

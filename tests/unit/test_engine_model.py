@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from cluster.engine_kv import BlockPool, KVCacheManager, hash_block_tokens, hash_request_tokens
-from cluster.engine_model import EngineModel, Status, fake_token_id
-from cluster.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile, get_profile
+from cluster.engine.kv import BlockPool, KVCacheManager, hash_block_tokens, hash_request_tokens
+from cluster.engine.model import EngineModel, Status, fake_token_id
+from cluster.engine.profiles import FittedCoefficients, Profile, get_profile
+from tests.unit.engine_profiles import linear_profile
 
 PREFILL = 1e-3  # s per prefill token
 DECODE_BASE = 10e-3  # s per step with decodes
@@ -18,29 +19,12 @@ PER_SEQ = 1e-3  # s per decoding sequence
 OVERHEAD = 2e-3  # s per step
 
 
-def make_profile(
-    *,
-    num_blocks: int = 64,
-    block_size: int = 4,
-    budget: int = 256,
-    max_num_seqs: int = 16,
-    max_model_len: int = 64,
-) -> Profile:
-    return Profile(
-        name="test",
-        model=TINY_LLAMA,
-        fitted=FittedCoefficients(
-            prefill_s_per_token=PREFILL, decode_base_s=DECODE_BASE, decode_s_per_seq=PER_SEQ
-        ),
-        engine=EngineSpec(
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            kv_cache_bytes=num_blocks * block_size * TINY_LLAMA.kv_bytes_per_token(),
-            step_overhead_s=OVERHEAD,
-        ),
+def make_profile(**engine: int) -> Profile:
+    """The test profile on an engine of ``engine``'s size (``engine_profiles.ENGINE``'s keys)."""
+    fitted = FittedCoefficients(
+        prefill_s_per_token=PREFILL, decode_base_s=DECODE_BASE, decode_s_per_seq=PER_SEQ
     )
+    return linear_profile(fitted, OVERHEAD, **engine)
 
 
 def toks(start: int, n: int) -> list[int]:

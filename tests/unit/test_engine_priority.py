@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.engine_model import EngineModel
-from cluster.engine_queue import SchedulingPolicy, WaitQueue
+from cluster.engine.model import EngineModel
+from cluster.engine.request_queue import SchedulingPolicy, WaitQueue
 from tests.unit.test_engine_model import make_profile, toks
 
 TAB, AGENT = 0, 2

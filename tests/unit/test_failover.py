@@ -4,20 +4,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from cluster.errors import (
-    Action,
-    BackendUnavailable,
-    ContextLengthExceeded,
-    InvalidRequest,
-    NotFound,
-    Overloaded,
-    ProviderAuthError,
-    RateLimited,
-    StreamInterrupted,
-    Unauthorized,
-    UpstreamTimeout,
-)
-from cluster.failover import (
+from cluster.policy.failover import (
     BreakerBoard,
     BreakerConfig,
     BreakerState,
@@ -31,6 +18,19 @@ from cluster.failover import (
     WindowCounts,
     classify,
     counts_against_backend,
+)
+from cluster.wire.errors import (
+    Action,
+    BackendUnavailable,
+    ContextLengthExceeded,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    ProviderAuthError,
+    RateLimited,
+    StreamInterrupted,
+    Unauthorized,
+    UpstreamTimeout,
 )
 
 # ---------------------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.admission import AdmissionController, Queued, Rejection, Ticket
-from cluster.admission_async import AsyncAdmission
 from cluster.config import SurfaceConfig
-from cluster.errors import Overloaded, RateLimited
-from cluster.queue_wait import DurationWindow, predict_wait
+from cluster.policy.admission import AdmissionController, Queued, Rejection, Ticket
+from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.queue_wait import DurationWindow, predict_wait
+from cluster.wire.errors import Overloaded, RateLimited
 
 
 def surf(name: str, priority: int, conc: int, queue: int, deadline_ms: float) -> SurfaceConfig:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import capabilities as C
 from cluster import tokens
 from cluster.config import FimTemplate
-from cluster.errors import InvalidRequest
-from cluster.fim import render
-from cluster.protocol import CompletionRequest
-from cluster.requests import prompt_ids
-from cluster.tiny_model import FIM_TOKENS
+from cluster.engine.tiny_model import FIM_TOKENS
+from cluster.policy import capabilities as C
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.fim import render
+from cluster.wire.protocol import CompletionRequest
+from cluster.wire.requests import prompt_ids
 
 TINY = FimTemplate(**FIM_TOKENS)
 

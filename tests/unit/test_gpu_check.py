@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig
-from cluster.tiny_model import GEOMETRY, SHAPES, kv_geometry, llama_config, param_count
+from cluster.engine.tiny_model import GEOMETRY, SHAPES, kv_geometry, llama_config, param_count
 from loadtest.gpu_check import affinity_variants, gpu_config, plan_replicas
 
 ROOT = Path(__file__).resolve().parents[2]

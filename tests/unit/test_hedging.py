@@ -4,7 +4,7 @@ import statistics
 import pytest
 from pydantic import ValidationError
 
-from cluster.hedging import (
+from cluster.policy.hedging import (
     HedgeBudget,
     HedgeConfig,
     HedgePolicy,

@@ -8,7 +8,7 @@ import io
 import pytest
 from PIL import Image
 
-from cluster import image_tokens as I
+from cluster.tokens import images as I
 
 
 def _data_url(w: int, h: int, fmt: str) -> str:

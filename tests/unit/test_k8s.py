@@ -17,19 +17,19 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.cli_k8s import load_targets, main, render_text
 from cluster.config import ClusterConfig, ConfigError, load_config, parse_config
 from cluster.dataplane import target_ongoing_requests
-from cluster.k8s_patch import apply_merge_patch, merge_patch, rayservice_patch
-from cluster.k8s_rayservice import (
+from cluster.k8s.cli_k8s import load_targets, main, render_text
+from cluster.k8s.kustomize import build, find
+from cluster.k8s.patch import apply_merge_patch, merge_patch, rayservice_patch
+from cluster.k8s.rayservice import (
     CPU_NODE_RESOURCE,
     INITIALIZING_TIMEOUT_ANNOTATION,
     backend_deployment,
     render_rayservice,
     serve_config,
 )
-from cluster.k8s_settings import K8sSettings, load_settings
-from cluster.kustomize import build, find
+from cluster.k8s.settings import K8sSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
@@ -561,7 +561,7 @@ KUSTOMIZATIONS = sorted(str(k.parent.relative_to(K8S)) for k in K8S.rglob("kusto
 
 
 def kustomize(path: Path) -> list[dict[str, Any]]:
-    return build(path)  # cluster.kustomize: no kubectl needed (compared with it below where it exists)
+    return build(path)  # cluster.k8s.kustomize: no kubectl needed (compared with it below where it exists)
 
 
 def kustomize_binary() -> list[str] | None:
@@ -574,7 +574,9 @@ def kustomize_binary() -> list[str] | None:
 def test_our_kustomize_matches_the_real_one(folder: str) -> None:
     binary = kustomize_binary()
     if binary is None:
-        pytest.skip("neither kustomize nor kubectl is installed (cluster.kustomize builds the folders alone)")
+        pytest.skip(
+            "neither kustomize nor kubectl is installed (cluster.k8s.kustomize builds the folders alone)"
+        )
     out = subprocess.run([*binary, str(K8S / folder)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     theirs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -743,5 +745,5 @@ def test_dockerfile_lints_clean() -> None:
 
 
 def test_generator_imports_no_ray() -> None:
-    code = "import sys, cluster.k8s_rayservice, cluster.cli_k8s; sys.exit('ray' in sys.modules)"
+    code = "import sys, cluster.k8s.rayservice, cluster.k8s.cli_k8s; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0

@@ -1,4 +1,4 @@
-"""cluster.kustomize, the pure-Python `kustomize build`: the merge rules on small inline documents.
+"""cluster.k8s.kustomize, the pure-Python `kustomize build`: the merge rules on small inline documents.
 Where a kustomize or kubectl binary is on PATH, every build is also compared with the real one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.kustomize import KustomizeError, build, find, strategic_merge
+from cluster.k8s.kustomize import KustomizeError, build, find, strategic_merge
 
 KZ = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
 BINARY = (["kustomize", "build"] if shutil.which("kustomize") else None) or (

@@ -9,11 +9,8 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from cluster.affinity import AffinityParams, AffinityRouter, ReplicaLoad
-from cluster.engine_kv import hash_request_tokens
-from cluster.engine_model import EngineModel
-from cluster.failover import ReplicaEjector
-from cluster.kv_events import (
+from cluster.engine.kv import hash_request_tokens
+from cluster.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlocksQueued,
@@ -23,8 +20,11 @@ from cluster.kv_events import (
     page_from_wire,
     page_to_wire,
 )
-from cluster.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
-from cluster.routing_view import BackendView, Choice, ReplicaInfo
+from cluster.engine.model import EngineModel
+from cluster.engine.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
+from cluster.policy.failover import ReplicaEjector
+from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.view import BackendView, Choice, ReplicaInfo
 
 BS = 4
 

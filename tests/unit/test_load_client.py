@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import httpx
 
 from loadtest.client import EventStream
+from loadtest.request_spec import RequestSpec
 from loadtest.runner import stream_one
-from loadtest.surfaces import RequestSpec
 
 
 def _sse(*objs: object, done: bool = True) -> bytes:

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from cluster import messages_api as M
-from cluster.errors import InvalidRequest
-from cluster.messages_stream import MessagesStream
-from cluster.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
-from cluster.protocol import ChatCompletionRequest, Usage
 from cluster.providers import anthropic_wire
 from cluster.providers.sse import SSEDecoder
-from cluster.thinking import ThinkingAccumulator
-from cluster.tool_calls import ToolCallAccumulator
+from cluster.wire import messages_api as M
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.messages_stream import MessagesStream
+from cluster.wire.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
+from cluster.wire.protocol import ChatCompletionRequest, Usage
+from cluster.wire.thinking import ThinkingAccumulator
+from cluster.wire.tool_calls import ToolCallAccumulator
 from deployments import http_api as h
 
 DATA = Path(__file__).parent / "data" / "tools"

@@ -1,5 +1,5 @@
-"""Mid-stream migration's pure rules (cluster/migration.py) and the token ids on the engine wire
-(cluster/engine_wire.py): when a broken stream may continue elsewhere, what the continuation is,
+"""Mid-stream migration's pure rules (cluster/policy/migration.py) and the token ids on the engine wire
+(cluster/wire/engine_stream.py): when a broken stream may continue elsewhere, what the continuation is,
 and what the client's usage says."""
 
 from __future__ import annotations
@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.engine_wire import FrameSplitter, event_with_ids, parse_emitted, parse_flags, request_body
-from cluster.errors import StreamInterrupted, UpstreamTimeout
-from cluster.migration import Break, MigrationConfig, MigrationPolicy, classify, client_usage, continuation
-from cluster.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.protocol import GenerateRequest, Sampling, Usage
+from cluster.policy.migration import (
+    Break,
+    MigrationConfig,
+    MigrationPolicy,
+    classify,
+    client_usage,
+    continuation,
+)
+from cluster.wire.engine_stream import FrameSplitter, event_with_ids, parse_emitted, parse_flags, request_body
+from cluster.wire.errors import StreamInterrupted, UpstreamTimeout
+from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.wire.protocol import GenerateRequest, Sampling, Usage
 
 META = ResponseMeta(kind="chat", request_id="r1", model="m", created=1)
 

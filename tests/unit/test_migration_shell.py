@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 
 from cluster.config import parse_config
-from cluster.engine_wire import StreamEnd, event_with_ids, parse_control, parse_emitted
-from cluster.errors import BackendUnavailable, StreamInterrupted
-from cluster.failover import PlannedAttempt
-from cluster.migration import DRAINING_CODE, MigrationConfig, MigrationPolicy
-from cluster.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.protocol import Chunk, GenerateRequest, Sampling, Usage
-from cluster.race import Attempt, RaceHooks, RaceResult, follow
+from cluster.policy.failover import PlannedAttempt
+from cluster.policy.migration import DRAINING_CODE, MigrationConfig, MigrationPolicy
+from cluster.policy.race import Attempt, RaceHooks, RaceResult, follow
+from cluster.wire.engine_stream import StreamEnd, event_with_ids, parse_control, parse_emitted
+from cluster.wire.errors import BackendUnavailable, StreamInterrupted
+from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
+from cluster.wire.protocol import Chunk, GenerateRequest, Sampling, Usage
 from deployments.migration import Seamless
 
 META = ResponseMeta(kind="chat", request_id="r", model="m", created=1)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster import messages_api, responses_api
-from cluster.native_schemas import MessagesRequest, ResponsesRequest
-from cluster.protocol import ChatCompletionRequest
+from cluster.wire import messages_api, responses_api
+from cluster.wire.native_schemas import MessagesRequest, ResponsesRequest
+from cluster.wire.protocol import ChatCompletionRequest
 from deployments.http_api import openapi_document
 
 DATA = Path(__file__).parent / "data" / "tools"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.openai_format import ResponseMeta, TextEvents, dumps, loads, sse, stream_chunk
+from cluster.wire.openai_format import ResponseMeta, TextEvents, dumps, loads, sse, stream_chunk
 
 TEXTS = ["hello", "", " ", 'quote " and \\ backslash', "é 漢字 🙂", "line\nbreak\ttab", "\x00\x1f"]
 

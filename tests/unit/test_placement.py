@@ -7,21 +7,13 @@ import random
 
 import pytest
 
-from cluster.affinity import AffinityParams, AffinityRouter, ReplicaLoad
-from cluster.kv_events import BlocksQueued, KVEventLog
-from cluster.placement import ContextHomes
+from cluster.engine.kv_events import BlocksQueued, KVEventLog
+from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.placement import ContextHomes
+from tests.unit.affinity_helpers import loads, toks
 
 BS = 16
 R2 = ["r0", "r1"]
-
-
-def toks(n: int, seed: int = 0) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(50_000) for _ in range(n)]
-
-
-def loads(names, **per) -> list[ReplicaLoad]:
-    return [ReplicaLoad(n, **per.get(n, {})) for n in names]
 
 
 def router(**params) -> AffinityRouter:

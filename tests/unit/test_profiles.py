@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from cluster import profiles as P
-from cluster.profiles import (
+from cluster.engine import profiles as P
+from cluster.engine.profiles import (
     PROFILES,
     BatchShape,
     EngineSpec,

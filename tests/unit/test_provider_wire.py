@@ -13,23 +13,23 @@ from typing import Any
 import httpx
 import pytest
 
-from cluster import errors as E
 from cluster.config import ModelConfig, ProviderConfig
 from cluster.cost import Prices, cost_usd
-from cluster.protocol import GenerateRequest, Sampling, Usage
 from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import ProviderBudget
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
-from cluster.thinking import ThinkingAccumulator
-from cluster.token_counters import (
+from cluster.tokens import load as load_tokens
+from cluster.tokens.counters import (
     CharEstimateTokenizer,
     HFFileTokenizer,
     TiktokenTokenizer,
     ensure_offline_vocabulary,
     load_tiktoken,
 )
-from cluster.tokens import load as load_tokens
+from cluster.wire import errors as E
+from cluster.wire.protocol import GenerateRequest, Sampling, Usage
+from cluster.wire.thinking import ThinkingAccumulator
 from deployments.provider_budget import LocalBudget
 
 
@@ -199,7 +199,7 @@ def test_anthropic_request_translation() -> None:
     assert body["messages"][1]["content"][1] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
     assert body["messages"][2]["content"] == [{"type": "tool_result", "tool_use_id": "c1", "content": "42"}]
     assert body["stop_sequences"] == ["END"]
-    # Above 1 the gateway refuses before translating (cluster.capabilities); here, a last guard.
+    # Above 1 the gateway refuses before translating (cluster.policy.capabilities); here, a last guard.
     assert body["temperature"] == 1.0
     assert "top_p" not in body  # neutral: not sent (models refuse temperature and top_p together)
 
@@ -579,7 +579,7 @@ def test_tiktoken_special_token_text_is_plain_text() -> None:
 
 
 def test_tampered_vocabulary_is_refused(tmp_path, monkeypatch) -> None:
-    import cluster.token_counters as tp
+    import cluster.tokens.counters as tp
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tp, "_bundled_vocabulary", lambda name: b"not the real vocabulary")

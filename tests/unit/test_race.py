@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from cluster.errors import BackendUnavailable, InvalidRequest, StreamInterrupted, UpstreamTimeout
-from cluster.failover import FailoverPlan
-from cluster.protocol import Chunk
-from cluster.race import RaceHooks, RaceResult, race
+from cluster.policy.failover import FailoverPlan
+from cluster.policy.race import RaceHooks, RaceResult, race
+from cluster.wire.errors import BackendUnavailable, InvalidRequest, StreamInterrupted, UpstreamTimeout
+from cluster.wire.protocol import Chunk
 
 
 class FakeStream:

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from openai.types.responses import Response
 
-from cluster import responses_api as R
-from cluster.errors import InvalidRequest
-from cluster.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
-from cluster.protocol import ChatCompletionRequest, Usage
 from cluster.providers.sse import SSEDecoder
-from cluster.responses_stream import ResponsesStream
+from cluster.wire import responses_api as R
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
+from cluster.wire.protocol import ChatCompletionRequest, Usage
+from cluster.wire.responses_stream import ResponsesStream
 from deployments import http_api as h
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}

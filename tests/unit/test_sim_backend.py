@@ -8,12 +8,13 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from cluster.backend import Backend
 from cluster.config import BackendConfig, EngineArgs, ModelConfig
-from cluster.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest
-from cluster.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
-from cluster.protocol import Chunk, GenerateRequest, Sampling, Usage
-from cluster.sim_backend import SimBackend, SimOptions, fake_word
+from cluster.engine.profiles import FittedCoefficients, Profile
+from cluster.engine.sim_backend import SimBackend, SimOptions, fake_word
+from cluster.wire.backend import Backend
+from cluster.wire.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest
+from cluster.wire.protocol import Chunk, GenerateRequest, Sampling, Usage
+from tests.unit.engine_profiles import linear_profile
 
 PREFILL = 0.1e-3
 DECODE_BASE = 1e-3
@@ -22,21 +23,10 @@ OVERHEAD = 0.5e-3
 
 
 def profile() -> Profile:
-    return Profile(
-        name="test",
-        model=TINY_LLAMA,
-        fitted=FittedCoefficients(
-            prefill_s_per_token=PREFILL, decode_base_s=DECODE_BASE, decode_s_per_seq=PER_SEQ
-        ),
-        engine=EngineSpec(
-            block_size=4,
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            max_model_len=128,
-            kv_cache_bytes=64 * 4 * TINY_LLAMA.kv_bytes_per_token(),
-            step_overhead_s=OVERHEAD,
-        ),
+    fitted = FittedCoefficients(
+        prefill_s_per_token=PREFILL, decode_base_s=DECODE_BASE, decode_s_per_seq=PER_SEQ
     )
+    return linear_profile(fitted, OVERHEAD, max_model_len=128)
 
 
 def make(**options: object) -> SimBackend:

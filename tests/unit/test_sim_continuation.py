@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cluster.protocol import GenerateRequest
+from cluster.wire.protocol import GenerateRequest
 from tests.unit.test_sim_backend import collect, greq, make, settled, toks
 
 

@@ -7,8 +7,8 @@ import httpx
 from aiohttp import web
 
 from loadtest.fake_upstream import build_app
+from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import Result, stream_chat
-from loadtest.workloads import RequestSpec
 
 
 async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
@@ -17,7 +17,13 @@ async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    spec = RequestSpec(0.0, "s1", ({"role": "user", "content": "hi"},), 8, surface="tab")
+    spec = RequestSpec(
+        arrival_s=0.0,
+        session_id="s1",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        surface="tab",
+    )
     res = Result(0, "s1", "tab")
     try:
         async with httpx.AsyncClient() as client:

@@ -3,9 +3,9 @@ objective, raised again as Tab recovers, and uncapped as soon as Tab is quiet.""
 
 from __future__ import annotations
 
-from cluster.admission import AdmissionController, Queued, Ticket
 from cluster.config import SurfaceConfig
-from cluster.slo_guard import SloGuard, SloGuardConfig
+from cluster.policy.admission import AdmissionController, Queued, Ticket
+from cluster.policy.slo_guard import SloGuard, SloGuardConfig
 
 SURFACES = {"tab": (0, 0.1), "chat": (1, 1.0), "agent": (2, 3.0)}
 CFG = SloGuardConfig(min_samples=2, quiet_s=2.0, increase_step=2, decrease_factor=0.5)

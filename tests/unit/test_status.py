@@ -1,5 +1,5 @@
-"""cluster.prometheus and cluster.status: reading a scrape of Ray's metrics agent, the dashboard's
-PromQL, and the rows of ``cluster status``."""
+"""cluster.observability.prometheus and cluster.observability.status: reading a scrape of Ray's
+metrics agent, the dashboard's PromQL, and the rows of ``cluster status``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from cluster.prometheus import (
+from cluster.observability.prometheus import (
     bucket_counts,
     family,
     parse,
@@ -16,7 +16,7 @@ from cluster.prometheus import (
     promql_selectors,
     quantile,
 )
-from cluster.status import Scrape, Window, increase, summarize
+from cluster.observability.status import Scrape, Window, increase, summarize
 
 # Shaped like Ray 2.60's export: its own labels on every sample, the recording process's WorkerId.
 RAY = 'Component="core_worker",NodeAddress="192.0.2.2",SessionName="s",Version="2.60.0"'
@@ -143,7 +143,7 @@ def test_a_restarted_counter_counts_from_zero() -> None:
 def test_render_draws_every_row() -> None:
     from rich.console import Console
 
-    from cluster.cli_status import render
+    from cluster.observability.cli_status import render
 
     w = Window()
     w.add(Scrape(0.0, tuple(parse(exposition(10, (1, 1, 1), 30, 100)))))
@@ -158,7 +158,7 @@ def test_render_draws_every_row() -> None:
 def test_metrics_urls() -> None:
     import argparse
 
-    from cluster.cli_status import metrics_urls
+    from cluster.observability.cli_status import metrics_urls
 
     ns = argparse.Namespace(url=["h:8080", "http://h2:9090/", "http://h3:1/metrics"], config=None)
     assert metrics_urls(ns) == ["http://h:8080/metrics", "http://h2:9090/metrics", "http://h3:1/metrics"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.admission import AdmissionController, Queued, Ticket
 from cluster.config import ConfigError, SurfaceConfig, TenantConfig, parse_config
-from cluster.errors import RateLimited
-from cluster.tenants import TenantBudgets, TenantReservation
+from cluster.policy.admission import AdmissionController, Queued, Ticket
+from cluster.policy.tenants import TenantBudgets, TenantReservation
+from cluster.wire.errors import RateLimited
 
 
 def test_a_tenant_over_its_request_budget_gets_a_429_with_retry_after() -> None:

@@ -1,4 +1,4 @@
-"""The tenants' token buckets (cluster.token_bucket): refill math, reserve both or neither, settle."""
+"""The tenants' token buckets (cluster.policy.token_bucket): refill math, reserve both or neither, settle."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.errors import RateLimited
-from cluster.token_bucket import BucketBudget, Reservation, TokenBucket
+from cluster.policy.token_bucket import BucketBudget, Reservation, TokenBucket
+from cluster.wire.errors import RateLimited
 
 
 def test_token_bucket_refill_math():

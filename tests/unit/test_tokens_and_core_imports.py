@@ -9,11 +9,11 @@ import pytest
 
 from cluster import tokens
 from cluster.config import parse_config
-from cluster.context import fit_context
-from cluster.errors import ContextLengthExceeded, NotFound
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.requests import build_generate_request, lookup_model, prompt_ids
-from cluster.token_counters import CharEstimateTokenizer, HFFileTokenizer
+from cluster.policy.context import fit_context
+from cluster.tokens.counters import CharEstimateTokenizer, HFFileTokenizer
+from cluster.wire.errors import ContextLengthExceeded, NotFound
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +133,11 @@ def test_core_imports_without_ray_or_vllm() -> None:
         "import sys\n"
         "for name in ('ray', 'vllm', 'fastapi', 'torch'):\n"
         "    sys.modules[name] = None  # any import of them now fails\n"
-        "import cluster, cluster.config, cluster.protocol, cluster.errors, cluster.requests, cluster.tokens\n"
-        "import cluster.openai_format, cluster.backend\n"
+        "import cluster, cluster.config, cluster.wire.protocol, cluster.wire.errors, cluster.wire.requests\n"
+        "import cluster.tokens, cluster.wire.openai_format, cluster.wire.backend\n"
         "import pkgutil, importlib\n"
-        "for m in pkgutil.iter_modules(cluster.__path__):\n"
-        "    importlib.import_module('cluster.' + m.name)\n"
+        "for m in pkgutil.walk_packages(cluster.__path__, 'cluster.'):  # every module, at any depth\n"
+        "    importlib.import_module(m.name)\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

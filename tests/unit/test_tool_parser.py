@@ -1,4 +1,4 @@
-"""The tool-call parsers (cluster.tool_parser): whole texts, and the same texts cut anywhere."""
+"""The tool-call parsers (cluster.wire.tool_parser): whole texts, and the same texts cut anywhere."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.tool_parser import (
+from cluster.wire.tool_parser import (
     CallListParser,
     HermesParser,
     Item,

@@ -1,6 +1,6 @@
 """Tools on self-hosted engines, the pure parts: the plan per tool_choice and the schema it builds
-(cluster.tool_schema), the tiny model's tool-aware template and the prompt's count
-(cluster.requests), the stream's events (cluster.tool_stream), and the capability table."""
+(cluster.wire.tool_schema), the tiny model's tool-aware template and the prompt's count
+(cluster.wire.requests), the stream's events (cluster.wire.tool_stream), and the capability table."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any
 import jsonschema
 import pytest
 
-from cluster import capabilities as C
 from cluster import tokens
 from cluster.config import ToolCallsConfig
-from cluster.errors import InvalidRequest
-from cluster.openai_format import ResponseMeta, loads
-from cluster.protocol import ChatCompletionRequest
-from cluster.requests import prompt_ids
-from cluster.tool_schema import call_list_schema, plan
-from cluster.tool_stream import ToolEvents
+from cluster.policy import capabilities as C
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.openai_format import ResponseMeta, loads
+from cluster.wire.protocol import ChatCompletionRequest
+from cluster.wire.requests import prompt_ids
+from cluster.wire.tool_schema import call_list_schema, plan
+from cluster.wire.tool_stream import ToolEvents
 
 WEATHER = {
     "type": "function",

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from cluster.errors import InvalidRequest
-from cluster.openai_format import ResponseMeta, full_response, stream_chunk
-from cluster.protocol import ChatCompletionRequest, GenerateRequest, Usage
 from cluster.providers import anthropic_tools, anthropic_wire, openai_wire
 from cluster.providers.sse import SSEDecoder
-from cluster.requests import build_generate_request, prompt_ids
-from cluster.token_counters import CharEstimateTokenizer
-from cluster.tool_calls import ToolCallAccumulator
+from cluster.tokens.counters import CharEstimateTokenizer
+from cluster.wire.errors import InvalidRequest
+from cluster.wire.openai_format import ResponseMeta, full_response, stream_chunk
+from cluster.wire.protocol import ChatCompletionRequest, GenerateRequest, Usage
+from cluster.wire.requests import build_generate_request, prompt_ids
+from cluster.wire.tool_calls import ToolCallAccumulator
 from deployments import http_api as h
 
 DATA = Path(__file__).parent / "data" / "tools"

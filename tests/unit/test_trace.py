@@ -1,11 +1,11 @@
-"""cluster.trace: a request's trace as plain data, and the spans it becomes (GenAI conventions)."""
+"""cluster.observability.trace: a request's trace as plain data, and the spans it becomes (GenAI
+conventions)."""
 
 from __future__ import annotations
 
 import random
 
-from cluster.protocol import GenerateRequest, Sampling, Usage
-from cluster.trace import (
+from cluster.observability.trace import (
     AttemptSpans,
     RequestTrace,
     engine_span,
@@ -14,6 +14,7 @@ from cluster.trace import (
     spans,
     traceparent,
 )
+from cluster.wire.protocol import GenerateRequest, Sampling, Usage
 
 MS = 1_000_000
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.ttft_window import TtftWindow
+from cluster.policy.ttft_window import TtftWindow
 
 
 def test_samples_are_numbered_aged_and_forgotten_past_the_window() -> None:

@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import pytest
 
+from loadtest.request_spec import RequestSpec
 from loadtest.workloads import (
     VOCAB,
-    RequestSpec,
     SharedPrefixWorkload,
     merge,
     poisson_arrivals,
@@ -42,9 +42,9 @@ def by_session(specs: list[RequestSpec]) -> dict[str, list[RequestSpec]]:
 
 
 def test_same_seed_same_workload_other_seed_other_workload() -> None:
-    a = [s.to_json() for s in SMALL.generate(1)]
-    b = [s.to_json() for s in SMALL.generate(1)]
-    c = [s.to_json() for s in SMALL.generate(2)]
+    a = [s.to_record() for s in SMALL.generate(1)]
+    b = [s.to_record() for s in SMALL.generate(1)]
+    c = [s.to_record() for s in SMALL.generate(2)]
     assert a == b
     assert a != c
     assert json.dumps(a) == json.dumps(b)  # JSON-serialisable, byte for byte
@@ -52,9 +52,9 @@ def test_same_seed_same_workload_other_seed_other_workload() -> None:
 
 def test_json_round_trip() -> None:
     for spec in SMALL.generate(3):
-        d = json.loads(json.dumps(spec.to_json()))
-        assert set(d) >= {"arrival_s", "session_id", "messages", "max_tokens"}
-        assert RequestSpec.from_json(d) == spec
+        d = json.loads(json.dumps(spec.to_record()))
+        assert set(d) >= {"t", "session_id", "messages", "max_tokens"}
+        assert RequestSpec.from_record(d) == spec
 
 
 def test_shape_counts_and_arrival_order() -> None:

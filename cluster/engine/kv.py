@@ -1,0 +1,256 @@
+"""The simulated engine's paged KV cache with prefix caching, in the manner of vLLM v1
+(``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py``), written for reading, not speed.
+
+* The cache is ``num_blocks`` blocks of ``block_size`` tokens. A request holds a list of blocks
+  covering its computed tokens (and the ones being computed this step).
+* Only *full* blocks are cached. A block's hash chains over the whole prefix:
+  ``hash(parent block's hash, this block's token ids, extra keys)``, so equal hashes mean equal
+  prefixes. The first block's parent is a fixed root. Hashes are SHA-256 (deterministic across
+  processes, unlike Python's ``hash``).
+* A block has a reference count. At zero it goes to the tail of the free queue but keeps its hash
+  and stays findable: a later request may take it back (a prefix hit). Allocation pops the head of
+  the free queue, evicting that block's hash: the least recently freed block goes first (LRU). A
+  request frees its blocks tail first, so a prompt's private end is evicted before a shared head.
+* A lookup finds the longest run of cached leading blocks, at most ``num_tokens - 1`` tokens: the
+  last token is always computed, because its logits give the next token.
+
+* KV events (``events_enabled``), as vLLM's ``kv_events_config`` publisher emits them
+  (:mod:`cluster.engine.kv_events`): ``BlockStored`` for each run of blocks newly registered under their
+  hashes (with the parent's hash and the blocks' token ids), ``BlockRemoved`` for each cached block
+  whose hash an allocation evicts. :meth:`KVCacheManager.take_events` hands them over (once a step).
+
+Simplifications: one block per hash (vLLM allows duplicates until one is evicted); no null block;
+no sliding window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from cluster.routing.block_hash import EngineBlockHash as BlockHash
+
+ROOT_HASH = BlockHash(hashlib.sha256(b"cluster.engine.kv root").digest())
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+) -> BlockHash:
+    """The chained hash of one full block: (parent hash, token ids, extra keys)."""
+    h = hashlib.sha256(parent if parent is not None else ROOT_HASH)
+    h.update(array("q", token_ids).tobytes())  # fixed width: a full block's encoding is unambiguous
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return BlockHash(h.digest())
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple[Any, ...] | None = None,
+    hashes: list[BlockHash] | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids``; extends ``hashes`` (already-hashed leading blocks)."""
+    out = hashes if hashes is not None else []
+    parent = out[-1] if out else None
+    for start in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Blocks, their free queue (LRU order) and the hash → block map of cached blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the KV cache needs at least one block")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.evictions = 0  # cached blocks whose hash was dropped to reuse the block
+        self.events: list[KVCacheEvent] | None = None  # a list: KV events are recorded into it
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks nobody references (some still hold a cached prefix and can be hit)."""
+        return len(self._free)
+
+    def usage(self) -> float:
+        """Share of blocks referenced by requests: vLLM's ``kv_cache_usage``."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def free_queue(self) -> list[int]:
+        """Block ids in eviction order (next to be reused first)."""
+        return list(self._free)
+
+    def cached(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def lookup(self, block_hashes: Iterable[BlockHash]) -> list[KVBlock]:
+        """The longest run of leading blocks that are cached."""
+        hits: list[KVBlock] = []
+        for h in block_hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on hit blocks; a free one leaves the free queue (it is no longer evictable)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self._free):
+            raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                    self.evictions += 1
+                    if self.events is not None:
+                        self._removed(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop a reference on each block, in the order given; unreferenced ones join the queue's tail."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash (first writer wins: one block per hash); True if
+        this block is now the one the hash finds."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+            return True
+        return False
+
+    def _removed(self, block_hash: BlockHash) -> None:
+        assert self.events is not None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):  # one event for a run of evictions, as vLLM batches them
+            assert isinstance(last.block_hashes, list)
+            last.block_hashes.append(block_hash)
+        else:
+            self.events.append(BlockRemoved([block_hash]))
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a :class:`BlockPool`."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events_enabled: bool = False
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        if events_enabled and enable_caching:
+            self.pool.events = []
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of a request already registered
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self._tables.get(request_id, [])
+
+    def computed_blocks(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> list[KVBlock]:
+        """Cached leading blocks for a request of ``num_tokens`` tokens (at most num_tokens - 1 hit)."""
+        if not self.enable_caching:
+            return []
+        return self.pool.lookup(block_hashes[: (num_tokens - 1) // self.block_size])
+
+    def allocate_slots(self, request_id: str, num_tokens: int, hits: Sequence[KVBlock] = ()) -> bool:
+        """Make the request's table cover ``num_tokens`` tokens, taking ``hits`` first; False if no room."""
+        table = self._tables.get(request_id)
+        have = len(table) if table is not None else 0
+        assert not hits or have == 0, "prefix hits only extend an empty block table"
+        need = -(-num_tokens // self.block_size) - have - len(hits)
+        if need <= 0 and not hits:
+            return True
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)  # taking them shrinks the free queue
+        if max(need, 0) + evictable_hits > self.pool.num_free:
+            return False
+        if table is None:
+            table = self._tables[request_id] = []
+        self.pool.touch(hits)
+        table.extend(hits)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def cache_blocks(
+        self,
+        request_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_computed: int,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register the request's full, computed blocks that are not registered yet (``token_ids``:
+        the request's tokens, for the ``BlockStored`` events)."""
+        if not self.enable_caching:
+            return
+        table = self._tables.get(request_id, [])
+        done = self._num_cached.get(request_id, 0)
+        full = min(num_computed // self.block_size, len(block_hashes), len(table))
+        events = self.pool.events
+        run_start = -1
+        for i in range(done, full):
+            stored = self.pool.cache(table[i], block_hashes[i])
+            if events is None:
+                continue
+            if stored and run_start < 0:
+                run_start = i
+            elif not stored and run_start >= 0:
+                self._stored(block_hashes, token_ids, run_start, i)
+                run_start = -1
+        if events is not None and run_start >= 0:
+            self._stored(block_hashes, token_ids, run_start, full)
+        self._num_cached[request_id] = max(done, full)
+
+    def _stored(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], lo: int, hi: int) -> None:
+        assert self.pool.events is not None
+        bs = self.block_size
+        parent = hashes[lo - 1] if lo > 0 else None
+        tokens = list(token_ids[lo * bs : hi * bs])
+        self.pool.events.append(BlockStored(list(hashes[lo:hi]), parent, tokens, bs))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events recorded since the last call (empty when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first (a prompt's private end is evicted before its head)."""
+        table = self._tables.pop(request_id, [])
+        self._num_cached.pop(request_id, None)
+        self.pool.free(reversed(table))

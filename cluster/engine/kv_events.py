@@ -1,0 +1,245 @@
+"""KV-cache events: what an engine replica stored and evicted, in vLLM's shape, and the log that
+carries them from each engine replica to every gateway replica.
+
+The events mirror ``vllm.distributed.kv_events`` (the ``kv_events_config`` publisher): one
+:class:`KVEventBatch` per engine step that changed the prefix cache, holding
+:class:`BlockStored` (the engine's block hashes, the parent's hash, the blocks' token ids and the
+block size), :class:`BlockRemoved` (hashes only) and :class:`AllBlocksCleared`. Block hashes are
+the engine's own (vLLM's are seeded per process, the sim's are SHA-256): a router keys its index by
+its own hash of the token ids and keeps the map
+(:meth:`cluster.routing.affinity.AffinityRouter.apply_kv_stored`).
+
+Transport: pull, with sequence numbers. Each engine replica appends its batches to a bounded
+:class:`KVEventLog` (sequence numbers from 1, an ``epoch`` drawn at start); each gateway replica
+asks every live engine replica for the batches after the last one it applied (a long poll on the
+replica's own HTTP server, ``GET /kv_events?after=N``). Every gateway therefore applies the same
+batches in the same order, whenever it started; a gateway that fell behind the log's window, or an
+engine that restarted (new epoch), gets ``reset``: the gateway drops that replica's entries and
+continues from what the log still holds (the index may under-report, never over-report). Why pull
+rather than an engine-side push (vLLM's ZMQ PUB socket straight to the gateways): the engine does
+not need to know the gateways (they scale and restart on their own), a slow gateway cannot make
+the engine drop events for the others, and it reuses the replica's authenticated HTTP server.
+
+Plain Python, no I/O: the engine deployment serves the log, the gateway's feed applies pages.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """The engine cached these full blocks (consecutive, chained from ``parent_block_hash``)."""
+
+    block_hashes: Sequence[Hashable]
+    parent_block_hash: Hashable | None
+    token_ids: Sequence[int]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The engine evicted these blocks (their hashes no longer find anything)."""
+
+    block_hashes: Sequence[Hashable]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine reset its prefix cache."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksQueued:
+    """Ours, not vLLM's: a request reached the replica; these are the *router's* hashes of its
+    prompt's full blocks (:class:`cluster.routing.block_hash.BlockHasher`), which the engine will compute
+    unless they are cached. Published by the replica as the request arrives, so that every gateway
+    learns where a context is going before the engine's ``BlockStored`` (which waits for its
+    prefill, and for the queue before it) could tell them; gateways count them for a short time.
+    ``session_id``: the request's session, which every gateway then pins to this replica, as the
+    gateway that routed it did."""
+
+    block_hashes: Sequence[int]
+    session_id: str | None = None
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    """One engine step's events, numbered by the replica's log."""
+
+    seq: int
+    ts: float
+    events: tuple[KVCacheEvent, ...]
+
+
+@dataclass(slots=True)
+class KVEventPage:
+    """An answer to "the batches after ``after``": ``reset`` when the asker must forget the
+    replica's entries first (it missed batches: the log moved past them, or the engine restarted)."""
+
+    epoch: int
+    batches: list[KVEventBatch]
+    last_seq: int
+    reset: bool = False
+
+
+class KVEventLog:
+    """The engine replica's bounded, numbered log of event batches (oldest dropped first)."""
+
+    def __init__(self, max_batches: int = 8192, epoch: int | None = None) -> None:
+        if max_batches <= 0:
+            raise ValueError("max_batches must be positive")
+        self.epoch = epoch if epoch is not None else random.getrandbits(48)
+        self._batches: deque[KVEventBatch] = deque(maxlen=max_batches)
+        self.last_seq = 0
+        self.on_append: Callable[[], None] | None = None  # the server wakes its long polls
+
+    def append(self, events: Sequence[KVCacheEvent], ts: float) -> None:
+        if not events:
+            return
+        self.last_seq += 1
+        self._batches.append(KVEventBatch(self.last_seq, ts, tuple(events)))
+        if self.on_append is not None:
+            self.on_append()
+
+    def since(self, after: int, epoch: int | None = None, limit: int = 512) -> KVEventPage:
+        """The batches numbered above ``after`` (at most ``limit``). ``epoch`` is the one the asker
+        saw last (None: its first ask): another one, or a gap, answers ``reset``."""
+        first = self._batches[0].seq if self._batches else self.last_seq + 1
+        reset = (epoch is not None and epoch != self.epoch) or after < first - 1 or after > self.last_seq
+        if reset:
+            after = first - 1
+        out = [b for b in self._batches if b.seq > after][:limit] if after < self.last_seq else []
+        return KVEventPage(self.epoch, out, out[-1].seq if out else after, reset)
+
+
+# -- the wire: JSON between the engine replica and the gateways --------------------------------
+
+
+def _hash_to_wire(h: Hashable) -> int | str:
+    if isinstance(h, bytes):
+        return h.hex()
+    if isinstance(h, int):
+        return h
+    return str(h)
+
+
+def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
+    if isinstance(ev, BlockStored):
+        parent = ev.parent_block_hash
+        return {
+            "type": "BlockStored",
+            "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes],
+            "parent_block_hash": None if parent is None else _hash_to_wire(parent),
+            "token_ids": list(ev.token_ids),
+            "block_size": ev.block_size,
+        }
+    if isinstance(ev, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes]}
+    if isinstance(ev, BlocksQueued):
+        return {"type": "BlocksQueued", "block_hashes": list(ev.block_hashes), "session_id": ev.session_id}
+    return {"type": "AllBlocksCleared"}
+
+
+def page_to_wire(page: KVEventPage) -> dict[str, Any]:
+    return {
+        "epoch": page.epoch,
+        "last_seq": page.last_seq,
+        "reset": page.reset,
+        "batches": [
+            {"seq": b.seq, "ts": b.ts, "events": [event_to_wire(e) for e in b.events]} for b in page.batches
+        ],
+    }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WireStored(_Strict):
+    type: Literal["BlockStored"]
+    block_hashes: list[int | str]
+    parent_block_hash: int | str | None
+    token_ids: list[int]
+    block_size: int = Field(gt=0)
+
+
+class WireRemoved(_Strict):
+    type: Literal["BlockRemoved"]
+    block_hashes: list[int | str]
+
+
+class WireCleared(_Strict):
+    type: Literal["AllBlocksCleared"]
+
+
+class WireQueued(_Strict):
+    type: Literal["BlocksQueued"]
+    block_hashes: list[int]
+    session_id: str | None = None
+
+
+class WireBatch(_Strict):
+    seq: int = Field(ge=1)
+    ts: float
+    events: list[Annotated[WireStored | WireRemoved | WireCleared | WireQueued, Field(discriminator="type")]]
+
+
+class WirePage(_Strict):
+    """``GET /kv_events`` answer, validated by the gateway (off the token path)."""
+
+    epoch: int
+    last_seq: int = Field(ge=0)
+    reset: bool = False
+    batches: list[WireBatch] = Field(default_factory=list)
+
+
+def page_from_wire(data: Any) -> KVEventPage:
+    """Parse and validate a page (pydantic's ValidationError on a malformed one)."""
+    p = WirePage.model_validate(data)
+    batches = []
+    for b in p.batches:
+        events: list[KVCacheEvent] = []
+        for e in b.events:
+            if isinstance(e, WireStored):
+                events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size))
+            elif isinstance(e, WireRemoved):
+                events.append(BlockRemoved(e.block_hashes))
+            elif isinstance(e, WireQueued):
+                events.append(BlocksQueued(e.block_hashes, e.session_id))
+            else:
+                events.append(AllBlocksCleared())
+        batches.append(KVEventBatch(b.seq, b.ts, tuple(events)))
+    return KVEventPage(p.epoch, batches, p.last_seq, p.reset)
+
+
+# -- the consumer's cursor: one per (gateway, engine replica) -----------------------------------
+
+
+@dataclass(slots=True)
+class FeedCursor:
+    """Where a gateway is in one replica's log."""
+
+    epoch: int | None = None
+    after: int = 0
+    resets: int = 0
+    batches: int = 0
+    events: int = 0
+
+    def advance(self, page: KVEventPage) -> None:
+        if page.reset:
+            self.resets += 1
+        self.epoch = page.epoch
+        self.after = page.last_seq
+        self.batches += len(page.batches)
+        self.events += sum(len(b.events) for b in page.batches)

@@ -1,0 +1,127 @@
+"""Token buckets for the tenants' request and token budgets (:mod:`cluster.policy.tenants`; pure: every
+call passes ``now``).
+
+:class:`TokenBucket` is the refill-per-second bucket; :class:`BucketBudget` reserves one request
+and ``input estimate + max_tokens`` tokens up front and settles with the actual usage afterwards
+(giving back the unused part, or taking the overrun as debt). A provider's budget is another
+thing: one sliding-window count per backend for the whole app, as the provider keeps it
+(:class:`cluster.providers.budget.ProviderBudget`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.wire.errors import RateLimited
+
+
+class TokenBucket:
+    """``capacity`` tokens, refilled at ``refill_per_s``; the level may go below zero (debt) when a
+    settlement takes more than was reserved. Pure: every call passes ``now``."""
+
+    def __init__(self, capacity: float, refill_per_s: float, now: float, level: float | None = None) -> None:
+        if capacity <= 0 or refill_per_s < 0:
+            raise ValueError("capacity must be > 0 and refill_per_s >= 0")
+        self.capacity = float(capacity)
+        self.refill_per_s = float(refill_per_s)
+        self._level = self.capacity if level is None else float(level)
+        self._t = now
+
+    def _refill(self, now: float) -> None:
+        if now > self._t:  # a clock that steps back refills nothing
+            self._level = min(self.capacity, self._level + (now - self._t) * self.refill_per_s)
+            self._t = now
+
+    def level(self, now: float) -> float:
+        self._refill(now)
+        return self._level
+
+    def try_take(self, n: float, now: float) -> bool:
+        self._refill(now)
+        if n <= self._level:
+            self._level -= n
+            return True
+        return False
+
+    def take(self, n: float, now: float) -> None:
+        """Take unconditionally (an overrun found when settling): the level may go negative."""
+        self._refill(now)
+        self._level -= n
+
+    def give_back(self, n: float, now: float) -> None:
+        self._refill(now)
+        self._level = min(self.capacity, self._level + n)
+
+    def time_until(self, n: float, now: float) -> float:
+        """Seconds until ``n`` tokens are there (0: now; inf: never, ``n`` exceeds the capacity)."""
+        self._refill(now)
+        if n <= self._level:
+            return 0.0
+        if n > self.capacity or self.refill_per_s == 0:
+            return math.inf
+        return (n - self._level) / self.refill_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    tokens: int  # input estimate + max_tokens, taken from the TPM bucket
+
+
+class BucketBudget:
+    """A tenant's RPM and TPM budgets (this gateway replica's share). ``burst_s`` sizes the
+    buckets: 60 s holds a minute's worth; lower it for a smoother limit on shorter windows."""
+
+    def __init__(
+        self,
+        rpm: int | None,
+        tpm: int | None,
+        now: float,
+        *,
+        router_replicas: int = 1,
+        burst_s: float = 60.0,
+    ) -> None:
+        self.rpm = self._bucket(rpm, router_replicas, burst_s, now)
+        self.tpm = self._bucket(tpm, router_replicas, burst_s, now)
+
+    @staticmethod
+    def _bucket(per_min: int | None, routers: int, burst_s: float, now: float) -> TokenBucket | None:
+        if per_min is None:
+            return None
+        rate = per_min / routers / 60.0
+        return TokenBucket(max(1.0, rate * burst_s), rate, now)
+
+    def try_reserve(self, input_tokens: int, max_tokens: int, now: float) -> Reservation | RateLimited:
+        """Both budgets or neither: one request and ``input_tokens + max_tokens`` tokens."""
+        tokens = input_tokens + max_tokens
+        waits = [b.time_until(n, now) for b, n in ((self.rpm, 1), (self.tpm, tokens)) if b is not None]
+        wait = max(waits, default=0.0)
+        if wait == math.inf:
+            return RateLimited(
+                f"request of {tokens} tokens exceeds the provider's token budget per window",
+                retry_after_s=None,
+            )
+        if wait > 0:
+            return RateLimited("provider rate budget exhausted", retry_after_s=wait)
+        if self.rpm is not None:
+            self.rpm.take(1, now)
+        if self.tpm is not None:
+            self.tpm.take(tokens, now)
+        return Reservation(tokens)
+
+    def settle(self, reservation: Reservation, actual_tokens: int, now: float) -> None:
+        """The request ended: give back what it did not use, or take its overrun as debt."""
+        if self.tpm is None:
+            return
+        diff = reservation.tokens - actual_tokens
+        if diff > 0:
+            self.tpm.give_back(diff, now)
+        elif diff < 0:
+            self.tpm.take(-diff, now)
+
+    def cancel(self, reservation: Reservation, now: float) -> None:
+        """Never sent upstream: both budgets get their share back."""
+        if self.rpm is not None:
+            self.rpm.give_back(1, now)
+        if self.tpm is not None:
+            self.tpm.give_back(reservation.tokens, now)
