@@ -202,7 +202,7 @@ class EngineReplica:
         finally:
             self.ongoing -= 1
             if span is not None and parent is not None:
-                times = (span.start, span.first, time.time_ns())
+                times = (span.start, span.first, span.end or time.time_ns())
                 kind, rid = self.cfg.kind, self.replica_id
                 s = engine_span(
                     parent, new_id(self.tracer.rng, 64), req, rid, kind, times, span.usage, span.error
@@ -235,7 +235,7 @@ class EngineReplica:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse)
+            usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse, span)
             if span is not None:
                 span.usage = usage
             await resp.write_eof()
@@ -251,6 +251,7 @@ class EngineReplica:
         meta: ResponseMeta,
         flags: tuple[bool, bool, bool],
         tool_parse: dict[str, Any] | None = None,
+        span: _EngineSpan | None = None,
     ) -> Usage | None:
         """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
         ``ids`` each event names its token ids (those of chunks with no text yet ride on the next
@@ -288,19 +289,19 @@ class EngineReplica:
                     usage = chunk.usage
                 chunk = await anext(gen, None)
         except ClusterError as err:
-            await resp.write(error_frame(self._mid_stream(err)))
+            await _last(resp, span, error_frame(self._mid_stream(err)))
             return usage
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the engine failed mid-stream
-            await resp.write(error_frame(self._mid_stream(exc)))
+            await _last(resp, span, error_frame(self._mid_stream(exc)))
             return usage
         if finish == "abort" and self.draining:  # Serve is stopping this replica: say so
-            await resp.write(error_frame(self._mid_stream(None)))
+            await _last(resp, span, error_frame(self._mid_stream(None)))
             return usage
         text = (tools.text() if tools is not None else "".join(parts)) if parts is not None else None
         calls = tools.calls() if tools is not None and collect else None
-        await resp.write(end_frame(finish, usage or Usage(), text, self.replica_id, calls))
+        await _last(resp, span, end_frame(finish, usage or Usage(), text, self.replica_id, calls))
         return usage
 
     def _mid_stream(self, exc: BaseException | None) -> StreamInterrupted:
@@ -317,8 +318,18 @@ class _EngineSpan:
 
     start: int
     first: int | None = None
+    # Stamped as the last frame is handed to the gateway, not when the handler returns: the
+    # gateway's span may end as soon as that frame arrives, and a child must not end after it.
+    end: int | None = None
     usage: Usage | None = None
     error: str | None = None
+
+
+async def _last(resp: web.StreamResponse, span: _EngineSpan | None, frame: bytes) -> None:
+    """The stream's last frame, the engine span's end stamped just before it goes."""
+    if span is not None:
+        span.end = time.time_ns()
+    await resp.write(frame)
 
 
 def _plain_event(chunk: Chunk, meta: ResponseMeta, text_events: TextEvents, sent_first: bool) -> bytes:
