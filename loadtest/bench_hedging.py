@@ -81,23 +81,13 @@ def sim_app(name: str, slow_s: float | None, hedging: bool) -> ClusterConfig:
 
 
 def provider_app(name: str, url: str, key_env: str, hedging: bool) -> ClusterConfig:
-    def backend(n: str) -> dict[str, Any]:
-        return {
-            "name": n,
-            "kind": "provider",
-            "model": "m",
-            "replicas": 1,
-            "resources": {"num_cpus": 0.1},
-            "provider": {
-                "api": "openai",
-                "base_url": url,
-                "upstream_model": "gpt-4o-mini",
-                "api_key_env": key_env,
-                "first_token_timeout_s": 10,
-            },
-        }
+    from loadtest.reliability import provider_backend
 
-    return _app(name, [backend("prov-a"), backend("prov-b")], ["prov-a", "prov-b"], hedging)
+    backends = [
+        provider_backend(n, "openai", url, "m", key_env=key_env, first_token_timeout_s=10)
+        for n in ("prov-a", "prov-b")
+    ]
+    return _app(name, backends, ["prov-a", "prov-b"], hedging)
 
 
 # --------------------------------------------------------------------------------------------
