@@ -32,7 +32,8 @@ Accounting is exactly-once (:mod:`cluster.policy.admission_types`).
 SLO-aware caps (:mod:`cluster.policy.slo_guard`): :meth:`AdmissionController.set_guard_caps` caps the
 requests of *deferrable* surfaces (every surface but those with the lowest priority number) in
 flight on a backend; above the cap they wait in their queue (a backend at its guard cap has no room
-for them), the protected surface is never capped.
+for them), the protected surface is never capped; each deferrable surface may always have
+``guard_floor`` requests in flight per backend (:mod:`cluster.policy.guard_caps`).
 
 Several gateway replicas: each enforces ``ceil(limit / router_replicas)`` of the surface
 concurrency and queue and of the backend caps, which is exact when HAProxy spreads requests evenly
@@ -54,6 +55,7 @@ from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.policy.admission_types import Counters, Outcome, Queued, Rejection, Ticket
+from cluster.policy.guard_caps import GuardCaps
 from cluster.policy.queue_wait import DurationWindow, WaitEstimate, predict_wait, slot_times
 from cluster.wire.errors import ClusterError, Overloaded, RateLimited
 
@@ -108,6 +110,7 @@ class AdmissionController:
         rate_window_s: float = 30.0,
         max_retry_after_s: float = 60.0,
         tenant_weights: Mapping[str, float] | None = None,
+        guard_floor: int = 0,
     ) -> None:
         if router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
@@ -120,8 +123,7 @@ class AdmissionController:
         self._order = sorted(self._surfaces.values(), key=lambda s: s.priority)
         top = self._order[0].priority
         self._deferrable = frozenset(s.name for s in self._order if s.priority != top)
-        self._guard_caps: dict[str, int] = {}
-        self._deferred_in_flight: dict[str, int] = {}  # by backend: deferrable surfaces' tickets
+        self._guard = GuardCaps(self._deferrable, guard_floor)
         self._caps: dict[str, int] = {}
         self._backend_in_flight: dict[str, int] = {}
         for name, cap in (backend_caps or {}).items():
@@ -146,6 +148,7 @@ class AdmissionController:
             caps,
             router_replicas=cfg.server.router_replicas,
             tenant_weights=weights,
+            guard_floor=cfg.policies.slo_guard.min_cap,
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -255,15 +258,7 @@ class AdmissionController:
         """The SLO guard's caps on deferrable work per backend (None: uncapped). Returns the waiters
         admitted into room a raised cap made, and those rejected at once because a lowered cap put
         their slot past their deadline (they would only have waited it out)."""
-        lowered = False
-        for backend, cap in caps.items():
-            old = self._guard_caps.get(backend)
-            if cap is None:
-                self._guard_caps.pop(backend, None)
-            else:
-                lowered = lowered or old is None or cap < old
-                self._guard_caps[backend] = cap
-        rejected = self._reject_unreachable(now) if lowered else []
+        rejected = self._reject_unreachable(now) if self._guard.set(caps) else []
         return self._drain(now), rejected
 
     def _reject_unreachable(self, now: float) -> list[Rejection]:
@@ -272,7 +267,7 @@ class AdmissionController:
             if s.name not in self._deferrable or not s.queue:
                 continue
             elapsed = [now - t for t in s.admitted_at.values()]
-            got = slot_times(elapsed, s.durations, now, len(s.queue), skip=self._over_cap(s))
+            got = slot_times(elapsed, s.durations, now, len(s.queue), skip=self._guard.skip(s.name))
             if got is None:
                 continue
             kept = 0  # the waiters kept so far take the earliest slots
@@ -288,7 +283,7 @@ class AdmissionController:
 
     def deferred_in_flight(self) -> dict[str, int]:
         """Deferrable surfaces' requests in flight, by backend (what the guard caps)."""
-        return dict(self._deferred_in_flight)
+        return self._guard.in_flight()
 
     def backend_cap(self, backend: str) -> int | None:
         """This router's static share of a backend's cap (None: uncapped)."""
@@ -365,8 +360,7 @@ class AdmissionController:
         cap = self._caps.get(backend)
         if cap is not None and self._backend_in_flight[backend] >= cap:
             return False
-        guard = self._guard_caps.get(backend) if surface in self._deferrable else None
-        return guard is None or self._deferred_in_flight.get(backend, 0) < guard
+        return self._guard.has_room(backend, surface)
 
     def _count_backend(self, ticket: Ticket, delta: int) -> None:
         b = ticket.backend
@@ -374,8 +368,7 @@ class AdmissionController:
             return
         if b in self._caps:
             self._backend_in_flight[b] += delta
-        if ticket.surface in self._deferrable:
-            self._deferred_in_flight[b] = self._deferred_in_flight.get(b, 0) + delta
+        self._guard.count(b, ticket.surface, delta)
 
     def _pick_backend(self, candidates: tuple[str, ...], surface: str) -> tuple[bool, str | None]:
         """(found, backend): the first candidate with room; (True, None) with no candidates, as no
@@ -411,14 +404,7 @@ class AdmissionController:
 
     def _predict(self, s: _Surface, now: float) -> WaitEstimate | None:
         elapsed = (now - t for t in s.admitted_at.values())
-        return predict_wait(len(s.queue), elapsed, s.durations, now, skip=self._over_cap(s))
-
-    def _over_cap(self, s: _Surface) -> int:
-        """Completions that will free no slot for ``s``: deferrable work in flight above a guard cap."""
-        if s.name not in self._deferrable:
-            return 0
-        over = [self._deferred_in_flight.get(b, 0) - cap for b, cap in self._guard_caps.items()]
-        return max(0, *over) if over else 0
+        return predict_wait(len(s.queue), elapsed, s.durations, now, skip=self._guard.skip(s.name))
 
     def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
         est = self._predict(s, now)

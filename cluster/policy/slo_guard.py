@@ -51,7 +51,9 @@ class SloGuardConfig(Strict):
     )
     decrease_factor: float = Field(0.5, gt=0, lt=1, description="Cap multiplier under pressure.")
     increase_step: int = Field(2, gt=0, description="Cap increase per interval once recovered.")
-    min_cap: int = Field(1, ge=0, description="Fewest deferrable requests always allowed per backend.")
+    min_cap: int = Field(
+        1, ge=0, description="Fewest requests of each deferrable surface always allowed per backend."
+    )
     quiet_s: float = Field(2.0, gt=0, description="No protected arrival for this long lifts every cap.")
 
 

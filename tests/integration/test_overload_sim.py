@@ -112,8 +112,11 @@ async def test_a_wait_past_the_deadline_is_rejected_at_once_with_retry_after(sha
 
 async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> None:
     url = shared.base_url + "/chat/completions"
+    # Both on Agent: with Tab in the mix the SLO guard (Tab's objective is 1 ms here) caps Agent,
+    # and its own 429s hand their tenant reservations back, so the tenant's count moved with the
+    # machine's speed (6 in CI, with 7 predicted-wait refusals). Only the tenant budget refuses here.
     heavy = {"x-surface": "agent", "x-tenant": "heavy"}
-    light = {"x-surface": "tab", "x-tenant": "light"}
+    light = {"x-surface": "agent", "x-tenant": "light"}
     async with httpx.AsyncClient(timeout=60) as c:
         flood = [c.post(url, json=_body(4, f"loop {i}"), headers=heavy) for i in range(30)]  # 1.5x a minute's
         calm = [c.post(url, json=_body(2, f"tab {i}"), headers=light) for i in range(5)]
@@ -121,7 +124,8 @@ async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> No
     heavy_rs, light_rs = rs[:30], rs[30:]
     assert [r.status_code for r in light_rs] == [200] * 5
     over = [r for r in heavy_rs if r.status_code == 429 and "tenant 'heavy'" in r.json()["error"]["message"]]
-    assert 9 <= len(over) <= 10, collections.Counter(r.status_code for r in heavy_rs)  # 20 + refill
+    codes = collections.Counter(r.status_code for r in heavy_rs)
+    assert 9 <= len(over) <= 10 and len(over) == codes[429], codes  # 20 + refill
     assert all(int(r.headers["retry-after"]) >= 1 for r in over)
     assert {r.status_code for r in heavy_rs} <= {200, 429}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from cluster.config import SurfaceConfig
 from cluster.policy.admission import AdmissionController, Queued, Ticket
+from cluster.policy.guard_caps import GuardCaps
 from cluster.policy.slo_guard import SloGuard, SloGuardConfig
 
 SURFACES = {"tab": (0, 0.1), "chat": (1, 1.0), "agent": (2, 3.0)}
@@ -112,6 +113,42 @@ def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline()
     assert rejected[0].reason == "predicted_wait" and rejected[0].error.status_code == 429
     n = c.counters("agent")
     assert (n.rejected_unreachable, n.waiting) == (1, 2) and n.balanced()
+
+
+def test_each_deferrable_surface_keeps_its_floor_under_a_cap_another_surface_fills() -> None:
+    """A cap of 1 held by a long Agent stream: with a floor of 1 per surface Chat still starts one
+    request (it waited behind the stream to its deadline before, a 429 in CI's smoke run); a
+    second Chat request and a second Agent one wait."""
+    surfaces = [_surf("tab", 0), _surf("chat", 1), _surf("agent", 2)]
+    c = AdmissionController(surfaces, {"gpu": 100}, guard_floor=1)
+    stream = c.try_admit("agent", 0.0, ["gpu"])
+    assert isinstance(stream, Ticket)
+    c.set_guard_caps({"gpu": 1}, 0.1)
+    chat = c.try_admit("chat", 0.2, ["gpu"])
+    assert isinstance(chat, Ticket)  # Chat's own in flight (0) is under the floor
+    assert c.deferred_in_flight() == {"gpu": 2}
+    assert isinstance(c.try_admit("chat", 0.2, ["gpu"]), Queued)
+    assert isinstance(c.try_admit("agent", 0.2, ["gpu"]), Queued)
+    admitted = c.release(chat, "completed", 0.3)  # Chat back under its floor: its waiter goes
+    assert [t.surface for t in admitted] == ["chat"]
+    without = AdmissionController(surfaces, {"gpu": 100})  # floor 0: the cap binds alone
+    assert isinstance(without.try_admit("agent", 0.0, ["gpu"]), Ticket)
+    without.set_guard_caps({"gpu": 1}, 0.1)
+    assert isinstance(without.try_admit("chat", 0.2, ["gpu"]), Queued)
+
+
+def test_guard_caps_skip_counts_only_completions_that_free_nothing() -> None:
+    g = GuardCaps({"chat", "agent"}, floor=1)
+    for _ in range(5):
+        g.count("gpu", "agent", +1)
+    g.count("gpu", "chat", +1)
+    g.set({"gpu": 2})
+    assert g.skip("tab") == 0  # protected: never capped
+    assert g.skip("chat") == 0  # Chat's one completion puts it under its floor
+    assert g.skip("agent") == 4  # 6 in flight, cap 2: 4 of Agent's 5 free nothing, the 5th does
+    assert not g.has_room("gpu", "agent") and not g.has_room("gpu", "chat")
+    assert g.has_room("gpu", "tab") and g.has_room("cpu", "agent")  # uncapped backend
+    assert g.set({"gpu": 1}) and not g.set({"gpu": 3}) and g.set({"gpu": None}) is False
 
 
 def test_a_gateway_that_saw_no_tab_caps_agent_from_the_engines_own_ttft() -> None:
