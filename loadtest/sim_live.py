@@ -164,7 +164,7 @@ def ms(x: float | None, scale: float = 1.0) -> float | None:
 
 async def warm_up(url: str, n: int) -> None:
     """A few short requests (no full KV block, so no routing state): Serve's first-request costs."""
-    spec = RequestSpec(0.0, "warmup", ({"role": "user", "content": "warm up"},), 2)
+    spec = RequestSpec(session_id="warmup", messages=[{"role": "user", "content": "warm up"}], max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as client:
         rs = [Result(i, "warmup", None) for i in range(n)]
         await asyncio.gather(

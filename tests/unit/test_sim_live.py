@@ -8,15 +8,29 @@ from aiohttp import web
 
 from loadtest.fake_upstream import build_app
 from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, stream_chat
+from loadtest.sim_live import Result, stream_chat, warm_up
 
 
-async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
-    runner = web.AppRunner(build_app(chunks=5))
+async def _serve(chunks: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(build_app(chunks=chunks))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_warm_up_sends_its_requests_and_raises_nothing_when_they_succeed() -> None:
+    """bench_affinity, bench_overload and bench_overload_shared all start with it: after the
+    RequestSpec change it built its spec positionally and every one of them failed at once."""
+    runner, port = await _serve(2)
+    try:
+        await warm_up(f"http://127.0.0.1:{port}/v1/chat/completions", 3)
+    finally:
+        await runner.cleanup()
+
+
+async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
+    runner, port = await _serve(5)
     spec = RequestSpec(
         arrival_s=0.0,
         session_id="s1",
