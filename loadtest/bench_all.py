@@ -56,7 +56,11 @@ class Step:
         return self.est_full_s if full else self.est_quick_s
 
 
-_KV_LIVE = ("--scenario", "kv_pressure", "--policies", "cache_aware,cache_aware+previous", "--merge")
+# --extra-seeds here too: a --merge run rewrites the scenario's what-if, seeds included.
+_KV_LIVE = (
+    *("--scenario", "kv_pressure", "--policies", "cache_aware,cache_aware+previous"),
+    *("--merge", "--extra-seeds", "2,3,4,5,6"),
+)
 STEPS: tuple[Step, ...] = (
     Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 110, 60),
     # After the calibration: the fidelity replay reads engine_calibration.json.
