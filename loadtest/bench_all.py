@@ -58,8 +58,13 @@ class Step:
 
 # --extra-seeds here too: a --merge run rewrites the scenario's what-if, seeds included.
 _KV_LIVE = (
-    *("--scenario", "kv_pressure", "--policies", "cache_aware,cache_aware+previous"),
-    *("--merge", "--extra-seeds", "2,3,4,5,6"),
+    "--scenario",
+    "kv_pressure",
+    "--policies",
+    "cache_aware,cache_aware+previous",
+    "--merge",
+    "--extra-seeds",
+    "2,3,4,5,6",
 )
 STEPS: tuple[Step, ...] = (
     Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 110, 60),
