@@ -1,8 +1,12 @@
-"""The provider adapters' HTTP side: one pooled client per event loop, the key that hides itself, and
-the clock that bounds every await of a request (and that ``abort`` fires early).
+"""The provider adapters' HTTP side: one pooled aiohttp session per event loop, the key that hides
+itself, and the clock that bounds every await of a request (and that ``abort`` fires early).
 
 Kept apart from the adapters (``deployments/providers.py``) because none of it knows a provider's
 wire format: it is how a request reaches the network and how it is stopped.
+
+aiohttp is called directly: httpx's own pool cost O(connections) per request, and its API over
+aiohttp's pool (``httpx-aiohttp``) still cost a fifth of the gateway's CPU per streamed request on
+the relay benchmark (building the request, URL parsing, header merging, two stream wrappers).
 """
 
 from __future__ import annotations
@@ -13,50 +17,59 @@ import weakref
 from collections.abc import Awaitable
 from typing import TypeVar
 
-import httpx
-from httpx_aiohttp import AiohttpTransport
+import aiohttp
 
 T = TypeVar("T")
 MAX_ERROR_BODY = 64 * 1024
 
-# httpx clients are bound to the loop that first used them: one per loop.
-_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+# aiohttp sessions are bound to the loop that made them: one per loop.
+_SESSIONS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
     weakref.WeakKeyDictionary()
 )
 
-
-class _NoCookies(httpx.Cookies):
-    """The shared client keeps no cookies: every tenant's requests go through it, so a provider's
-    ``Set-Cookie`` on one answer must not ride along on everyone's next request (and reading each
-    answer's cookies into a jar cost ~5 % of the gateway's CPU per request)."""
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        return None
+# What a failure of the network (not of the provider's answer) looks like from aiohttp.
+TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 
 
-def shared_client() -> httpx.AsyncClient:
+def shared_session() -> aiohttp.ClientSession:
+    """This loop's pooled session. It keeps no cookies: every tenant's requests go through it, so a
+    provider's ``Set-Cookie`` on one answer must not ride along on everyone's next request."""
     loop = asyncio.get_running_loop()
-    client = _CLIENTS.get(loop)
-    if client is None or client.is_closed:
-        limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256, keepalive_expiry=30.0)
-        client = httpx.AsyncClient(
-            # httpx's API over aiohttp's connection pool: httpx's own pool cost O(connections) per
-            # request, the largest single cost of a Python relay (shared/notes/ray-serve-fast-path.md).
-            transport=AiohttpTransport(limits=limits, trust_env=False),
-            limits=limits,
-            timeout=None,  # per request, from the provider config
-            follow_redirects=False,
+    session = _SESSIONS.get(loop)
+    if session is None or session.closed:
+        connector = aiohttp.TCPConnector(
+            limit=2048, limit_per_host=0, keepalive_timeout=30.0, enable_cleanup_closed=True
         )
-        client._cookies = _NoCookies()  # httpx has no switch for it; its setter copies into a jar
-        _CLIENTS[loop] = client
-    return client
+        session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            timeout=aiohttp.ClientTimeout(total=None),  # per request, from the provider config
+            trust_env=False,
+            auto_decompress=True,
+        )
+        _SESSIONS[loop] = session
+    return session
 
 
-async def aclose_shared_client() -> None:
-    """Close this loop's pooled client (tests, shutdown); the next request opens a new one."""
-    client = _CLIENTS.pop(asyncio.get_running_loop(), None)
-    if client is not None:
-        await client.aclose()
+async def aclose_shared_session() -> None:
+    """Close this loop's pooled session (tests, shutdown); the next request opens a new one."""
+    session = _SESSIONS.pop(asyncio.get_running_loop(), None)
+    if session is not None:
+        await session.close()
+
+
+def is_connect_failure(exc: BaseException) -> bool:
+    """The request never reached the provider: no connection could be opened (refused, timed out)."""
+    return isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+
+
+def close_response(response: aiohttp.ClientResponse) -> None:
+    """A whole answer gives its connection back to the pool; one cut short closes it, which is how
+    the provider learns to stop generating (and billing)."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
 
 
 class Secret:
@@ -101,8 +114,8 @@ class Flight:
     async def timed(self, deadline: float, aw: Awaitable[T]) -> T:
         """Await ``aw`` until ``deadline`` (loop time); ``abort`` fires the same timeout early."""
         if self.aborted:
-            if inspect.iscoroutine(aw):
-                aw.close()
+            if inspect.iscoroutine(aw) or hasattr(aw, "close"):  # a coroutine, or aiohttp's request
+                aw.close()  # type: ignore[attr-defined]
             raise Aborted
         try:
             async with asyncio.timeout_at(deadline) as cm:
@@ -116,11 +129,9 @@ class Flight:
             self.timeout = None
 
 
-async def read_capped(response: httpx.Response) -> bytes:
+async def read_capped(response: aiohttp.ClientResponse) -> bytes:
     """An error body, at most MAX_ERROR_BODY bytes of it."""
     buf = bytearray()
-    async for part in response.aiter_bytes():
+    while len(buf) < MAX_ERROR_BODY and (part := await response.content.readany()):
         buf += part
-        if len(buf) >= MAX_ERROR_BODY:
-            break
     return bytes(buf[:MAX_ERROR_BODY])

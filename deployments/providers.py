@@ -1,7 +1,7 @@
 """Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as
 :class:`cluster.wire.backend.Backend`.
 
-One pooled ``httpx.AsyncClient`` per process (per event loop) carries every request; each is
+One pooled aiohttp session per process (per event loop) carries every request; each is
 streamed, parsed event by event and never buffered whole. Four clocks bound a request, from the
 provider config: connect, first *content* token (bytes such as pings or a role-only chunk do not
 count), silence between reads once tokens flow, and the whole request (or the request's own
@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, ClassVar
 
-import httpx
+import aiohttp
 
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
@@ -34,25 +34,20 @@ from cluster.providers.budget import Prices, cost_usd
 from cluster.providers.sse import SSEDecoder, SSEEvent
 from cluster.tokens.images import image_tokens
 from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
+from cluster.wire.openai_format import dumps
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from deployments import provider_http as ph
 from deployments.provider_budget import Budget, get_budget
 from deployments.provider_counters import ProviderCounters
-from deployments.provider_http import (
-    Aborted,
-    Flight,
-    Secret,
-    aclose_shared_client,
-    read_capped,
-    shared_client,
-)
+from deployments.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
 
 __all__ = [
     "AnthropicProviderBackend",
     "OpenAIProviderBackend",
     "ProviderBackend",
-    "aclose_shared_client",
+    "aclose_shared_session",
     "build_provider_backend",
-    "shared_client",
+    "shared_session",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,7 +82,7 @@ class _Stream:
         self.usage: Usage | None = None
         self.finish: str | None = None
         self.last = 0.0  # loop time of the last read
-        self.response: httpx.Response | None = None
+        self.response: aiohttp.ClientResponse | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,7 +102,7 @@ class ProviderBackend:
         replica_name: str,
         *,
         budget: Budget | None = None,
-        client: httpx.AsyncClient | None = None,
+        session: aiohttp.ClientSession | None = None,
         admission_wait_s: float = 0.0,
         on_unsettled: Callable[[GenerateRequest, Usage, float], None] | None = None,
     ) -> None:
@@ -126,15 +121,13 @@ class ProviderBackend:
             )
         self.counter = tokens.load(model.tokenizer, self.cfg.api)
         self.budget: Budget = budget if budget is not None else get_budget(backend)
-        self._client = client
+        self._session = session
         self.admission_wait_s = admission_wait_s
         self._flights: dict[str, list[Flight]] = {}
-        self._timeout = httpx.Timeout(
-            connect=self.cfg.connect_timeout_s,
-            read=None,  # reads are bounded by the first-token / between-token clocks below
-            write=self.cfg.between_tokens_timeout_s,
-            pool=self.cfg.connect_timeout_s,
-        )
+        # Connecting (a pooled connection or a new one) has its own clock; every read is bounded by
+        # the first-token / between-token clocks below, the whole request by the first-token one.
+        connect = self.cfg.connect_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
         self.counts = ProviderCounters()
         self.prices = Prices.from_config(self.cfg)
         self.on_unsettled = on_unsettled  # (request, usage, cost) for streams ended without usage
@@ -227,11 +220,11 @@ class ProviderBackend:
         try:
             s.response = response = await self._send(req, flight, first_deadline)
             s.charged = s.input_est  # it reached the provider: it may bill the input
-            if response.status_code != 200:
-                body = await flight.timed(first_deadline, read_capped(response))
-                raise self._map_status(response.status_code, body, response.headers)
+            if response.status != 200:
+                body = await flight.timed(first_deadline, ph.read_capped(response))
+                raise self._map_status(response.status, body, response.headers)
             decoder, parse = SSEDecoder(), self._parser()
-            chunks = response.aiter_bytes()
+            content = response.content
             s.last = loop.time()
             while not s.done:
                 deadline = (
@@ -239,9 +232,8 @@ class ProviderBackend:
                     if s.started
                     else first_deadline
                 )
-                try:
-                    data = await flight.timed(deadline, anext(chunks))
-                except StopAsyncIteration:
+                data = await flight.timed(deadline, content.readany())  # all that has arrived
+                if not data:
                     break
                 s.last = loop.time()
                 batch, failure = self._read_events(s, parse, decoder.feed(data))
@@ -258,10 +250,14 @@ class ProviderBackend:
             return
         except ClusterError:
             raise
-        except (TimeoutError, httpx.HTTPError, OSError, ValueError) as exc:
+        except (*ph.TRANSPORT_ERRORS, ValueError) as exc:
             waited = loop.time() - (s.last if s.started else sent_at)
             raise perrors.from_transport(
-                exc, backend=self.backend_name, started=s.started, waited_s=waited
+                exc,
+                backend=self.backend_name,
+                started=s.started,
+                waited_s=waited,
+                connect_failed=ph.is_connect_failure(exc),
             ) from exc
         yield [await self._settle(req, s)]
 
@@ -319,14 +315,16 @@ class ProviderBackend:
             return 0
         # It reached the provider: the input, and what came back, may be billed.
         out = self._count_out(s.out_parts)
-        if s.response is not None and s.response.status_code == 200:
+        if s.response is not None and s.response.status == 200:
             self._count_unsettled(req, Usage(prompt_tokens=s.input_est, completion_tokens=out))
         return s.charged + out
 
-    async def _close(self, request_id: str, response: httpx.Response | None, release: int | None) -> None:
+    async def _close(
+        self, request_id: str, response: aiohttp.ClientResponse | None, release: int | None
+    ) -> None:
         try:
             if response is not None:
-                await response.aclose()
+                ph.close_response(response)
         finally:
             if release is not None:
                 await self.budget.release(request_id, release)
@@ -379,17 +377,18 @@ class ProviderBackend:
         """Nothing to free per adapter: the pooled client belongs to the process."""
 
     # -- internals --------------------------------------------------------------------------------
-    async def _send(self, req: GenerateRequest, flight: Flight, deadline: float) -> httpx.Response:
+    async def _send(self, req: GenerateRequest, flight: Flight, deadline: float) -> aiohttp.ClientResponse:
         """POST the request; returns once the response headers are in (the body is still streaming)."""
-        client = self._client or shared_client()
-        request = client.build_request(
-            "POST",
+        session = self._session or shared_session()
+        headers = self._headers(req)
+        headers["content-type"] = "application/json"
+        sent = session.post(
             self.base_url + self._path(req),
-            json=self._body(req),
-            headers=self._headers(req),
+            data=dumps(self._body(req)),
+            headers=headers,
             timeout=self._timeout,
         )
-        return await flight.timed(deadline, client.send(request, stream=True))
+        return await flight.timed(deadline, sent)
 
     async def _estimate_input(self, req: GenerateRequest) -> int:
         if req.prompt_token_ids:  # the router counted with this model's tokenizer; images our way

@@ -170,20 +170,30 @@ def from_stream_error(
 
 
 def from_transport(
-    exc: BaseException, *, backend: str, started: bool, waited_s: float | None = None
+    exc: BaseException,
+    *,
+    backend: str,
+    started: bool,
+    waited_s: float | None = None,
+    connect_failed: bool = False,
 ) -> ClusterError:
-    """httpx/asyncio failures: connect errors, timeouts, dropped connections, malformed streams."""
+    """Transport failures (aiohttp's, httpx's, asyncio's): connect errors, timeouts, dropped
+    connections, malformed streams. ``connect_failed``: the HTTP client says no connection was opened
+    (the caller knows its client's exception types; httpx's are recognised here)."""
     name = type(exc).__name__
     timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
     if started:
         why = f"stalled for {waited_s:.1f}s" if timed_out and waited_s is not None else f"broke off ({name})"
         return StreamInterrupted(f"provider backend '{backend}' stream {why}", backend=backend)
-    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+    connecting = connect_failed or isinstance(
+        exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+    )
+    if connecting and timed_out:
         return UpstreamTimeout(f"provider backend '{backend}': connect timed out ({name})", backend=backend)
     if timed_out:
         after = f" after {waited_s:.1f}s" if waited_s is not None else ""
         return UpstreamTimeout(f"provider backend '{backend}': no first token{after}", backend=backend)
-    if isinstance(exc, httpx.ConnectError):
+    if connecting:
         return BackendUnavailable(f"provider backend '{backend}': cannot connect ({name})", backend=backend)
     if isinstance(exc, SSEError | ValueError):
         return BackendUnavailable(f"provider backend '{backend}': malformed stream ({name})", backend=backend)

@@ -6,7 +6,7 @@ The router never cares which kind it talks to. A backend replica:
   last chunk carries ``finish_reason`` and ``usage``. Failures *before* the first content chunk
   raise a :class:`cluster.wire.errors.ClusterError` whose ``action`` tells the router whether to try
   elsewhere; a failure *after* it raises :class:`StreamInterrupted`. Cancelling the consuming task
-  (or closing the iterator) must abort the work upstream: vLLM ``abort``, httpx stream closed.
+  (or closing the iterator) must abort the work upstream: vLLM ``abort``, the provider's HTTP stream closed.
 * ``stats()`` — a cheap :class:`BackendStats` snapshot (no I/O, no awaiting the engine).
 
 In Ray Serve each backend is a deployment whose replicas implement this protocol as methods;

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from cluster.config import BackendConfig, ModelConfig
 from cluster.providers.budget import ProviderBudget
@@ -24,7 +25,7 @@ from deployments.providers import (
     AnthropicProviderBackend,
     OpenAIProviderBackend,
     ProviderBackend,
-    aclose_shared_client,
+    aclose_shared_session,
     build_provider_backend,
 )
 from tests.servers import AnthropicServer, LoopbackServer, OpenAIServer
@@ -33,10 +34,10 @@ KEY = "sk-test-Zx9vQ2mL7pK4nR8sT1uW"
 KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
 
 
-@pytest.fixture(autouse=True)
+@pytest_asyncio.fixture(autouse=True, loop_scope="function")
 async def _close_pool() -> AsyncIterator[None]:
     yield
-    await aclose_shared_client()  # each test has its own loop: leave no connections behind
+    await aclose_shared_session()  # each test has its own loop (this one): leave no connections behind
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -571,7 +572,7 @@ async def test_the_shared_client_carries_no_cookie_from_one_answer_to_the_next_r
     with anyone's next request."""
     from aiohttp import web
 
-    from deployments.providers import shared_client
+    from deployments.providers import shared_session
 
     seen: list[str | None] = []
 
@@ -589,11 +590,11 @@ async def test_the_shared_client_carries_no_cookie_from_one_answer_to_the_next_r
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        client = shared_client()
+        session = shared_session()
         for _ in range(2):
-            r = await client.get(f"http://127.0.0.1:{port}/")
-            assert r.headers.get("set-cookie", "").startswith("session=")
+            async with session.get(f"http://127.0.0.1:{port}/") as r:
+                assert r.headers.get("set-cookie", "").startswith("session=")
         assert seen == [None, None]
-        assert not client.cookies
+        assert len(session.cookie_jar) == 0
     finally:
         await runner.cleanup()

@@ -10,8 +10,10 @@ import pickle
 import time
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp.client_reqrep import ConnectionKey
 
 from cluster.config import ModelConfig, ProviderConfig
 from cluster.cost import Prices, cost_usd
@@ -31,6 +33,7 @@ from cluster.wire import errors as E
 from cluster.wire.protocol import GenerateRequest, Sampling, Usage
 from cluster.wire.thinking import ThinkingAccumulator
 from deployments.provider_budget import LocalBudget
+from deployments.provider_http import is_connect_failure
 
 
 def _req(kind: str = "chat", **sampling: object) -> GenerateRequest:
@@ -410,6 +413,38 @@ def test_stream_error_before_and_after_content() -> None:
 def test_transport_mapping(exc: BaseException, started: bool, cls: type[E.ClusterError]) -> None:
     err = perrors.from_transport(exc, backend="b", started=started, waited_s=1.0)
     assert type(err) is cls
+
+
+REFUSED_KEY = ConnectionKey("h", 1, False, True, None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("exc", "started", "cls", "says"),
+    [
+        (aiohttp.ConnectionTimeoutError("slow"), False, E.UpstreamTimeout, "connect timed out"),
+        (
+            aiohttp.ClientConnectorError(
+                ConnectionKey("h", 1, False, True, None, None, None), OSError(111, "x")
+            ),
+            False,
+            E.BackendUnavailable,
+            "cannot connect",
+        ),
+        (TimeoutError(), False, E.UpstreamTimeout, "no first token"),
+        (aiohttp.ServerDisconnectedError(), False, E.BackendUnavailable, "connection failed"),
+        (aiohttp.ClientPayloadError("cut"), True, E.StreamInterrupted, "broke off"),
+        (aiohttp.SocketTimeoutError("quiet"), True, E.StreamInterrupted, "stalled"),
+    ],
+)
+def test_aiohttp_failures_map_as_the_adapter_sees_them(
+    exc: BaseException, started: bool, cls: type[E.ClusterError], says: str
+) -> None:
+    """The adapter's client is aiohttp: its connect failures, timeouts and cut streams map like httpx's."""
+    err = perrors.from_transport(
+        exc, backend="b", started=started, waited_s=1.0, connect_failed=is_connect_failure(exc)
+    )
+    assert type(err) is cls
+    assert says in err.message
 
 
 ALL_ERRORS = [
