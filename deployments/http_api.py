@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ValidationError
 
 from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge
@@ -79,9 +80,25 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return bytes(buf)
 
 
+# A run of 19 digits may be an integer past 64 bits, which orjson reads as a float.
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
 def parse_json(buf: bytes) -> Any:
     """Strict UTF-8 JSON (RFC 8259), at most ``MAX_JSON_DEPTH`` deep, with no lone surrogates
-    (``"\\ud800"`` is valid JSON but not Unicode: tokenizers and UTF-8 encoders fail on it later)."""
+    (``"\\ud800"`` is valid JSON but not Unicode: tokenizers and UTF-8 encoders fail on it later).
+
+    The common body takes orjson's path: orjson checks UTF-8 and refuses lone surrogates itself, so
+    only the depth is left to check. Anything orjson refuses or reads differently from ``json``
+    (NaN, an integer past 64 bits) takes the general path: the same answer, the precise error."""
+    if not _LONG_DIGITS.search(buf):
+        try:
+            body = orjson.loads(buf)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            _check_depth(body)
+            return body
     try:
         body = json.loads(buf.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -90,11 +107,19 @@ def parse_json(buf: bytes) -> Any:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.") from exc
+    _check_depth(body, strings=True)
+    return body
+
+
+def _check_depth(body: Any, strings: bool = False) -> None:
+    """A 400 past ``MAX_JSON_DEPTH`` levels; with ``strings``, also for a lone surrogate in any
+    string (keys included)."""
+    kinds = (str, dict, list) if strings else (dict, list)
     stack = [(body, 1)]  # iterative: no recursion of our own
     while stack:
         node, depth = stack.pop()
         if isinstance(node, str):
-            if not node.isascii():
+            if strings and not node.isascii():
                 try:
                     node.encode("utf-8")
                 except UnicodeEncodeError as exc:
@@ -103,12 +128,12 @@ def parse_json(buf: bytes) -> Any:
         if depth > MAX_JSON_DEPTH:
             raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
         if isinstance(node, dict):
-            stack.extend((k, depth) for k in node)
+            if strings:
+                stack.extend((k, depth) for k in node)
             node = node.values()
         elif not isinstance(node, list):
             continue
-        stack.extend((c, depth + 1) for c in node if isinstance(c, (str, dict, list)))
-    return body
+        stack.extend((c, depth + 1) for c in node if isinstance(c, kinds))
 
 
 def validate(schema: type[BaseModel], body: Any) -> Any:

@@ -31,7 +31,7 @@ from cluster.config import BackendConfig, ModelConfig
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, cost_usd
-from cluster.providers.sse import SSEDecoder, SSEEvent
+from cluster.providers.sse import SSEEvent
 from cluster.tokens.images import image_tokens
 from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.wire.openai_format import dumps
@@ -40,6 +40,7 @@ from deployments import provider_http as ph
 from deployments.provider_budget import Budget, get_budget
 from deployments.provider_counters import ProviderCounters
 from deployments.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
+from deployments.provider_stream import ChunkReader, StreamState
 
 __all__ = [
     "AnthropicProviderBackend",
@@ -53,36 +54,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BIG_PROMPT_CHARS = 200_000  # count tokens of bigger prompts in a thread, off the event loop
-
-
-class _Stream:
-    """What one request's stream has seen so far, read by its error paths and its cleanup."""
-
-    __slots__ = (
-        "charged",
-        "done",
-        "finish",
-        "input_est",
-        "last",
-        "out_parts",
-        "reserved",
-        "response",
-        "settled",
-        "started",
-        "usage",
-    )
-
-    def __init__(self, input_est: int) -> None:
-        self.input_est = input_est
-        self.charged = 0  # tokens to charge the budget if the provider never reports usage
-        self.out_parts: list[str] = []  # what came back, counted once, only where no usage is reported
-        self.reserved = self.settled = False
-        self.started = False  # content has been yielded
-        self.done = False  # the provider said the stream is over
-        self.usage: Usage | None = None
-        self.finish: str | None = None
-        self.last = 0.0  # loop time of the last read
-        self.response: aiohttp.ClientResponse | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -175,7 +146,7 @@ class ProviderBackend:
         flight = Flight(loop)
         self._flights.setdefault(req.request_id, []).append(flight)
         self.counts.started += 1
-        s = _Stream(await self._estimate_input(req))
+        s = StreamState(await self._estimate_input(req))
         try:
             wait = max(0.0, min(self.admission_wait_s, total_deadline - loop.time()))
             await self._reserve(req, s.input_est, wait)
@@ -211,11 +182,18 @@ class ProviderBackend:
             )
 
     async def _relay(
-        self, req: GenerateRequest, flight: Flight, s: _Stream, total_deadline: float
+        self, req: GenerateRequest, flight: Flight, s: StreamState, total_deadline: float
     ) -> AsyncIterator[list[Chunk]]:
         """Send the request and pass its content on as it arrives, then its usage (settled)."""
         loop = asyncio.get_running_loop()
         sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
+
+        def fail(error: dict[str, Any], started: bool) -> Exception:
+            secret = self._key.reveal()
+            return perrors.from_stream_error(
+                error, provider=self.api, backend=self.backend_name, started=started, secret=secret
+            )
+
         first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
         try:
             s.response = response = await self._send(req, flight, first_deadline)
@@ -223,7 +201,9 @@ class ProviderBackend:
             if response.status != 200:
                 body = await flight.timed(first_deadline, ph.read_capped(response))
                 raise self._map_status(response.status, body, response.headers)
-            decoder, parse = SSEDecoder(), self._parser()
+            reader = ChunkReader(
+                s, self._parser(), fail, self.replica, self.backend_name, self.api == "openai"
+            )
             content = response.content
             s.last = loop.time()
             while not s.done:
@@ -236,7 +216,7 @@ class ProviderBackend:
                 if not data:
                     break
                 s.last = loop.time()
-                batch, failure = self._read_events(s, parse, decoder.feed(data))
+                batch, failure = reader.read(data)
                 if batch:
                     yield batch
                 if failure is not None:
@@ -261,38 +241,7 @@ class ProviderBackend:
             ) from exc
         yield [await self._settle(req, s)]
 
-    def _read_events(
-        self, s: _Stream, parse: Callable[[SSEEvent], StreamDelta], events: list[SSEEvent]
-    ) -> tuple[list[Chunk], Exception | None]:
-        """One network read's events as chunks, and the failure to raise once they are out."""
-        batch: list[Chunk] = []
-        for ev in events:
-            try:
-                delta = parse(ev)
-            except ValueError as exc:
-                return batch, exc
-            if delta.error is not None:
-                return batch, perrors.from_stream_error(
-                    delta.error,
-                    provider=self.api,
-                    backend=self.backend_name,
-                    started=s.started,
-                    secret=self._key.reveal(),
-                )
-            s.usage = delta.usage or s.usage
-            s.finish = delta.finish_reason or s.finish
-            if delta.text or delta.tool_calls or delta.thinking:  # all content
-                s.started = True
-                s.out_parts.append(delta.text)
-                batch.append(
-                    self._chunk(text=delta.text, tool_calls=delta.tool_calls, thinking=delta.thinking)
-                )
-            if delta.done:
-                s.done = True
-                break
-        return batch, None
-
-    async def _settle(self, req: GenerateRequest, s: _Stream) -> Chunk:
+    async def _settle(self, req: GenerateRequest, s: StreamState) -> Chunk:
         """Settle the budget with the provider's usage (ours where it reported none): the last chunk."""
         usage = s.usage
         if usage is None:
@@ -307,7 +256,7 @@ class ProviderBackend:
             finish_reason=s.finish or "stop", usage=usage, replica=self.replica, backend=self.backend_name
         )
 
-    def _unsettled_release(self, req: GenerateRequest, s: _Stream) -> int | None:
+    def _unsettled_release(self, req: GenerateRequest, s: StreamState) -> int | None:
         """Tokens to charge when the budget's slot goes back without usage (None: nothing to release)."""
         if not s.reserved or s.settled:
             return None
@@ -403,9 +352,6 @@ class ProviderBackend:
         if len(text) > BIG_PROMPT_CHARS:
             return await asyncio.to_thread(self.counter.count, text)
         return self.counter.count(text)
-
-    def _chunk(self, **fields: Any) -> Chunk:
-        return Chunk(replica=self.replica, backend=self.backend_name, **fields)
 
     def _count_out(self, parts: list[str]) -> int:
         return self.counter.count("".join(parts)) if parts else 0

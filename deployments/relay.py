@@ -62,6 +62,7 @@ class _Framer:
         self.meta = prepared.meta
         self.text_events = TextEvents(prepared.meta)
         self.sent_first = False
+        self.finished = False  # the finish event is framed: only the stream's tail comes after it
         self.parts: list[str] = []
         self.usage: Usage | None = None
         self.finish = "stop"
@@ -92,6 +93,7 @@ class _Framer:
         if not (calls or thinking) and self.sent_first and chunk.finish_reason is None:
             return self.text_events.event(chunk.text)  # the common case: text, nothing else
         first = not self.sent_first
+        self.finished = chunk.finish_reason is not None
         data = sse(
             stream_chunk(
                 self.meta, chunk.text, chunk.finish_reason, first, tool_calls=calls, thinking=thinking
@@ -163,24 +165,28 @@ class Relay:
         await h.start_sse(send, headers)
         clock = time.perf_counter
         item = first
+        last = b""  # the finish event leaves with the tail, in one write
         try:
             while True:
                 data = item if isinstance(item, bytes) else framer.frame(item)
                 if data:
-                    await send({"type": BODY, "body": data, "more_body": True})
+                    if framer.finished:
+                        last += data
+                    else:
+                        await send({"type": BODY, "body": data, "more_body": True})
                 acct.last_at = clock()
                 item = await anext(rest, None)
                 if item is None:
                     break
         except StreamInterrupted as err:
             self._settle(stream, framer, acct)
-            await send({"type": BODY, "body": sse(err.to_openai()) + SSE_DONE, "more_body": False})
+            await send({"type": BODY, "body": last + sse(err.to_openai()) + SSE_DONE, "more_body": False})
             return Outcome.ERRORED
         self._settle(stream, framer, acct)
         tail = SSE_DONE
         if p.include_usage and acct.usage is not None:
             tail = sse(usage_chunk(p.meta, acct.usage)) + SSE_DONE
-        await send({"type": BODY, "body": tail, "more_body": False})
+        await send({"type": BODY, "body": last + tail, "more_body": False})
         return Outcome.COMPLETED
 
     async def _collect(

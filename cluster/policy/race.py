@@ -95,17 +95,20 @@ class Watchdog:
         self.last = clock()
         self.fired: str | None = None
         self._target = asyncio.current_task()
-        self._task: asyncio.Task[None] | None = None
+        # A timer, not a task: one handle per stream, re-armed only when it comes due early
+        self._timer: asyncio.TimerHandle | None = None
         if idle_timeout is not None or deadline is not None:
-            self._task = asyncio.ensure_future(self._watch())
+            self._check()
 
     def _due(self) -> float:
         due = float("inf") if self.idle_timeout is None else self.last + self.idle_timeout
         return due if self.deadline is None else min(due, self.deadline)
 
-    async def _watch(self) -> None:
-        while (wait := self._due() - self.clock()) > 0:
-            await asyncio.sleep(wait)
+    def _check(self) -> None:
+        if (wait := self._due() - self.clock()) > 0:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._check)
+            return
+        self._timer = None
         idle = self.idle_timeout is not None and self.clock() - self.last >= self.idle_timeout
         self.fired = (
             f"went silent mid-stream ({self.idle_timeout:.1f} s without a token)"
@@ -120,8 +123,9 @@ class Watchdog:
         return self.fired is not None and self._target is not None and self._target.uncancel() == 0
 
     def stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _stop_all(hooks: RaceHooks, atts: list[Attempt]) -> None:

@@ -69,11 +69,36 @@ def parse_usage(obj: Any) -> Usage | None:
     )
 
 
-def parse_stream_data(data: str) -> StreamDelta:
+def parse_stream_data(data: str | bytes) -> StreamDelta:
     """One SSE ``data`` payload of a chat or text completion stream. Raises ValueError when malformed."""
-    if data.strip() == "[DONE]":
+    if data.strip() in ("[DONE]", b"[DONE]"):
         return StreamDelta(done=True)
+    return parse_stream_obj(loads(data))
+
+
+def plain_text(data: bytes) -> str | Any:
+    """The common chunk read fast: a ``str`` when ``data`` is a plain text delta (content only, no
+    finish, usage, tool calls or error), else the parsed object for :func:`parse_stream_obj`
+    (or None for ``[DONE]``). Raises ValueError when malformed."""
+    if data == b"[DONE]":
+        return None
     obj = loads(data)
+    if type(obj) is not dict:  # (a JSON string must never pass for a text delta)
+        raise ValueError("stream chunk is not a JSON object")
+    if obj.get("usage") is None and "error" not in obj:
+        choices = obj.get("choices")
+        if type(choices) is list and len(choices) == 1:
+            c = choices[0]
+            if type(c) is dict and c.get("finish_reason") is None and c.get("index", 0) == 0:
+                d = c.get("delta")
+                text = d.get("content") if type(d) is dict else c.get("text")
+                if type(text) is str and text and (type(d) is not dict or d.get("tool_calls") is None):
+                    return text
+    return obj
+
+
+def parse_stream_obj(obj: Any) -> StreamDelta:
+    """:func:`parse_stream_data` on a payload already read as JSON."""
     if not isinstance(obj, dict):
         raise ValueError("stream chunk is not a JSON object")
     if obj.get("error") is not None:

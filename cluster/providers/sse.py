@@ -75,6 +75,17 @@ class SSEDecoder:
         read cut anywhere (what the last read left over comes first). One split per read instead
         of a scan per line. None for anything else (a comment, a named event, a multi-line event,
         a CR), with nothing consumed: the general parser reads it."""
+        payloads = self.feed_data(chunk)
+        if payloads is None:
+            return None
+        return [SSEEvent(data=v.decode("utf-8", errors="replace"), id=self._id) for v in payloads]
+
+    def feed_data(self, chunk: bytes) -> list[bytes] | None:
+        """:meth:`feed` for a reader that wants only the ``data`` of plain events, as bytes: the
+        fast read of :meth:`_feed_lf` without an event object per event. None, with nothing
+        consumed, when the read is anything else: then :meth:`feed` must read it."""
+        if self._pending_cr or self._data or self._event or self._retry is not None or b"\r" in chunk:
+            return None
         buf = self._buf
         if buf and b"\r" in buf:
             return None
@@ -82,12 +93,11 @@ class SSEDecoder:
         cut = data.rfind(b"\n\n")
         if cut < 0:
             return None
-        out: list[SSEEvent] = []
+        out: list[bytes] = []
         for block in data[:cut].split(b"\n\n"):
             if not block.startswith(b"data:") or b"\n" in block or len(block) > self._max:
                 return None
-            value = block[6:] if block[5:6] == b" " else block[5:]
-            out.append(SSEEvent(data=value.decode("utf-8", errors="replace"), id=self._id))
+            out.append(block[6:] if block[5:6] == b" " else block[5:])
         rest = data[cut + 2 :]
         if len(rest) > self._max:
             return None  # the general parser raises SSEError for it
