@@ -22,6 +22,7 @@ from cluster.base import Strict
 from cluster.config import BackendConfig, ClusterConfig, load_config
 from cluster.dataplane import (
     GATEWAY_ENV,
+    GATEWAY_LOGGING,
     SERVE_ENV,
     budget_deployment,
     deployment_options,
@@ -73,12 +74,10 @@ def build_graph(cfg: ClusterConfig) -> Application:
             b.model_dump(mode="json"), model.model_dump(mode="json"), cfg.tracing.model_dump(mode="json")
         )
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
-    # No per-request access log line from Serve: it was 3 % of the gateway's CPU on the relay
-    # benchmark; our own metrics count every request.
     return Gateway.options(
         num_replicas=cfg.server.gateway_replicas,
         ray_actor_options=actor,
-        logging_config={"enable_access_log": False},
+        logging_config=GATEWAY_LOGGING,
     ).bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
 
 

@@ -31,6 +31,7 @@ import yaml
 from cluster.base import ConfigError
 from cluster.config import BackendConfig, ClusterConfig
 from cluster.dataplane import (
+    GATEWAY_LOGGING,
     INTERNAL_TOKEN_ENV,
     SERVE_ENV,
     budget_deployment,
@@ -81,6 +82,8 @@ def _front_deployment(name: str, replicas: int, num_cpus: float, s: K8sSettings)
     if s.serve.graceful_shutdown_timeout_s is not None:
         d["graceful_shutdown_timeout_s"] = s.serve.graceful_shutdown_timeout_s  # streams pass here too
     d["ray_actor_options"] = _cpu_side({"num_cpus": num_cpus})
+    if name == "Gateway":  # the app builder's logging for it, which the global section would override
+        d["logging_config"] = {**GATEWAY_LOGGING, "encoding": s.serve.log_encoding}
     return d
 
 
