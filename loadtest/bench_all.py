@@ -70,7 +70,8 @@ STEPS: tuple[Step, ...] = (
     Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 110, 60),
     # After the calibration: the fidelity replay reads engine_calibration.json.
     Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 90),
-    Step("planner", "loadtest.planner_validation", (), None, ("planner_validation.json",), 30, 30),
+    # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py).
+    Step("planner", "loadtest.planner_validation", (), ("--quick",), ("planner_validation.json",), 330, 240),
     Step(
         "affinity-micro", "loadtest.bench_affinity_micro", (), ("--quick",), ("affinity_micro.json",), 20, 10
     ),

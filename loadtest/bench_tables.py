@@ -28,6 +28,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "engine-fidelity": tables_engine.engine_fidelity,
     "gpu-profiles": tables_engine.gpu_profiles,
     "planner-validation": tables_engine.planner_validation,
+    "planner-real": tables_engine.planner_real,
     "affinity-micro": tables_engine.affinity_micro,
     "hedging": tables_engine.hedging,
     "hedging-run-1": tables_engine.hedging_run_1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.engine.profiles import BatchShape, get_profile
+from loadtest.planner_real import real_markdown
 from loadtest.planner_validation import markdown as planner_markdown
 from loadtest.table_format import Results, fixed, pct, table
 
@@ -72,6 +73,13 @@ def planner_validation(r: Results) -> str:
     """planner_validation.json ``cases``, through the script's own table (req/s to 2 decimals,
     concurrency to 1, errors as % to 1)."""
     return planner_markdown(r.get("planner_validation")["cases"])
+
+
+def planner_real(r: Results) -> str:
+    """planner_validation.json ``real``, through the script's own table (2 decimals, errors as % to
+    1); a line saying so when the file has no real run."""
+    real = r.get("planner_validation").get("real")
+    return real_markdown(real) if real else "No real deployment in this run (`--no-real`)."
 
 
 _MICRO_CASES = {

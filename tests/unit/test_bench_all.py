@@ -84,7 +84,7 @@ def test_a_failed_step_does_not_stop_the_next_and_load_is_read_around_each() -> 
     records = run_steps(steps, full=False, run=run, loadavg=lambda: next(loads), clock=lambda: next(clock))
     assert [r.step for r in records] == ["planner", "faults", "soak"]
     assert [c[2:] for c in ran] == [
-        ["loadtest.planner_validation"],
+        ["loadtest.planner_validation", "--quick"],
         ["loadtest.faults", "--markdown"],
         ["loadtest.soak", "--minutes", "0.75"],
     ]
