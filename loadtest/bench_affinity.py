@@ -776,6 +776,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
     from deployments import local
 
+    # One port for every scenario of this run: the first scenario's Serve keeps serving the later
+    # ones (serve.start ignores a new port), so a fresh port per scenario waited for an app on a
+    # port nobody served (bench_all --full, 2026-12-02: common-prompt after groups, rc 1 after 10 min).
+    args.port = args.port or _free_port()
     try:
         for scenario in args.scenarios:
             args.scenario = scenario
