@@ -65,6 +65,7 @@ class ProviderBackend:
     """The shared machinery; subclasses say how to talk to one provider API."""
 
     api: ClassVar[str] = ""
+    plain_data: ClassVar[bool] = False  # events are plain data: lines (provider_stream's fast read)
 
     def __init__(
         self,
@@ -188,12 +189,6 @@ class ProviderBackend:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
 
-        def fail(error: dict[str, Any], started: bool) -> Exception:
-            secret = self._key.reveal()
-            return perrors.from_stream_error(
-                error, provider=self.api, backend=self.backend_name, started=started, secret=secret
-            )
-
         first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
         try:
             s.response = response = await self._send(req, flight, first_deadline)
@@ -202,7 +197,7 @@ class ProviderBackend:
                 body = await flight.timed(first_deadline, ph.read_capped(response))
                 raise self._map_status(response.status, body, response.headers)
             reader = ChunkReader(
-                s, self._parser(), fail, self.replica, self.backend_name, self.api == "openai"
+                s, self._parser(), self._stream_error, self.replica, self.backend_name, self.plain_data
             )
             content = response.content
             s.last = loop.time()
@@ -240,6 +235,13 @@ class ProviderBackend:
                 connect_failed=ph.is_connect_failure(exc),
             ) from exc
         yield [await self._settle(req, s)]
+
+    def _stream_error(self, error: dict[str, Any], started: bool) -> Exception:
+        """A mid-stream error object from the provider, as the exception to raise."""
+        secret = self._key.reveal()
+        return perrors.from_stream_error(
+            error, provider=self.api, backend=self.backend_name, started=started, secret=secret
+        )
 
     async def _settle(self, req: GenerateRequest, s: StreamState) -> Chunk:
         """Settle the budget with the provider's usage (ours where it reported none): the last chunk."""
@@ -374,6 +376,7 @@ class OpenAIProviderBackend(ProviderBackend):
     """OpenAI and OpenAI-compatible servers: /chat/completions and /completions, SSE streams."""
 
     api = "openai"
+    plain_data = True
 
     def _path(self, req: GenerateRequest) -> str:
         return openai_wire.endpoint(req)
