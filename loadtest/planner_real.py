@@ -42,8 +42,10 @@ from typing import Any
 import aiohttp
 
 from cluster.config import ClusterConfig, load_config
+from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.demand import Demand
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,6 @@ KV_BYTES = 4 * 1024 * 1024  # 8,192 tokens of the tiny model (512 bytes of KV pe
 OUTPUT = 64
 PROMPT_MEAN, PROMPT_SIGMA, PROMPT_MIN, PROMPT_MAX = 400, 0.5, 32, 1500
 VOCAB_FIRST, VOCAB_END = 5, 2048  # the tiny tokenizer's ids past its special tokens
-INTERNAL = "x-llmc-internal"
 
 
 def real_config(kv_bytes: int = KV_BYTES) -> ClusterConfig:
@@ -174,7 +175,7 @@ async def closed_loop(base: str, token: str, engines: list[str], work: list[list
 
         async def poll() -> None:
             while True:
-                got = [await (await s.get(u + "/stats", headers={INTERNAL: token})).json() for u in engines]
+                got = [await _json(s, u + "/stats", token) for u in engines]
                 run.stats.append(
                     {
                         "t": time.perf_counter(),
@@ -227,11 +228,16 @@ def binding_seen(w: dict[str, Any], max_num_seqs: int, replicas: int) -> str:
     return "token budget"
 
 
+async def _json(s: aiohttp.ClientSession, url: str, token: str) -> Any:
+    """An internal endpoint's JSON (the gateway's status, an engine's stats), with the credential."""
+    async with s.get(url, headers={INTERNAL_TOKEN_HEADER: token}) as r:
+        return await r.json()
+
+
 async def _engines(base: str, token: str) -> list[str]:
     async with aiohttp.ClientSession() as s:
         for _ in range(120):
-            async with s.get(base + "/internal/status", headers={INTERNAL: token}) as r:
-                st = await r.json()
+            st = await _json(s, base + "/internal/status", token)
             urls = [u for v in st["routing"].values() for u in v["replicas"].values()]
             if len(urls) >= 2:
                 return urls
@@ -259,7 +265,7 @@ def measure(quick: bool = False) -> dict[str, Any]:
         "rps": op.requests_per_s * pred["replicas"],
         "binding": op.binding,
     }
-    token = os.environ.setdefault("LLMC_INTERNAL_TOKEN", secrets.token_hex(32))
+    token = os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))  # the cluster inherits it
     logdir = Path(tempfile.mkdtemp(prefix="llmc-planner-real-"))
     port = free_port()
     out: dict[str, Any] = {"config": "configs/local.yaml, kv_cache_memory_bytes 4 MiB per replica"}
@@ -288,9 +294,10 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 
 def _levels(predicted: int, cap: int) -> list[int]:
-    """Client concurrency levels around the predicted one: a quarter of it up to twice it."""
+    """Client concurrency levels around the predicted one, a quarter of it up to twice it, after 1
+    and 2 (so that a deployment far slower than predicted still shows where it meets the objective)."""
     steps = {max(1, round(predicted * f)) for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)}
-    return sorted(c for c in steps if c <= cap)
+    return sorted(c for c in steps | {1, 2} if c <= cap)
 
 
 def _compare(
@@ -315,8 +322,16 @@ def _compare(
         measured_within_objective=meas_slo,
         sweep=sweep,
     )
-    if "rps" not in sat or meas_slo is None:
-        out["problems"].append("too few completed requests to compare (see saturation_run and sweep)")
+    if "rps" not in sat:
+        out["problems"].append("too few completed requests at saturation to compare (see saturation_run)")
+        return out
+    if meas_slo is None:
+        low = sweep[0] if sweep else {}
+        itl = low.get("itl_ms", float("nan"))
+        out["problems"].append(
+            f"the objective (mean ITL {pred_slo['itl_slo_ms']:.1f} ms) was missed at every level swept, "
+            f"from {low.get('concurrency')} concurrent requests (ITL {itl:.1f} ms)"
+        )
         return out
     err = {
         "saturation": abs(pred["saturation_rps"] - sat["rps"]) / sat["rps"],

@@ -31,7 +31,10 @@ def _planner(r: Results) -> str:
 
     if d.get("against") != "real vLLM-CPU deployment":  # a file from before the real leg
         return pair(d["throughput_error"], d["concurrency_error"])
-    real = pair(d["throughput_error"], d["concurrency_error"])
+    if d["throughput_error"] is None:  # the real leg ran but could not be compared (its problems say why)
+        real = "not compared"
+    else:
+        real = pair(d["throughput_error"], d["concurrency_error"])
     return f"real engines {real}; simulator {pair(d['sim_throughput_error'], d['sim_concurrency_error'])}"
 
 
