@@ -35,6 +35,8 @@ def _planner(r: Results) -> str:
         real = "not compared"
     else:
         real = pair(d["throughput_error"], d["concurrency_error"])
+        if "within_objective" not in d["real"]["throughput_errors"]:
+            real += " (saturation only: no level met the objective)"
     return f"real engines {real}; simulator {pair(d['sim_throughput_error'], d['sim_concurrency_error'])}"
 
 
