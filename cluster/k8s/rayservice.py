@@ -77,13 +77,13 @@ def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
     return d
 
 
-def _front_deployment(name: str, replicas: int, num_cpus: float, s: K8sSettings) -> dict[str, Any]:
-    d: dict[str, Any] = {"name": name, "num_replicas": replicas}
+def _gateway_deployment(replicas: int, num_cpus: float, s: K8sSettings) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": "Gateway", "num_replicas": replicas}
     if s.serve.graceful_shutdown_timeout_s is not None:
         d["graceful_shutdown_timeout_s"] = s.serve.graceful_shutdown_timeout_s  # streams pass here too
     d["ray_actor_options"] = _cpu_side({"num_cpus": num_cpus})
-    if name == "Gateway":  # the app builder's logging for it, which the global section would override
-        d["logging_config"] = {**GATEWAY_LOGGING, "encoding": s.serve.log_encoding}
+    # the app builder's logging for it, which the global logging section would otherwise override
+    d["logging_config"] = {**GATEWAY_LOGGING, "encoding": s.serve.log_encoding}
     return d
 
 
@@ -95,7 +95,7 @@ def _budget_deployment(name: str, s: K8sSettings) -> dict[str, Any]:
 def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
     """``serveConfigV2`` as a mapping (Ray's ServeDeploySchema)."""
     deployments = [
-        _front_deployment("Gateway", cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
+        _gateway_deployment(cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
         *(backend_deployment(b, s) for b in cfg.backends if b.kind != "provider"),
         *(_budget_deployment(name, s) for b in cfg.backends if (name := budget_deployment(b)) is not None),
         *([_budget_deployment(name, s)] if (name := tenant_budget_deployment(cfg)) is not None else []),
