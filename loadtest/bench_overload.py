@@ -151,29 +151,15 @@ def overload_config(pools: str, speedup: float) -> Any:
 
 
 def workloads(
-    rates: dict[str, float], duration_s: float, seed: int, start_s: float = 0.0
+    rates: dict[str, float],
+    duration_s: float,
+    seed: int,
+    start_s: float = 0.0,
+    shapes: dict[str, dict[str, int]] | None = None,
 ) -> list[RequestSpec]:
-    """Tab and Agent requests at these rates (per second) for ``duration_s``."""
-    shapes = {
-        "tab": {
-            "num_groups": 8,  # repositories; a session edits one file, its prefix grows slowly
-            "turns": 4,
-            "system_prompt_words": 100,
-            "context_words": 500,
-            "question_words": 120,
-            "answer_words": 12,
-            "max_tokens": 16,
-        },
-        "agent": {
-            "num_groups": 8,
-            "turns": 4,
-            "system_prompt_words": 700,
-            "context_words": 1400,
-            "question_words": 60,
-            "answer_words": 120,
-            "max_tokens": 64,
-        },
-    }
+    """Tab and Agent requests at these rates (per second) for ``duration_s``; ``shapes``: the
+    surfaces' :class:`~loadtest.workloads.SharedPrefixWorkload` fields (default ``SHAPES``)."""
+    shapes = shapes or SHAPES
     out = []
     for i, (surface, rate) in enumerate(rates.items()):
         shape = shapes[surface]
@@ -184,6 +170,28 @@ def workloads(
         )
         out.append([s for s in wl.generate(seed + i) if s.arrival_s < start_s + duration_s])
     return merge(*out)
+
+
+SHAPES: dict[str, dict[str, int]] = {
+    "tab": {
+        "num_groups": 8,  # repositories; a session edits one file, its prefix grows slowly
+        "turns": 4,
+        "system_prompt_words": 100,
+        "context_words": 500,
+        "question_words": 120,
+        "answer_words": 12,
+        "max_tokens": 16,
+    },
+    "agent": {
+        "num_groups": 8,
+        "turns": 4,
+        "system_prompt_words": 700,
+        "context_words": 1400,
+        "question_words": 60,
+        "answer_words": 120,
+        "max_tokens": 64,
+    },
+}
 
 
 async def closed_loop(

@@ -1,8 +1,9 @@
-"""Tab and Agent on the same simulated replicas in wall-clock time (issue 16): the engine's priority
-policy and the SLO guard on, against both off, in one run.
+"""Tab and Agent on the same replicas in wall-clock time (issue 16): the engine's priority policy and
+the SLO guard on, against both off, in one run; simulated GPU engines or real vLLM-CPU ones.
 
     python -m loadtest.bench_overload_shared                       # ~4 minutes, factor 3
     python -m loadtest.bench_overload_shared --factors 1,2,3 --duration-s 40
+    python -m loadtest.bench_overload_shared --engine vllm --factors 1,2,3   # ~10 minutes
 
 The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (simulated Llama-3.1-8B on H100s at their own speed, three replicas that Tab and Agent share,
@@ -11,6 +12,13 @@ variants). Variants:
 
 * ``on``: ``engine.scheduling_policy: priority`` and ``policies.slo_guard.enabled: true``;
 * ``off``: ``fcfs`` and the guard disabled (admission's fast rejects stay, they are not a variant).
+
+``--engine vllm`` (``overload_shared_vllm.json``): ``configs/local.yaml`` as the quick start serves it
+(two vLLM-CPU replicas of the tiny model, 2k-token prefill chunks, the product's surface limits),
+one gateway replica, and ``VLLM_SHAPES``: the shapes of the issue's own trial (Tab a short prompt and
+8 tokens, Agent ~1k-token prompts and 128 tokens), which fit the tiny model's 2,048-token context.
+Its goal is relative: Tab's p99 with Agent at 3x no more than 1.5x Tab's p99 alone, because the
+absolute figure on two shared cores is the machine's, not the engine's.
 
 Per variant: deploy, warm up, Tab alone at ``--tab-rate`` for ``--alone-s`` (its own baseline),
 then for each factor Tab at the same rate with Agent at factor x Agent's capacity. Agent's capacity
@@ -36,6 +44,7 @@ from typing import Any
 from deployments.local import free_port
 from loadtest.bench_overload import (
     APP,
+    ROOT,
     admission_counters,
     closed_loop,
     overload_config,
@@ -46,13 +55,41 @@ from loadtest.provenance import git_state, provenance
 from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
 VARIANTS = ("off", "on")
+ENGINES = ("sim", "vllm")
+# Word counts (~1.3 tokens of the tiny tokenizer a word): Tab ~300 tokens and 8 out; Agent ~1,000
+# tokens at its first turn, ~1,200 at its second, and 128 out, inside the 2,048-token context.
+VLLM_SHAPES: dict[str, dict[str, int]] = {
+    "tab": {
+        "num_groups": 8,
+        "turns": 4,
+        "system_prompt_words": 40,
+        "context_words": 120,
+        "question_words": 30,
+        "answer_words": 8,
+        "max_tokens": 8,
+    },
+    "agent": {
+        "num_groups": 8,
+        "turns": 2,
+        "system_prompt_words": 250,
+        "context_words": 480,
+        "question_words": 40,
+        "answer_words": 100,
+        "max_tokens": 128,
+    },
+}
 
 
-def variant_config(variant: str) -> Any:
-    from cluster.config import parse_config
+def variant_config(variant: str, engine: str = "sim") -> Any:
+    from cluster.config import load_config, parse_config
 
-    raw = overload_config("shared", 1.0).model_dump(mode="json")
-    raw["name"] = f"{APP}-{variant}"
+    if engine == "vllm":
+        raw = load_config(ROOT / "configs" / "local.yaml").model_dump(mode="json")
+        # One gateway replica: the admission counters are read from one replica over HTTP.
+        raw["server"]["gateway_replicas"] = 1
+    else:
+        raw = overload_config("shared", 1.0).model_dump(mode="json")
+    raw["name"] = f"{APP}-{engine}-{variant}" if engine == "vllm" else f"{APP}-{variant}"
     on = variant == "on"
     raw["backends"][0]["engine"]["scheduling_policy"] = "priority" if on else "fcfs"
     raw["policies"]["slo_guard"]["enabled"] = on
@@ -86,8 +123,10 @@ def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters:
     }
 
 
-def run_phase(url: str, app_url: str, cfg: Any, rates: dict[str, float], window_s: float, seed: int) -> dict:
-    specs = workloads(rates, window_s, seed)
+def run_phase(
+    url: str, app_url: str, cfg: Any, rates: dict[str, float], window_s: float, seed: int, shapes: Any
+) -> dict:
+    specs = workloads(rates, window_s, seed, shapes=shapes)
     before = admission_counters(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
     results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
@@ -111,7 +150,8 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
 
     from deployments import local
 
-    cfg = variant_config(variant)
+    cfg = variant_config(variant, args.engine)
+    shapes = VLLM_SHAPES if args.engine == "vllm" else None
     app_url = f"http://127.0.0.1:{args.port}/{variant}"
     url = app_url + "/v1/chat/completions"
     out: dict[str, Any] = {"load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
@@ -122,16 +162,24 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
             limit = cfg.surface("agent").max_concurrency
             calib = asyncio.run(
                 closed_loop(
-                    url, workloads({"agent": 10.0}, 30.0, args.seed + 100), {"agent": limit}, args.calib_s, 60
+                    url,
+                    workloads({"agent": 10.0}, 30.0, args.seed + 100, shapes=shapes),
+                    {"agent": limit},
+                    args.calib_s,
+                    60,
                 )
             )
             capacity = sum(1 for r in calib if r.status == 200) / args.calib_s
             out["agent_capacity_measured_here"] = True
         print(f"[{variant}] agent capacity {capacity:.2f} req/s", flush=True)
-        out["tab_alone"] = run_phase(url, app_url, cfg, {"tab": args.tab_rate}, args.alone_s, args.seed)
+        out["tab_alone"] = run_phase(
+            url, app_url, cfg, {"tab": args.tab_rate}, args.alone_s, args.seed, shapes
+        )
         for f in args.factors:
             rates = {"tab": args.tab_rate, "agent": f * capacity}
-            out[f"agent_x{f:g}"] = rep = run_phase(url, app_url, cfg, rates, args.duration_s, args.seed + 1)
+            out[f"agent_x{f:g}"] = rep = run_phase(
+                url, app_url, cfg, rates, args.duration_s, args.seed + 1, shapes
+            )
             t = rep["surfaces"]["tab"]
             print(
                 f"[{variant}] x{f:g}: tab p99 {t['ttft_p99_wall_ms']} ms, agent goodput "
@@ -154,14 +202,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--duration-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "overload_shared.json"))
+    ap.add_argument("--engine", choices=ENGINES, default="sim", help="simulated GPU engines or vLLM-CPU")
+    ap.add_argument("--out", default=None, help="default: overload_shared.json, or _vllm for vLLM")
     args = ap.parse_args(argv)
+    args.out = args.out or str(
+        RESULTS / ("overload_shared_vllm.json" if args.engine == "vllm" else "overload_shared.json")
+    )
     args.factors = [float(x) for x in args.factors.split(",")]
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
     t0 = time.perf_counter()
-    report: dict[str, Any] = {"benchmark": "overload_shared", "pools": "shared", "speedup": 1.0}
+    report: dict[str, Any] = {"benchmark": "overload_shared", "pools": "shared", "engine": args.engine}
+    if args.engine == "sim":
+        report["speedup"] = 1.0
+    else:
+        report["config"] = "configs/local.yaml (2 vLLM-CPU replicas, tiny model), 1 gateway replica"
+        report["shapes"] = VLLM_SHAPES
     report["machine"] = machine()
     from deployments import local
 

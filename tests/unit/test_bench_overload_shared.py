@@ -38,3 +38,34 @@ def test_phase_report_keys() -> None:
         "nothing_in_flight_or_waiting_after": True,
         "counters_balanced": True,
     }
+
+
+def test_vllm_variants_are_the_local_cluster_with_the_feature_toggled() -> None:
+    on, off = variant_config("on", "vllm"), variant_config("off", "vllm")
+    assert [b.kind for b in on.backends] == [b.kind for b in off.backends] == ["vllm"]
+    assert on.backends[0].engine.scheduling_policy == "priority" and on.policies.slo_guard.enabled
+    assert off.backends[0].engine.scheduling_policy == "fcfs" and not off.policies.slo_guard.enabled
+    assert on.server.gateway_replicas == off.server.gateway_replicas == 1
+    assert on.name != off.name and on.surfaces == off.surfaces
+
+
+def test_vllm_shapes_fit_the_tiny_models_context() -> None:
+    """Agent's longest prompt plus its output stays inside the tiny model's 2,048 tokens, and
+    Tab's prompts are short: the shapes of the issue's trial."""
+    from cluster.tokens import load
+    from loadtest.bench_overload import workloads
+    from loadtest.bench_overload_shared import VLLM_SHAPES
+
+    cfg = variant_config("on", "vllm")
+    window = cfg.models[0].context_window
+    tok = load(cfg.models[0].tokenizer)
+    specs = workloads({"tab": 4.0, "agent": 6.0}, 30.0, 3, shapes=VLLM_SHAPES)
+    longest = {
+        s: max(tok.count_chat(x.messages) + x.max_tokens for x in specs if x.surface == s)
+        for s in ("tab", "agent")
+    }
+    assert (
+        longest["agent"] <= window
+        and min(tok.count_chat(x.messages) for x in specs if x.surface == "agent") >= 900
+    )
+    assert longest["tab"] <= 600
