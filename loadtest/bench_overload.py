@@ -195,7 +195,12 @@ SHAPES: dict[str, dict[str, int]] = {
 
 
 async def closed_loop(
-    url: str, specs: Sequence[RequestSpec], clients: dict[str, int], duration_s: float, timeout_s: float
+    url: str,
+    specs: Sequence[RequestSpec],
+    clients: dict[str, int],
+    duration_s: float,
+    timeout_s: float,
+    model: str = MODEL,
 ) -> list[Result]:
     """``clients[surface]`` clients per surface, each sending its surface's specs back to back."""
     by_surface = {s: itertools.cycle([x for x in specs if x.surface == s]) for s in clients}
@@ -208,7 +213,7 @@ async def closed_loop(
             while time.perf_counter() - t0 < duration_s:
                 spec = next(by_surface[surface])
                 r = Result(len(results), spec.session_id, surface)
-                await stream_chat(client, url, spec, r, t0, timeout_s=timeout_s)
+                await stream_chat(client, url, spec, r, t0, timeout_s=timeout_s, model=model)
                 results.append(r)
 
         await asyncio.gather(*(worker(s) for s, n in clients.items() for _ in range(n)))

@@ -127,9 +127,10 @@ def run_phase(
     url: str, app_url: str, cfg: Any, rates: dict[str, float], window_s: float, seed: int, shapes: Any
 ) -> dict:
     specs = workloads(rates, window_s, seed, shapes=shapes)
+    model = cfg.models[0].name
     before = admission_counters(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
-    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False))
+    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model))
     time.sleep(1.0)  # the last releases settle
     rep = phase_report(results, cfg, window_s, (before, admission_counters(app_url)))
     rep["offered_per_s"] = {s: round(r, 3) for s, r in rates.items()}
@@ -157,7 +158,8 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     out: dict[str, Any] = {"load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
     local.start(cfg, port=args.port, route_prefix=f"/{variant}")
     try:
-        asyncio.run(warm_up(url, 4))
+        model = cfg.models[0].name
+        asyncio.run(warm_up(url, 4, model))
         if capacity is None:
             limit = cfg.surface("agent").max_concurrency
             calib = asyncio.run(
@@ -167,6 +169,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
                     {"agent": limit},
                     args.calib_s,
                     60,
+                    model,
                 )
             )
             capacity = sum(1 for r in calib if r.status == 200) / args.calib_s

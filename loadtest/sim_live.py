@@ -127,6 +127,7 @@ async def replay(
     timeout_s: float,
     closed_loop: bool = True,
     session_header: bool = True,
+    model: str = MODEL,
 ) -> tuple[list[Result], float]:
     """Send every spec at its arrival time (a session's next turn waits for its previous one when
     ``closed_loop``); returns the results in spec order and the wall time of the whole replay."""
@@ -148,7 +149,14 @@ async def replay(
                 if closed_loop and p is not None:
                     await done[p].wait()
                 await stream_chat(
-                    client, url, spec, results[i], t0, timeout_s=timeout_s, session_header=session_header
+                    client,
+                    url,
+                    spec,
+                    results[i],
+                    t0,
+                    timeout_s=timeout_s,
+                    session_header=session_header,
+                    model=model,
                 )
             finally:
                 done[i].set()
@@ -162,13 +170,16 @@ def ms(x: float | None, scale: float = 1.0) -> float | None:
     return None if x is None else round(x * 1000 * scale, 1)
 
 
-async def warm_up(url: str, n: int) -> None:
+async def warm_up(url: str, n: int, model: str = MODEL) -> None:
     """A few short requests (no full KV block, so no routing state): Serve's first-request costs."""
     spec = RequestSpec(session_id="warmup", messages=[{"role": "user", "content": "warm up"}], max_tokens=2)
     async with httpx.AsyncClient(timeout=60) as client:
         rs = [Result(i, "warmup", None) for i in range(n)]
         await asyncio.gather(
-            *(stream_chat(client, url, spec, r, 0.0, timeout_s=60, session_header=False) for r in rs)
+            *(
+                stream_chat(client, url, spec, r, 0.0, timeout_s=60, session_header=False, model=model)
+                for r in rs
+            )
         )
     bad = [r for r in rs if r.status != 200]
     if bad:
