@@ -117,6 +117,15 @@ STEPS: tuple[Step, ...] = (
         310,
         310,
     ),
+    Step(
+        "overload-shared-vllm",
+        "loadtest.bench_overload_shared",
+        ("--engine", "vllm", "--factors", "1,2,3"),
+        ("--engine", "vllm", "--factors", "3"),
+        ("overload_shared_vllm.json",),
+        350,
+        220,
+    ),
     Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 100),
     Step("soak", "loadtest.soak", ("--minutes", "5"), ("--minutes", "0.75"), ("soak.json",), 470, 160),
 )

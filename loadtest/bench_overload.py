@@ -353,7 +353,8 @@ def _checks(
         "client_200s_equal_admitted": ok_200 == delta["admitted"],
         "client_rejections_equal_counted": rejected
         == sum(delta.get(k, 0) for k in ("rejected_queue_full", "rejected_deadline", "rejected_predicted"))
-        + delta.get("rejected_unreachable", 0),
+        + delta.get("rejected_unreachable", 0)
+        + delta.get("rejected_guard", 0),
     }
 
 

@@ -132,9 +132,12 @@ def run_phase(
     model = cfg.models[0].name
     before = admission_counters(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
-    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model))
+    lag: list[float] = []
+    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag))
     time.sleep(1.0)  # the last releases settle
     rep = phase_report(results, cfg, window_s, (before, admission_counters(app_url)))
+    # The load generator's own delay, in every client-side time above (it shares the 2 cores).
+    rep["client_loop_lag_ms"] = {f"p{q}": ms(percentile(lag, q)) for q in (50, 99)}
     rep["offered_per_s"] = {s: round(r, 3) for s, r in rates.items()}
     rep["guard"] = _guard(app_url)
     return rep

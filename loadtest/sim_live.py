@@ -128,9 +128,12 @@ async def replay(
     closed_loop: bool = True,
     session_header: bool = True,
     model: str = MODEL,
+    lag: list[float] | None = None,
 ) -> tuple[list[Result], float]:
     """Send every spec at its arrival time (a session's next turn waits for its previous one when
-    ``closed_loop``); returns the results in spec order and the wall time of the whole replay."""
+    ``closed_loop``); returns the results in spec order and the wall time of the whole replay.
+    ``lag``: filled with the client's own event-loop lag (seconds, sampled every 10 ms), the part
+    of every client-side time that is the load generator's, not the cluster's."""
     results = [Result(i, s.session_id, s.surface) for i, s in enumerate(specs)]
     done = [asyncio.Event() for _ in specs]
     prev: list[int | None] = []
@@ -161,9 +164,23 @@ async def replay(
             finally:
                 done[i].set()
 
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+        probe = asyncio.create_task(loop_lag(lag)) if lag is not None else None
+        try:
+            await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+        finally:
+            if probe is not None:
+                probe.cancel()
         wall = time.perf_counter() - t0
     return results, wall
+
+
+async def loop_lag(out: list[float], every_s: float = 0.01) -> None:
+    """Append how late each ``every_s`` sleep of this event loop wakes, until cancelled."""
+    clock = time.perf_counter
+    while True:
+        t = clock()
+        await asyncio.sleep(every_s)
+        out.append(max(0.0, clock() - t - every_s))
 
 
 def ms(x: float | None, scale: float = 1.0) -> float | None:

@@ -52,7 +52,7 @@ class Queued:
 class Rejection:
     error: ClusterError  # RateLimited (429) or Overloaded (503), with retry_after_s
     surface: str
-    reason: Literal["queue_full", "deadline", "predicted_wait"]
+    reason: Literal["queue_full", "deadline", "predicted_wait", "guard"]
     entry_id: int | None = None  # the Queued id for deadline rejections
 
 
@@ -68,7 +68,8 @@ class Counters:
     rejected_deadline: int = 0
     rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
     rejected_unreachable: int = 0  # waiters rejected early: a lowered guard cap put them past it
-    rejected_overloaded: int = 0  # of the four above, those answered 503 (cluster saturated)
+    rejected_guard: int = 0  # at once: the SLO guard holds the surface off every candidate backend
+    rejected_overloaded: int = 0  # of the five above, those answered 503 (cluster saturated)
     abandoned: int = 0  # waiters that left before admission
     double_release: int = 0
     in_flight: int = 0

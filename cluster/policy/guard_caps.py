@@ -40,6 +40,10 @@ class GuardCaps:
             return True
         return self._own.get((backend, surface), 0) < self.floor
 
+    def binds(self, backend: str, surface: str) -> bool:
+        """The guard's cap, not a static limit, is what keeps ``surface`` off ``backend`` now."""
+        return surface in self.deferrable and backend in self._caps and not self.has_room(backend, surface)
+
     def count(self, backend: str, surface: str, delta: int) -> None:
         if surface in self.deferrable:
             self._in_flight[backend] = self._in_flight.get(backend, 0) + delta

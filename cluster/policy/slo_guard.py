@@ -55,6 +55,10 @@ class SloGuardConfig(Strict):
         1, ge=0, description="Fewest requests of each deferrable surface always allowed per backend."
     )
     quiet_s: float = Field(2.0, gt=0, description="No protected arrival for this long lifts every cap.")
+    queue_while_capped: bool = Field(
+        False,
+        description="Queue deferrable requests behind a binding cap (False: refuse them at once, 429).",
+    )
 
 
 @dataclass(slots=True)

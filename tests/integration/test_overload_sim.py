@@ -1,7 +1,8 @@
 """Tab and Agent on the same simulated replica (issue 16): the SLO guard caps Agent only while
-Tab is active and lifts the cap when Tab goes quiet; a request whose predicted queue wait passes
-its deadline is answered 429 with Retry-After at once (counted as such, not as a deadline expiry);
-a tenant over its budget gets 429s with Retry-After while another tenant's requests go through.
+Tab is active (new Agent work over the cap is refused at once) and lifts the cap when Tab goes
+quiet; a request whose predicted queue wait passes its deadline is answered 429 with Retry-After
+at once (counted as such, not as a deadline expiry); a tenant over its budget gets 429s with
+Retry-After while another tenant's requests go through.
 
 What is checked is the policy's own state (one gateway's status), never a latency: Tab's objective
 is set to 1 ms here, so any Tab traffic is "near its SLO" and the guard must act."""
@@ -73,17 +74,21 @@ async def test_agent_is_deferred_only_while_tab_is_active(shared) -> None:
         s = await asyncio.to_thread(shared.wait_status, lambda s: _guard(s).get("cap") is not None)
         capped = _guard(s)
         assert capped["cap"] is not None and capped["cap"] < 12, capped
-        # New Agent work waits in the queue while Tab is active ...
-        late = [asyncio.create_task(c.post(url, json=_body(8), headers=agent)) for _ in range(2)]
-        s = await asyncio.to_thread(shared.wait_status, lambda s: s["admission"]["waiting"] == 2)
-        assert s["admission"]["waiting"] == 2 and _guard(s)["cap"] is not None, s
-        # ... and goes once Tab is quiet: the cap is lifted.
+        # New Agent work is refused at once while the cap binds (not queued behind it) ...
+        before = s["admission"]["rejected_guard"]
+        late = await asyncio.gather(*(c.post(url, json=_body(8), headers=agent) for _ in range(2)))
+        assert [r.status_code for r in late] == [429, 429], [r.text for r in late]
+        for r in late:
+            assert int(r.headers["retry-after"]) >= 1 and "deferred" in r.json()["error"]["message"]
+        s = shared.status()
+        assert s["admission"]["rejected_guard"] - before == 2 and s["admission"]["waiting"] == 0, s
+        # ... and is admitted again once Tab is quiet: the cap is lifted.
         tab_active = False
         assert await tabs > 0
         s = await asyncio.to_thread(shared.wait_status, lambda s: _guard(s).get("reason") == "quiet")
         assert _guard(s)["cap"] is None and _guard(s)["reason"] == "quiet", s
-        rs = await asyncio.gather(*flood, *late)
-    assert collections.Counter(r.status_code for r in rs) == {200: 14}
+        rs = await asyncio.gather(*flood, c.post(url, json=_body(8), headers=agent))
+    assert collections.Counter(r.status_code for r in rs) == {200: 13}
     adm = shared.status()["admission"]
     assert adm["balanced"] and adm["in_flight"] == 0 and adm["rejected_predicted"] == 0
 

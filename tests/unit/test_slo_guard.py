@@ -3,8 +3,10 @@ objective, raised again as Tab recovers, and uncapped as soon as Tab is quiet.""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.config import SurfaceConfig
-from cluster.policy.admission import AdmissionController, Queued, Ticket
+from cluster.policy.admission import AdmissionController, Queued, Rejection, Ticket
 from cluster.policy.guard_caps import GuardCaps
 from cluster.policy.slo_guard import SloGuard, SloGuardConfig
 
@@ -73,7 +75,7 @@ def _surf(name: str, priority: int) -> SurfaceConfig:
 
 
 def test_admission_defers_capped_work_and_resumes_it_when_the_cap_lifts() -> None:
-    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100})
+    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100}, queue_while_capped=True)
     agents = [c.try_admit("agent", 0.0, ["gpu"]) for _ in range(4)]
     assert all(isinstance(t, Ticket) for t in agents)
     assert c.deferred_in_flight() == {"gpu": 4} and c.backend_cap("gpu") == 100
@@ -96,7 +98,7 @@ def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline()
     agent = SurfaceConfig(
         name="agent", priority=2, max_concurrency=100, max_queue=100, queue_deadline_ms=1500
     )
-    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100})
+    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100}, queue_while_capped=True)
     for i in range(3):  # requests of 1 s
         t = c.try_admit("agent", float(i), ["gpu"])
         assert isinstance(t, Ticket)
@@ -120,7 +122,7 @@ def test_each_deferrable_surface_keeps_its_floor_under_a_cap_another_surface_fil
     request (it waited behind the stream to its deadline before, a 429 in CI's smoke run); a
     second Chat request and a second Agent one wait."""
     surfaces = [_surf("tab", 0), _surf("chat", 1), _surf("agent", 2)]
-    c = AdmissionController(surfaces, {"gpu": 100}, guard_floor=1)
+    c = AdmissionController(surfaces, {"gpu": 100}, guard_floor=1, queue_while_capped=True)
     stream = c.try_admit("agent", 0.0, ["gpu"])
     assert isinstance(stream, Ticket)
     c.set_guard_caps({"gpu": 1}, 0.1)
@@ -131,7 +133,9 @@ def test_each_deferrable_surface_keeps_its_floor_under_a_cap_another_surface_fil
     assert isinstance(c.try_admit("agent", 0.2, ["gpu"]), Queued)
     admitted = c.release(chat, "completed", 0.3)  # Chat back under its floor: its waiter goes
     assert [t.surface for t in admitted] == ["chat"]
-    without = AdmissionController(surfaces, {"gpu": 100})  # floor 0: the cap binds alone
+    without = AdmissionController(
+        surfaces, {"gpu": 100}, queue_while_capped=True
+    )  # floor 0: the cap binds alone
     assert isinstance(without.try_admit("agent", 0.0, ["gpu"]), Ticket)
     without.set_guard_caps({"gpu": 1}, 0.1)
     assert isinstance(without.try_admit("chat", 0.2, ["gpu"]), Queued)
@@ -175,3 +179,26 @@ def test_an_engine_sample_read_twice_counts_once_and_a_gone_replica_is_forgotten
     assert g.absorb("nope", "r1", report, 1.5) == 0  # not a backend of this guard
     g.forget_replicas("gpu", ["r2"])
     assert g.absorb("gpu", "r1", report, 2.0) == 2  # a replica seen anew starts afresh
+
+
+def test_by_default_work_the_guard_keeps_off_every_backend_is_refused_at_once() -> None:
+    """No waiting behind a binding cap: a 429 with Retry-After at once (counted as ``guard``);
+    a backend the guard leaves room on, or a static cap, still takes or queues the request."""
+    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100, "cpu": 1})
+    for i in range(3):  # durations for the estimate: 1 s each
+        t = c.try_admit("agent", float(i), ["gpu"])
+        assert isinstance(t, Ticket)
+        c.release(t, "completed", i + 1.0)
+    running = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(2)]
+    assert all(isinstance(t, Ticket) for t in running)
+    c.set_guard_caps({"gpu": 2}, 10.0)
+    r = c.try_admit("agent", 10.1, ["gpu"])
+    assert isinstance(r, Rejection) and r.reason == "guard" and r.error.status_code == 429
+    assert r.error.retry_after_s == pytest.approx(0.9)  # the first slot frees when a 1 s request ends
+    assert isinstance(c.try_admit("tab", 10.1, ["gpu"]), Ticket)  # the protected surface: never
+    # Another candidate with room takes it; one full by its static cap makes it queue instead.
+    other = c.try_admit("agent", 10.1, ["gpu", "cpu"])
+    assert isinstance(other, Ticket) and other.backend == "cpu"
+    assert isinstance(c.try_admit("agent", 10.2, ["gpu", "cpu"]), Queued)
+    n = c.counters("agent")
+    assert (n.rejected_guard, n.queued, n.waiting) == (1, 1, 1) and n.balanced()
