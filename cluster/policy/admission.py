@@ -53,13 +53,19 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from cluster.config import ClusterConfig, SurfaceConfig
-from cluster.policy.admission_types import Counters, Outcome, Queued, Rejection, Ticket
+from cluster.policy.admission_types import (
+    Counters,
+    Outcome,
+    Queued,
+    Rejection,
+    RejectReason,
+    Ticket,
+    rejection_error,
+)
 from cluster.policy.guard_caps import GuardCaps
 from cluster.policy.queue_wait import DurationWindow, WaitEstimate, predict_wait, slot_times
-from cluster.wire.errors import ClusterError, Overloaded, RateLimited
 
 
 @dataclass(slots=True)
@@ -130,6 +136,7 @@ class AdmissionController:
         self.queue_while_capped = queue_while_capped
         self._caps: dict[str, int] = {}
         self._backend_in_flight: dict[str, int] = {}
+        self._backends = tuple(backend_caps or ())  # every backend a request could name
         for name, cap in (backend_caps or {}).items():
             self._set_cap(name, cap)
         self._active: dict[int, Ticket] = {}
@@ -169,7 +176,7 @@ class AdmissionController:
             found, backend = self._pick_backend(cands, s.name)
             if found:
                 return self._admit(s, backend, self._new_id(), now, now, tenant)
-            if cands and not self.queue_while_capped and all(self._guard.binds(b, s.name) for b in cands):
+            if cands and not self.queue_while_capped and self._guard.binds_all(cands, s.name):
                 s.counters.rejected_guard += 1
                 return self._reject(s, "guard", now, None)
         if len(s.queue) < s.max_queue:
@@ -187,11 +194,18 @@ class AdmissionController:
 
     def precheck(self, surface: str, now: float) -> Rejection | None:
         """The rejection any new request of ``surface`` gets, whatever it asks for: the surface is at
-        its own limit and cannot usefully queue (a full queue, or a wait past its deadline). The
-        gateway asks before parsing and tokenizing, so such a request costs it almost nothing;
-        None: go on (:meth:`try_admit` decides)."""
+        its own limit and cannot usefully queue (a full queue, or a wait past its deadline), or the
+        guard's cap keeps it off every backend. The gateway asks before parsing and tokenizing, so
+        such a request costs it almost nothing; None: go on (:meth:`try_admit` decides)."""
         s = self._surface(surface)
         if s.in_flight < s.limit:
+            if (
+                self._backends
+                and not self.queue_while_capped
+                and self._guard.binds_all(self._backends, surface)
+            ):
+                s.counters.rejected_guard += 1
+                return self._reject(s, "guard", now, None)
             return None
         if len(s.queue) >= s.max_queue:
             s.counters.rejected_queue_full += 1
@@ -457,7 +471,7 @@ class AdmissionController:
     def _reject(
         self,
         s: _Surface,
-        reason: Literal["queue_full", "deadline", "predicted_wait", "guard"],
+        reason: RejectReason,
         now: float,
         entry_id: int | None,
     ) -> Rejection:
@@ -469,32 +483,8 @@ class AdmissionController:
             retry = min(self.max_retry_after_s, (len(s.queue) + 1) / rate)
         else:
             retry = min(self.max_retry_after_s, s.deadline_s)
-        if self.saturated(now):
+        saturated = self.saturated(now)
+        if saturated:
             s.counters.rejected_overloaded += 1
-            err: ClusterError = Overloaded(
-                "the cluster is saturated: every surface is blocked with a full queue",
-                retry_after_s=retry,
-            )
-        elif reason == "predicted_wait":
-            err = RateLimited(
-                f"surface '{s.name}': a slot is {retry:.1f} s away, past the queue deadline of "
-                f"{s.deadline_s * 1000:.0f} ms",
-                retry_after_s=retry,
-            )
-        elif reason == "guard":
-            err = RateLimited(
-                f"surface '{s.name}' is deferred: a higher-priority surface is near its latency "
-                f"objective on every backend this request could use; retry in {retry:.1f} s",
-                retry_after_s=retry,
-            )
-        elif reason == "queue_full":
-            err = RateLimited(
-                f"surface '{s.name}' is at its limit of {s.limit} requests with {len(s.queue)} waiting",
-                retry_after_s=retry,
-            )
-        else:
-            err = RateLimited(
-                f"surface '{s.name}': no slot within the queue deadline of {s.deadline_s * 1000:.0f} ms",
-                retry_after_s=retry,
-            )
+        err = rejection_error(reason, s.name, retry, saturated, s.limit, len(s.queue), s.deadline_s)
         return Rejection(err, s.name, reason, entry_id)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import Literal
 
-from cluster.wire.errors import ClusterError
+from cluster.wire.errors import ClusterError, Overloaded, RateLimited
+
+RejectReason = Literal["queue_full", "deadline", "predicted_wait", "guard"]
 
 
 class Outcome(StrEnum):
@@ -52,7 +54,7 @@ class Queued:
 class Rejection:
     error: ClusterError  # RateLimited (429) or Overloaded (503), with retry_after_s
     surface: str
-    reason: Literal["queue_full", "deadline", "predicted_wait", "guard"]
+    reason: RejectReason
     entry_id: int | None = None  # the Queued id for deadline rejections
 
 
@@ -85,3 +87,35 @@ class Counters:
     def add(self, other: Counters) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def rejection_error(
+    reason: RejectReason,
+    surface: str,
+    retry_s: float,
+    saturated: bool,
+    limit: int,
+    waiting: int,
+    deadline_s: float,
+) -> ClusterError:
+    """What the client is told: 503 when the whole cluster is saturated, else a 429 that says why."""
+    if saturated:
+        return Overloaded(
+            "the cluster is saturated: every surface is blocked with a full queue", retry_after_s=retry_s
+        )
+    if reason == "predicted_wait":
+        why = f"a slot is {retry_s:.1f} s away, past the queue deadline of {deadline_s * 1000:.0f} ms"
+        return RateLimited(f"surface '{surface}': {why}", retry_after_s=retry_s)
+    if reason == "guard":
+        return RateLimited(
+            f"surface '{surface}' is deferred: a higher-priority surface is near its latency objective "
+            f"on every backend this request could use; retry in {retry_s:.1f} s",
+            retry_after_s=retry_s,
+        )
+    if reason == "queue_full":
+        return RateLimited(
+            f"surface '{surface}' is at its limit of {limit} requests with {waiting} waiting",
+            retry_after_s=retry_s,
+        )
+    why = f"no slot within the queue deadline of {deadline_s * 1000:.0f} ms"
+    return RateLimited(f"surface '{surface}': {why}", retry_after_s=retry_s)

@@ -40,9 +40,12 @@ class GuardCaps:
             return True
         return self._own.get((backend, surface), 0) < self.floor
 
-    def binds(self, backend: str, surface: str) -> bool:
-        """The guard's cap, not a static limit, is what keeps ``surface`` off ``backend`` now."""
-        return surface in self.deferrable and backend in self._caps and not self.has_room(backend, surface)
+    def binds_all(self, backends: Iterable[str], surface: str) -> bool:
+        """The guard's caps, not static limits, keep ``surface`` off every one of ``backends`` now."""
+        caps = self._caps
+        return surface in self.deferrable and all(
+            b in caps and not self.has_room(b, surface) for b in backends
+        )
 
     def count(self, backend: str, surface: str, delta: int) -> None:
         if surface in self.deferrable:

@@ -202,3 +202,25 @@ def test_by_default_work_the_guard_keeps_off_every_backend_is_refused_at_once() 
     assert isinstance(c.try_admit("agent", 10.2, ["gpu", "cpu"]), Queued)
     n = c.counters("agent")
     assert (n.rejected_guard, n.queued, n.waiting) == (1, 1, 1) and n.balanced()
+
+
+def test_precheck_refuses_before_parsing_when_the_guard_binds_on_every_backend() -> None:
+    """The gateway's precheck (before the body is parsed and tokenized) gives the same ``guard``
+    refusal when no backend at all has room for the surface under the guard; one backend the
+    guard leaves room on, or ``queue_while_capped``, lets the request go on to admission."""
+    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100, "cpu": 100})
+    for b in ("gpu", "cpu"):
+        assert isinstance(c.try_admit("agent", 0.0, [b]), Ticket)
+    c.set_guard_caps({"gpu": 1}, 0.1)
+    assert c.precheck("agent", 0.2) is None  # cpu is uncapped
+    c.set_guard_caps({"gpu": 1, "cpu": 1}, 0.3)
+    r = c.precheck("agent", 0.4)
+    assert isinstance(r, Rejection) and r.reason == "guard" and r.error.retry_after_s
+    assert c.precheck("tab", 0.4) is None  # the protected surface is never deferred
+    assert c.counters("agent").rejected_guard == 1
+    queueing = AdmissionController(
+        [_surf("tab", 0), _surf("agent", 2)], {"gpu": 100}, queue_while_capped=True
+    )
+    assert isinstance(queueing.try_admit("agent", 0.0, ["gpu"]), Ticket)
+    queueing.set_guard_caps({"gpu": 1}, 0.1)
+    assert queueing.precheck("agent", 0.2) is None
