@@ -45,6 +45,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "soak": tables_reliability.soak,
     "overload": tables_load.overload,
     "overload-shared": tables_load.overload_shared,
+    "overload-shared-vllm": tables_load.overload_shared_vllm,
     "migration": tables_reliability.migration,
 }
 

@@ -134,3 +134,49 @@ def overload_shared(r: Results) -> str:
     ]
     header += ["reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)", "reject p99 3×", "hung"]
     return table(header, "lllrrrrrrrr", rows)
+
+
+# The vLLM-CPU leg's runs: the file as each commit recorded it, then the file as it stands.
+# Run 1 (fd642ca) and run 2 (cff1227, 512-token steps) queued Agent behind the guard's caps; run 3
+# (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing.
+OVERLOAD_SHARED_VLLM_RUNS = (("1", "a0ad639"), ("2", "74217d3"), ("3", "60c5999"), ("4", None))
+
+
+def overload_shared_vllm(r: Results) -> str:
+    """overload_shared_vllm.json: whole ms and tok/s; "late" = refusals after waiting in the queue
+    (deadline expiries and guard-unreachable waiters) over all refusals, both factors."""
+    rows = []
+    for run, at in OVERLOAD_SHARED_VLLM_RUNS:
+        d = r.get("overload_shared_vllm", at=at)
+        for i, variant in enumerate(("off", "on")):
+            v = d["variants"][variant]
+
+            def tab(phase: str, v: dict[str, Any] = v) -> str:
+                t = v[phase]["surfaces"]["tab"]
+                return f"{fixed(t['ttft_p50_wall_ms'], 0)} / {fixed(t['ttft_p99_wall_ms'], 0)}"
+
+            def phase(name: str, v: dict[str, Any] = v) -> list[str]:
+                p = v[name]
+                reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
+                return [tab(name), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
+
+            deltas = [v[p]["admission_delta"] for p in ("agent_x1", "agent_x3")]
+            late = sum(x["rejected_deadline"] + x["rejected_unreachable"] for x in deltas)
+            step = d.get("max_num_batched_tokens", "the config")
+            label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step})" if i == 0 else run
+            hung = sum(v[p]["hung"] for p in ("tab_alone", "agent_x1", "agent_x2", "agent_x3"))
+            rows.append(
+                [
+                    label,
+                    variant,
+                    tab("tab_alone"),
+                    *phase("agent_x1"),
+                    *phase("agent_x3"),
+                    f"{num(late)} / {num(sum(v[p]['rejects'] for p in ('agent_x1', 'agent_x3')))}",
+                    str(hung),
+                ]
+            )
+    header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
+    header += ["Agent goodput 1× (tok/s)", "reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)"]
+    header += ["reject p99 3×", "late / all refusals", "hung"]
+    return table(header, "llrrrrrrrrr", rows)
