@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster import tokens
 from cluster.config import BackendConfig, ClusterConfig
+from cluster.observability.loop_lag import LoopLagWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
 from cluster.policy.admission import AdmissionController, Outcome
 from cluster.policy.admission_async import AsyncAdmission
@@ -104,6 +105,8 @@ class Gateway:
         for m in cfg.models:  # load tokenizers now, not on the first request
             tokens.load(m.tokenizer)
         self._openapi = h.openapi_document()
+        self.loop_lag = LoopLagWindow()
+        self._lag_task = asyncio.get_event_loop().create_task(self._watch_loop())
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
         # HAProxy's own error page on this node in the OpenAI shape, before this replica serves
@@ -172,8 +175,18 @@ class Gateway:
             with contextlib.suppress(Exception):
                 metrics.record_breakers(self.board.metrics(time.monotonic()))
                 c = self.admission.controller.counters()
-                metrics.record_gateway(self.replica_id, c.in_flight, c.waiting)
+                metrics.record_gateway(
+                    self.replica_id, c.in_flight, c.waiting, self.loop_lag.summary()["p99_ms"]
+                )
             await asyncio.sleep(1.0)
+
+    async def _watch_loop(self) -> None:
+        """This replica's event-loop lag (cluster/observability/loop_lag.py): one timer, every 0.1 s."""
+        w, clock = self.loop_lag, time.perf_counter
+        while True:
+            t = clock()
+            await asyncio.sleep(w.interval_s)
+            w.woke(t, clock())
 
     async def _drive_guard(self, backends: list[str]) -> None:
         """The SLO guard's caps on lower-priority work, revised every interval (never per chunk)."""
@@ -399,6 +412,7 @@ class Gateway:
             "policy": self.attempts.snapshot(),
             "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "slo_guard_samples": self.guard.sample_counts(),
+            "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in v.live.items()},

@@ -173,15 +173,24 @@ GATEWAY_WAITING = Gauge(
     tag_keys=("gateway",),
 )
 
+GATEWAY_LOOP_LAG = Gauge(
+    "llmc_gateway_loop_lag_p99_seconds",
+    description="p99 of how late the gateway replica's event loop ran over the last minute "
+    "(every request and relayed chunk of that replica waits this long on top of its work).",
+    tag_keys=("gateway",),
+)
+
 
 def record_breakers(rows: list[tuple[str, str, int]]) -> None:
     for backend, replica, state in rows:
         BREAKER_STATE.set(state, tags={"backend": backend, "replica": replica})
 
 
-def record_gateway(gateway: str, in_flight: int, waiting: int) -> None:
+def record_gateway(gateway: str, in_flight: int, waiting: int, loop_lag_p99_ms: float | None = None) -> None:
     GATEWAY_IN_FLIGHT.set(in_flight, tags={"gateway": gateway})
     GATEWAY_WAITING.set(waiting, tags={"gateway": gateway})
+    if loop_lag_p99_ms is not None:
+        GATEWAY_LOOP_LAG.set(loop_lag_p99_ms / 1000, tags={"gateway": gateway})
 
 
 def record_usage(surface: str, backend: str, usage: Usage, outcome: str = "completed") -> None:

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deployments.local import free_port
+from deployments.local import free_port, gateway_status
 from loadtest.bench_overload import (
     APP,
     ROOT,
@@ -139,14 +139,11 @@ def run_phase(
     # The load generator's own delay, in every client-side time above (it shares the 2 cores).
     rep["client_loop_lag_ms"] = {f"p{q}": ms(percentile(lag, q)) for q in (50, 99)}
     rep["offered_per_s"] = {s: round(r, 3) for s, r in rates.items()}
-    rep["guard"] = _guard(app_url)
+    status = gateway_status(app_url)
+    rep["guard"] = status.get("slo_guard", {})
+    # The gateway's own event-loop lag over the phase's last 30 s (cluster/observability/loop_lag.py)
+    rep["gateway_loop_lag_ms_last_30s"] = status.get("loop_lag", {}).get("last_30s")
     return rep
-
-
-def _guard(app_url: str) -> dict[str, Any]:
-    from deployments.local import gateway_status
-
-    return gateway_status(app_url).get("slo_guard", {})
 
 
 def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) -> tuple[dict, float]:
