@@ -120,6 +120,15 @@ class EngineArgs(Strict):
             "lower-priority running work preempted first under KV pressure) or vLLM's 'fcfs'."
         ),
     )
+    cpu_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness of the engine replica's process (0: as started). On a host the engines share with "
+            "the gateway (a local CPU cluster), a higher value lets the kernel run the gateway first."
+        ),
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 
     @model_validator(mode="after")

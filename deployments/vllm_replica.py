@@ -94,6 +94,8 @@ class VLLMBackend:
     def __init__(self, backend: BackendConfig, model: ModelConfig, replica: str) -> None:
         for k, v in backend.env.items():
             os.environ.setdefault(k, v)
+        if backend.engine.cpu_nice:  # before the engine starts: its threads inherit the niceness
+            os.nice(backend.engine.cpu_nice)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -138,8 +138,15 @@ def overload_shared(r: Results) -> str:
 
 # The vLLM-CPU leg's runs: the file as each commit recorded it, then the file as it stands.
 # Run 1 (fd642ca) and run 2 (cff1227, 512-token steps) queued Agent behind the guard's caps; run 3
-# (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing.
-OVERLOAD_SHARED_VLLM_RUNS = (("1", "a0ad639"), ("2", "74217d3"), ("3", "60c5999"), ("4", None))
+# (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing; run 5
+# (d27aa58) records the gateway's loop lag.
+OVERLOAD_SHARED_VLLM_RUNS = (
+    ("1", "a0ad639"),
+    ("2", "74217d3"),
+    ("3", "60c5999"),
+    ("4", "a6591ab"),
+    ("5", None),
+)
 
 
 def overload_shared_vllm(r: Results) -> str:
