@@ -125,8 +125,9 @@ class EngineArgs(Strict):
         ge=0,
         le=19,
         description=(
-            "Niceness of the engine replica's process (0: as started). On a host the engines share with "
-            "the gateway (a local CPU cluster), a higher value lets the kernel run the gateway first."
+            "Added to the engine replica's niceness before its engine starts (Ray starts every worker at "
+            "15 and the kernel stops at 19). On a host the engines share with the gateway (a local CPU "
+            "cluster), the kernel then runs the gateway first. 0: unchanged."
         ),
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")

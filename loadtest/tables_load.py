@@ -139,13 +139,14 @@ def overload_shared(r: Results) -> str:
 # The vLLM-CPU leg's runs: the file as each commit recorded it, then the file as it stands.
 # Run 1 (fd642ca) and run 2 (cff1227, 512-token steps) queued Agent behind the guard's caps; run 3
 # (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing; run 5
-# (d27aa58) records the gateway's loop lag.
+# (d27aa58) records the gateway's loop lag; run 6 (0d9b8a4) is run 5 with the engines niced by 10.
 OVERLOAD_SHARED_VLLM_RUNS = (
     ("1", "a0ad639"),
     ("2", "74217d3"),
     ("3", "60c5999"),
     ("4", "a6591ab"),
-    ("5", None),
+    ("5", "0d9b8a4"),
+    ("6", None),
 )
 
 
@@ -171,7 +172,8 @@ def overload_shared_vllm(r: Results) -> str:
             late = f"{num(x3['admission_delta']['rejected_deadline'])} + "
             late += f"{num(x3['admission_delta']['rejected_unreachable'])} of {num(x3['rejects'])}"
             step = d.get("max_num_batched_tokens", "the config")
-            label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step})" if i == 0 else run
+            nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
+            label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
             hung = sum(v[p]["hung"] for p in ("tab_alone", "agent_x1", "agent_x2", "agent_x3"))
             rows.append(
                 [

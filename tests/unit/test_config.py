@@ -50,6 +50,8 @@ def _base() -> dict:
             lambda c: c["backends"][0].update(affinity={"min_match_ratio": 2}),
             "backends.0.affinity.min_match_ratio",
         ),
+        (lambda c: c["backends"][0]["engine"].update(cpu_nice=20), "backends.0.engine.cpu_nice"),
+        (lambda c: c["backends"][0]["engine"].update(cpu_nice=-1), "backends.0.engine.cpu_nice"),
     ],
 )
 def test_bad_config_names_the_field(mutate, field: str) -> None:
