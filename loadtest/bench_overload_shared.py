@@ -3,7 +3,7 @@ the SLO guard on, against both off, in one run; simulated GPU engines or real vL
 
     python -m loadtest.bench_overload_shared                       # ~4 minutes, factor 3
     python -m loadtest.bench_overload_shared --factors 1,2,3 --duration-s 40
-    python -m loadtest.bench_overload_shared --engine vllm --factors 1,2,3   # ~10 minutes
+    python -m loadtest.bench_overload_shared --engine vllm --factors 1,2,3   # ~6 minutes
 
 The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (simulated Llama-3.1-8B on H100s at their own speed, three replicas that Tab and Agent share,
@@ -25,7 +25,10 @@ then for each factor Tab at the same rate with Agent at factor x Agent's capacit
 is measured once, in the first variant, closed loop at its concurrency limit for ``--calib-s``, and
 used for both. Keys per phase: ``surfaces.tab.ttft_p99_wall_ms``, ``surfaces.agent.goodput_tok_s``
 (output tokens/s of Agent requests answered 200 whose TTFT met Agent's SLO), ``reject_p99_ms``
-(client-side latency of 429/503 answers, every surface), ``hung``, ``checks.admitted_equals_ended``.
+(client-side latency of 429/503 answers, every surface), ``hung``, ``checks.admitted_equals_ended``;
+and where a client-side time goes: ``client_loop_lag_ms`` (this load generator's own event loop)
+and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status). ``--engine vllm``
+takes about 6 minutes here (the two variants, factors 1,2,3).
 """
 
 from __future__ import annotations
