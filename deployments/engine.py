@@ -176,7 +176,11 @@ class EngineReplica:
     async def _stats(self, request: web.Request) -> web.Response:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
             return web.json_response({"error": "forbidden"}, status=403)
-        return web.json_response(asdict(self.backend.stats()))
+        stats = asdict(self.backend.stats())
+        # The engine's own TTFT (arrival here -> first token) of its recent requests, by priority:
+        # (sequence number, age in s, priority, TTFT in s), as the gateways' SLO guards read them.
+        stats["extra"]["ttft"] = self.ttft.report(time.monotonic())
+        return web.json_response(stats)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):

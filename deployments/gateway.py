@@ -181,7 +181,7 @@ class Gateway:
             await asyncio.sleep(1.0)
 
     async def _watch_loop(self) -> None:
-        """This replica's event-loop lag (cluster/observability/loop_lag.py): one timer, every 0.1 s."""
+        """This replica's event-loop lag (cluster/observability/loop_lag.py): one timer, every 0.25 s."""
         w, clock = self.loop_lag, time.perf_counter
         while True:
             t = clock()

@@ -27,7 +27,8 @@ used for both. Keys per phase: ``surfaces.tab.ttft_p99_wall_ms``, ``surfaces.age
 (output tokens/s of Agent requests answered 200 whose TTFT met Agent's SLO), ``reject_p99_ms``
 (client-side latency of 429/503 answers, every surface), ``hung``, ``checks.admitted_equals_ended``;
 and where a client-side time goes: ``client_loop_lag_ms`` (this load generator's own event loop)
-and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status). ``--engine vllm``
+and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status), and
+``engine_tab_ttft_ms`` (Tab's TTFT inside the engines, :class:`EngineTtft`). ``--engine vllm``
 takes about 6 minutes here (the two variants, factors 1,2,3).
 """
 
@@ -132,6 +133,49 @@ def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters:
     }
 
 
+class EngineTtft:
+    """Tab's TTFT as the engines measured it (arrival at the replica to its first token: queue and
+    prefill, without the gateway, HAProxy or the client), polled from each replica's ``/stats``
+    every ``every_s`` while a phase runs; a sample seen twice counts once."""
+
+    def __init__(self, app_url: str, priority: int, every_s: float = 2.0) -> None:
+        import threading
+
+        self.app_url, self.priority, self.every_s = app_url, priority, every_s
+        self.seen: dict[tuple[str, int], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EngineTtft:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()  # the phase's last first tokens
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._poll()
+
+    def _poll(self) -> None:
+        from deployments.local import replica_stats
+
+        try:
+            stats = replica_stats(self.app_url)
+        except OSError:
+            return
+        for rid, st in stats.items():
+            for seq, _age, priority, ttft in st.extra.get("ttft", ()):
+                if priority == self.priority:
+                    self.seen[(rid, seq)] = ttft
+
+    def summary(self) -> dict[str, Any]:
+        xs = list(self.seen.values())
+        return {"samples": len(xs), "p50_ms": ms(percentile(xs, 50)), "p99_ms": ms(percentile(xs, 99))}
+
+
 def run_phase(
     url: str, app_url: str, cfg: Any, rates: dict[str, float], window_s: float, seed: int, shapes: Any
 ) -> dict:
@@ -140,7 +184,10 @@ def run_phase(
     before = admission_counters(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
     lag: list[float] = []
-    results, _ = asyncio.run(replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag))
+    with EngineTtft(app_url, cfg.surface("tab").priority) as engine_tab:
+        results, _ = asyncio.run(
+            replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag)
+        )
     time.sleep(1.0)  # the last releases settle
     rep = phase_report(results, cfg, window_s, (before, admission_counters(app_url)))
     # The load generator's own delay, in every client-side time above (it shares the 2 cores).
@@ -150,6 +197,8 @@ def run_phase(
     rep["guard"] = status.get("slo_guard", {})
     # The gateway's own event-loop lag over the phase's last 30 s (cluster/observability/loop_lag.py)
     rep["gateway_loop_lag_ms_last_30s"] = status.get("loop_lag", {}).get("last_30s")
+    # Tab's TTFT inside the engines: how much of the client's TTFT is queue and prefill
+    rep["engine_tab_ttft_ms"] = engine_tab.summary()
     return rep
 
 

@@ -17,7 +17,7 @@ from collections import deque
 
 
 class LoopLagWindow:
-    def __init__(self, interval_s: float = 0.1, window_s: float = 60.0) -> None:
+    def __init__(self, interval_s: float = 0.25, window_s: float = 60.0) -> None:
         if interval_s <= 0 or window_s < interval_s:
             raise ValueError("need 0 < interval_s <= window_s")
         self.interval_s = interval_s

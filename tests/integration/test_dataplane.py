@@ -177,6 +177,27 @@ def test_client_disconnect_aborts_the_sim_engine_request(dp) -> None:
     assert stats[replica].running == 0
 
 
+def test_engine_stats_report_the_engines_own_ttft_by_priority(dp) -> None:
+    """``/stats`` carries the engine's own recent first tokens (arrival at the replica to its first
+    token, by priority): the window the gateways' SLO guards read, for operators and benchmarks."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "ttft"}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", dp.base_url + "/chat/completions", json=body, headers={"x-surface": "chat"}
+    ) as r:
+        assert r.status_code == 200
+        replica = r.headers["x-llmc-replica"]
+        lines = list(r.iter_lines())
+    assert "data: [DONE]" in lines
+    samples = dp.replica_stats()[replica].extra["ttft"]
+    chat = [ttft for _seq, _age, priority, ttft in samples if priority == 1]
+    assert chat and all(0 < t < 30 for t in chat), samples
+
+
 async def test_engine_replicas_autoscale_on_direct_traffic(deploy) -> None:
     """Sustained load above the target adds a replica, and the gateway routes to it once ready."""
     auto = {"autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2}}
