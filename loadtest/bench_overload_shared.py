@@ -136,7 +136,8 @@ def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters:
 class EngineTtft:
     """Tab's TTFT as the engines measured it (arrival at the replica to its first token: queue and
     prefill, without the gateway, HAProxy or the client), polled from each replica's ``/stats``
-    every ``every_s`` while a phase runs; a sample seen twice counts once."""
+    every ``every_s`` while a phase runs; a sample seen twice counts once, and one older than the
+    phase (the replicas report their last 10 s) not at all."""
 
     def __init__(self, app_url: str, priority: int, every_s: float = 2.0) -> None:
         import threading
@@ -147,6 +148,7 @@ class EngineTtft:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> EngineTtft:
+        self._t0 = time.monotonic()
         self._thread.start()
         return self
 
@@ -166,9 +168,10 @@ class EngineTtft:
             stats = replica_stats(self.app_url)
         except OSError:
             return
+        since = time.monotonic() - self._t0  # the phase's age: older samples are the last phase's
         for rid, st in stats.items():
-            for seq, _age, priority, ttft in st.extra.get("ttft", ()):
-                if priority == self.priority:
+            for seq, age, priority, ttft in st.extra.get("ttft", ()):
+                if priority == self.priority and age <= since:
                     self.seen[(rid, seq)] = ttft
 
     def summary(self) -> dict[str, Any]:
