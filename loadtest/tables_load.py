@@ -139,14 +139,18 @@ def overload_shared(r: Results) -> str:
 # The vLLM-CPU leg's runs: the file as each commit recorded it, then the file as it stands.
 # Run 1 (fd642ca) and run 2 (cff1227, 512-token steps) queued Agent behind the guard's caps; run 3
 # (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing; run 5
-# (d27aa58) records the gateway's loop lag; run 6 (0d9b8a4) is run 5 with the engines niced by 10.
+# (d27aa58) records the gateway's loop lag; run 6 (0d9b8a4) is run 5 with the engines niced by 10;
+# run 7 (1ea1937) also Tab's TTFT inside the engines (with some of the phase before's samples), run 8
+# (636fffd) the same without them.
 OVERLOAD_SHARED_VLLM_RUNS = (
     ("1", "a0ad639"),
     ("2", "74217d3"),
     ("3", "60c5999"),
     ("4", "a6591ab"),
     ("5", "0d9b8a4"),
-    ("6", None),
+    ("6", "d1f1b98"),
+    ("7", "636fffd"),
+    ("8", None),
 )
 
 
@@ -169,6 +173,8 @@ def overload_shared_vllm(r: Results) -> str:
                 return [tab(name), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
 
             x3 = v["agent_x3"]
+            eng = x3.get("engine_tab_ttft_ms")
+            inside = f"{fixed(eng['p50_ms'], 0)} / {fixed(eng['p99_ms'], 0)}" if eng else "-"
             late = f"{num(x3['admission_delta']['rejected_deadline'])} + "
             late += f"{num(x3['admission_delta']['rejected_unreachable'])} of {num(x3['rejects'])}"
             step = d.get("max_num_batched_tokens", "the config")
@@ -182,11 +188,13 @@ def overload_shared_vllm(r: Results) -> str:
                     tab("tab_alone"),
                     *phase("agent_x1"),
                     *phase("agent_x3"),
+                    inside,
                     late,
                     str(hung),
                 ]
             )
     header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
     header += ["Agent goodput 1× (tok/s)", "reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)"]
-    header += ["reject p99 3×", "refused after waiting at 3× (deadline + guard cut) of all", "hung"]
-    return table(header, "llrrrrrrrrr", rows)
+    header += ["reject p99 3×", "Tab at 3× inside the engines p50 / p99"]
+    header += ["refused after waiting at 3× (deadline + guard cut) of all", "hung"]
+    return table(header, "llrrrrrrrrrr", rows)
