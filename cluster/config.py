@@ -125,7 +125,7 @@ class EngineArgs(Strict):
         ge=0,
         le=19,
         description=(
-            "Added to the engine replica's niceness before its engine starts (Ray starts every worker at "
+            "Added to a vLLM replica's niceness before its engine starts (Ray starts every worker at "
             "15 and the kernel stops at 19). On a host the engines share with the gateway (a local CPU "
             "cluster), the kernel then runs the gateway first. 0: unchanged."
         ),
