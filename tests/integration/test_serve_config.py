@@ -61,6 +61,10 @@ def ray_head() -> Iterator[dict[str, str]]:
     env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
     env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "2"
+    # A second Ray beside the test session's own on two cores: Serve's 5 s ready check of its
+    # proxy timed out on a loaded box and Serve killed the HAProxy manager (`serve run` then failed
+    # with ActorDiedError, 2026-12-02). The manifests' pods have a node each; here, give it time.
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "30"
     env["PYTHONPATH"] = str(ROOT)
     # Every process of this Ray cluster inherits the tag: teardown ends exactly those (`ray stop`
     # would end every Ray on the machine, the test session's own included).
