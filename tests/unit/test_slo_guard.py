@@ -94,17 +94,23 @@ def test_admission_defers_capped_work_and_resumes_it_when_the_cap_lifts() -> Non
     assert c.counters().balanced()
 
 
+def _agent_busy_on_gpu(c: AdmissionController, running: int) -> None:
+    """Three Agent requests of 1 s each on ``gpu`` (the wait estimate's durations), then
+    ``running`` more admitted there at 10 s."""
+    for i in range(3):
+        t = c.try_admit("agent", float(i), ["gpu"])
+        assert isinstance(t, Ticket)
+        c.release(t, "completed", i + 1.0)
+    for _ in range(running):
+        assert isinstance(c.try_admit("agent", 10.0, ["gpu"]), Ticket)
+
+
 def test_a_lowered_cap_rejects_at_once_the_waiters_it_puts_past_their_deadline() -> None:
     agent = SurfaceConfig(
         name="agent", priority=2, max_concurrency=100, max_queue=100, queue_deadline_ms=1500
     )
     c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100}, queue_while_capped=True)
-    for i in range(3):  # requests of 1 s
-        t = c.try_admit("agent", float(i), ["gpu"])
-        assert isinstance(t, Ticket)
-        c.release(t, "completed", i + 1.0)
-    running = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(4)]
-    assert all(isinstance(t, Ticket) for t in running)
+    _agent_busy_on_gpu(c, running=4)
     c.set_guard_caps({"gpu": 4}, 10.0)
     waiters = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(3)]
     assert all(isinstance(w, Queued) for w in waiters)  # 4 slots free in 1 s: all fit
@@ -185,12 +191,7 @@ def test_by_default_work_the_guard_keeps_off_every_backend_is_refused_at_once() 
     """No waiting behind a binding cap: a 429 with Retry-After at once (counted as ``guard``);
     a backend the guard leaves room on, or a static cap, still takes or queues the request."""
     c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100, "cpu": 1})
-    for i in range(3):  # durations for the estimate: 1 s each
-        t = c.try_admit("agent", float(i), ["gpu"])
-        assert isinstance(t, Ticket)
-        c.release(t, "completed", i + 1.0)
-    running = [c.try_admit("agent", 10.0, ["gpu"]) for _ in range(2)]
-    assert all(isinstance(t, Ticket) for t in running)
+    _agent_busy_on_gpu(c, running=2)
     c.set_guard_caps({"gpu": 2}, 10.0)
     r = c.try_admit("agent", 10.1, ["gpu"])
     assert isinstance(r, Rejection) and r.reason == "guard" and r.error.status_code == 429
