@@ -92,31 +92,37 @@ def overload(r: Results) -> str:
 # The runs this table shows: run 1 is overload_shared.json as commit 9b670f6 recorded it, run 2 as
 # dcb2eb5 did (bench_all --full), run 3 as aba917e did, run 4 the file as it stands.
 OVERLOAD_SHARED_RUNS = (("1", "9b670f6"), ("2", "dcb2eb5"), ("3", "aba917e"), ("4", None))
-_PHASES = ("tab_alone", "agent_x1", "agent_x3")
+
+
+def _tab_cell(v: dict[str, Any], phase: str) -> str:
+    """Tab's TTFT p50 / p99 in one phase of a variant, whole wall-clock ms."""
+    t = v[phase]["surfaces"]["tab"]
+    return f"{fixed(t['ttft_p50_wall_ms'], 0)} / {fixed(t['ttft_p99_wall_ms'], 0)}"
+
+
+def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
+    """Tab's TTFT, Agent's goodput and the reject p99 of one phase with Agent load."""
+    p = v[phase]
+    reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
+    return [_tab_cell(v, phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
+
+
+def _hung(v: dict[str, Any]) -> int:
+    """Hung requests over every phase of a variant (the file records them per phase)."""
+    return sum(p["hung"] for p in v.values() if isinstance(p, dict) and "hung" in p)
 
 
 def _shared_row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
-    """Whole ms and tok/s; load average (1 min) at the variant's start → end, 1 decimal; hung is
-    the sum over the variant's three phases (the file records it per phase)."""
+    """Whole ms and tok/s; load average (1 min) at the variant's start → end, 1 decimal."""
     v = d["variants"][variant]
-
-    def tab(phase: str) -> str:
-        t = v[phase]["surfaces"]["tab"]
-        return f"{fixed(t['ttft_p50_ms'], 0)} / {fixed(t['ttft_p99_ms'], 0)}"
-
-    def agent(phase: str) -> list[str]:
-        p = v[phase]
-        reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
-        return [tab(phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
-
     label = (
         f"{run} (`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s)"
         if first
         else run
     )
     load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
-    hung = sum(v[p]["hung"] for p in _PHASES)
-    return [label, variant, load, tab("tab_alone"), *agent("agent_x1"), *agent("agent_x3"), str(hung)]
+    cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
+    return [label, variant, load, *cells, str(_hung(v))]
 
 
 def overload_shared(r: Results) -> str:
@@ -162,16 +168,6 @@ def overload_shared_vllm(r: Results) -> str:
         d = r.get("overload_shared_vllm", at=at)
         for i, variant in enumerate(("off", "on")):
             v = d["variants"][variant]
-
-            def tab(phase: str, v: dict[str, Any] = v) -> str:
-                t = v[phase]["surfaces"]["tab"]
-                return f"{fixed(t['ttft_p50_wall_ms'], 0)} / {fixed(t['ttft_p99_wall_ms'], 0)}"
-
-            def phase(name: str, v: dict[str, Any] = v) -> list[str]:
-                p = v[name]
-                reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
-                return [tab(name), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
-
             x3 = v["agent_x3"]
             eng = x3.get("engine_tab_ttft_ms")
             inside = f"{fixed(eng['p50_ms'], 0)} / {fixed(eng['p99_ms'], 0)}" if eng else "-"
@@ -180,19 +176,8 @@ def overload_shared_vllm(r: Results) -> str:
             step = d.get("max_num_batched_tokens", "the config")
             nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
             label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
-            hung = sum(v[p]["hung"] for p in ("tab_alone", "agent_x1", "agent_x2", "agent_x3"))
-            rows.append(
-                [
-                    label,
-                    variant,
-                    tab("tab_alone"),
-                    *phase("agent_x1"),
-                    *phase("agent_x3"),
-                    inside,
-                    late,
-                    str(hung),
-                ]
-            )
+            cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
+            rows.append([label, variant, *cells, inside, late, str(_hung(v))])
     header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
     header += ["Agent goodput 1× (tok/s)", "reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)"]
     header += ["reject p99 3×", "Tab at 3× inside the engines p50 / p99"]
