@@ -107,7 +107,7 @@ def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
     return [_tab_cell(v, phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
 
 
-def _hung(v: dict[str, Any]) -> int:
+def hung_requests(v: dict[str, Any]) -> int:
     """Hung requests over every phase of a variant (the file records them per phase)."""
     return sum(p["hung"] for p in v.values() if isinstance(p, dict) and "hung" in p)
 
@@ -122,7 +122,7 @@ def _shared_row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[
     )
     load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
     cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
-    return [label, variant, load, *cells, str(_hung(v))]
+    return [label, variant, load, *cells, str(hung_requests(v))]
 
 
 def overload_shared(r: Results) -> str:
@@ -177,7 +177,7 @@ def overload_shared_vllm(r: Results) -> str:
             nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
             label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
             cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
-            rows.append([label, variant, *cells, inside, late, str(_hung(v))])
+            rows.append([label, variant, *cells, inside, late, str(hung_requests(v))])
     header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
     header += ["Agent goodput 1× (tok/s)", "reject p99 1×", "Tab at 3× p50 / p99", "Agent goodput 3× (tok/s)"]
     header += ["reject p99 3×", "Tab at 3× inside the engines p50 / p99"]

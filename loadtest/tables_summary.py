@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, pct, signed, table
+from loadtest.tables_load import hung_requests
 
 
 def _pct(ratio: float) -> str:
@@ -62,9 +63,7 @@ def _overload_shared(r: Results) -> str:
     ``off`` for the goodput), and hung requests over every phase of both variants."""
     d = r.get("overload_shared")
     variants = d["variants"]
-    hung = sum(
-        p["hung"] for v in variants.values() for p in v.values() if isinstance(p, dict) and "hung" in p
-    )
+    hung = sum(hung_requests(v) for v in variants.values())
     top = f"agent_x{max(d['factors']):g}"
     on, off = variants["on"][top], variants["off"][top]
     tab = on["surfaces"]["tab"]["ttft_p99_wall_ms"]
