@@ -164,6 +164,17 @@ def _wait_routed(url: str, deadline: float) -> None:
     raise TimeoutError(f"{url} did not answer before the deadline")
 
 
+def remove_apps(names: list[str]) -> None:
+    """Delete these apps from the running Serve (each waits until its replicas are gone); an app
+    that is gone already is skipped."""
+    from ray import serve
+
+    live = set(serve.status().applications)
+    for name in names:
+        if name in live:
+            serve.delete(name, _blocking=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -74,23 +74,46 @@ def serve_port() -> int:
     return free_port()
 
 
+# Apps deployed into the session's Ray Serve, in order, and those that outlive the test module
+# that deployed them (the session's cluster, a package's app): every other app is deleted when its
+# module ends. An idle app still costs CPU (each replica's Serve and our own timers, ~2 % of a core
+# per replica, and the Serve controller's reconciling grows with every deployment): on CI's two
+# cores twenty forgotten apps slowed the rest of the suite by a third.
+_STARTED: list[str] = []
+_KEEP: set[str] = set()
+
+
 @pytest.fixture(scope="session")
 def deploy(serve_port: int) -> Iterator[Callable[..., RunningCluster]]:
-    """Deploy an app (a config) into the session's Ray Serve; the first call starts Ray."""
+    """Deploy an app (a config) into the session's Ray Serve; the first call starts Ray. The app is
+    deleted when the module that deployed it ends, unless ``keep`` (its fixture outlives the module
+    and deletes it itself, or the session's end does)."""
     from deployments import local
 
-    started: list[str] = []
-
-    def _deploy(cfg: ClusterConfig, route_prefix: str = "/") -> RunningCluster:
+    def _deploy(cfg: ClusterConfig, route_prefix: str = "/", keep: bool = False) -> RunningCluster:
         local.start(cfg, port=serve_port, metrics_port=0, route_prefix=route_prefix)
-        started.append(cfg.name)
+        _STARTED.append(cfg.name)
+        if keep:
+            _KEEP.add(cfg.name)
         return RunningCluster(cfg, serve_port, route_prefix)
 
     yield _deploy
-    if started:
+    if _STARTED:
         local.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _apps_end_with_their_module() -> Iterator[None]:
+    """Delete the apps this module deployed (after its own fixtures' teardown: autouse runs first)."""
+    before = len(_STARTED)
+    yield
+    mine = [name for name in dict.fromkeys(_STARTED[before:]) if name not in _KEEP]
+    if mine:
+        from deployments import local
+
+        local.remove_apps(mine)
 
 
 @pytest.fixture(scope="session")
 def cluster(deploy: Callable[..., RunningCluster]) -> RunningCluster:
-    return deploy(load_config("configs/local.yaml"))
+    return deploy(load_config("configs/local.yaml"), keep=True)

@@ -57,7 +57,7 @@ def rel(deploy) -> Iterator[RelApp]:
         AnthropicServer(api_key=keys.provider, output_tokens=12, token_delay_s=0.01) as ant,
     ):
         cfg = reliability_config(APP, oai.base_url, ant.base_url, keys, canary=CANARY)
-        cluster = deploy(cfg, route_prefix=PREFIX)
+        cluster = deploy(cfg, route_prefix=PREFIX, keep=True)  # the package's app
         yield RelApp(cluster, keys, oai, ant, CANARY)
         from ray import serve
 
