@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
@@ -144,7 +145,10 @@ class EngineStream:
 
     async def _open(self) -> aiohttp.ClientResponse:
         self.choice = await self._choose()
-        data = json.dumps(self.body, separators=(",", ":")).encode()
+        try:
+            data = orjson.dumps(self.body)
+        except orjson.JSONEncodeError:  # an integer past 64 bits in the client's options: json writes it
+            data = json.dumps(self.body, separators=(",", ":")).encode()
         try:
             resp = await self.session.post(
                 self.choice.url + "/generate",

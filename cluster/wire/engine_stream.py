@@ -18,7 +18,7 @@ found with one ``bytes.find`` per read and can never be confused with generated 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from cluster.wire.errors import ClusterError, from_wire, to_wire
@@ -35,12 +35,21 @@ def request_body(
     """``ids``: each event also names the token ids it carries (an :data:`IDS` comment line), so
     the gateway can continue the stream elsewhere if it breaks; ``continued``: this attempt
     continues a stream the client already has (no second role delta)."""
-    body = {"req": asdict(req), "meta": asdict(meta), "collect": collect}
+    r = _fields(req)
+    r["sampling"] = _fields(req.sampling)
+    body = {"req": r, "meta": _fields(meta), "collect": collect}
     if ids:
         body["ids"] = True
     if continued:
         body["continued"] = True
     return body
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, one level deep. ``dataclasses.asdict`` copies every list
+    element by element: with 400-token prompts it was 2 % of a gateway's CPU under load (py-spy,
+    vLLM-CPU at 16 streams). The values are only serialized, never changed."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 def parse_request(body: dict[str, Any]) -> tuple[GenerateRequest, ResponseMeta, bool]:

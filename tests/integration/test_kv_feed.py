@@ -22,11 +22,13 @@ from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from cluster.wire.protocol import GenerateRequest, Sampling
-from deployments.internal import internal_token
 from deployments.kv_endpoint import KVEventEndpoint
 from deployments.kv_feed import KVEventFeed, kv_index_status
 
 pytestmark = pytest.mark.integration
+# The engines and feeds here are ours, in this process: they share a credential of their own (no
+# Ray cluster's token needed, so the file runs alone as well as after the others).
+TOKEN = "kv-feed-test-credential"
 
 
 @dataclass
@@ -52,7 +54,7 @@ async def _engine(name: str) -> Engine:
     cfg = load_config("configs/sim-local.yaml")
     b = cfg.backends[0]
     sim = SimBackend.from_config(b, cfg.model(b.model), name)
-    endpoint = KVEventEndpoint(sim.kv_events, internal_token(), BlockHasher(sim.engine.block_size, b.model))
+    endpoint = KVEventEndpoint(sim.kv_events, TOKEN, BlockHasher(sim.engine.block_size, b.model))
     app = web.Application()
     app.router.add_get("/kv_events", endpoint.handle)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
@@ -75,7 +77,7 @@ async def test_two_gateways_follow_the_same_events_and_drop_a_gone_replica() -> 
     views, feeds = [], []
     for _ in range(2):
         view = BackendView("sim", AffinityRouter(16, "sim-llama-8b", AffinityParams()), ReplicaEjector(), 64)
-        feeds.append(KVEventFeed(view, Picker(view, engines), lambda: session, internal_token()))
+        feeds.append(KVEventFeed(view, Picker(view, engines), lambda: session, TOKEN))
         views.append(view)
     tasks = [asyncio.create_task(f.run()) for f in feeds]
     try:
@@ -104,7 +106,7 @@ async def test_two_gateways_follow_the_same_events_and_drop_a_gone_replica() -> 
 
         b = engines[1]
         async with session.get(
-            b.url + "/kv_events", params={"after": "x"}, headers={INTERNAL_TOKEN_HEADER: internal_token()}
+            b.url + "/kv_events", params={"after": "x"}, headers={INTERNAL_TOKEN_HEADER: TOKEN}
         ) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "after"
         async with session.get(b.url + "/kv_events") as r:
