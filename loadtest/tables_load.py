@@ -156,7 +156,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("5", "0d9b8a4"),
     ("6", "d1f1b98"),
     ("7", "636fffd"),
-    ("8", None),
+    ("8", "2da314d"),
+    ("9", None),
 )
 
 
