@@ -157,7 +157,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("6", "d1f1b98"),
     ("7", "636fffd"),
     ("8", "2da314d"),
-    ("9", None),
+    ("9", "7af7d0f"),
+    ("10", None),
 )
 
 

@@ -60,7 +60,8 @@ def _kv_pressure(r: Results) -> str:
 
 def _overload_shared(r: Results) -> str:
     """Each goal against the file: the feature's variant at the highest factor (``on``, against
-    ``off`` for the goodput), and hung requests over every phase of both variants."""
+    ``off`` for the goodput), and hung requests over every phase of both variants; on vLLM-CPU,
+    Tab's p99 against the lower of the two variants' Tab-alone p99s."""
     d = r.get("overload_shared")
     variants = d["variants"]
     hung = sum(hung_requests(v) for v in variants.values())
@@ -79,7 +80,10 @@ def _overload_shared(r: Results) -> str:
     v = r.get("overload_shared_vllm")
     on = v["variants"]["on"]
     top = f"agent_x{max(v['factors']):g}"
-    alone, loaded = (on[p]["surfaces"]["tab"]["ttft_p99_wall_ms"] for p in ("tab_alone", top))
+    loaded = on[top]["surfaces"]["tab"]["ttft_p99_wall_ms"]
+    # Tab alone is the same measurement in both variants (the feature has nothing to do): the lower
+    # p99 of the two is the baseline, so one noisy alone phase cannot make the ratio look met.
+    alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
     return text + (
         f"; vLLM-CPU: Tab p99 {fixed(loaded, 0)} ms = {fixed(loaded / alone, 1)}× alone "
         f"{_met(loaded <= 1.5 * alone)}, reject p99 {fixed(on[top]['reject_p99_ms'], 0)} ms "
