@@ -89,9 +89,16 @@ def overload(r: Results) -> str:
     return table(header, "lrrrrrrrl", rows)
 
 
-# The runs this table shows: run 1 is overload_shared.json as commit 9b670f6 recorded it, run 2 as
-# dcb2eb5 did (bench_all --full), run 3 as aba917e did, run 4 the file as it stands.
-OVERLOAD_SHARED_RUNS = (("1", "9b670f6"), ("2", "dcb2eb5"), ("3", "aba917e"), ("4", "d27aa58"), ("5", "c08b8f1"), ("6", None))
+# The runs this table shows: each is overload_shared.json as the commit named holds it (run 2 is
+# the bench_all --full of dcb2eb5), the last one the file as it stands.
+OVERLOAD_SHARED_RUNS = (
+    ("1", "9b670f6"),
+    ("2", "dcb2eb5"),
+    ("3", "aba917e"),
+    ("4", "d27aa58"),
+    ("5", "c08b8f1"),
+    ("6", None),
+)
 
 
 def _tab_cell(v: dict[str, Any], phase: str) -> str:
