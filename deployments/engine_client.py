@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
-import orjson
 
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
 from cluster.wire.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
+from cluster.wire.openai_format import dumps
 
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
 
@@ -145,10 +145,7 @@ class EngineStream:
 
     async def _open(self) -> aiohttp.ClientResponse:
         self.choice = await self._choose()
-        try:
-            data = orjson.dumps(self.body)
-        except orjson.JSONEncodeError:  # an integer past 64 bits in the client's options: json writes it
-            data = json.dumps(self.body, separators=(",", ":")).encode()
+        data = dumps(self.body)
         try:
             resp = await self.session.post(
                 self.choice.url + "/generate",
