@@ -120,3 +120,64 @@ async def test_two_gateways_follow_the_same_events_and_drop_a_gone_replica() -> 
             await e.sim.close()
             with contextlib.suppress(RuntimeError):  # A's was stopped above
                 await e.runner.cleanup()
+
+
+async def test_a_busy_engine_is_polled_at_most_every_min_poll_s() -> None:
+    """An engine with new events at every step answers each long poll at once; the feed must still
+    ask it at most every MIN_POLL_S (asking at every step cost a gateway 14 % of its CPU)."""
+    from deployments import kv_feed
+
+    engine = await _engine("A")
+    gets = 0
+
+    async def counted(request: web.Request) -> web.StreamResponse:
+        nonlocal gets
+        gets += 1
+        return await engine.endpoint.handle(request)
+
+    app = web.Application()
+    app.router.add_get("/kv_events", counted)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    session = aiohttp.ClientSession()
+    view = BackendView("sim", AffinityRouter(16, "sim-llama-8b", AffinityParams()), ReplicaEjector(), 64)
+    feed = KVEventFeed(
+        view, Picker(view, [Engine("A", engine.sim, engine.endpoint, url, runner)]), lambda: session, TOKEN
+    )
+    stop = asyncio.Event()
+
+    async def busy() -> None:  # one request after another: events at (nearly) every engine step
+        i = 0
+        while not stop.is_set():
+            i += 1
+            req = GenerateRequest(
+                f"r{i}", "sim-llama-8b", "completion", list(range(i, i + 300)), Sampling(max_tokens=4)
+            )
+            engine.endpoint.announce(req)
+            async for _ in engine.sim.generate(req):
+                pass
+
+    feeding = asyncio.create_task(feed.run())
+    load = asyncio.create_task(busy())
+    try:
+        await _until(lambda: feed.cursors.get("A") is not None and feed.cursors["A"].batches > 0)
+        gets_before, batches_before, t0 = gets, feed.cursors["A"].batches, time.monotonic()
+        await asyncio.sleep(1.5)
+        polls, elapsed = gets - gets_before, time.monotonic() - t0
+        batches = feed.cursors["A"].batches - batches_before
+    finally:
+        stop.set()
+        feeding.cancel()
+        await asyncio.gather(feeding, load, return_exceptions=True)
+        await session.close()
+        await engine.sim.close()
+        await runner.cleanup()
+        await engine.runner.cleanup()
+    # Pages coalesce the engine's batches (a poll per step would make them equal), and the polls
+    # keep to the bound.
+    assert batches > 2 * polls, (batches, polls)
+    assert kv_feed.MIN_POLL_S >= 0.05  # a bound of a few ms would be the per-step polling again
+    assert 3 <= polls <= elapsed / kv_feed.MIN_POLL_S + 2, (polls, elapsed)
