@@ -25,7 +25,7 @@ from ray import serve
 
 from cluster import tokens
 from cluster.config import BackendConfig, ClusterConfig
-from cluster.observability.loop_lag import LoopLagWindow
+from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
 from cluster.policy.admission import AdmissionController, Outcome
 from cluster.policy.admission_async import AsyncAdmission
@@ -106,6 +106,7 @@ class Gateway:
             tokens.load(m.tokenizer)
         self._openapi = h.openapi_document()
         self.loop_lag = LoopLagWindow()
+        self.refusals = SampleWindow(4096)  # each refusal's time in this replica (status, metrics)
         self._lag_task = asyncio.get_event_loop().create_task(self._watch_loop())
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
@@ -290,7 +291,10 @@ class Gateway:
             surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
             raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
-            self._precheck(surface)
+            refusal = self._precheck(surface)
+            if refusal is not None:
+                await self._refuse(send, refusal, surface, t0)
+                return
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
             prepared = await prepare_off_loop(self.cfg, raw, schema, kind, rid, surface, session, self.views)
@@ -314,15 +318,24 @@ class Gateway:
         trace_id, parent_id = ids if ids else (new_id(rng, 128), None)
         return RequestTrace(trace_id, new_id(rng, 64), start_ns, prepared.req, parent_span_id=parent_id)
 
-    def _precheck(self, surface: str) -> None:
+    def _precheck(self, surface: str) -> ClusterError | None:
         """A request admission would refuse whatever it asks for is refused before it is parsed and
         tokenized (a long Agent prompt costs milliseconds to tokenize; the 429 should not)."""
         self.guard.arrived(surface, time.monotonic())
         try:
             self.admission.precheck(surface)
         except ClusterError as err:
-            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
-            raise
+            return err
+        return None
+
+    async def _refuse(self, send: h.Send, err: ClusterError, surface: str, t0: float) -> None:
+        """Answer a refusal (429/503) and count it with its time in this replica, which admission
+        promises is a few ms (``llmc_refusal_seconds``, ``refusals`` in /internal/status)."""
+        await h.send_error(send, err)
+        took = time.perf_counter() - t0
+        self.refusals.add(time.monotonic(), took)
+        metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
+        metrics.REFUSAL_TIME.observe(took, tags={"surface": surface})
 
     async def _run(
         self,
@@ -344,8 +357,7 @@ class Gateway:
                 self.tenants.cancel(budget)
             if not isinstance(err, ClusterError):
                 raise
-            metrics.REJECTIONS.inc(tags={"surface": surface, "code": err.code or ""})
-            await h.send_error(send, err)
+            await self._refuse(send, err, surface, t0)
             if trace is not None:
                 trace.admission_error, trace.outcome, trace.end_ns = err.code, "rejected", time.time_ns()
                 self.tracer.export(trace)
@@ -413,6 +425,9 @@ class Gateway:
             "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "slo_guard_samples": self.guard.sample_counts(),
             "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
+            "refusals": {
+                f"last_{n}s": self.refusals.summary(float(n), time.monotonic()) for n in (10, 30, 60)
+            },
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in v.live.items()},

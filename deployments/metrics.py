@@ -61,6 +61,15 @@ REJECTIONS = Counter(
     description="Requests refused by admission (429 rate_limit_exceeded, 503 overloaded), by surface.",
     tag_keys=("surface", "code"),
 )
+REFUSAL_TIME = Histogram(
+    "llmc_refusal_seconds",
+    description=(
+        "Time a refused request (429 or 503 from admission or a tenant budget) spent in the gateway, "
+        "from its handler's start to the refusal handed to the connection: the promise is a few ms."
+    ),
+    boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
+    tag_keys=("surface",),
+)
 QUEUE_WAIT = Histogram(
     "llmc_queue_wait_seconds",
     description="Time an admitted request waited for a slot.",

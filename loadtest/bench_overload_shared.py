@@ -27,7 +27,8 @@ used for both. Keys per phase: ``surfaces.tab.ttft_p99_wall_ms``, ``surfaces.age
 (output tokens/s of Agent requests answered 200 whose TTFT met Agent's SLO), ``reject_p99_ms``
 (client-side latency of 429/503 answers, every surface), ``hung``, ``checks.admitted_equals_ended``;
 and where a client-side time goes: ``client_loop_lag_ms`` (this load generator's own event loop)
-and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status), and
+and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status),
+``gateway_refusal_ms_last_30s`` (the time its refusals spent inside the gateway), and
 ``engine_tab_ttft_ms`` (Tab's TTFT inside the engines, :class:`EngineTtft`). ``--engine vllm``
 takes about 6 minutes here (the two variants, factors 1,2,3).
 """
@@ -200,6 +201,10 @@ def run_phase(
     rep["guard"] = status.get("slo_guard", {})
     # The gateway's own event-loop lag over the phase's last 30 s (cluster/observability/loop_lag.py)
     rep["gateway_loop_lag_ms_last_30s"] = status.get("loop_lag", {}).get("last_30s")
+    # Its refusals' time inside it (handler start to the 429/503 handed to the connection), over the
+    # phase's last 30 s: what of ``reject_p99_ms`` is the gateway's, the rest is HAProxy, the client
+    # and the wait for a core between them
+    rep["gateway_refusal_ms_last_30s"] = status.get("refusals", {}).get("last_30s")
     # Tab's TTFT inside the engines: how much of the client's TTFT is queue and prefill
     rep["engine_tab_ttft_ms"] = engine_tab.summary()
     return rep

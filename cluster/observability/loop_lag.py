@@ -7,7 +7,8 @@ samples; :meth:`LoopLagWindow.summary` gives their p50, p99 and max in ms (optio
 ``last_s`` seconds only), for the gateway's ``/internal/status`` and the
 ``llmc_gateway_loop_lag_p99_seconds`` gauge. A p99 of tens of ms
 means the replica's CPU is the bottleneck (add gateway replicas or cores), not admission or the
-engines. Pure: the clock's readings are passed in.
+engines. :class:`SampleWindow` is the same window for any duration the gateway reports by
+percentile (its time to answer a refusal, for one). Pure: the clock's readings are passed in.
 """
 
 from __future__ import annotations
@@ -16,22 +17,23 @@ import math
 from collections import deque
 
 
-class LoopLagWindow:
-    def __init__(self, interval_s: float = 0.25, window_s: float = 60.0) -> None:
-        if interval_s <= 0 or window_s < interval_s:
-            raise ValueError("need 0 < interval_s <= window_s")
-        self.interval_s = interval_s
-        self._lags: deque[tuple[float, float]] = deque(maxlen=math.ceil(window_s / interval_s))
+class SampleWindow:
+    """The last ``max_samples`` durations, each stamped with when it was taken; p50/p99/max in ms."""
 
-    def woke(self, asked_at: float, woke_at: float) -> None:
-        """A sleep of ``interval_s`` asked at ``asked_at`` returned at ``woke_at``."""
-        self._lags.append((woke_at, max(0.0, woke_at - asked_at - self.interval_s)))
+    def __init__(self, max_samples: int) -> None:
+        if max_samples <= 0:
+            raise ValueError("max_samples must be positive")
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
 
-    def summary(self, last_s: float | None = None) -> dict[str, float | int | None]:
+    def add(self, at: float, seconds: float) -> None:
+        self._samples.append((at, max(0.0, seconds)))
+
+    def summary(self, last_s: float | None = None, now: float | None = None) -> dict[str, float | int | None]:
         """``{"p50_ms", "p99_ms", "max_ms", "samples"}`` over the window, or over its samples of the
-        ``last_s`` seconds before the newest (None without samples)."""
-        since = self._lags[-1][0] - last_s if last_s is not None and self._lags else -math.inf
-        xs = sorted(lag for t, lag in self._lags if t > since)
+        ``last_s`` seconds before ``now`` (default: the newest sample's time); None without samples."""
+        end = now if now is not None else (self._samples[-1][0] if self._samples else 0.0)
+        since = end - last_s if last_s is not None else -math.inf
+        xs = sorted(v for t, v in self._samples if t > since)
         if not xs:
             return {"p50_ms": None, "p99_ms": None, "max_ms": None, "samples": 0}
 
@@ -44,3 +46,15 @@ class LoopLagWindow:
             "max_ms": round(xs[-1] * 1000, 2),
             "samples": len(xs),
         }
+
+
+class LoopLagWindow(SampleWindow):
+    def __init__(self, interval_s: float = 0.25, window_s: float = 60.0) -> None:
+        if interval_s <= 0 or window_s < interval_s:
+            raise ValueError("need 0 < interval_s <= window_s")
+        super().__init__(math.ceil(window_s / interval_s))
+        self.interval_s = interval_s
+
+    def woke(self, asked_at: float, woke_at: float) -> None:
+        """A sleep of ``interval_s`` asked at ``asked_at`` returned at ``woke_at``."""
+        self.add(woke_at, woke_at - asked_at - self.interval_s)

@@ -82,6 +82,7 @@ async def test_agent_is_deferred_only_while_tab_is_active(shared) -> None:
             assert int(r.headers["retry-after"]) >= 1 and "deferred" in r.json()["error"]["message"]
         s = shared.status()
         assert s["admission"]["rejected_guard"] - before == 2 and s["admission"]["waiting"] == 0, s
+        assert s["refusals"]["last_10s"]["samples"] >= 2, s["refusals"]  # each timed in the gateway
         # ... and is admitted again once Tab is quiet: the cap is lifted.
         tab_active = False
         assert await tabs > 0

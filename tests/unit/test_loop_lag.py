@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.observability.loop_lag import LoopLagWindow
+from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 
 
 def test_lag_is_the_lateness_past_the_interval_and_never_negative() -> None:
@@ -42,3 +42,15 @@ def test_a_summary_can_cover_only_the_last_seconds() -> None:
     assert w.summary()["max_ms"] == pytest.approx(500.0) and w.summary()["samples"] == 21
     recent = w.summary(last_s=10.0)  # after t = 10.1: ten samples, all on time
     assert recent["samples"] == 10 and recent["max_ms"] == pytest.approx(0.0)
+
+
+def test_sample_window_summarises_the_last_seconds_before_now() -> None:
+    w = SampleWindow(max_samples=3)
+    assert w.summary()["samples"] == 0
+    for at, took in ((1.0, 0.002), (2.0, 0.004), (3.0, 0.010), (4.0, -1.0)):
+        w.add(at, took)  # the oldest falls out; a negative duration counts as 0
+    assert w.summary() == {"p50_ms": 4.0, "p99_ms": 10.0, "max_ms": 10.0, "samples": 3}
+    assert w.summary(last_s=1.5)["samples"] == 2  # 3.0 and 4.0: within 1.5 s of the newest
+    assert w.summary(last_s=1.5, now=100.0)["samples"] == 0  # nothing in the 1.5 s before now
+    with pytest.raises(ValueError):
+        SampleWindow(0)
