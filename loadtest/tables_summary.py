@@ -70,10 +70,12 @@ def _overload_shared(r: Results) -> str:
     tab = on["surfaces"]["tab"]["ttft_p99_wall_ms"]
     ratio = on["surfaces"]["agent"]["goodput_tok_s"] / off["surfaces"]["agent"]["goodput_tok_s"]
     reject = on["reject_p99_ms"]
+    inside = (on.get("gateway_refusal_ms_last_30s") or {}).get("p99_ms")
+    inside_text = "" if inside is None else f" (inside the gateway {fixed(inside, 1)} ms)"
     text = (
         f"Tab p99 {fixed(tab, 0)} ms {_met(tab <= 100)}; goodput {_pct(ratio)} of off {_met(ratio >= 0.8)}; "
-        f"reject p99 {fixed(reject, 0)} ms {_met(reject <= 5)}; {hung} hung {_met(hung == 0)} "
-        "(sim GPU profile)"
+        f"reject p99 {fixed(reject, 0)} ms at the client {_met(reject <= 5)}{inside_text}; "
+        f"{hung} hung {_met(hung == 0)} (sim GPU profile)"
     )
     if not r.exists("overload_shared_vllm"):
         return text + "; vLLM-CPU not run"
