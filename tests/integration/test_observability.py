@@ -33,6 +33,7 @@ EVENT_COUNTERS = {
     "ray_llmc_migrations_total": "a self-hosted stream that broke after its first token",
     "ray_llmc_migration_prefill_tokens_total": "a stream continued on another replica",
     "ray_llmc_migration_seam_seconds": "a stream continued on another replica (a histogram)",
+    "ray_llmc_refusal_seconds": "an admission refusal (a histogram)",
 }
 # Ray's node metrics for GPUs: exported only by a node that has one. Checked against Ray's source.
 GPU_NODE_METRICS = {"ray_node_gpus_utilization": "GpuIndex", "ray_node_gram_used": "GpuIndex"}
