@@ -238,6 +238,21 @@ class AffinityConfig(Strict):
         return self.model_dump(exclude={"kv_events"})
 
 
+class HostCpuConfig(Strict):
+    """Planner only: the host CPU a CPU engine's replicas share with their serving stack (see
+    cluster/planner/host_cpu.py). Leave it out on GPUs."""
+
+    cores: float = Field(gt=0, description="Cores of the host the replicas and their serving stack share.")
+    engine_cores_per_step: float = Field(
+        ge=0, description="Cores an engine keeps busy while a step runs (its compute threads)."
+    )
+    serving_cpu_ms_per_token: float = Field(
+        ge=0,
+        description="CPU ms per streamed token outside the engine cores: replica, gateway, proxy, client.",
+    )
+    measured: str | None = Field(None, description="Where the figures come from (a calibration run).")
+
+
 class BackendConfig(Strict):
     name: str = Field(min_length=1, description="Backend id, used in routes and metrics.")
     kind: Literal["vllm", "sim", "provider"] = Field(description="What serves the requests.")
@@ -262,6 +277,9 @@ class BackendConfig(Strict):
         default_factory=dict, description="Sim knobs: speedup, faults (kind sim)."
     )
     provider: ProviderConfig | None = Field(None, description="Provider endpoint (kind provider).")
+    host_cpu: HostCpuConfig | None = Field(
+        None, description="Planner only: the host CPU every replica shares (CPU engines on one host)."
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description=(

@@ -44,7 +44,7 @@ import aiohttp
 from cluster.config import ClusterConfig, load_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.demand import Demand
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_host, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.local import free_port
 
@@ -95,7 +95,7 @@ def predict(cfg: ClusterConfig, w: Workload) -> tuple[ReplicaModel, dict[str, An
     route = {"model": backend.model, "surface": "chat", "peak_qps": 1}
     route.update(input_tokens={"mean": w.input_mean}, output_tokens={"mean": w.output_mean})
     demand = Demand.model_validate({"routes": [route]})  # names no profile: the backend's own
-    model = ReplicaModel(backend_profile(cfg, backend, demand), w)
+    model = ReplicaModel(backend_profile(cfg, backend, demand), w, backend_host(backend))
     b_max, bound = model.max_batch()
     replicas = backend.replicas
     return model, {
@@ -106,6 +106,9 @@ def predict(cfg: ClusterConfig, w: Workload) -> tuple[ReplicaModel, dict[str, An
         "saturation_rps": model.throughput(b_max) * replicas,
         "itl_ms_at_saturation": model.itl(b_max) * 1e3,
         "kv_tokens_per_replica": model.kv_capacity_tokens(),
+        # what the steps are bound by at saturation ("host CPU" when the config's host_cpu binds)
+        "step_regime_at_saturation": model.regime(b_max),
+        "host_cpu": backend.host_cpu.model_dump() if backend.host_cpu else None,
     }
 
 
@@ -128,11 +131,11 @@ class Done:
         )
 
 
-async def one(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> Done:
+async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], output: int = OUTPUT) -> Done:
     body = {
         "model": "tiny-llama",
         "prompt": prompt,
-        "max_tokens": OUTPUT,
+        "max_tokens": output,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -152,7 +155,7 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> Do
     except (aiohttp.ClientError, TimeoutError) as exc:
         d.error = type(exc).__name__
         return d
-    d.end, d.ok = time.perf_counter(), d.tokens == OUTPUT and d.ttft > 0
+    d.end, d.ok = time.perf_counter(), d.tokens == output and d.ttft > 0
     return d
 
 
@@ -163,15 +166,18 @@ class Run:
     stats: list[dict[str, float]] = field(default_factory=list)  # summed over replicas, per poll
 
 
-async def closed_loop(base: str, token: str, engines: list[str], work: list[list[int]], c: int) -> Run:
-    """``c`` workers through ``work``; the engines' /stats polled every 0.2 s meanwhile."""
+async def closed_loop(
+    base: str, token: str, engines: list[str], work: list[list[int]], c: int, output: int = OUTPUT
+) -> Run:
+    """``c`` workers through ``work`` (``output`` tokens each); the engines' /stats polled every 0.2 s
+    meanwhile."""
     run, pending = Run(c), iter(work)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
 
         async def worker() -> None:
             for p in pending:
-                run.done.append(await one(s, base + "/v1/completions", p))
+                run.done.append(await one(s, base + "/v1/completions", p, output))
 
         async def poll() -> None:
             while True:

@@ -17,7 +17,8 @@ from cluster.config import (
 from cluster.cost import Prices
 from cluster.engine.profiles import Profile
 from cluster.planner.demand import Demand, DemandError, RouteDemand
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
+from cluster.planner.host_cpu import HostCpu
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_host, backend_profile
 
 
 @dataclass
@@ -235,7 +236,8 @@ def _plan_route(
     if hosted_name is not None:
         if hosted_name not in profiles:
             profiles[hosted_name] = backend_profile(cfg, cfg.backend(hosted_name), demand)
-        hosted = _self_hosted(profiles[hosted_name], hosted_name, d, demand, ttft, frac)
+        host = backend_host(cfg.backend(hosted_name))
+        hosted = _self_hosted(profiles[hosted_name], hosted_name, d, demand, ttft, frac, host)
         warnings += _hosted_warnings(hosted, profiles[hosted_name], d)
 
     provider_names = [c for c in dict.fromkeys([primary, *candidates]) if kinds[c] == "provider"]
@@ -289,9 +291,15 @@ def _gpu_price(demand: Demand, profile: Profile) -> float:
 
 
 def _self_hosted(
-    profile: Profile, backend: str, d: RouteDemand, demand: Demand, ttft_ms: float, frac: float
+    profile: Profile,
+    backend: str,
+    d: RouteDemand,
+    demand: Demand,
+    ttft_ms: float,
+    frac: float,
+    host: HostCpu | None = None,
 ) -> SelfHosted:
-    model = ReplicaModel(profile, Workload.from_demand(d, cached_fraction=frac))
+    model = ReplicaModel(profile, Workload.from_demand(d, cached_fraction=frac), host)
     op = model.operating_point(ttft_ms / 1e3, d.itl_slo_ms / 1e3 if d.itl_slo_ms else None)
     b_max, bound = model.max_batch()
     tp = profile.engine.tensor_parallel_size
@@ -376,7 +384,8 @@ def _what_if(
     new = min(max(frac + demand.cache_what_if_points / 100, d.shared_prefix_tokens / i_mean), 1 - 1 / i_mean)
     replicas = saved = usd_saved = None
     if hosted is not None and profile is not None:
-        after = _self_hosted(profile, hosted.backend, d, demand, ttft_ms, new)
+        host = backend_host(cfg.backend(hosted.backend))
+        after = _self_hosted(profile, hosted.backend, d, demand, ttft_ms, new, host)
         replicas = after.replicas
         saved = hosted.gpus - after.gpus
         usd_saved = hosted.usd_per_day - after.usd_per_day

