@@ -250,7 +250,14 @@ class HostCpuConfig(Strict):
         ge=0,
         description="CPU ms per streamed token outside the engine cores: replica, gateway, proxy, client.",
     )
+    background_cores: float = Field(0.0, ge=0, description="Cores busy whatever the load (Ray, idle loops).")
     measured: str | None = Field(None, description="Where the figures come from (a calibration run).")
+
+    @model_validator(mode="after")
+    def _some_cores_left(self) -> HostCpuConfig:
+        if self.background_cores >= self.cores:
+            raise ValueError(f"background_cores ({self.background_cores}) must be below cores ({self.cores})")
+        return self
 
 
 class BackendConfig(Strict):

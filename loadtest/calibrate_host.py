@@ -11,11 +11,13 @@ over the whole level's run:
 * ``engine_cores_per_step`` = the engine cores' CPU seconds (the ``EngineCore`` processes, from
   ``/proc/<pid>/stat``) / (their steps x the profile's bare step time at the engines' mean batch):
   the cores a step keeps busy. Steps are counted as decode tokens / mean running per engine;
-* ``serving_cpu_ms_per_token`` = every other CPU second the box spent (``/proc/stat``: the gateway,
-  the replicas' HTTP side, HAProxy, Ray, this client, and whatever else ran) / streamed tokens.
+* every other CPU second the box spent (``/proc/stat``: the gateway, the replicas' HTTP side,
+  HAProxy, Ray, this client, and whatever else ran) is split, by least squares over the levels, into
+  ``background_cores`` x the level's wall time + ``serving_cpu_ms_per_token`` x its streamed tokens.
 
-The file's ``coefficients`` (the mean over levels) are what ``configs/local.yaml``'s ``host_cpu``
-carries. The box is shared: the load average before and after is recorded with them.
+The file's ``coefficients`` (``engine_cores_per_step`` the mean over levels) are what
+``configs/local.yaml``'s ``host_cpu`` carries. The box is shared: the load average before and after
+is recorded with them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from loadtest.provenance import git_state, provenance
 
 OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
 PROMPT_LO, PROMPT_HI, OUTPUT = 60, 140, 160
-LEVELS = (4, 8, 16)
+LEVELS = (4, 8, 16, 32)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -113,9 +115,22 @@ async def level(base: str, token: str, engines: list[str], c: int, cfg: Any, see
         "box_busy_cpu_s": round(busy1 - busy0, 2),
         "bare_step_ms": round(tau * 1e3, 3),
         "engine_cores_per_step": round(engine_s / (steps * tau), 3),
-        "serving_cpu_ms_per_token": round((busy1 - busy0 - engine_s) / tokens * 1e3, 4),
+        "serving_cpu_s": round(busy1 - busy0 - engine_s, 3),
         "itl_ms": round(statistics.fmean(x for d in ok if (x := d.itl) is not None) * 1e3, 2),
     }
+
+
+def split_serving(levels: list[dict[str, Any]]) -> dict[str, float]:
+    """Least squares, no intercept: serving CPU s = background cores x wall s + per token x tokens."""
+    rows = [(x["wall_s"], x["tokens"], x["serving_cpu_s"]) for x in levels]
+    aa = sum(w * w for w, _, _ in rows)
+    ab = sum(w * t for w, t, _ in rows)
+    bb = sum(t * t for _, t, _ in rows)
+    ay = sum(w * y for w, _, y in rows)
+    by = sum(t * y for _, t, y in rows)
+    det = aa * bb - ab * ab
+    background, per_token = (bb * ay - ab * by) / det, (aa * by - ab * ay) / det
+    return {"background_cores": round(background, 3), "serving_cpu_ms_per_token": round(per_token * 1e3, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "levels": levels,
         "coefficients": {
             "engine_cores_per_step": round(statistics.fmean(x["engine_cores_per_step"] for x in levels), 3),
-            "serving_cpu_ms_per_token": round(
-                statistics.fmean(x["serving_cpu_ms_per_token"] for x in levels), 4
-            ),
+            **split_serving(levels),
         },
         "stop": cluster.stop_info,
         "problems": cluster.problems(),

@@ -3,12 +3,14 @@ with their own serving stack (vLLM-CPU on a small box): the planner's host term.
 
 An engine profile's step time is the engine alone with the host to itself (``calibrate_engine``
 fits it so). Deployed, ``engines`` replicas on one host of ``cores`` cores each keep
-``engine_cores_per_step`` cores busy while a step runs (vLLM-CPU's torch threads), and every
-streamed token costs ``serving_cpu_s_per_token`` of CPU outside the engine cores (the replica's HTTP
-stream, detokenizing, the gateway's relay, HAProxy, a client on the same host). With the replicas
-in step, a step then lasts at least the CPU all of them ask for, spread over the cores::
+``engine_cores_per_step`` cores busy while a step runs (vLLM-CPU's torch threads), every streamed
+token costs ``serving_cpu_s_per_token`` of CPU outside the engine cores (the replica's HTTP stream,
+detokenizing, the gateway's relay, HAProxy, a client on the same host), and ``background_cores``
+stay busy whatever the load (Ray's own processes, the serving processes' loops). With the replicas
+in step, a step then lasts at least the CPU all of them ask for, spread over the cores left::
 
-    t = max(τ, engines · (engine_cores_per_step · τ + serving_cpu_s_per_token · D) / cores)
+    t = max(τ, engines · (engine_cores_per_step · τ + serving_cpu_s_per_token · D)
+                / (cores - background_cores))
 
 for a step of bare time ``τ`` that decodes ``D`` sequences (one streamed token each). On a GPU the
 host's cores feed the GPU and this bound is far below the GPU's step: leave it out (no
@@ -29,16 +31,19 @@ class HostCpu:
     engines: int
     engine_cores_per_step: float
     serving_cpu_s_per_token: float
+    background_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cores <= 0 or self.engines < 1:
             raise ValueError("need cores > 0 and engines >= 1")
-        if self.engine_cores_per_step < 0 or self.serving_cpu_s_per_token < 0:
+        if min(self.engine_cores_per_step, self.serving_cpu_s_per_token, self.background_cores) < 0:
             raise ValueError("CPU costs cannot be negative")
+        if self.background_cores >= self.cores:
+            raise ValueError("background_cores must leave some of the cores")
 
     def step_time(self, bare_s: float, decodes: float) -> float:
         demand = self.engine_cores_per_step * bare_s + self.serving_cpu_s_per_token * decodes
-        return max(bare_s, self.engines * demand / self.cores)
+        return max(bare_s, self.engines * demand / (self.cores - self.background_cores))
 
     def binds(self, bare_s: float, decodes: float) -> bool:
         """True when the host's CPU, not the engine's own step, sets this step's length."""

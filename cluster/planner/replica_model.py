@@ -439,7 +439,9 @@ def backend_host(backend: BackendConfig) -> HostCpu | None:
     if h is None:
         return None
     engines = backend.autoscaling.max_replicas if backend.autoscaling else backend.replicas
-    return HostCpu(h.cores, engines, h.engine_cores_per_step, h.serving_cpu_ms_per_token / 1e3)
+    return HostCpu(
+        h.cores, engines, h.engine_cores_per_step, h.serving_cpu_ms_per_token / 1e3, h.background_cores
+    )
 
 
 def _matching_profile(backend: BackendConfig, model: ModelConfig) -> str:
