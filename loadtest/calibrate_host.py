@@ -10,7 +10,10 @@ over the whole level's run:
 
 * ``engine_cores_per_step`` = the engine cores' CPU seconds (the ``EngineCore`` processes, from
   ``/proc/<pid>/stat``) / (their steps x the profile's bare step time at the engines' mean batch):
-  the cores a step keeps busy. Steps are counted as decode tokens / mean running per engine;
+  the cores a step keeps busy. Steps are counted as decode tokens / mean running per engine. It
+  grows with contention (a step stretched by waiting for a core keeps its threads spinning), and
+  the host bound matters only on a saturated host, so the coefficient is the mean over the levels
+  where the box was saturated (busy >= 95 % of its cores), else the busiest level's;
 * every other CPU second the box spent (``/proc/stat``: the gateway, the replicas' HTTP side,
   HAProxy, Ray, this client, and whatever else ran) is split, by least squares over the levels, into
   ``background_cores`` x the level's wall time + ``serving_cpu_ms_per_token`` x its streamed tokens.
@@ -120,6 +123,18 @@ async def level(base: str, token: str, engines: list[str], c: int, cfg: Any, see
     }
 
 
+def saturated_cores_per_step(levels: list[dict[str, Any]]) -> float:
+    """``engine_cores_per_step`` where the box was saturated (see the module docstring)."""
+    cores = os.cpu_count() or 1
+    busy = {x["concurrency"]: x["box_busy_cpu_s"] / x["wall_s"] / cores for x in levels}
+    for x in levels:
+        x["box_busy_share"] = round(busy[x["concurrency"]], 3)
+    full = [x for x in levels if busy[x["concurrency"]] >= 0.95] or [
+        max(levels, key=lambda x: busy[x["concurrency"]])
+    ]
+    return round(statistics.fmean(x["engine_cores_per_step"] for x in full), 3)
+
+
 def split_serving(levels: list[dict[str, Any]]) -> dict[str, float]:
     """Least squares, no intercept: serving CPU s = background cores x wall s + per token x tokens."""
     rows = [(x["wall_s"], x["tokens"], x["serving_cpu_s"]) for x in levels]
@@ -164,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "startup_s": round(startup, 1),
         "levels": levels,
-        "coefficients": {
-            "engine_cores_per_step": round(statistics.fmean(x["engine_cores_per_step"] for x in levels), 3),
-            **split_serving(levels),
-        },
+        "coefficients": {"engine_cores_per_step": saturated_cores_per_step(levels), **split_serving(levels)},
         "stop": cluster.stop_info,
         "problems": cluster.problems(),
         "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
