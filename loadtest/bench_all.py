@@ -137,6 +137,10 @@ NOT_RERUN = {
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
+    "host_cpu.json": (
+        "python -m loadtest.calibrate_host by hand: configs/local.yaml's host_cpu carries its coefficients, "
+        "which the planner step predicts from (a new calibration would need the config changed with it)"
+    ),
 }
 
 

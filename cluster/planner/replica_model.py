@@ -18,7 +18,8 @@ output ``O``) keeps each one for ``k`` prefill chunks and ``O - 1`` decode steps
   sequence length-biased: long answers stay resident longer) and by the step token budget;
 * the operating batch ``B*`` is the largest that meets the surface's TTFT (p95) and ITL (mean)
   objectives, so a 100 ms Tab runs smaller batches than a 4 s Agent. What caps ``B*`` is the
-  binding constraint (for an objective: compute or bandwidth, whichever bounds the steps);
+  binding constraint (for an objective: compute or bandwidth, whichever bounds the steps, or the
+  host's CPU for CPU engines whose config describes their host: :mod:`cluster.planner.host_cpu`);
   replicas = peak QPS / (X(B*) · (1 - headroom)).
 
 ``loadtest/planner_validation.py`` checks these predictions against the engine model.
@@ -94,7 +95,7 @@ class OperatingPoint:
     binding: str  # what stops a bigger batch
     itl_s: float  # mean inter-token latency
     ttft_p95_s: float
-    step_regime: str  # "compute" or "bandwidth": what the mean step is bound by
+    step_regime: str  # "compute", "bandwidth" or "host CPU": what the mean step is bound by
     requests_per_s: float  # per replica
     output_tokens_per_s: float
     latency_s: float  # mean request latency (Little's law: concurrency = QPS x latency)
