@@ -283,7 +283,10 @@ def measure(quick: bool = False) -> dict[str, Any]:
             engines = await _engines(base, token)
             await closed_loop(base, token, engines, prompts(16, seed=3), 8)  # warm-up, not recorded
             c_sat = min(256, 3 * pred["max_concurrency"])
-            sat = window(await closed_loop(base, token, engines, sat_work, c_sat))
+            cpu0 = host_cpu_now()
+            run = await closed_loop(base, token, engines, sat_work, c_sat)
+            sat = window(run)
+            sat["host_cpu"] = host_cpu_used(cpu0, host_cpu_now(), run, len(engines))
             sweep, work = [], iter(sweep_work)
             for c in _levels(pred_slo["concurrency"], c_sat):
                 n = max(40, 6 * c)
@@ -294,9 +297,40 @@ def measure(quick: bool = False) -> dict[str, Any]:
             return {"saturation": sat, "sweep": sweep}
 
         measured = asyncio.run(go())
+    sat = measured["saturation"]
+    if "itl_ms" in sat and sat["host_cpu"]["engine_running_mean"] > 0:
+        # cores an engine's step kept busy at saturation: its CPU per step (busy share x the step,
+        # taken as the measured ITL) over the profile's bare step at the batch it ran
+        h = sat["host_cpu"]
+        bare = ReplicaModel(model.profile, model.w).state(h["engine_running_mean"]).mean_step
+        per_engine = h["engine_cores_busy"] / pred["replicas"]
+        h["engine_cores_per_step"] = round(per_engine * sat["itl_ms"] / 1e3 / bare, 3)
     out["stop"] = cluster.stop_info
     out["problems"] = cluster.problems()
     return _compare(out, pred, pred_slo, measured, max_num_seqs)
+
+
+def host_cpu_now() -> tuple[float, float, float]:
+    """(box busy CPU s, engine cores' CPU s, wall s) now, as loadtest/calibrate_host.py reads them."""
+    from loadtest.calibrate_host import box_busy_s, engine_cores_s
+
+    return box_busy_s(), sum(engine_cores_s().values()), time.perf_counter()
+
+
+def host_cpu_used(
+    before: tuple[float, float, float], after: tuple[float, float, float], run: Run, engines: int
+) -> dict:
+    """What the saturation run asked of the host, in the host-CPU term's units (a diagnosis beside the
+    planner's coefficients; over the whole run, ramp-up and tail included)."""
+    busy, core, wall = (a - b for a, b in zip(after, before, strict=True))
+    tokens = sum(d.tokens for d in run.done if d.ok)
+    running = statistics.fmean(p["running"] for p in run.stats) / engines if run.stats else 0.0
+    return {
+        "box_busy_share": round(busy / wall / (os.cpu_count() or 1), 3),
+        "engine_cores_busy": round(core / wall, 3),
+        "serving_cpu_ms_per_token": round((busy - core) / tokens * 1e3, 4) if tokens else None,
+        "engine_running_mean": round(running, 2),
+    }
 
 
 def _levels(predicted: int, cap: int) -> list[int]:
