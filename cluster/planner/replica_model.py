@@ -121,9 +121,11 @@ class ReplicaModel:
     def __init__(self, profile: Profile, workload: Workload, host: HostCpu | None = None) -> None:
         self.profile = profile
         self.w = workload
-        self.host = host
+        self.host = host.for_output(workload.output_mean) if host is not None else None
         self.bare = profile.step_time_model()  # the engine with the host to itself
-        self.stm: StepTimeModel = HostBoundStepTime(self.bare, host) if host is not None else self.bare
+        self.stm: StepTimeModel = (
+            HostBoundStepTime(self.bare, self.host) if self.host is not None else self.bare
+        )
         e = profile.engine
         self.budget = e.max_num_batched_tokens
         self.block_size = e.block_size
@@ -431,18 +433,6 @@ def backend_profile(cfg: ClusterConfig, backend: BackendConfig, demand: Demand) 
             f"tokens, less than max_model_len {profile.max_model_len()}"
         )
     return profile
-
-
-def backend_host(backend: BackendConfig) -> HostCpu | None:
-    """The host-CPU bound of a backend whose config describes its host (``host_cpu``): all of its
-    replicas on that host. None: the engine's own step times stand (GPUs)."""
-    h = backend.host_cpu
-    if h is None:
-        return None
-    engines = backend.autoscaling.max_replicas if backend.autoscaling else backend.replicas
-    return HostCpu(
-        h.cores, engines, h.engine_cores_per_step, h.serving_cpu_ms_per_token / 1e3, h.background_cores
-    )
 
 
 def _matching_profile(backend: BackendConfig, model: ModelConfig) -> str:

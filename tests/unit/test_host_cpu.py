@@ -8,8 +8,8 @@ import pytest
 
 from cluster.config import ConfigError, load_config, parse_config
 from cluster.engine.profiles import BatchShape, get_profile
-from cluster.planner.host_cpu import HostBoundStepTime, HostCpu
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_host
+from cluster.planner.host_cpu import HostBoundStepTime, HostCpu, backend_host
+from cluster.planner.replica_model import ReplicaModel, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +84,12 @@ def test_a_backend_config_sets_the_host_and_bad_values_name_the_field() -> None:
     }
     with pytest.raises(ConfigError, match="cores"):
         parse_config(raw)
+
+
+def test_a_requests_own_cost_is_spread_over_its_answer() -> None:
+    host = HostCpu(2, 2, 1.0, 0.2e-3, 0.5, serving_cpu_s_per_request=6e-3)
+    assert host.for_output(60).serving_cpu_s_per_token == pytest.approx(0.3e-3)  # 0.2 + 6/60 ms
+    assert host.for_output(60).serving_cpu_s_per_request == 0.0  # folded in, not counted twice
+    short, long_ = (ReplicaModel(get_profile("cpu-tiny"), Workload(400, o), host) for o in (8, 256))
+    assert short.host is not None and long_.host is not None
+    assert short.host.serving_cpu_s_per_token > long_.host.serving_cpu_s_per_token
