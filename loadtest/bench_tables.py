@@ -29,6 +29,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "gpu-profiles": tables_engine.gpu_profiles,
     "planner-validation": tables_engine.planner_validation,
     "planner-real": tables_engine.planner_real,
+    "planner-host-runs": tables_engine.planner_host_runs,
     "affinity-micro": tables_engine.affinity_micro,
     "hedging": tables_engine.hedging,
     "hedging-run-1": tables_engine.hedging_run_1,

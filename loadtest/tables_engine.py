@@ -82,6 +82,40 @@ def planner_real(r: Results) -> str:
     return real_markdown(real) if real else "No real deployment in this run (`--no-real`)."
 
 
+# The real leg's runs with the host-CPU term: (run, commit whose planner_validation.json holds it;
+# None: the file as it stands) and the host_cpu.json calibration run its config carried.
+PLANNER_HOST_RUNS = (("5", "6f33e1e", "3"), ("6", "09c3613", "3"), ("7", None, "4"))
+
+
+def planner_host_runs(r: Results) -> str:
+    """Each real-leg run with the host term: saturation and within-objective figures, planner /
+    measured (error), 1 decimal; the load average before → after."""
+    rows = []
+    for run, at, calibration in PLANNER_HOST_RUNS:
+        d = r.get("planner_validation", at=at)
+        real, prov = d["real"], d["provenance"]
+        p, m = real["predicted"], real["measured"]
+        ps, ms = real["predicted_within_objective"], real["measured_within_objective"]
+        load = f"{fixed(prov['load_average_before'][0], 1)} → {fixed(prov['load_average_after'][0], 1)}"
+        te, ce = real["throughput_errors"], real["concurrency_errors"]
+        sat = (
+            f"{fixed(p['saturation_rps'], 1)} / {fixed(m['saturation_rps'], 1)} ({pct(te['saturation'], 0)})"
+        )
+        got = "none met it"
+        if ms:
+            errors = f"{pct(ce['within_objective'], 0)}, {pct(te['within_objective'], 0)}"
+            got = f"{ms['concurrency']}, {fixed(ms['rps'], 1)} ({errors})"
+        within = f"ITL {fixed(ps['itl_slo_ms'], 1)} ms: {ps['concurrency']}, {fixed(ps['rps'], 1)} / {got}"
+        rows.append([f"{run} (`{prov['git_commit'][:7]}`, {load})", f"run {calibration}", sat, within])
+    header = [
+        "real-leg run (code, load)",
+        "calibration",
+        "saturation req/s planner / measured (error)",
+        "within the ITL objective: concurrency, req/s planner / measured (errors)",
+    ]
+    return table(header, "llll", rows)
+
+
 _MICRO_CASES = {
     "prefix_hit": "prefix hit ({matched_blocks} blocks matched)",
     "prefix_hit_holder_over_bound": "prefix holder over the load bound (diverted)",
