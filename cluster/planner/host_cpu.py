@@ -8,8 +8,8 @@ token costs ``serving_cpu_s_per_token`` of CPU outside the engine cores (the rep
 detokenizing, the gateway's relay, HAProxy, a client on the same host), every request
 ``serving_cpu_s_per_request`` more (parsing, validating and routing its prompt in each process, its
 connections; :meth:`HostCpu.for_output` folds it into the per-token cost of a workload whose
-answers are ``O`` tokens long), and ``background_cores``
-stay busy whatever the load (Ray's own processes, the serving processes' loops). With the replicas
+answers are ``O`` tokens long), and ``background_cores`` stay busy whatever the load (Ray's own
+processes, the serving processes' loops). With the replicas
 in step, a step then lasts at least the CPU all of them ask for, spread over the cores left::
 
     t = max(τ, engines · (engine_cores_per_step · τ + serving_cpu_s_per_token · D)
@@ -17,8 +17,9 @@ in step, a step then lasts at least the CPU all of them ask for, spread over the
 
 for a step of bare time ``τ`` that decodes ``D`` sequences (one streamed token each). On a GPU the
 host's cores feed the GPU and this bound is far below the GPU's step: leave it out (no
-``host_cpu`` in the backend's config). ``loadtest/calibrate_host.py`` measures both coefficients
-from ``/proc`` on a workload of its own.
+``host_cpu`` in the backend's config). ``loadtest/calibrate_host.py`` measures the four costs from
+``/proc`` on a workload of its own; BENCHMARKS.md (capacity planner) says how close the bound came
+on this box and why not closer.
 """
 
 from __future__ import annotations
