@@ -175,7 +175,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("7", "636fffd"),
     ("8", "2da314d"),
     ("9", "7af7d0f"),
-    ("10", None),
+    ("10", "5208e97"),
+    ("11", None),
 )
 
 
