@@ -426,7 +426,8 @@ class Gateway:
             "slo_guard_samples": self.guard.sample_counts(),
             "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
             "refusals": {
-                f"last_{n}s": self.refusals.summary(float(n), time.monotonic()) for n in (10, 30, 60)
+                "total": self.refusals.count,
+                **{f"last_{n}s": self.refusals.summary(float(n), time.monotonic()) for n in (10, 30, 60)},
             },
             "routing": {
                 name: {

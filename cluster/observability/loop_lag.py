@@ -24,9 +24,11 @@ class SampleWindow:
         if max_samples <= 0:
             raise ValueError("max_samples must be positive")
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.count = 0  # samples ever added (the window keeps the last max_samples)
 
     def add(self, at: float, seconds: float) -> None:
         self._samples.append((at, max(0.0, seconds)))
+        self.count += 1
 
     def summary(self, last_s: float | None = None, now: float | None = None) -> dict[str, float | int | None]:
         """``{"p50_ms", "p99_ms", "max_ms", "samples"}`` over the window, or over its samples of the

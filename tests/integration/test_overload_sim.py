@@ -123,6 +123,7 @@ async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> No
     # machine's speed (6 in CI, with 7 predicted-wait refusals). Only the tenant budget refuses here.
     heavy = {"x-surface": "agent", "x-tenant": "heavy"}
     light = {"x-surface": "agent", "x-tenant": "light"}
+    refused_before = shared.status()["refusals"]["total"]
     async with httpx.AsyncClient(timeout=60) as c:
         flood = [c.post(url, json=_body(4, f"loop {i}"), headers=heavy) for i in range(30)]  # 1.5x a minute's
         calm = [c.post(url, json=_body(2, f"tab {i}"), headers=light) for i in range(5)]
@@ -133,6 +134,8 @@ async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> No
     codes = collections.Counter(r.status_code for r in heavy_rs)
     assert 9 <= len(over) <= 10 and len(over) == codes[429], codes  # 20 + refill
     assert all(int(r.headers["retry-after"]) >= 1 for r in over)
+    # the tenant's refusals are timed in the gateway like admission's (refusals in its status)
+    assert shared.status()["refusals"]["total"] - refused_before == len(over)
     assert {r.status_code for r in heavy_rs} <= {200, 429}
 
 

@@ -50,6 +50,7 @@ def test_sample_window_summarises_the_last_seconds_before_now() -> None:
     for at, took in ((1.0, 0.002), (2.0, 0.004), (3.0, 0.010), (4.0, -1.0)):
         w.add(at, took)  # the oldest falls out; a negative duration counts as 0
     assert w.summary() == {"p50_ms": 4.0, "p99_ms": 10.0, "max_ms": 10.0, "samples": 3}
+    assert w.count == 4  # every sample ever added, the dropped one too
     assert w.summary(last_s=1.5)["samples"] == 2  # 3.0 and 4.0: within 1.5 s of the newest
     assert w.summary(last_s=1.5, now=100.0)["samples"] == 0  # nothing in the 1.5 s before now
     with pytest.raises(ValueError):
