@@ -131,6 +131,7 @@ class AttemptRunner:
             cancel=close_stream,
             hedge_delay=hedge_delay,
             may_hedge=may_hedge,
+            hedge_unsent=self.hedge.unsent,
             verdict=verdict,
         )
         return hooks, mono_deadline
@@ -216,6 +217,7 @@ class AttemptRunner:
             "hedges_won": s.hedges_won,
             "hedges_cancelled": s.hedges_cancelled,
             "hedges_refused": s.hedges_refused,
+            "hedges_unplaced": s.hedges_unplaced,
             "hedge_delay_s": self.hedge.delays(now),
             "requests": s.requests,
             "extra_load_ratio": s.extra_load_ratio,

@@ -167,6 +167,10 @@ class HedgeBudget:
         self._tokens -= _UNIT
         return True
 
+    def refund(self) -> None:
+        """A spent token whose hedge was never sent (no candidate was left for it)."""
+        self._tokens = min(self._cap, self._tokens + _UNIT)
+
 
 def should_hedge(
     enabled: bool,
@@ -197,6 +201,7 @@ class HedgeStats:
     requests: int = 0
     attempts: int = 0
     hedges_sent: int = 0
+    hedges_unplaced: int = 0  # due and paid for, but no candidate was left to send them to
     hedges_won: int = 0  # the hedge produced the first token; the primary was cancelled
     hedges_cancelled: int = 0  # the primary answered first; the hedge was cancelled
     hedges_refused: int = 0  # due, but the budget had no token
@@ -258,6 +263,14 @@ class HedgePolicy:
             return False
         self.stats.on_hedge()
         return True
+
+    def unsent(self) -> None:
+        """:meth:`should_hedge` said yes but the request had no other candidate (one backend with one
+        replica, the attempts' limit, the deadline): no hedge went out, so none is counted or paid."""
+        self.budget.refund()
+        self.stats.hedges_sent -= 1
+        self.stats.attempts -= 1
+        self.stats.hedges_unplaced += 1
 
     def delays(self, now: float) -> dict[str, float | None]:
         """The hedge delay now per "surface/backend" seen (for the status page)."""

@@ -55,6 +55,7 @@ class RaceHooks:
     cancel: Callable[[Any], Awaitable[None]]  # stop an attempt's stream (aborts it upstream)
     hedge_delay: Callable[[PlannedAttempt], float | None] = lambda _: None  # None: no hedging
     may_hedge: Callable[[float, int], bool] = lambda _elapsed, _sent: False  # spends the hedge budget
+    hedge_unsent: Callable[[], None] = lambda: None  # may_hedge said yes but no candidate was left
     verdict: Callable[[Attempt, Verdict, BaseException | None, float], None] = lambda *_: None
     wrap_error: Callable[[BaseException, PlannedAttempt], ClusterError] | None = None
     clock: Callable[[], float] = time.monotonic
@@ -211,6 +212,7 @@ async def first_token(
                         result.hedges += 1
                         launch(nxt, True)
                         continue
+                    hooks.hedge_unsent()  # nowhere to send it: its budget token goes back
                 hedging_open = False
                 continue
             winner = _settle(hooks, result, active, done, wrap)

@@ -253,3 +253,14 @@ def test_policy_with_fixed_delay_only():
     for i in range(100):
         p.observe_ttft("tab", "vllm", 5.0, now=float(i))
     assert p.delay("tab", "vllm", 100.0) == 0.25
+
+
+def test_a_hedge_that_found_no_candidate_is_neither_paid_nor_counted() -> None:
+    p = HedgePolicy(HedgeConfig(budget_ratio=0.5, budget_burst=2.0))
+    p.on_request()
+    p.on_request()  # one token
+    assert p.should_hedge(True, 1.0, 0.5) and p.budget.tokens == 0.0
+    p.unsent()
+    assert p.budget.tokens == 1.0
+    assert (p.stats.hedges_sent, p.stats.hedges_unplaced, p.stats.attempts) == (0, 1, 2)
+    assert p.stats.extra_load_ratio == 0.0

@@ -124,6 +124,20 @@ async def test_no_hedge_without_budget() -> None:
     assert out[0] == "a1" and res.hedges == 0 and streams["b"].sent == 0
 
 
+async def test_a_hedge_with_no_candidate_left_is_handed_back() -> None:
+    streams = {"a": FakeStream("a", delay=0.08)}
+    unsent: list[int] = []
+    h, _ = hooks_for(
+        streams,
+        ["a"],  # one backend, one replica: nowhere to send a hedge
+        hedge_delay=lambda _: 0.01,
+        may_hedge=lambda el, sent: True,
+        hedge_unsent=lambda: unsent.append(1),
+    )
+    out, res = await collect(h)
+    assert out[0] == "a1" and res.hedges == 0 and unsent == [1]
+
+
 async def test_primary_still_wins_if_it_answers_first_after_a_hedge() -> None:
     streams = {"a": FakeStream("a", delay=0.08), "b": FakeStream("b", delay=5.0)}
     h, _ = hooks_for(streams, ["a", "b"], hedge_delay=lambda _: 0.02, may_hedge=lambda el, sent: sent < 1)
