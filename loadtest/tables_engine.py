@@ -84,7 +84,7 @@ def planner_real(r: Results) -> str:
 
 # The real leg's runs with the host-CPU term: (run, commit whose planner_validation.json holds it;
 # None: the file as it stands) and the host_cpu.json calibration run its config carried.
-PLANNER_HOST_RUNS = (("5", "6f33e1e", "3"), ("6", "09c3613", "3"), ("7", None, "4"))
+PLANNER_HOST_RUNS = (("5", "6f33e1e", "3"), ("6", "09c3613", "3"), ("7", "b247fd3", "4"), ("8", None, "4"))
 
 
 def planner_host_runs(r: Results) -> str:
