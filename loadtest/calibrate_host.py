@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from cluster.dataplane import INTERNAL_TOKEN_ENV
-from cluster.planner.demand import Demand
-from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
+from cluster.planner.replica_model import ReplicaModel, Workload
 from deployments.local import free_port
-from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config
+from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
 from loadtest.provenance import git_state, provenance
 
 OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
@@ -89,12 +88,9 @@ def engine_cores_s() -> dict[int, float]:
 
 def bare_step_s(cfg: Any, batch: float, prompt_mean: float, output: int) -> float:
     """The profile's mean step at ``batch`` running sequences of this workload, host left out."""
-    backend = next(b for b in cfg.backends if b.kind == "vllm")
-    route = {"model": backend.model, "surface": "chat", "peak_qps": 1}
-    route.update(input_tokens={"mean": prompt_mean}, output_tokens={"mean": output})
-    profile = backend_profile(cfg, backend, Demand.model_validate({"routes": [route]}))
-    model = ReplicaModel(profile, Workload(input_mean=prompt_mean, output_mean=output))
-    return model.state(max(1.0, batch)).mean_step
+    w = Workload(input_mean=prompt_mean, output_mean=output)
+    _, profile = vllm_profile(cfg, w)
+    return ReplicaModel(profile, w).state(max(1.0, batch)).mean_step
 
 
 async def level(

@@ -41,8 +41,9 @@ from typing import Any
 
 import aiohttp
 
-from cluster.config import ClusterConfig, load_config
+from cluster.config import BackendConfig, ClusterConfig, load_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
+from cluster.engine.profiles import Profile
 from cluster.planner.demand import Demand
 from cluster.planner.host_cpu import backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
@@ -91,12 +92,18 @@ def workload_of(batch: list[list[int]]) -> Workload:
     )
 
 
-def predict(cfg: ClusterConfig, w: Workload) -> tuple[ReplicaModel, dict[str, Any]]:
+def vllm_profile(cfg: ClusterConfig, w: Workload) -> tuple[BackendConfig, Profile]:
+    """The config's vLLM backend and the engine profile the planner gives it for workload ``w``."""
     backend = next(b for b in cfg.backends if b.kind == "vllm")
     route = {"model": backend.model, "surface": "chat", "peak_qps": 1}
     route.update(input_tokens={"mean": w.input_mean}, output_tokens={"mean": w.output_mean})
     demand = Demand.model_validate({"routes": [route]})  # names no profile: the backend's own
-    model = ReplicaModel(backend_profile(cfg, backend, demand), w, backend_host(backend))
+    return backend, backend_profile(cfg, backend, demand)
+
+
+def predict(cfg: ClusterConfig, w: Workload) -> tuple[ReplicaModel, dict[str, Any]]:
+    backend, profile = vllm_profile(cfg, w)
+    model = ReplicaModel(profile, w, backend_host(backend))
     b_max, bound = model.max_batch()
     replicas = backend.replicas
     return model, {

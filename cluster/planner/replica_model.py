@@ -308,8 +308,8 @@ class ReplicaModel:
         """What the mean step at ``b`` is bound by: "host CPU" (the host's cores, see host_cpu.py),
         else "compute" or "bandwidth" (fitted models: compute)."""
         st = self.state(b)
+        steps = self._steps(st.decodes, st.prefill_per_step)
         if self.host is not None:
-            steps = self._steps(st.decodes, st.prefill_per_step)
             hosted = sum(
                 p * self.stm.step_time(x)
                 for p, x in steps
@@ -320,7 +320,7 @@ class ReplicaModel:
         if not isinstance(self.bare, RooflineStepTime):
             return "compute"
         compute = memory = 0.0  # time in compute-bound steps against time in bandwidth-bound ones
-        for p, x in self._steps(st.decodes, st.prefill_per_step):
+        for p, x in steps:
             c, m = self._split(x)
             if c > m:
                 compute += p * c
