@@ -109,12 +109,17 @@ def _tab_cell(v: dict[str, Any], phase: str) -> str:
     return f"{fixed(t['ttft_p50_wall_ms'], 0)} / {fixed(t['ttft_p99_wall_ms'], 0)}"
 
 
+def refusal_p99_inside(phase: dict[str, Any]) -> float | None:
+    """A phase's refusal p99 inside the gateway, ms; None in runs before c9c16b4 (they lack it)."""
+    return (phase.get("gateway_refusal_ms_last_30s") or {}).get("p99_ms")
+
+
 def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
     """Tab's TTFT, Agent's goodput and the reject p99 of one phase with Agent load."""
     p = v[phase]
     reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
-    inside = (p.get("gateway_refusal_ms_last_30s") or {}).get("p99_ms")
-    if inside is not None:  # runs since c9c16b4 also time each refusal inside the gateway
+    inside = refusal_p99_inside(p)
+    if inside is not None:
         reject += f" ({fixed(inside, 1)})"
     return [_tab_cell(v, phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
 

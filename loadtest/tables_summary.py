@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, pct, signed, table
-from loadtest.tables_load import hung_requests
+from loadtest.tables_load import hung_requests, refusal_p99_inside
 
 
 def _pct(ratio: float) -> str:
@@ -70,7 +70,7 @@ def _overload_shared(r: Results) -> str:
     tab = on["surfaces"]["tab"]["ttft_p99_wall_ms"]
     ratio = on["surfaces"]["agent"]["goodput_tok_s"] / off["surfaces"]["agent"]["goodput_tok_s"]
     reject = on["reject_p99_ms"]
-    inside = (on.get("gateway_refusal_ms_last_30s") or {}).get("p99_ms")
+    inside = refusal_p99_inside(on)
     inside_text = "" if inside is None else f" (inside the gateway {fixed(inside, 1)} ms)"
     text = (
         f"Tab p99 {fixed(tab, 0)} ms {_met(tab <= 100)}; goodput {_pct(ratio)} of off {_met(ratio >= 0.8)}; "
