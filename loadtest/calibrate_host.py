@@ -44,12 +44,12 @@ from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.replica_model import ReplicaModel, Workload
 from deployments.local import free_port
 from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
+from loadtest.procs import box_busy_s, engine_cores_s
 from loadtest.provenance import git_state, provenance
 
 OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
 PROMPT_LO, PROMPT_HI = 60, 140
 LEVELS = ((4, 160), (8, 160), (16, 160), (32, 160), (8, 32), (32, 32))  # (concurrency, answer tokens)
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -58,32 +58,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
         [rng.randrange(VOCAB_FIRST, VOCAB_END) for _ in range(rng.randint(PROMPT_LO, PROMPT_HI))]
         for _ in range(n)
     ]
-
-
-def box_busy_s() -> float:
-    """CPU seconds the whole box has been busy (every core, every process), from /proc/stat."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
-    return (user + nice + system + irq + softirq) / TICK
-
-
-def engine_cores_s() -> dict[int, float]:
-    """PID -> CPU seconds of each live vLLM engine-core process."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if (
-                b"EngineCore" not in (d / "cmdline").read_bytes()
-                and "EngineCor" not in (d / "comm").read_text()
-            ):
-                continue
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            out[int(d.name)] = (int(stat[11]) + int(stat[12])) / TICK  # utime + stime
-        except OSError:
-            continue
-    return out
 
 
 def bare_step_s(cfg: Any, batch: float, prompt_mean: float, output: int) -> float:

@@ -49,6 +49,7 @@ from cluster.planner.host_cpu import backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.local import free_port
+from loadtest.procs import box_busy_s, engine_cores_s
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -320,8 +321,6 @@ def measure(quick: bool = False) -> dict[str, Any]:
 
 def host_cpu_now() -> tuple[float, float, float]:
     """(box busy CPU s, engine cores' CPU s, wall s) now, as loadtest/calibrate_host.py reads them."""
-    from loadtest.calibrate_host import box_busy_s, engine_cores_s
-
     return box_busy_s(), sum(engine_cores_s().values()), time.perf_counter()
 
 

@@ -1,6 +1,7 @@
 """Child processes a benchmark starts on loopback and must stop: each in its own process group with a
 tag in its environment, dying with its parent; what outlives a stop is found by its tag and ended
-by PID. Used by :mod:`loadtest.bench_overhead`."""
+by PID. Used by :mod:`loadtest.bench_overhead`. Also the box's and vLLM engine cores' CPU time from
+``/proc`` (:mod:`loadtest.calibrate_host`, :mod:`loadtest.planner_real`)."""
 
 from __future__ import annotations
 
@@ -151,3 +152,34 @@ def wait_http(url: str, proc: Proc, timeout_s: float) -> float:
                 return time.monotonic() - t0
         time.sleep(0.2)
     raise LegFailed(f"{proc.name}: {url} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
+
+
+# --- CPU time, for the host-CPU calibration and the planner's real leg -----------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def box_busy_s() -> float:
+    """CPU seconds the whole box has been busy (every core, every process), from /proc/stat."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / TICK
+
+
+def engine_cores_s() -> dict[int, float]:
+    """PID -> CPU seconds of each live vLLM engine-core process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (
+                b"EngineCore" not in (d / "cmdline").read_bytes()
+                and "EngineCor" not in (d / "comm").read_text()
+            ):
+                continue
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(d.name)] = (int(stat[11]) + int(stat[12])) / TICK  # utime + stime
+        except OSError:
+            continue
+    return out
