@@ -117,7 +117,8 @@ class EngineArgs(Strict):
         "priority",
         description=(
             "Engine queue order: 'priority' (each request carries its surface's priority, lower first, "
-            "lower-priority running work preempted first under KV pressure) or vLLM's 'fcfs'."
+            "then the gateway's cache rank, cached contexts first; lower-priority running work preempted "
+            "first under KV pressure) or vLLM's 'fcfs'."
         ),
     )
     cpu_nice: int = Field(
@@ -231,6 +232,14 @@ class AffinityConfig(Strict):
         5.0,
         gt=0,
         description="With KV events: how long a sent request's blocks count before events confirm them.",
+    )
+    cache_priority: bool = Field(
+        True,
+        description=(
+            "Within a surface, the engine runs a request whose context its cache holds before waiting "
+            "ones whose context it does not (needs scheduling_policy: priority). Under KV pressure a "
+            "queued request's context is otherwise evicted before it runs (BENCHMARKS.md, issue 17)."
+        ),
     )
 
     def params(self) -> dict[str, Any]:

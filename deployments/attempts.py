@@ -155,6 +155,7 @@ class AttemptRunner:
 
         async def choose() -> Any:
             choice = await picker.pick(block_hashes, req.session_id, avoid)
+            body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
             reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
             metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})

@@ -87,6 +87,7 @@ class EngineReplica:
         self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
         self._token = internal_token()
         self.ongoing = 0
+        self.by_cache_rank = [0, 0]  # requests the gateways sent expecting a cache hit here, and not
         self.ttft = TtftWindow()  # reported in the routing stats: the gateways' SLO guards read it
         self.draining = False  # set when Serve stops this replica: streams end with a drain error
         self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
@@ -180,6 +181,7 @@ class EngineReplica:
         # The engine's own TTFT (arrival here -> first token) of its recent requests, by priority:
         # (sequence number, age in s, priority, TTFT in s), as the gateways' SLO guards read them.
         stats["extra"]["ttft"] = self.ttft.report(time.monotonic())
+        stats["extra"]["by_cache_rank"] = list(self.by_cache_rank)
         return web.json_response(stats)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -194,6 +196,7 @@ class EngineReplica:
             return web.json_response({"error": to_wire(err)}, status=400)
         if self.kv_events is not None:
             self.kv_events.announce(req)
+        self.by_cache_rank[1 if req.cache_rank else 0] += 1
         self.ongoing += 1
         parent = parse_traceparent(request.headers.get("traceparent")) if self.tracer is not None else None
         span = _EngineSpan(time.time_ns()) if parent is not None else None

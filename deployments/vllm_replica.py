@@ -1,8 +1,10 @@
 """A vLLM v1 engine (``AsyncLLM``) behind the backend interface: token ids in, typed chunks out.
 
 One engine per replica, prefix caching on, vLLM's priority scheduling policy by default: each
-request carries its surface's priority (``GenerateRequest.priority``), so a Tab request waiting in
-the engine goes before waiting Agent work and Agent work is preempted first under KV pressure.
+request carries its surface's priority and the gateway's cache rank
+(``GenerateRequest.engine_priority``), so a Tab request waiting in the engine goes before waiting
+Agent work, Agent work is preempted first under KV pressure, and within a surface a request whose
+context this engine has cached goes before one whose context it has not.
 Cancelling the consumer aborts the engine request (closing vLLM's generator aborts it; we also
 call ``abort`` explicitly so the engine frees the request's KV blocks at once). ``stats()`` reads a
 snapshot that a custom stat logger keeps from vLLM's own scheduler stats, so it costs nothing and
@@ -141,7 +143,7 @@ class VLLMBackend:
                 TokensPrompt(prompt_token_ids=req.prompt_token_ids),
                 params,
                 request_id=engine_id,
-                priority=req.priority if self._priorities else 0,
+                priority=req.engine_priority if self._priorities else 0,
             )
             async for out in stream:
                 if out.num_cached_tokens is not None:

@@ -12,8 +12,10 @@ default: each app is deleted before the next starts, so every policy has the mac
 so that all see the same contention from whatever else runs on the machine; on two shared cores that
 overloads the single HTTP proxy (six apps are 36 Serve replicas) and measures the gateway's queue,
 not the routers. Policies: round_robin, least_loaded, cache_aware (ours, as shipped: the index fed
-by the engines' KV events) and cache_aware+previous (ours before issue 17: routed-record index,
-rendezvous home for new prefixes, no match ratio), each deployed through the backend's ``routing``
+by the engines' KV events, each request's cache rank ordering the engine's queue),
+cache_aware+no_rank (the same without the cache rank: the engines queue by arrival) and
+cache_aware+previous (ours before issue 17: routed-record index, rendezvous home for new prefixes,
+no match ratio, no cache rank), each deployed through the backend's ``routing``
 and ``affinity`` settings (a what-if is a config change) and decided by the gateway's routing view.
 Scenarios ``fits`` and ``kv_pressure`` (issue 17) are the groups' workload with 32K and 8K tokens of
 KV per replica. Serve's own power_of_two and
@@ -51,7 +53,9 @@ The oracle (``oracle_hit_rate``): the best hit rate any router could reach on th
 ONE simulated engine with the combined KV cache and N times the compute and batch limits of the N
 replicas (a perfectly pooled cluster: no prefix is ever cached twice, nothing waits for a busy
 replica), replaying the same token ids at the same simulated arrival times with the same closed-loop
-sessions, on the virtual clock. A router splits the same memory into N separate LRU caches, so it
+sessions, on the virtual clock, its queue ordered as ours are (a request whose prompt it holds at
+arrival before one it does not; ``oracle.fcfs`` is the same engine in arrival order, the oracle of
+the runs before the cache rank). A router splits the same memory into N separate LRU caches, so it
 can only lose hits to duplication and fragmentation (LRU is not optimal caching, so this is an upper
 bound in practice rather than a theorem).
 
@@ -106,7 +110,14 @@ from loadtest.workloads import SharedPrefixWorkload, summary
 # request router of every engine deployment) and streams from it over HTTP, so no Serve request
 # router of ours or Ray's decides any more. The config still accepts both names, but the gateway
 # deploys them as cache_aware (deployments/gateway.py), which would measure ours under their name.
-POLICIES = ("round_robin", "least_loaded", "cache_aware", "cache_aware+previous", "cache_aware+2gw")
+POLICIES = (
+    "round_robin",
+    "least_loaded",
+    "cache_aware",
+    "cache_aware+no_rank",
+    "cache_aware+previous",
+    "cache_aware+2gw",
+)
 DROPPED = {"power_of_two", "ray_prefix"}
 KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB
 
@@ -369,19 +380,27 @@ def _print(policy: str, r: dict[str, Any], seconds: float) -> None:
 # --------------------------------------------------------------------------------------------
 
 PREVIOUS = "cache_aware+previous"
+# Ours without the cache rank: the engines order their queues by surface and arrival alone, as
+# every run before the rank was made (``affinity.cache_priority: false``).
+NO_RANK_POLICY = "cache_aware+no_rank"
 # Issue 17 made min_match_ratio 0.5 and new prefixes to their context's home (cluster/routing/placement.py;
 # before that, to the least loaded eligible replica) the config's defaults (``cache_aware``), with
 # the index fed by the engines' KV events. ``cache_aware+previous`` is the policy shipped before
 # it, for comparison: a 64-token match steers, a new prefix goes to the rendezvous home of its
 # session id or first 64 tokens, and the index is the routed-record guess. Both are config
 # (``backends[].affinity``), nothing patched.
-PREVIOUS_AFFINITY: dict[str, Any] = {"min_match_ratio": 0.0, "new_prefix": "rendezvous"}
+PREVIOUS_AFFINITY: dict[str, Any] = {
+    "min_match_ratio": 0.0,
+    "new_prefix": "rendezvous",
+    "cache_priority": False,
+}
 # name -> (the backend's affinity config, gateway replicas); "cache_aware+2gw" is ours as shipped
 # behind two gateway replicas, each with its own index fed by the same events (issue 17's goal:
 # within 0.02 of one gateway's hit rate).
 VARIANTS: dict[str, tuple[dict[str, Any], int]] = {
     PREVIOUS: ({**PREVIOUS_AFFINITY, "kv_events": False}, 1),
     "cache_aware+2gw": ({}, 2),
+    NO_RANK_POLICY: ({"cache_priority": False}, 1),
 }
 
 
@@ -426,19 +445,21 @@ def simulate(
     specs: Sequence[RequestSpec],
     token_ids: Sequence[list[int]],
     engines: Sequence[Any],
-    choose: Callable[[int, Sequence[Any], float], int],
+    choose: Callable[[int, Sequence[Any], float], int | tuple[int, int]],
     scale: float,
 ) -> dict[str, Any]:
     """Replay on the engines' virtual clock with closed-loop sessions, as the live client does;
-    ``choose(i, engines, now)`` picks the engine of request ``i``."""
+    ``choose(i, engines, now)`` picks the engine of request ``i``, or ``(engine, priority)``: the
+    engine's queue key (:attr:`cluster.wire.protocol.GenerateRequest.engine_priority`)."""
     reqs: list[Any] = [None] * len(specs)
     last: dict[str, Any] = {}  # session -> its latest request
     held: dict[str, deque[int]] = defaultdict(deque)  # session -> turns waiting for the previous one
 
     def add(i: int, at: float) -> None:
         k = choose(i, engines, at)
+        k, priority = k if isinstance(k, tuple) else (k, 0)
         reqs[i] = last[specs[i].session_id] = engines[k].add_request(
-            f"v{i}", token_ids[i], specs[i].max_tokens, arrival_time=at
+            f"v{i}", token_ids[i], specs[i].max_tokens, arrival_time=at, priority=priority
         )
 
     def advance(t: float) -> None:
@@ -471,20 +492,42 @@ def simulate(
 
 
 def oracle(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: argparse.Namespace) -> Any:
-    """One engine with N replicas' KV cache, N times the compute and the batch limits."""
+    """One engine with N replicas' KV cache, N times the compute and the batch limits, ordering its
+    queue as ours do (a request whose prompt it holds at arrival before one it does not); the same
+    engine in arrival order alone is ``fcfs``."""
+    from cluster.engine.kv import hash_request_tokens
     from cluster.engine.model import EngineModel
 
     n = args.replicas
     pooled = sim_profile(args, n)
-    engine = EngineModel(pooled, step_time_model=_Scaled(pooled.step_time_model(), n))
-    out = simulate(specs, token_ids, [engine], lambda i, e, now: 0, args.speedup)
+
+    def pooled_engine(policy: str) -> Any:
+        return EngineModel(
+            pooled, step_time_model=_Scaled(pooled.step_time_model(), n), scheduling_policy=policy
+        )
+
+    def ranked(i: int, engines: Sequence[Any], now: float) -> tuple[int, int]:
+        e = engines[0]
+        hashes: list[Any] = []
+        hash_request_tokens(token_ids[i], e.block_size, None, hashes)
+        held = len(e.kv.computed_blocks(hashes, len(token_ids[i])))
+        return 0, 0 if hashes and held >= ORACLE_RANK_RATIO * len(hashes) else 1
+
+    out = simulate(specs, token_ids, [pooled_engine("priority")], ranked, args.speedup)
+    fcfs = simulate(specs, token_ids, [pooled_engine("fcfs")], lambda i, e, now: 0, args.speedup)
+    out["fcfs"] = {k: fcfs[k] for k in ("hit_rate", "ttft_p50_sim_ms", "ttft_p90_sim_ms", "ttft_p99_sim_ms")}
     out["definition"] = (
         f"one simulated {PROFILE} engine with {n}x the KV cache ({n} x {args.kv_tokens} tokens), "
         f"{n}x the compute and {n}x the batch limits (a perfectly pooled cluster: no prefix cached "
         "twice, no busy replica), replaying the same token ids at the same simulated times "
-        "(wall arrival x speedup) with closed-loop sessions"
+        "(wall arrival x speedup) with closed-loop sessions; its queue ordered as ours are (a "
+        f"request whose prompt it holds >= {ORACLE_RANK_RATIO} of at arrival first, then arrival); "
+        "'fcfs': the same engine in arrival order (the oracle of runs before the cache rank)"
     )
     return out
+
+
+ORACLE_RANK_RATIO = 0.5  # the config's min_match_ratio: the share of a prompt that ranks it a hit
 
 
 class _AffinityChoice:
@@ -532,7 +575,7 @@ class _AffinityChoice:
             from cluster.engine.kv_events import BlocksQueued
 
             self.logs[k].append([BlocksQueued(self.hashes[i], sid)], now)
-        return k
+        return k, self.policy.cache_rank(d)  # one surface: the engine's key is the cache rank
 
 
 class _Gateways:
@@ -544,21 +587,27 @@ class _Gateways:
         self.choices = choices
         self.n = 0
 
-    def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
+    def __call__(self, i: int, engines: Sequence[Any], now: float) -> int | tuple[int, int]:
         self.n += 1
         return self.choices[self.n % len(self.choices)](i, engines, now)
 
 
-def _engines(profile: Any, n: int, events: bool) -> tuple[list[Any], list[Any] | None]:
-    """n simulated engines; with ``events`` each publishes into its own KV-event log."""
+def _engines(
+    profile: Any, n: int, events: bool, policy: str = "priority"
+) -> tuple[list[Any], list[Any] | None]:
+    """n simulated engines, in the config's default queue order (``priority``: the surface's, then
+    the cache rank) unless told otherwise; with ``events`` each publishes into its own KV-event log."""
     from cluster.engine.kv_events import KVEventLog
     from cluster.engine.model import EngineModel
 
     if not events:
-        return [EngineModel(profile) for _ in range(n)], None
+        return [EngineModel(profile, scheduling_policy=policy) for _ in range(n)], None
     logs = [KVEventLog(epoch=k) for k in range(n)]
     engines = [
-        EngineModel(profile, on_kv_events=lambda ev, end, log=log: log.append(ev, end)) for log in logs
+        EngineModel(
+            profile, scheduling_policy=policy, on_kv_events=lambda ev, end, log=log: log.append(ev, end)
+        )
+        for log in logs
     ]
     return engines, logs
 
@@ -605,11 +654,17 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "least_loaded": {"new_prefix": "least_loaded"},
     "home": {"new_prefix": "home"},
 }
+# Also measured on the other seeds: ours without the cache rank (the engine orders by surface and
+# arrival alone), which is how every run before it was made.
+NO_RANK = {"new_prefix": "home", "cache_priority": False}
+SEED_VARIANTS: dict[str, dict[str, Any]] = {**PLACEMENTS, "home, no cache priority": NO_RANK}
+RAY_ENGINE_POLICY = "fcfs"  # vLLM's default order, as Ray Serve LLM deploys the engines
 WHATIF = {  # name -> (affinity config, fed by KV events)
     "previous (routed records)": ({**PREVIOUS_AFFINITY, "kv_events": False}, False),
     "previous (kv events)": (PREVIOUS_AFFINITY, True),
     "cache_aware (routed records)": ({"kv_events": False}, False),
     "cache_aware (kv events)": ({}, True),
+    "cache_aware, no cache priority (kv events)": ({"cache_priority": False}, True),
     **{f"new_prefix {k} (kv events)": (v, True) for k, v in PLACEMENTS.items()},
 }
 TWO_GATEWAYS = {"cache_aware": {}, **{f"new_prefix {k}": v for k, v in PLACEMENTS.items()}}
@@ -660,7 +715,7 @@ def whatif(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: a
         out[name] = _replay_ours(specs, token_ids, args, affinity, events, 1)
     for name, affinity in TWO_GATEWAYS.items():
         out[f"{name} (kv events, 2 gateways)"] = _replay_ours(specs, token_ids, args, affinity, True, 2)
-    engines, _ = _engines(sim_profile(args), args.replicas, False)
+    engines, _ = _engines(sim_profile(args), args.replicas, False, RAY_ENGINE_POLICY)
     out["ray_prefix (emulated)"] = simulate(
         specs, token_ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup
     )
@@ -678,17 +733,17 @@ def other_seeds(args: argparse.Namespace, tok: Any) -> dict[str, Any] | None:
         specs = workload(args).generate(seed)
         ids = [tok.chat_ids(list(s.messages)) for s in specs]
         row: dict[str, Any] = {"oracle_hit_rate": oracle(specs, ids, args)["hit_rate"]}
-        for k, v in PLACEMENTS.items():
+        for k, v in SEED_VARIANTS.items():
             r = _replay_ours(specs, ids, args, v, True, 1)
             row[k] = {"hit_rate": r["hit_rate_mean"], "ttft_p90_sim_ms": r["ttft_p90_sim_ms_mean"]}
-        engines, _ = _engines(sim_profile(args), args.replicas, False)
+        engines, _ = _engines(sim_profile(args), args.replicas, False, RAY_ENGINE_POLICY)
         ray = simulate(specs, ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup)
         row["ray_prefix (emulated)"] = {
             "hit_rate": ray["hit_rate"],
             "ttft_p90_sim_ms": ray["ttft_p90_sim_ms"],
         }
         rows[str(seed)] = row
-    names = [*PLACEMENTS, "ray_prefix (emulated)"]
+    names = [*SEED_VARIANTS, "ray_prefix (emulated)"]
     mean = {
         n: {
             m: round(sum(r[n][m] for r in rows.values()) / len(rows), 4)

@@ -16,10 +16,11 @@ POLICY_LABELS = {
     "least_loaded": "least_loaded",
     "cache_aware+previous": "cache_aware+previous (before issue 17)",
     "cache_aware": "cache_aware (ours)",
+    "cache_aware+no_rank": "ours without the cache rank (`affinity.cache_priority: false`)",
     "cache_aware+proposed": "ours + proposed change",
     "cache_aware+2gw": "cache_aware, 2 gateway replicas",
 }
-_KV_LIVE_LABELS = {**POLICY_LABELS, "cache_aware": "cache_aware (then: least_loaded placement)"}
+_KV_LIVE_LABELS = {**POLICY_LABELS, "cache_aware": "**cache_aware (ours: `home` placement, cache rank)**"}
 WHATIF_LABELS = {
     "previous (routed records)": (
         "ours before issue 17 (routed-record index, rendezvous home, no match ratio)"
@@ -27,7 +28,10 @@ WHATIF_LABELS = {
     "previous (kv events)": "same, index fed by KV events",
     "new_prefix least_loaded (kv events)": "`new_prefix: least_loaded` (the previous default), KV events",
     "new_prefix least_loaded (kv events, 2 gateways)": "same, 2 gateway replicas",
-    "cache_aware (kv events)": "**ours now: `new_prefix: home`** (KV events, `min_match_ratio` 0.5)",
+    "cache_aware (kv events)": (
+        "**ours now: `new_prefix: home`, cache rank** (KV events, `min_match_ratio` 0.5)"
+    ),
+    "cache_aware, no cache priority (kv events)": "ours now without the cache rank (`cache_priority: false`)",
     "cache_aware (kv events, 2 gateways)": "ours now, 2 gateway replicas on the same events",
     "cache_aware (routed records)": "ours now without KV events (`affinity.kv_events: false`)",
     "ray_prefix (emulated)": "Ray's prefix router (emulated)",
@@ -121,6 +125,7 @@ def kv_pressure_virtual(r: Results) -> str:
 SEED_COLUMNS = (
     ("least_loaded", "least_loaded"),
     ("home", "home"),
+    ("home, no cache priority", "home, no cache rank"),
     ("ray_prefix (emulated)", "Ray (emulated)"),
 )
 
@@ -145,4 +150,5 @@ def kv_pressure_seeds(r: Results) -> str:
     ]
     mean = other["mean"]
     rows.append(["mean", fixed(mean["oracle_hit_rate"], 3), *cells(mean)])
-    return table(["kv_pressure seed", "oracle", *(label for _, label in SEED_COLUMNS)], "lllll", rows)
+    heads = ["kv_pressure seed", "oracle", *(label for _, label in SEED_COLUMNS)]
+    return table(heads, "l" * len(heads), rows)

@@ -332,7 +332,7 @@ class SimBackend:
             arrival_time=self._vnow(),
             stop_after=stop_after,
             seed=seed,
-            priority=req.priority,
+            priority=req.engine_priority,
         )
         stream = _Stream(sim_req)
         self._streams[req.route_key] = stream

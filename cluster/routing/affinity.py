@@ -53,6 +53,19 @@ The decision, in order (reason in brackets):
 
 ``diverted`` says the bound overrode the preferred replica (session, deeper prefix or home), and
 ``best_blocks`` what the longest match would have been: the cache hits given up to balance load.
+
+The cache rank (:meth:`AffinityRouter.cache_rank`, ``cache_priority``): 0 when the chosen replica
+holds enough of the prompt to have steered it there (the prefix rule's threshold), else 1. The
+engine orders its waiting queue by (surface priority, cache rank, arrival)
+(:attr:`cluster.wire.protocol.GenerateRequest.engine_priority`): within a surface, a request whose
+context is cached runs before a waiting one whose context is not. Under KV pressure a queued
+request does not pin its blocks, so behind a queue of other contexts' misses its cached context
+is evicted before it runs and it misses too; served first, it hits, and its prefill is short
+(shortest job first: the queue drains faster). SGLang reorders its own waiting queue by prefix
+match for the same reason; vLLM's priority policy lets the gateway do it for vLLM.
+loadtest/bench_affinity.py's kv_pressure measured it (BENCHMARKS.md, issue 17). A miss waits
+while hits of its surface wait: under a sustained flood of hits it waits longer (admission's
+limits bound the flood), never behind another surface's lower priority.
 """
 
 from __future__ import annotations
@@ -121,6 +134,7 @@ class AffinityParams:
     session_capacity: int = 100_000
     session_ttl_s: float = 1800.0
     kv_map_capacity: int = 262_144  # engine hash -> our hash, per replica (KV events)
+    cache_priority: bool = True  # rank expected hits before misses in the engine's queue (docstring)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
@@ -323,6 +337,15 @@ class AffinityRouter:
         if who is None or lo < self._min_blocks:
             return None
         return next((xb for xb in eligible if xb[0].replica == who), None)
+
+    def cache_rank(self, d: RouteDecision) -> int:
+        """The request's cache rank on the chosen replica (module docstring): 0 when it holds at
+        least the prefix rule's share of the prompt, else 1; always 0 with ``cache_priority`` off
+        (the engine then orders by surface and arrival alone)."""
+        if not self.params.cache_priority:
+            return 0
+        need = max(self._min_blocks, math.ceil(self.params.min_match_ratio * d.total_blocks))
+        return 0 if d.total_blocks and d.matched_blocks >= need else 1
 
     def _matched(self, hashes: Sequence[BlockHash], replica_bit: int) -> int:
         return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0

@@ -41,11 +41,13 @@ class ReplicaInfo:
 
 @dataclass
 class Choice:
-    """The decision for one attempt: the replica's id and endpoint, and why."""
+    """The decision for one attempt: the replica's id and endpoint, why, and the attempt's cache
+    rank there (:meth:`cluster.routing.affinity.AffinityRouter.cache_rank`; 0 without a policy)."""
 
     replica: str
     url: str
     decision: RouteDecision
+    cache_rank: int = 0
 
 
 @dataclass
@@ -117,7 +119,8 @@ class BackendView:
             replica = min(self.live, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
         url = self.live[replica].url
         assert url is not None  # sync keeps only replicas with an endpoint
-        return Choice(replica, url, decision)
+        ranked = self.policy is not None and self.mode == "cache_aware"
+        return Choice(replica, url, decision, self.policy.cache_rank(decision) if ranked else 0)
 
     def started(
         self, choice: Choice, hashes: Sequence[BlockHash], now: float, session_id: str | None

@@ -289,6 +289,9 @@ class GenerateRequest:
     prompt_text: str | None = None  # completion requests (or the rendered chat prompt)
     surface: str = "chat"
     priority: int = 0  # the surface's: the engine schedules lower numbers first (vLLM's priority policy)
+    # The gateway's word on this attempt's replica: 0 its cache holds the prompt's context, 1 not
+    # (cluster.routing.affinity.AffinityRouter.cache_rank); set as the attempt is routed.
+    cache_rank: int = 0
     session_id: str | None = None
     deadline: float | None = None  # epoch seconds
     attempt: int = 0  # 0 for the first try, 1.. for failovers and hedges
@@ -299,6 +302,12 @@ class GenerateRequest:
     # How a self-hosted engine reads tool calls out of its text (cluster.wire.tool_schema.ToolPlan.parse:
     # mode hermes / named / list, name, max_calls, stop); None: no tools to parse.
     tool_parse: dict[str, Any] | None = None
+
+    @property
+    def engine_priority(self) -> int:
+        """The engine's queue key (vLLM's ``priority``, lower first): the surface's priority, then
+        within it a cached context before one that is not."""
+        return 2 * self.priority + (1 if self.cache_rank else 0)
 
     @property
     def route_key(self) -> str:

@@ -79,11 +79,23 @@ def test_sim_answers_the_openai_client_and_is_labelled(sim) -> None:
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
 
 
+def _ranks(sim) -> dict[str, list[int]]:
+    """Each engine replica's requests by the cache rank the gateway sent (0: expected hit)."""
+    return {rid: s.extra["by_cache_rank"] for rid, s in sim.replica_stats().items()}
+
+
 def test_shared_prefix_lands_on_the_holder_and_hits(sim) -> None:
+    ranks_before = _ranks(sim)
     first = _chat(sim, "question zero")
     assert first.status_code == 200, first.text
     holder = first.headers["x-llmc-replica"]
     hits_before = sim.replica_stats()[holder].prefix_cache_hits
+    # The engine heard from the gateway whether the prompt's context was cached there: not yet
+    # for the first (a new prefix: it queues behind cached contexts of its surface), then yes.
+    ranks_first = _ranks(sim)
+    cached_first = first.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    expected_first = [0, 1] if cached_first < 1000 else [1, 0]
+    assert [a - b for a, b in zip(ranks_first[holder], ranks_before[holder], strict=True)] == expected_first
     served = collections.Counter()
     for i in range(1, 7):
         r = _chat(sim, f"question {i}")
@@ -91,6 +103,7 @@ def test_shared_prefix_lands_on_the_holder_and_hits(sim) -> None:
         served[r.headers["x-llmc-replica"]] += 1
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 1000
     assert served == {holder: 6}
+    assert _ranks(sim)[holder][0] == ranks_first[holder][0] + 6
     stats = sim.wait_stats(lambda s: s[holder].prefix_cache_hits >= hits_before + 6 * 1000)
     assert stats[holder].prefix_cache_hits >= hits_before + 6 * 1000
 

@@ -247,6 +247,26 @@ def test_a_match_below_the_minimum_goes_to_the_home_replica():
     assert rt2.decide(hs, loads(R4), random.Random(0), 0).reason == "prefix"
 
 
+def test_cache_rank_says_whether_the_chosen_replica_holds_the_prompts_context():
+    rt = router(min_match_tokens=16, min_match_ratio=0.5)
+    hs = rt.hash(toks(1024))  # 64 blocks
+    rt.record("r1", hs[:40], 0)
+    hit = rt.decide(hs, loads(R4), random.Random(0), 0)
+    assert (hit.replica, hit.reason, rt.cache_rank(hit)) == ("r1", "prefix", 0)
+    # r1 over the bound: the prompt goes elsewhere and misses there
+    busy = rt.decide(hs, loads(R4, r1={"in_flight": 20}), random.Random(0), 0)
+    assert busy.replica != "r1" and busy.best_blocks == 40 and rt.cache_rank(busy) == 1
+    new = rt.decide(rt.hash(toks(1024, seed=3)), loads(R4), random.Random(0), 0)
+    assert new.reason == "new_prefix" and rt.cache_rank(new) == 1
+    # below the prefix rule's share of the prompt, a partial match does not rank as a hit
+    rt.record("r2", hs[:31], 0)
+    partial = rt.decide(hs, loads(R4, r1={"healthy": False}), random.Random(0), 0)
+    assert partial.matched_blocks in (0, 31) and rt.cache_rank(partial) == 1
+    assert rt.cache_rank(rt.decide([], loads(R4), random.Random(0), 0)) == 1  # no full block
+    off = router(min_match_tokens=16, min_match_ratio=0.5, cache_priority=False)
+    assert off.cache_rank(new) == 0 and off.cache_rank(hit) == 0  # the engine orders by surface alone
+
+
 def test_new_prefix_homes_spread_over_replicas():
     rt = router()
     names = [f"r{i}" for i in range(8)]

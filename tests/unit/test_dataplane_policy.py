@@ -91,6 +91,36 @@ def test_the_view_prefers_the_prefix_holder_and_avoids_earlier_replicas() -> Non
     assert other is not None and other.replica != first.replica
 
 
+def test_the_views_choice_carries_the_attempts_cache_rank() -> None:
+    v = _view()
+    v.sync([ReplicaInfo("r1", "http://a"), ReplicaInfo("r2", "http://b")])
+    hashes = v.policy.hash(list(range(16)))  # type: ignore[union-attr]
+    first = v.choose(hashes, 0.0)
+    assert first is not None and first.cache_rank == 1  # nothing cached yet
+    v.started(first, hashes, 0.0, None)
+    again = v.choose(hashes, 0.0)
+    assert again is not None and again.replica == first.replica and again.cache_rank == 0
+    elsewhere = v.choose(hashes, 0.0, avoid=[first.replica])
+    assert elsewhere is not None and elsewhere.cache_rank == 1
+    by_load = BackendView("b", v.policy, ReplicaEjector(), 8, mode="least_loaded")
+    by_load.sync([ReplicaInfo("r1", "http://a")])
+    assert by_load.choose(hashes, 0.0).cache_rank == 0  # type: ignore[union-attr]  # no ranking
+
+
+def test_the_engine_queues_by_surface_then_cache_rank() -> None:
+    def key(priority: int, rank: int) -> int:
+        req = GenerateRequest(
+            "r", "m", "chat", [1], Sampling(max_tokens=1), priority=priority, cache_rank=rank
+        )
+        back = parse_request(request_body(req, META, False))[0]
+        assert back.cache_rank == rank  # it reaches the engine replica
+        return back.engine_priority
+
+    assert (
+        key(0, 0) < key(0, 1) < key(1, 0) < key(1, 1) < key(2, 0) < key(2, 1)
+    )  # Tab's miss before Chat's hit
+
+
 def test_slots_and_the_avoid_set() -> None:
     backends = {
         "vllm": BackendConfig.model_validate({"name": "vllm", "kind": "sim", "model": "m", "replicas": 2}),

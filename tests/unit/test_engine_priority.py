@@ -60,6 +60,31 @@ def test_memory_pressure_preempts_the_lower_priority_request(policy: SchedulingP
     assert e.kv.pool.num_free == 8
 
 
+def test_within_a_surface_a_cached_context_runs_before_an_earlier_miss() -> None:
+    """The gateway's cache rank (GenerateRequest.engine_priority): with the batch full, a request
+    whose prompt is cached queued after one whose prompt is not; the engine runs the cached one
+    first, and it hits (the miss's prefill would have come first under fcfs)."""
+    from cluster.wire.protocol import GenerateRequest, Sampling
+
+    def prio(rank: int) -> int:
+        return GenerateRequest(
+            "x", "m", "chat", [1], Sampling(max_tokens=1), priority=AGENT, cache_rank=rank
+        ).engine_priority
+
+    e = EngineModel(make_profile(max_num_seqs=1, max_model_len=64), scheduling_policy="priority")
+    e.add_request("warm", toks(0, 16), 1, priority=prio(1))
+    e.run()
+    e.add_request("run", toks(500, 8), 12, priority=prio(1))
+    e.step()
+    e.add_request("miss", toks(900, 16), 2, priority=prio(1))
+    e.add_request("hit", toks(0, 16) + toks(40, 4), 2, arrival_time=e.now + 0.001, priority=prio(0))
+    e.run()
+    hit, miss = e.requests["hit"], e.requests["miss"]
+    assert hit.first_scheduled_time is not None and miss.first_scheduled_time is not None
+    assert hit.first_scheduled_time < miss.first_scheduled_time
+    assert hit.num_cached_tokens >= 12 and miss.num_cached_tokens == 0
+
+
 def test_abort_takes_a_waiting_request_out_of_the_priority_queue() -> None:
     e = EngineModel(make_profile(max_num_seqs=1), scheduling_policy="priority")
     e.add_request("run", toks(0, 8), 8, priority=AGENT)

@@ -351,3 +351,15 @@ def test_sim_options_are_validated() -> None:
 def test_fake_words_are_distinct_per_token() -> None:
     words = [fake_word(i) for i in range(2048)]
     assert len(set(words)) == 2048 and all(w.startswith(" ") for w in words)
+
+
+async def test_the_engine_queues_by_the_requests_engine_priority() -> None:
+    """The surface's priority and the gateway's cache rank reach the simulated engine's queue key."""
+    b = make()
+    req = greq("ranked", toks(0, 8), 40)
+    req.priority, req.cache_rank = 2, 1
+    gen = b.generate(req)
+    await anext(gen)  # running: the engine still holds it
+    assert b.engine.requests[req.route_key].priority == req.engine_priority == 5
+    assert len([c async for c in gen]) == 39
+    assert await settled(b)
