@@ -58,7 +58,7 @@ def test_the_internal_request_round_trips() -> None:
     back, meta, collect = parse_request(request_body(req, META, True))
     assert back == req and meta == META and collect
     agent = GenerateRequest("r2", "m", "chat", [1], Sampling(max_tokens=1), surface="agent", priority=2)
-    assert parse_request(request_body(agent, META, False))[0].priority == 2  # the engine's queue key
+    assert parse_request(request_body(agent, META, False))[0].priority == 2  # the surface part of the key
 
 
 def _view(n_blocks_capacity: int = 1000) -> BackendView:
