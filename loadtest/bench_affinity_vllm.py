@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -195,31 +196,40 @@ def _figures(results: Sequence[Result], wall_s: float) -> dict[str, Any]:
     return out
 
 
-def _replay(
-    url: str, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec]
-) -> tuple[list[Result], float]:
-    async def go() -> tuple[list[Result], float]:
-        await replay(url, warm, timeout_s=120.0, model=MODEL)  # the engines' first steps, not recorded
-        return await replay(url, specs, timeout_s=120.0, model=MODEL)
+def _replay(url: str, specs: Sequence[RequestSpec]) -> tuple[list[Result], float]:
+    return asyncio.run(replay(url, specs, timeout_s=120.0, model=MODEL))
 
-    return asyncio.run(go())
+
+def _measured(
+    url: str, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], counters: Any
+) -> tuple[list[Result], float, dict[str, Any]]:
+    """Warm the engines up (their first steps, other groups' prompts: not counted), then replay
+    ``specs`` between two settled reads of the engines' counters."""
+    _replay(url, warm)
+    before = settled(counters)
+    results, wall = _replay(url, specs)
+    return results, wall, _delta(before, settled(counters))
 
 
 def run_ours(
-    cfg: ClusterConfig, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], logdir: Path, token: str
+    name: str,
+    cfg: ClusterConfig,
+    specs: Sequence[RequestSpec],
+    warm: Sequence[RequestSpec],
+    logdir: Path,
+    token: str,
 ) -> dict[str, Any]:
     port = free_port()
-    with OursCluster("aff-ours", cfg, port, logdir) as ours:
+    # Its own name: the ready file is per name, and a previous leg's would say "ok" at once.
+    with OursCluster(f"aff-{name}-{port}", cfg, port, logdir) as ours:
         startup = ours.wait_ready(STARTUP_S)
         base = f"http://{HOST}:{port}"
         deadline = time.monotonic() + 120
         while len(_ours_counters(base, token)) < 2 and time.monotonic() < deadline:
             time.sleep(1)
-        before = settled(lambda: _ours_counters(base, token))
-        results, wall = _replay(ours.url, specs, warm)
-        after = settled(lambda: _ours_counters(base, token))
+        results, wall, engines = _measured(ours.url, specs, warm, lambda: _ours_counters(base, token))
         routing = json.loads(_get(base + "/internal/status", {"x-llmc-internal": token}))["routing"]
-    out = {**_figures(results, wall), **_delta(before, after), "startup_s": round(startup, 1)}
+    out = {**_figures(results, wall), **engines, "startup_s": round(startup, 1)}
     out["decisions_one_gateway"] = {b: v.get("decisions") for b, v in routing.items()}
     out["requests_per_replica"] = sorted(_count(r.replica for r in results if r.replica), reverse=True)
     out["problems"] = ours.problems()
@@ -256,11 +266,10 @@ def run_vllm_router(
         stack.enter_context(router)
         startup = time.monotonic() - t0
         ports = [p for _, p in servers]
-        before = settled(lambda: _server_counters(ports))
-        results, wall = _replay(f"http://{HOST}:{rport}/v1/chat/completions", specs, warm)
-        after = settled(lambda: _server_counters(ports))
+        url = f"http://{HOST}:{rport}/v1/chat/completions"
+        results, wall, engines = _measured(url, specs, warm, lambda: _server_counters(ports))
     left = {p.name: p.leftovers for p in [router, *(p for p, _ in servers)] if p.leftovers}
-    out = {**_figures(results, wall), **_delta(before, after), "startup_s": round(startup, 1)}
+    out = {**_figures(results, wall), **engines, "startup_s": round(startup, 1)}
     out["problems"] = [f"killed leftovers after stop: {left}"] if left else []
     return out
 
@@ -273,8 +282,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, token: str, logdir: Pa
 
     wl = workload(SCENARIOS[scenario], args.rate)
     specs = wl.generate(args.seed)
-    warm = workload(2, args.rate)
-    warm.name = "warm"
+    warm = dataclasses.replace(workload(2, args.rate), name="warm")
     warm_specs = warm.generate(args.seed + 1000)
     tok = tokens.load("@tiny")
     ids = [tok.chat_ids(list(s.messages)) for s in specs]
@@ -297,7 +305,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, token: str, logdir: Pa
         try:
             if policy.startswith("ours"):
                 cfg = config(args.kv_tokens, cache_priority=policy == "ours")
-                fig = run_ours(cfg, specs, warm_specs, logdir, token)
+                fig = run_ours(policy, cfg, specs, warm_specs, logdir, token)
             else:
                 cfg = config(args.kv_tokens, cache_priority=True)
                 fig = run_vllm_router(cfg, policy.removeprefix("vllm_router_"), specs, warm_specs, logdir)
@@ -333,7 +341,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--scenario", default="fits,kv_pressure", help=f"comma list of {', '.join(SCENARIOS)}")
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     ap.add_argument("--kv-tokens", type=int, default=8192, help="KV cache per engine replica, in tokens")
-    ap.add_argument("--rate", type=float, default=6.0, help="requests per second (Poisson)")
+    ap.add_argument("--rate", type=float, default=20.0, help="requests per second (Poisson)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
