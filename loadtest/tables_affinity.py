@@ -152,3 +152,46 @@ def kv_pressure_seeds(r: Results) -> str:
     rows.append(["mean", fixed(mean["oracle_hit_rate"], 3), *cells(mean)])
     heads = ["kv_pressure seed", "oracle", *(label for _, label in SEED_COLUMNS)]
     return table(heads, "l" * len(heads), rows)
+
+
+# Affinity on vLLM-CPU (affinity_vllm.json, loadtest/bench_affinity_vllm.py) -------------------------
+
+VLLM_LABELS = {
+    "ours": "**ours** (cache_aware: KV events, `home`, cache rank)",
+    "ours_no_rank": "ours without the cache rank",
+    "vllm_router_cache_aware": "vllm-router `cache_aware`",
+    "vllm_router_round_robin": "vllm-router `round_robin`",
+}
+VLLM_RUN_1 = "9e2ed2b"  # affinity_vllm.json's run 1 (one round per policy), as that commit holds it
+
+
+def _rounds(p: dict[str, Any]) -> str:
+    """Each round's hit rate (one round: the file before ``--repeat``)."""
+    runs = p.get("runs") or [p]
+    return ", ".join(fixed(r["hit_rate"], 3) if r.get("hit_rate") is not None else "failed" for r in runs)
+
+
+def _vllm_rows(d: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, s in d["scenarios"].items():
+        for k, label in _ordered(s["policies"], VLLM_LABELS):
+            p = s["policies"][k]
+            ttft = " / ".join(fixed(p[f"ttft_{q}_ms"], 0) for q in ("p50", "p90", "p99"))
+            rows.append([f"{name} ({fixed(s['unlimited_kv_hit_rate'], 3)})", label, fixed(p["hit_rate"], 3)])
+            rows[-1] += [_rounds(p), ttft]
+    return rows
+
+
+def _vllm_table(d: dict[str, Any]) -> str:
+    heads = ["scenario (unlimited KV)", "policy", "hit rate", "per round", "TTFT p50 / p90 / p99 ms"]
+    return table(heads, "lllll", _vllm_rows(d))
+
+
+def affinity_vllm(r: Results) -> str:
+    """Hit rates to 3 decimals (the mean over rounds, then each round), TTFT in whole wall ms
+    (the mean of the rounds' percentiles)."""
+    return _vllm_table(r.get("affinity_vllm"))
+
+
+def affinity_vllm_run_1(r: Results) -> str:
+    return _vllm_table(r.get("affinity_vllm", at=VLLM_RUN_1))

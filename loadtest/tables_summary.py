@@ -75,6 +75,18 @@ def _kv_pressure(r: Results) -> str:
     return out + f", 2 gateways {_met(kv['two_gateways_minus_one'] <= 0.02)}"
 
 
+def _affinity_vllm(r: Results) -> str:
+    """kv_pressure's means over the rounds: ours against vllm-router cache_aware."""
+    pol = r.get("affinity_vllm")["scenarios"]["kv_pressure"]["policies"]
+    ours, peer = pol["ours"], pol["vllm_router_cache_aware"]
+    minus = ours["hit_rate"] - peer["hit_rate"]
+    over = peer["ttft_p90_ms"] / ours["ttft_p90_ms"]
+    return (
+        f"hit rate {signed(minus, 3)} {_met(minus >= 0.05)}; TTFT p90 {fixed(over, 2)}× {_met(over >= 1.3)} "
+        f"({ours.get('rounds', 1)} rounds)"
+    )
+
+
 def _overload_shared(r: Results) -> str:
     """Each goal against the file: the feature's variant at the highest factor (``on``, against
     ``off`` for the goodput), and hung requests over every phase of both variants; on vLLM-CPU,
@@ -181,6 +193,13 @@ ROWS: list[Row] = [
         "affinity.json",
         "fits ≥ 95 % of oracle; kv_pressure ≥ Ray + 0.05, ≥ 1.3× TTFT p90; 2 gateways within 0.02",
         _kv_pressure,
+    ),
+    (
+        "Affinity on vLLM-CPU",
+        "`python -m loadtest.bench_affinity_vllm`",
+        "affinity_vllm.json",
+        "kv_pressure ≥ the peer's hit rate + 0.05, ≥ 1.3× TTFT p90 (peer here: vllm-router cache_aware)",
+        _affinity_vllm,
     ),
     (
         "Overload",
