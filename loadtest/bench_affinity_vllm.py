@@ -12,11 +12,10 @@ Policies, each on fresh engines (cold caches), one after the other:
 * ``ours``: our cluster (``configs/local.yaml``: 2 vLLM-CPU replicas, HAProxy, 2 gateway replicas),
   cache-aware routing as the config ships it (KV events, ``home`` placement, the cache rank);
 * ``ours_no_rank``: the same with ``affinity.cache_priority: false`` (the engines queue by arrival);
+* ``ray_prefix``: Ray Serve LLM (``build_openai_app``) with its PrefixCacheAffinityRouter, its
+  defaults, 2 replicas with the same engine arguments (:mod:`loadtest.ray_llm_peer`);
 * ``vllm_router_cache_aware`` / ``vllm_router_round_robin``: ``vllm-router`` (PyPI 0.1.17) with that
   policy in front of two ``vllm.entrypoints.openai.api_server`` processes.
-
-Ray Serve LLM's PrefixCacheAffinityRouter is not run here (see BENCHMARKS.md: the virtual-clock
-emulation in :mod:`loadtest.bench_affinity` stands for it).
 
 Workload (:class:`loadtest.workloads.SharedPrefixWorkload`): groups with a ~1.2K-token system prompt
 + repository context, Zipf-skewed sessions per group (2 on average), 3 turns each extending the last,
@@ -72,7 +71,7 @@ OUT = ROOT / "loadtest" / "results" / "affinity_vllm.json"
 CONFIG = ROOT / "configs" / "local.yaml"
 MODEL = "tiny-llama"
 SCENARIOS = {"fits": 8, "kv_pressure": 16}  # groups of ~1.2K-token contexts
-POLICIES = ("ours", "ours_no_rank", "vllm_router_cache_aware", "vllm_router_round_robin")
+POLICIES = ("ours", "ours_no_rank", "ray_prefix", "vllm_router_cache_aware", "vllm_router_round_robin")
 STARTUP_S = 600.0
 
 
@@ -159,17 +158,24 @@ def _server_counters(ports: Sequence[int]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def settled(read: Any, timeout_s: float = 20.0) -> dict[str, tuple[int, int]]:
-    """The counters once two reads 1 s apart agree (the engines publish them after each step)."""
+def settled(read: Any, at_least: int = 0, timeout_s: float = 60.0) -> dict[str, tuple[int, int]]:
+    """The counters once they count ``at_least`` queries in all (the prompt tokens sent so far:
+    vLLM counts each prompt's tokens once) and two reads 1 s apart agree. Our engines and the plain
+    servers publish after each step; Ray exports its metrics in batches seconds apart, and a read
+    that merely stopped changing missed 43 % of a replay (trial run of the Ray leg)."""
     last = read()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(1.0)
         now = read()
-        if now == last:
+        if now == last and sum(q for q, _ in now.values()) >= at_least:
             return now
         last = now
     return last
+
+
+def _prompt_tokens(results: Sequence[Result]) -> int:
+    return sum(r.prompt_tokens for r in results if r.status == 200)
 
 
 def _delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, Any]:
@@ -210,10 +216,12 @@ def _measured(
 ) -> tuple[list[Result], float, dict[str, Any]]:
     """Warm the engines up (their first steps, other groups' prompts: not counted), then replay
     ``specs`` between two settled reads of the engines' counters."""
-    _replay(url, warm)
-    before = settled(counters)
+    warmed, _ = _replay(url, warm)
+    before = settled(counters, _prompt_tokens(warmed))
     results, wall = _replay(url, specs)
-    return results, wall, _delta(before, settled(counters))
+    sent = _prompt_tokens(results)
+    after = settled(counters, sum(q for q, _ in before.values()) + sent)
+    return results, wall, {**_delta(before, after), "prompt_tokens_sent": sent}
 
 
 def run_ours(
@@ -238,6 +246,20 @@ def run_ours(
     out["decisions_one_gateway"] = {b: v.get("decisions") for b, v in routing.items()}
     out["requests_per_replica"] = sorted(_count(r.replica for r in results if r.replica), reverse=True)
     out["problems"] = ours.problems()
+    return out
+
+
+def run_ray_prefix(
+    cfg: ClusterConfig, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], logdir: Path
+) -> dict[str, Any]:
+    from loadtest.ray_llm_peer import RayLLMPeer
+
+    port = free_port()
+    with RayLLMPeer(f"aff-ray-prefix-{port}", cfg, port, logdir) as peer:
+        startup = peer.wait_ready(STARTUP_S)
+        results, wall, engines = _measured(peer.url, specs, warm, peer.counters)
+    out = {**_figures(results, wall), **engines, "startup_s": round(startup, 1)}
+    out["problems"] = peer.problems()
     return out
 
 
@@ -327,6 +349,8 @@ def _leg(
         if policy.startswith("ours"):
             cfg = config(args.kv_tokens, cache_priority=policy == "ours")
             fig = run_ours(policy, cfg, specs, warm, logdir, token)
+        elif policy == "ray_prefix":
+            fig = run_ray_prefix(config(args.kv_tokens, cache_priority=True), specs, warm, logdir)
         else:
             cfg = config(args.kv_tokens, cache_priority=True)
             fig = run_vllm_router(cfg, policy.removeprefix("vllm_router_"), specs, warm, logdir)

@@ -159,6 +159,7 @@ def kv_pressure_seeds(r: Results) -> str:
 VLLM_LABELS = {
     "ours": "**ours** (cache_aware: KV events, `home`, cache rank)",
     "ours_no_rank": "ours without the cache rank",
+    "ray_prefix": "Ray Serve LLM `PrefixCacheAffinityRouter`",
     "vllm_router_cache_aware": "vllm-router `cache_aware`",
     "vllm_router_round_robin": "vllm-router `round_robin`",
 }
