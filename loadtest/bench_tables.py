@@ -39,7 +39,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "affinity-kv-pressure-virtual": tables_affinity.kv_pressure_virtual,
     "affinity-kv-pressure-seeds": tables_affinity.kv_pressure_seeds,
     "affinity-vllm": tables_affinity.affinity_vllm,
-    "affinity-vllm-run-1": tables_affinity.affinity_vllm_run_1,
+    "affinity-vllm-earlier": tables_affinity.affinity_vllm_earlier,
     "overhead": tables_load.overhead,
     "faults-issue-10": tables_reliability.faults_issue_10,
     "faults-final": tables_reliability.faults_final,

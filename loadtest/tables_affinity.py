@@ -163,7 +163,8 @@ VLLM_LABELS = {
     "vllm_router_cache_aware": "vllm-router `cache_aware`",
     "vllm_router_round_robin": "vllm-router `round_robin`",
 }
-VLLM_RUN_1 = "9e2ed2b"  # affinity_vllm.json's run 1 (one round per policy), as that commit holds it
+# Earlier runs of affinity_vllm.json's kv_pressure, as the commits that hold them recorded them.
+VLLM_EARLIER_RUNS = (("1", "9e2ed2b"), ("2", "f7803f5"))
 
 
 def _rounds(p: dict[str, Any]) -> str:
@@ -194,5 +195,12 @@ def affinity_vllm(r: Results) -> str:
     return _vllm_table(r.get("affinity_vllm"))
 
 
-def affinity_vllm_run_1(r: Results) -> str:
-    return _vllm_table(r.get("affinity_vllm", at=VLLM_RUN_1))
+def affinity_vllm_earlier(r: Results) -> str:
+    """kv_pressure of the earlier runs (same rounding as :func:`affinity_vllm`)."""
+    rows = []
+    for run, at in VLLM_EARLIER_RUNS:
+        d = r.get("affinity_vllm", at=at)
+        only = {"scenarios": {"kv_pressure": d["scenarios"]["kv_pressure"]}}
+        rows += [[f"{run} ({at})", *row[1:]] for row in _vllm_rows(only)]
+    heads = ["run (commit)", "policy", "hit rate", "per round", "TTFT p50 / p90 / p99 ms"]
+    return table(heads, "lllll", rows)
