@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -50,17 +49,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
-from deployments.local import free_port
-from loadtest.bench_overhead import start_vllm_router, vllm_env, vllm_server_cmd
+from deployments.local import free_port, gateway_status, replica_stats
+from loadtest.bench_overhead import peer_stack
 from loadtest.overhead_client import HOST
 from loadtest.overhead_cluster import OursCluster
-from loadtest.procs import LegFailed, Proc, wait_http
+from loadtest.procs import LegFailed
 from loadtest.provenance import git_state, provenance
 from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import Result, ms, percentile, replay
@@ -123,24 +123,14 @@ def unlimited_kv_hit_rate(token_ids: Sequence[list[int]], block: int) -> float:
 # --- engine counters ---------------------------------------------------------------------------------
 
 
-def _get(url: str, headers: dict[str, str] | None = None) -> bytes:
-    req = urllib.request.Request(url, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=10) as resp:  # loopback only
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # loopback only
         return resp.read()
 
 
-def _ours_counters(base: str, token: str) -> dict[str, tuple[int, int]]:
+def _ours_counters(base: str) -> dict[str, tuple[int, int]]:
     """replica -> (queries, hits), from each engine replica's stats (its own vLLM counters)."""
-    from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
-
-    head = {INTERNAL_TOKEN_HEADER: token}
-    st = json.loads(_get(base + "/internal/status", head))
-    out = {}
-    for view in st["routing"].values():
-        for rid, url in view["replicas"].items():
-            s = json.loads(_get(url + "/stats", head))
-            out[rid] = (int(s["prefix_cache_queries"]), int(s["prefix_cache_hits"]))
-    return out
+    return {r: (s.prefix_cache_queries, s.prefix_cache_hits) for r, s in replica_stats(base).items()}
 
 
 _METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\}\s+([0-9.eE+]+)$", re.M)
@@ -225,12 +215,7 @@ def _measured(
 
 
 def run_ours(
-    name: str,
-    cfg: ClusterConfig,
-    specs: Sequence[RequestSpec],
-    warm: Sequence[RequestSpec],
-    logdir: Path,
-    token: str,
+    name: str, cfg: ClusterConfig, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], logdir: Path
 ) -> dict[str, Any]:
     port = free_port()
     # Its own name: the ready file is per name, and a previous leg's would say "ok" at once.
@@ -238,13 +223,15 @@ def run_ours(
         startup = ours.wait_ready(STARTUP_S)
         base = f"http://{HOST}:{port}"
         deadline = time.monotonic() + 120
-        while len(_ours_counters(base, token)) < 2 and time.monotonic() < deadline:
+        while len(_ours_counters(base)) < 2 and time.monotonic() < deadline:
             time.sleep(1)
-        results, wall, engines = _measured(ours.url, specs, warm, lambda: _ours_counters(base, token))
-        routing = json.loads(_get(base + "/internal/status", {"x-llmc-internal": token}))["routing"]
+        results, wall, engines = _measured(ours.url, specs, warm, lambda: _ours_counters(base))
+        routing = gateway_status(base)["routing"]
     out = {**_figures(results, wall), **engines, "startup_s": round(startup, 1)}
     out["decisions_one_gateway"] = {b: v.get("decisions") for b, v in routing.items()}
-    out["requests_per_replica"] = sorted(_count(r.replica for r in results if r.replica), reverse=True)
+    out["requests_per_replica"] = sorted(
+        Counter(r.replica for r in results if r.replica).values(), reverse=True
+    )
     out["problems"] = ours.problems()
     return out
 
@@ -263,13 +250,6 @@ def run_ray_prefix(
     return out
 
 
-def _count(xs: Any) -> list[int]:
-    c: dict[str, int] = {}
-    for x in xs:
-        c[x] = c.get(x, 0) + 1
-    return list(c.values())
-
-
 def run_vllm_router(
     cfg: ClusterConfig,
     policy: str,
@@ -277,34 +257,18 @@ def run_vllm_router(
     warm: Sequence[RequestSpec],
     logdir: Path,
 ) -> dict[str, Any]:
-    t0 = time.monotonic()
-    with contextlib.ExitStack() as stack:  # closes in reverse: the router first, then the servers
-        servers = []
-        for i in range(2):
-            port, scratch = free_port(), logdir / f"aff-vllm-{policy}-{i}-scratch"
-            proc = Proc(
-                f"aff-vllm-{policy}-{i}", vllm_server_cmd(cfg, port), logdir, env=vllm_env(cfg, scratch)
-            )
-            servers.append((stack.enter_context(proc), port))
-        for proc, port in servers:
-            wait_http(f"http://{HOST}:{port}/health", proc, STARTUP_S)
-        workers = [f"http://{HOST}:{port}" for _, port in servers]
-        router, rport = start_vllm_router(f"aff-router-{policy}", workers, policy, logdir)
-        stack.enter_context(router)
-        startup = time.monotonic() - t0
-        ports = [p for _, p in servers]
-        url = f"http://{HOST}:{rport}/v1/chat/completions"
-        results, wall, engines = _measured(url, specs, warm, lambda: _server_counters(ports))
-    left = {p.name: p.leftovers for p in [router, *(p for p, _ in servers)] if p.leftovers}
-    out = {**_figures(results, wall), **engines, "startup_s": round(startup, 1)}
-    out["problems"] = [f"killed leftovers after stop: {left}"] if left else []
+    with peer_stack(cfg, policy, logdir, f"aff-vllm-{policy}", STARTUP_S) as peer:
+        ports = peer.server_ports
+        results, wall, engines = _measured(peer.url, specs, warm, lambda: _server_counters(ports))
+    out = {**_figures(results, wall), **engines, "startup_s": round(peer.startup_s, 1)}
+    out["problems"] = peer.problems
     return out
 
 
 # --- entry point ---------------------------------------------------------------------------------------
 
 
-def run_scenario(args: argparse.Namespace, scenario: str, token: str, logdir: Path) -> dict[str, Any]:
+def run_scenario(args: argparse.Namespace, scenario: str, logdir: Path) -> dict[str, Any]:
     from cluster import tokens
 
     wl = workload(SCENARIOS[scenario], args.rate)
@@ -330,7 +294,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, token: str, logdir: Pa
     for rep in range(args.repeat):  # round by round: the box's drifting load hits every policy alike
         for policy in args.policy_list:
             print(f"[{scenario}] {policy} (round {rep + 1}): {len(specs)} requests ...", flush=True)
-            runs[policy].append(_leg(args, policy, specs, warm_specs, logdir, token))
+            runs[policy].append(_leg(args, policy, specs, warm_specs, logdir))
     entry["policies"] = {p: _combined(r) for p, r in runs.items()}
     entry["goals"] = goals(entry["policies"])
     return entry
@@ -342,13 +306,12 @@ def _leg(
     specs: Sequence[RequestSpec],
     warm: Sequence[RequestSpec],
     logdir: Path,
-    token: str,
 ) -> dict[str, Any]:
     load_before = [round(x, 2) for x in os.getloadavg()]
     try:
         if policy.startswith("ours"):
             cfg = config(args.kv_tokens, cache_priority=policy == "ours")
-            fig = run_ours(policy, cfg, specs, warm, logdir, token)
+            fig = run_ours(policy, cfg, specs, warm, logdir)
         elif policy == "ray_prefix":
             fig = run_ray_prefix(config(args.kv_tokens, cache_priority=True), specs, warm, logdir)
         else:
@@ -415,13 +378,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     git, load_before, started = git_state(), os.getloadavg(), time.monotonic()
-    token = os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))  # our cluster inherits it
+    # Our cluster inherits the credential, and replica_stats / gateway_status read it here.
+    os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))
     logdir = Path(tempfile.mkdtemp(prefix="llmc-aff-vllm-"))
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     scenarios = dict(old.get("scenarios", {}))
     for scenario in args.scenarios:
-        entry = run_scenario(args, scenario, token, logdir)
+        entry = run_scenario(args, scenario, logdir)
         entry["provenance"] = provenance(list(argv or sys.argv[1:]), git, load_before, started)
         scenarios[scenario] = entry
         out.parent.mkdir(parents=True, exist_ok=True)

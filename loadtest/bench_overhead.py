@@ -48,8 +48,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -272,28 +272,52 @@ def vllm_ours(cfg: ClusterConfig, work: dict[str, Any], logdir: Path, runner: as
     return {**fig, "startup_s": _r(startup, 1), "stop": ours.stop_info, "problems": ours.problems()}
 
 
+@dataclass
+class PeerStack:
+    """vllm-router over plain vLLM servers, as :func:`peer_stack` started them."""
+
+    url: str  # the router's chat completions
+    server_ports: list[int]
+    startup_s: float
+    problems: list[str]  # filled once the stack is stopped
+
+
+@contextlib.contextmanager
+def peer_stack(
+    cfg: ClusterConfig, policy: str, logdir: Path, name: str, timeout_s: float
+) -> Iterator[PeerStack]:
+    """One plain vLLM OpenAI server per replica of the config's vLLM backend (the same engine args)
+    and vllm-router with ``policy`` in front of them; stopped in reverse (the router first), and
+    any leftover process named in ``problems``."""
+    replicas = next(b for b in cfg.backends if b.kind == "vllm").replicas
+    t0 = time.monotonic()
+    procs: list[Proc] = []
+    with contextlib.ExitStack() as stack:
+        servers = []
+        for i in range(replicas):
+            port, scratch = free_port(), logdir / f"{name}-{i}-scratch"
+            proc = Proc(f"{name}-{i}", vllm_server_cmd(cfg, port), logdir, env=vllm_env(cfg, scratch))
+            servers.append((stack.enter_context(proc), port))
+            procs.append(proc)
+        for proc, port in servers:
+            wait_http(f"http://{HOST}:{port}/health", proc, timeout_s)
+        workers = [f"http://{HOST}:{port}" for _, port in servers]
+        router, rport = start_vllm_router(f"{name}-router", workers, policy, logdir)
+        procs.append(stack.enter_context(router))
+        url = f"http://{HOST}:{rport}/v1/chat/completions"
+        peer = PeerStack(url, [p for _, p in servers], time.monotonic() - t0, [])
+        yield peer
+    left = {p.name: p.leftovers for p in procs if p.leftovers}
+    peer.problems += [f"killed leftovers after stop: {left}"] if left else []
+
+
 def vllm_peer(
     cfg: ClusterConfig, work: dict[str, Any], policy: str, logdir: Path, runner: asyncio.Runner
 ) -> dict:
-    replicas = next(b for b in cfg.backends if b.kind == "vllm").replicas
-    t0 = time.monotonic()
-    with contextlib.ExitStack() as stack:  # closes in reverse: the router first, then the servers
-        servers = []
-        for i in range(replicas):
-            port, scratch = free_port(), logdir / f"peer-vllm-{i}-scratch"
-            proc = Proc(f"peer-vllm-{i}", vllm_server_cmd(cfg, port), logdir, env=vllm_env(cfg, scratch))
-            servers.append((stack.enter_context(proc), port))
-        for proc, port in servers:
-            wait_http(f"http://{HOST}:{port}/health", proc, 420)
-        workers = [f"http://{HOST}:{port}" for _, port in servers]
-        router, rport = start_vllm_router("peer-vllm-router", workers, policy, logdir)
-        stack.enter_context(router)
-        startup = time.monotonic() - t0
-        url = f"http://{HOST}:{rport}/v1/chat/completions"
-        fig = runner.run(e2e_leg(url, work["jobs"], work["warmup"], work["concurrency"]))
-    left = {p.name: p.leftovers for p in [router, *(p for p, _ in servers)] if p.leftovers}
-    problems = [f"peer vLLM: killed leftovers after stop: {left}"] if left else []
-    return {**fig, "startup_s": _r(startup, 1), "policy": policy, "problems": problems}
+    with peer_stack(cfg, policy, logdir, "peer-vllm", 420) as peer:
+        fig = runner.run(e2e_leg(peer.url, work["jobs"], work["warmup"], work["concurrency"]))
+    problems = [f"peer vLLM: {p}" for p in peer.problems]
+    return {**fig, "startup_s": _r(peer.startup_s, 1), "policy": policy, "problems": problems}
 
 
 def vllm_phase(

@@ -104,10 +104,13 @@ class OursCluster(Proc):
         self.ready_file = logdir / f"{name}.ready"
         config_path = logdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        cmd = [sys.executable, "-m", "loadtest.bench_overhead", "--serve-cluster", str(config_path)]
-        cmd += ["--serve-port", str(port), "--ready-file", str(self.ready_file)]
         self.stop_info: dict[str, Any] = {}
-        super().__init__(name, cmd, logdir, stdin=True)
+        super().__init__(name, self.command(config_path), logdir, stdin=True)
+
+    def command(self, config_path: Path) -> list[str]:
+        """The child that serves ``config_path`` on ``self.port`` and writes "ok" to the ready file."""
+        cmd = [sys.executable, "-m", "loadtest.bench_overhead", "--serve-cluster", str(config_path)]
+        return [*cmd, "--serve-port", str(self.port), "--ready-file", str(self.ready_file)]
 
     @property
     def url(self) -> str:

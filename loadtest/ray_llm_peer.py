@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.overhead_cluster import OursCluster
-from loadtest.procs import LegFailed, Proc
+from loadtest.procs import LegFailed
 
 HOST = "127.0.0.1"
 ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
@@ -108,20 +108,15 @@ class RayLLMPeer(OursCluster):
     then the port must be free and nothing of it left running)."""
 
     def __init__(self, name: str, cfg: Any, port: int, logdir: Path) -> None:
-        import yaml
-
         from deployments.local import free_port
 
-        self.port = port
         self.metrics_port = free_port()
-        self.ready_file = logdir / f"{name}.ready"
-        config_path = logdir / f"{name}.yaml"
-        config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        super().__init__(name, cfg, port, logdir)
+
+    def command(self, config_path: Path) -> list[str]:
         cmd = [sys.executable, "-m", "loadtest.ray_llm_peer", "--config", str(config_path)]
-        cmd += ["--port", str(port), "--metrics-port", str(self.metrics_port)]
-        cmd += ["--ready-file", str(self.ready_file)]
-        self.stop_info: dict[str, Any] = {}
-        Proc.__init__(self, name, cmd, logdir, stdin=True)
+        cmd += ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        return [*cmd, "--ready-file", str(self.ready_file)]
 
     def counters(self) -> dict[str, tuple[int, int]]:
         """replica -> (queries, hits) from Ray's metrics endpoint (exported in batches: read settled)."""
