@@ -363,6 +363,11 @@ class ServerConfig(Strict):
     gateway_replicas: int = Field(
         2, ge=1, description="Gateway replicas (HAProxy spreads clients over them; two survive one's loss)."
     )
+    gc_freeze: bool = Field(
+        True,
+        description="Freeze each gateway and engine replica's startup heap (gc.freeze) so that Python's "
+        "full collections, which stop the process, walk only what requests allocated since.",
+    )
 
     @property
     def router_replicas(self) -> int:

@@ -71,7 +71,10 @@ def build_graph(cfg: ClusterConfig) -> Application:
         model = cfg.model(b.model)
         assert model is not None  # validated
         engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
-            b.model_dump(mode="json"), model.model_dump(mode="json"), cfg.tracing.model_dump(mode="json")
+            b.model_dump(mode="json"),
+            model.model_dump(mode="json"),
+            cfg.tracing.model_dump(mode="json"),
+            cfg.server.gc_freeze,
         )
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
     return Gateway.options(

@@ -27,6 +27,7 @@ from ray import serve
 
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine.kv_events import KVEventLog
+from cluster.observability import gc_pauses
 from cluster.observability.trace import engine_span, new_id, parse_traceparent
 from cluster.policy.migration import DRAINING_CODE
 from cluster.policy.ttft_window import TtftWindow
@@ -76,7 +77,11 @@ def node_host() -> str:
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
     async def __init__(
-        self, backend: dict[str, Any], model: dict[str, Any], tracing: dict[str, Any] | None = None
+        self,
+        backend: dict[str, Any],
+        model: dict[str, Any],
+        tracing: dict[str, Any] | None = None,
+        gc_freeze: bool = True,
     ) -> None:
         self.cfg = BackendConfig.model_validate(backend)
         # Set here rather than through Ray's runtime_env, whose agent logs env_vars in full; before
@@ -104,6 +109,10 @@ class EngineReplica:
             self.kv_events = KVEventEndpoint(log, self._token, hasher)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
+        # Last: the engine, its model and tokenizer are built (cluster/observability/gc_pauses.py).
+        self.gc_frozen = gc_pauses.freeze_startup_heap() if gc_freeze else 0
+        self.gc = gc_pauses.GcPauses()
+        gc_pauses.install(self.gc)
 
     async def _serve_http(self) -> tuple[web.AppRunner, str]:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -182,6 +191,7 @@ class EngineReplica:
         # (sequence number, age in s, priority, TTFT in s), as the gateways' SLO guards read them.
         stats["extra"]["ttft"] = self.ttft.report(time.monotonic())
         stats["extra"]["by_cache_rank"] = list(self.by_cache_rank)
+        stats["extra"]["gc"] = {"frozen": self.gc_frozen, **self.gc.summary(60.0, time.perf_counter())}
         return web.json_response(stats)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:

@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster import tokens
 from cluster.config import BackendConfig, ClusterConfig
+from cluster.observability import gc_pauses
 from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
 from cluster.policy.admission import AdmissionController, Outcome
@@ -115,6 +116,11 @@ class Gateway:
         haproxy_errors.install(node)
         self._errpage_task = asyncio.get_event_loop().create_task(haproxy_errors.keep_installed(node))
         self._routes = self._route_table()
+        # Last, so that the heap startup built is frozen whole (cluster/observability/gc_pauses.py);
+        # the pauses are timed from then on: those of serving, not the startup's own collection.
+        self.gc_frozen = gc_pauses.freeze_startup_heap() if cfg.server.gc_freeze else 0
+        self.gc = gc_pauses.GcPauses()
+        gc_pauses.install(self.gc)
 
     def _route_table(self) -> dict[tuple[str, str], Any]:
         """(method, path) -> handler(scope, receive, send)."""
@@ -425,6 +431,7 @@ class Gateway:
             "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "slo_guard_samples": self.guard.sample_counts(),
             "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
+            "gc": {"frozen": self.gc_frozen, **self.gc.summary(60.0, time.perf_counter())},
             "refusals": {
                 "total": self.refusals.count,
                 **{f"last_{n}s": self.refusals.summary(float(n), time.monotonic()) for n in (10, 30, 60)},

@@ -212,3 +212,15 @@ async def test_admission_rejects_with_retry_after_and_accounts_exactly(deploy) -
     counters = tight.status()["admission"]
     assert counters["balanced"] and counters["in_flight"] == 0
     assert counters["admitted"] == counters["completed"] == codes[200]
+
+
+def test_gateway_and_engines_froze_their_startup_heap_and_time_the_collector(sim) -> None:
+    """server.gc_freeze (default on): each replica moved its startup heap out of the collector's
+    reach, and reports the collections since with their pauses (cluster/observability/gc_pauses.py)."""
+    assert _chat(sim, "a request, so that something was allocated").status_code == 200
+    gc_status = sim.status()["gc"]
+    assert gc_status["frozen"] > 10_000  # Ray, Serve, the config, the tokenizer
+    assert set(gc_status["collections"]) == {"gen0", "gen1", "gen2"}
+    assert set(gc_status["gen2_pause_last_60s"]) == {"p50_ms", "p99_ms", "max_ms", "samples"}
+    for rid, stats in sim.replica_stats().items():
+        assert stats.extra["gc"]["frozen"] > 10_000, rid
