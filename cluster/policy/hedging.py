@@ -26,7 +26,11 @@ class HedgeConfig(Strict):
     quantile: float | None = Field(
         0.95, gt=0, lt=1, description="TTFT quantile that sets the delay (None: always use fixed_delay_s)."
     )
-    min_delay_s: float = Field(0.05, ge=0, description="Shortest hedge delay taken from the TTFT quantile.")
+    # 20 ms, not 50: once the gateway's collector pauses were gone (gc_pauses.py), the 50 ms floor was
+    # what bound every hedged call of bench_hedging (a hedge ends at the delay plus its own TTFT, and
+    # the floor was above both legs' no-fault p95 of 15-28 ms), and it spent half of Tab's 100 ms
+    # before a hedge could start. The budget, not the floor, bounds the extra load.
+    min_delay_s: float = Field(0.02, ge=0, description="Shortest hedge delay taken from the TTFT quantile.")
     max_delay_s: float = Field(5.0, gt=0, description="Longest hedge delay taken from the TTFT quantile.")
     fixed_delay_s: float | None = Field(
         None, gt=0, description="Delay while the sketch is cold or quantile is None (None: no hedge then)."
