@@ -38,6 +38,7 @@ import httpx
 
 from cluster.config import ClusterConfig, parse_config
 from loadtest.client import EventStream
+from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.stats import quantile
 
@@ -46,6 +47,8 @@ SHARE = 0.05  # of calls slow
 FACTOR = 10.0  # slow calls' TTFT against the no-fault median
 VARIANTS = ("no_fault", "hedge_off", "hedge_on")
 GOAL = "hedge-on p99 within 1.5x of the no-fault p99 at <= 5 % extra upstream requests"
+# server.gc_freeze of every app (--no-gc-freeze: the replicas' startup heap is not frozen, for A/B)
+GC_FREEZE = {"on": True}
 
 
 def _app(name: str, backends: list[dict[str, Any]], candidates: list[str], hedging: bool) -> ClusterConfig:
@@ -53,7 +56,7 @@ def _app(name: str, backends: list[dict[str, Any]], candidates: list[str], hedgi
         {
             "name": name,
             # One gateway: its hedge counters (GET /internal/status) are then the app's.
-            "server": {"gateway_replicas": 1},
+            "server": {"gateway_replicas": 1, "gc_freeze": GC_FREEZE["on"]},
             "models": [{"name": "m", "tokenizer": "@tiny", "context_window": 4096, "default_max_tokens": 4}],
             "backends": backends,
             "routes": [{"model": "m", "candidates": candidates}],
@@ -121,6 +124,7 @@ async def one(client: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
 
 
 async def batch(url: str, idx: range, concurrency: int) -> list[dict[str, Any]]:
+    quiet_collector()  # no collector pause of ours inside the measurement
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=60) as client:
 
@@ -296,8 +300,10 @@ def run_leg(leg: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
         out["variants"] = {}
         for v in VARIANTS:
             s = summarize(rows[v], median_ms)
-            pol = gateway_status(run.urls[v])["policy"]
+            status = gateway_status(run.urls[v])
+            pol = status["policy"]
             s["wall_s"] = round(walls[v], 1)
+            s["gateway_gc"] = status.get("gc")  # the collector's pauses in the gateway, last 60 s
             keys = ("hedges_sent", "hedges_won", "hedges_cancelled", "hedges_refused")
             s["gateway"] = {k: pol[k] - policy0[v][k] for k in keys}
             s["upstream"] = upstream(before[v], run.counts(v), len(rows[v]), s["extra_attempts"])
@@ -345,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--legs", default="sim,provider")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-gc-freeze", action="store_true", help="replicas keep their startup heap unfrozen")
     args = ap.parse_args(argv)
+    GC_FREEZE["on"] = not args.no_gc_freeze
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     from deployments.local import free_port
 
@@ -356,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         "fault": f"{SHARE:.0%} of calls {FACTOR:g}x the no-fault TTFT median to their first token",
         "legs": legs,
         "machine": "2-core shared CPU machine; sim: 4 simulated H100 replicas; provider: loopback OpenAI",
+        "gc_freeze": GC_FREEZE["on"],
         "provenance": provenance(argv if argv is not None else sys.argv[1:], git, load0, started),
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
+from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.surfaces import SHAPES, Session
 
@@ -98,6 +99,7 @@ async def stream(c: httpx.AsyncClient, url: str, body: dict[str, Any], seen: dic
 async def run_round(url: str, bodies: list[dict[str, Any]], kill_after: int | None) -> list[dict[str, Any]]:
     """All streams at once; with ``kill_after``, the busiest replica is killed once every stream
     has that many tokens. Each stream's record says whether it was on the victim."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     from tests.integration.test_sim_cluster import kill_replica
 
     seen: list[dict[str, Any]] = [{} for _ in bodies]

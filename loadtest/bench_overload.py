@@ -57,6 +57,7 @@ from typing import Any
 import httpx
 
 from deployments.local import free_port
+from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import (
@@ -203,6 +204,7 @@ async def closed_loop(
     model: str = MODEL,
 ) -> list[Result]:
     """``clients[surface]`` clients per surface, each sending its surface's specs back to back."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     by_surface = {s: itertools.cycle([x for x in specs if x.surface == s]) for s in clients}
     results: list[Result] = []
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)

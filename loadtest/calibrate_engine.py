@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.step_time_fit import FITS, decode_window_step, fit_all, profile_snippet
 
@@ -198,6 +199,7 @@ async def measure_ttft(
     gap_s: float = 0.03,
 ) -> list[dict[str, Any]]:
     """TTFT of single requests, lengths shuffled per round so drift hits all alike."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     raw: dict[int, list[float]] = {p: [] for p in lengths}
     in_core: dict[int, list[tuple[float, float]]] = {p: [] for p in lengths}
     for _ in range(repeats):
@@ -227,6 +229,7 @@ async def measure_itl(
     repeats: int,
     rng: random.Random,
 ) -> list[dict[str, Any]]:
+    quiet_collector()  # no collector pause of ours inside the measurement
     out = []
     for b in batches:
         steps, mids, ks = [], [], []
@@ -268,6 +271,7 @@ async def measure_mixed(
 ) -> list[dict[str, Any]]:
     """A prompt of P tokens joins B decoding sequences: the gap in the decode streams that ends
     when the newcomer's first token arrives is one step computing P prefill tokens + B decodes."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     out = []
     for b in batches:
         for p in inject_lengths:

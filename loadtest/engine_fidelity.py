@@ -69,6 +69,7 @@ from loadtest.calibrate_engine import (  # noqa: E402
     warm_up,
 )
 from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
+from loadtest.procs import quiet_collector  # noqa: E402
 from loadtest.provenance import git_state, provenance  # noqa: E402
 from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
 
@@ -141,6 +142,7 @@ def make_workload(n: int, rate: float, seed: int, max_model_len: int = 2048) -> 
 async def replay_real(
     engine: Any, items: Sequence[WorkItem], core: CoreTimes | None = None, lead_s: float = 0.2
 ) -> list[Observed]:
+    quiet_collector()  # no collector pause of ours inside the measurement
     loop_start = time.perf_counter() + lead_s
 
     async def one(item: WorkItem) -> Observed:

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.overhead_stats import _r, percentile, summarize
+from loadtest.procs import quiet_collector
 
 HOST = "127.0.0.1"
 MODEL = "bench-model"
@@ -233,6 +234,7 @@ async def measure_relay(
     urls: dict[str, str], body: bytes, levels: Sequence[Level]
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Every level through one client session: ``legs[leg]["c16"]`` = that leg's figures."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     legs: dict[str, dict[str, dict[str, Any]]] = {}
     async with client_session() as session:
         for level in levels:

@@ -49,7 +49,7 @@ from cluster.planner.host_cpu import backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.local import free_port
-from loadtest.procs import box_busy_s, engine_cores_s
+from loadtest.procs import box_busy_s, engine_cores_s, quiet_collector
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -180,6 +180,7 @@ async def closed_loop(
 ) -> Run:
     """``c`` workers through ``work`` (``output`` tokens each); the engines' /stats polled every 0.2 s
     meanwhile."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     run, pending = Run(c), iter(work)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:

@@ -183,3 +183,14 @@ def engine_cores_s() -> dict[int, float]:
         except OSError:
             continue
     return out
+
+
+def quiet_collector() -> None:
+    """Freeze this (measuring) process's heap before a measurement, so that the collector's full
+    passes, which stop the process (over 150 ms here with Ray, the cluster and vLLM imported), walk
+    only what the measurement allocates: a pause of the load generator's own would read as server
+    latency in every request in flight. The gateway and engine replicas freeze theirs the same way
+    (cluster/observability/gc_pauses.py). Cheap when repeated: only what is new is collected."""
+    from cluster.observability.gc_pauses import freeze_startup_heap
+
+    freeze_startup_heap()

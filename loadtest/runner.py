@@ -34,6 +34,7 @@ import httpx
 
 from cluster.observability import prometheus
 from loadtest.client import EventStream
+from loadtest.procs import quiet_collector
 from loadtest.request_spec import RequestSpec
 from loadtest.stats import quantile
 
@@ -139,6 +140,7 @@ async def run_schedule(
     progress_every_s: float = 0.5,
 ) -> tuple[list[Result], float]:
     """Send every spec at its offset ``t``; returns the results (schedule order) and the wall time."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     sem = asyncio.Semaphore(max_in_flight)

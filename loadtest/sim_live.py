@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from loadtest.client import EventStream
+from loadtest.procs import quiet_collector
 from loadtest.request_spec import RequestSpec
 from loadtest.stats import nearest_rank
 
@@ -134,6 +135,7 @@ async def replay(
     ``closed_loop``); returns the results in spec order and the wall time of the whole replay.
     ``lag``: filled with the client's own event-loop lag (seconds, sampled every 10 ms), the part
     of every client-side time that is the load generator's, not the cluster's."""
+    quiet_collector()  # no collector pause of ours inside the measurement
     results = [Result(i, s.session_id, s.surface) for i, s in enumerate(specs)]
     done = [asyncio.Event() for _ in specs]
     prev: list[int | None] = []
