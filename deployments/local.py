@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -175,8 +176,26 @@ def remove_apps(names: list[str]) -> None:
             serve.delete(name, _blocking=True)
 
 
+# Listening ports for the cluster's own servers are taken from between Ray's worker ports
+# (10002-19999 by default) and the kernel's ephemeral range (32768-60999 here): a port the kernel
+# handed out as free could be taken, before its listener bound it, as the local end of one of the
+# many connections Ray opens while it starts (HAProxy's metrics frontend failed to bind so once, in
+# bench_all's affinity step of 2026-12-02).
+_LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing on this machine listens on or connects from now, picked at random."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_LISTEN_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # any address: HAProxy binds 0.0.0.0
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
