@@ -889,8 +889,13 @@ def write_report(
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     scenarios = old.get("scenarios", {})
+    workload = {**wl.params(), **summary(specs)}
     if (args.merge or args.offline) and args.scenario in scenarios:
-        per_policy = {**scenarios[args.scenario].get("policies", {}), **per_policy}
+        kept = scenarios[args.scenario]
+        if kept.get("workload") == workload:
+            per_policy = {**kept.get("policies", {}), **per_policy}
+        else:  # another workload (--quick, another seed): its figures would sit in one table with ours
+            print(f"[{args.scenario}] not merged: the file's policies ran another workload", flush=True)
     lens = sorted(len(t) for t in token_ids)
     entry = {
         "scenario": args.scenario,
@@ -922,7 +927,7 @@ def write_report(
             "prompt_tokens": {"p50": lens[len(lens) // 2], "max": lens[-1]},
             "ttft": "client side, send -> first content chunk; *_ms wall clock, *_sim_ms = wall x speedup",
         },
-        "workload": {**wl.params(), **summary(specs)},
+        "workload": workload,
         "machine": meta,
         "runtime_s": round(runtime_s, 1),
     }

