@@ -26,6 +26,7 @@ BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 TABLES: dict[str, Callable[[Results], str]] = {
     "summary": tables_summary.summary,
     "engine-fidelity": tables_engine.engine_fidelity,
+    "engine-fidelity-earlier": tables_engine.engine_fidelity_earlier,
     "gpu-profiles": tables_engine.gpu_profiles,
     "planner-validation": tables_engine.planner_validation,
     "planner-real": tables_engine.planner_real,
@@ -33,6 +34,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "affinity-micro": tables_engine.affinity_micro,
     "hedging": tables_engine.hedging,
     "hedging-run-1": tables_engine.hedging_run_1,
+    "hedging-run-8": tables_engine.hedging_run_8,
     "affinity-groups": tables_affinity.groups,
     "affinity-common-prompt": tables_affinity.common_prompt,
     "affinity-kv-pressure-live": tables_affinity.kv_pressure_live,
@@ -41,6 +43,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "affinity-vllm": tables_affinity.affinity_vllm,
     "affinity-vllm-earlier": tables_affinity.affinity_vllm_earlier,
     "overhead": tables_load.overhead,
+    "overhead-earlier": tables_load.overhead_earlier,
     "faults-issue-10": tables_reliability.faults_issue_10,
     "faults-final": tables_reliability.faults_final,
     "faults-second-kill": tables_reliability.faults_second_kill,

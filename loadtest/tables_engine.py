@@ -19,14 +19,21 @@ _FIDELITY_NAMES = {  # the file's variant keys, as the page names them
 HEADLINE_VARIANT = "profile+latency"
 
 
-def engine_fidelity(r: Results) -> str:
+FIDELITY_EARLIER = "98ed80d"  # the run at ca6761b, kept beside the current file
+
+
+def engine_fidelity_earlier(r: Results) -> str:
+    return engine_fidelity(r, at=FIDELITY_EARLIER)
+
+
+def engine_fidelity(r: Results, at: str | None = None) -> str:
     """engine_fidelity.json ``variants``: ms to 1 decimal, errors as % to 1 decimal."""
 
     def pair(v: dict[str, Any], key: str, q: str) -> str:
         return f"{fixed(v[key + '_real_ms'][q], 1)} / {fixed(v[key + '_sim_ms'][q], 1)}"
 
     rows = []
-    for key, v in r.get("engine_fidelity")["variants"].items():
+    for key, v in r.get("engine_fidelity", at=at)["variants"].items():
         ttft_err, e2e_err = pct(v["ttft_median_error"]), pct(v["e2e_median_error"])
         name = _FIDELITY_NAMES.get(key, key)
         if key == HEADLINE_VARIANT:
@@ -84,7 +91,13 @@ def planner_real(r: Results) -> str:
 
 # The real leg's runs with the host-CPU term: (run, commit whose planner_validation.json holds it;
 # None: the file as it stands) and the host_cpu.json calibration run its config carried.
-PLANNER_HOST_RUNS = (("5", "6f33e1e", "3"), ("6", "09c3613", "3"), ("7", "b247fd3", "4"), ("8", None, "4"))
+PLANNER_HOST_RUNS = (
+    ("5", "6f33e1e", "3"),
+    ("6", "09c3613", "3"),
+    ("7", "b247fd3", "4"),
+    ("8", "19bd2c6", "4"),
+    ("9", None, "4"),
+)
 
 
 def planner_host_runs(r: Results) -> str:
@@ -155,10 +168,15 @@ _HEDGE_VARIANTS = {
 
 
 HEDGING_RUN_1 = "6f88d36"  # the first run on the new path, kept beside the current file
+HEDGING_RUN_8 = "ab8c5ce"  # the last run before the replicas froze their heaps
 
 
 def hedging_run_1(r: Results) -> str:
     return hedging(r, at=HEDGING_RUN_1)
+
+
+def hedging_run_8(r: Results) -> str:
+    return hedging(r, at=HEDGING_RUN_8)
 
 
 def hedging(r: Results, at: str | None = None) -> str:
