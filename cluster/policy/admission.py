@@ -91,6 +91,7 @@ class _Surface:
         self.done_times: deque[float] = deque()
         self.durations = DurationWindow()  # admitted -> ended, for the wait predictor
         self.admitted_at: dict[int, float] = {}  # tickets in flight
+        self.unchecked = 0  # waiters queued with no wait estimate yet (checked once there is one)
         self.rate_window_s = rate_window_s
         self.vclock = 0.0  # fair queuing: the virtual time of the last admission
         self.vtime: dict[str, float] = {}  # by tenant: its virtual finish time
@@ -180,12 +181,14 @@ class AdmissionController:
                 s.counters.rejected_guard += 1
                 return self._reject(s, "guard", now, None)
         if len(s.queue) < s.max_queue:
-            if self._wait_exceeds_deadline(s, now):
+            est = self._predict(s, now)
+            if est is not None and est.wait_s > s.deadline_s:
                 s.counters.rejected_predicted += 1
                 return self._reject(s, "predicted_wait", now, None)
             entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
+            s.unchecked += est is None
             s.counters.queued += 1
             s.counters.waiting += 1
             return Queued(entry.id, s.name, now, entry.deadline, ahead)
@@ -279,19 +282,22 @@ class AdmissionController:
     ) -> tuple[list[Ticket], list[Rejection]]:
         """The SLO guard's caps on deferrable work per backend (None: uncapped). Returns the waiters
         admitted into room a raised cap made, and those rejected at once because a lowered cap put
-        their slot past their deadline (they would only have waited it out)."""
-        rejected = self._reject_unreachable(now) if self._guard.set(caps) else []
+        their slot past their deadline (they would only have waited it out). Also checked at the
+        first call with an estimate: waiters that queued before there was one (a cold start into a
+        flood), which otherwise all waited their deadline out."""
+        rejected = self._reject_unreachable(now, lowered=self._guard.set(caps))
         return self._drain(now), rejected
 
-    def _reject_unreachable(self, now: float) -> list[Rejection]:
+    def _reject_unreachable(self, now: float, lowered: bool) -> list[Rejection]:
         out: list[Rejection] = []
         for s in self._order:
-            if s.name not in self._deferrable or not s.queue:
+            if not s.queue or not (s.unchecked or (lowered and s.name in self._deferrable)):
                 continue
             elapsed = [now - t for t in s.admitted_at.values()]
             got = slot_times(elapsed, s.durations, now, len(s.queue), skip=self._guard.skip(s.name))
             if got is None:
                 continue
+            s.unchecked = 0
             kept = 0  # the waiters kept so far take the earliest slots
             for entry in list(s.queue.values()):
                 if got[0][kept] <= entry.deadline - now:

@@ -225,3 +225,30 @@ def test_precheck_refuses_before_parsing_when_the_guard_binds_on_every_backend()
     assert isinstance(queueing.try_admit("agent", 0.0, ["gpu"]), Ticket)
     queueing.set_guard_caps({"gpu": 1}, 0.1)
     assert queueing.precheck("agent", 0.2) is None
+
+
+def test_waiters_queued_before_any_estimate_are_checked_once_there_is_one() -> None:
+    """A cold start into a flood: the first waiters queue with no wait estimate (no request has
+    ended yet). Once three have ended, the next guard tick (caps unchanged) rejects at once those
+    whose slot comes after their deadline; they used to wait it out (bench_overload_shared's
+    vLLM leg straight at 3x: 36 Agent refusals after the 5 s deadline)."""
+    agent = SurfaceConfig(name="agent", priority=2, max_concurrency=4, max_queue=100, queue_deadline_ms=1500)
+    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100})
+    running = [c.try_admit("agent", 0.0, ["gpu"]) for _ in range(4)]
+    assert all(isinstance(t, Ticket) for t in running)
+    waiters = [c.try_admit("agent", 0.1, ["gpu"]) for _ in range(8)]
+    assert all(isinstance(w, Queued) for w in waiters)  # no estimate: all queue
+    assert c.set_guard_caps({"gpu": None}, 0.2) == ([], [])  # still none: nothing to check
+    for t in running[:3]:  # three 1 s requests end: the estimate is 1 s per slot
+        c.release(t, "completed", 1.0)
+    c.release(running[3], "completed", 1.0)
+    # The 4 slots freed at 1.0 went to waiters 0-3 (in flight since then); waiters 4-7 would get
+    # the next ones at 2.0, after their deadline (queued at 0.1 + 1.5 s = 1.6).
+    admitted, rejected = c.set_guard_caps({"gpu": None}, 1.1)
+    assert admitted == []
+    assert sorted(r.entry_id for r in rejected) == sorted(w.id for w in waiters[4:])
+    assert all(r.reason == "predicted_wait" and r.error.status_code == 429 for r in rejected)
+    n = c.counters("agent")
+    assert (n.rejected_unreachable, n.waiting, n.in_flight) == (4, 0, 4) and n.balanced()
+    # Checked once: later ticks with unchanged caps re-check nothing new.
+    assert c.set_guard_caps({"gpu": None}, 1.2) == ([], [])
