@@ -22,14 +22,18 @@ def test_a_slot_frees_when_the_earliest_request_in_flight_is_expected_to_end() -
     d = DurationWindow(window_s=30.0)
     for i, dur in enumerate((1.0, 2.0, 3.0)):
         d.add(float(i), dur)  # mean 2 s
-    # Two in flight, 0.5 s and 1.5 s along: slots free in 1.5 s and 0.5 s.
-    assert predict_wait(0, [0.5, 1.5], d, 3.0).wait_s == pytest.approx(0.5)
+    # Two in flight, 0.5 s and 1.5 s along. The first is expected to take the mean of the
+    # durations above 0.5 s (2 s): 1.5 s more; the second the mean of those above 1.5 s (2.5 s):
+    # 1 s more, not the 0.5 s the overall mean would leave it.
+    assert predict_wait(0, [0.5, 1.5], d, 3.0).wait_s == pytest.approx(1.0)
     assert predict_wait(1, [0.5, 1.5], d, 3.0).wait_s == pytest.approx(1.5)
-    # The third waiter takes the first slot again after the first waiter's 2 s: 0.5 + 2.
+    # The third waiter takes the first slot again after the first waiter's 2 s: 1 + 2.
     est = predict_wait(2, [0.5, 1.5], d, 3.0)
-    assert est is not None and est.wait_s == pytest.approx(2.5) and est.mean_duration_s == pytest.approx(2.0)
-    # A request past the mean frees "now"; no estimate without samples or with nothing in flight.
-    assert predict_wait(0, [9.0], d, 3.0).wait_s == 0.0
+    assert est is not None and est.wait_s == pytest.approx(3.0) and est.mean_duration_s == pytest.approx(2.0)
+    # A request past every recent duration takes another mean (it used to count as freeing at
+    # once); no estimate without samples or with nothing in flight.
+    assert predict_wait(0, [9.0], d, 3.0).wait_s == pytest.approx(2.0)
+    assert predict_wait(0, [2.5], d, 3.0).wait_s == pytest.approx(0.5)  # only the 3 s one was longer
     assert predict_wait(0, [], d, 3.0) is None
     assert predict_wait(0, [0.1], DurationWindow(), 3.0) is None
     assert d.mean(40.0, 1) is None  # aged out of the window
