@@ -76,6 +76,7 @@ class _Entry:
     deadline: float
     candidates: tuple[str, ...]
     tenant: str | None = None
+    estimated: bool = True  # queued with a wait estimate (the counters split deadline expiries by it)
 
 
 class _Surface:
@@ -185,7 +186,7 @@ class AdmissionController:
             if est is not None and est.wait_s > s.deadline_s:
                 s.counters.rejected_predicted += 1
                 return self._reject(s, "predicted_wait", now, None)
-            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant)
+            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant, est is not None)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
             s.unchecked += est is None
@@ -270,6 +271,7 @@ class AdmissionController:
                 del s.queue[entry.id]
                 s.counters.waiting -= 1
                 s.counters.rejected_deadline += 1
+                s.counters.deadline_unestimated += not entry.estimated
                 out.append(self._reject(s, "deadline", now, entry.id))
         return out
 

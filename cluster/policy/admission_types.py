@@ -68,6 +68,7 @@ class Counters:
     cancelled: int = 0  # admitted, then cancelled (client gone)
     rejected_queue_full: int = 0
     rejected_deadline: int = 0
+    deadline_unestimated: int = 0  # of rejected_deadline: queued while there was no wait estimate
     rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
     rejected_unreachable: int = 0  # waiters rejected early: a lowered guard cap put them past it
     rejected_guard: int = 0  # at once: the SLO guard holds the surface off every candidate backend

@@ -108,3 +108,22 @@ def test_the_precheck_refuses_only_what_try_admit_would_refuse_whatever_was_aske
     assert isinstance(r, Rejection) and r.reason == "predicted_wait" and r.error.retry_after_s == 3.0
     assert c.try_admit("agent", 6.0).reason == "predicted_wait"  # type: ignore[union-attr]
     assert c.counters("agent").rejected_predicted == 2 and c.counters().balanced()
+
+
+def test_deadline_expiries_are_split_by_whether_the_waiter_had_a_wait_estimate() -> None:
+    c = AdmissionController([surf("agent", 2, 1, 10, 1000), surf("tab", 0, 4, 4, 250)])
+    assert isinstance(c.try_admit("agent", 0.0), Ticket)  # holds the one slot: no estimate yet
+    cold = c.try_admit("agent", 0.0)
+    assert isinstance(cold, Queued)
+    assert [r.entry_id for r in c.expire(1.0)] == [cold.id]
+    n = c.counters("agent")
+    assert (n.rejected_deadline, n.deadline_unestimated) == (1, 1) and n.balanced()
+    warm = _busy(deadline_ms=1000, duration_s=5.0, limit=1)  # an estimate: 5 s per request
+    w = warm.try_admit("agent", 6.0)
+    assert isinstance(w, Rejection)  # 5 s away: rejected at once, not queued
+    warm2 = _busy(deadline_ms=1000, duration_s=0.5, limit=1)  # 0.5 s per request: it queues...
+    q = warm2.try_admit("agent", 6.0)
+    assert isinstance(q, Queued)
+    assert [r.entry_id for r in warm2.expire(7.0)] == [q.id]  # ...and the slot never came
+    m = warm2.counters("agent")
+    assert (m.rejected_deadline, m.deadline_unestimated) == (1, 0) and m.balanced()
