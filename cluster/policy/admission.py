@@ -65,7 +65,7 @@ from cluster.policy.admission_types import (
     rejection_error,
 )
 from cluster.policy.guard_caps import GuardCaps
-from cluster.policy.queue_wait import DurationWindow, WaitEstimate, predict_wait, slot_times
+from cluster.policy.queue_wait import WAIT_SHARE, DurationWindow, WaitEstimate, predict_wait, slot_times
 
 
 @dataclass(slots=True)
@@ -86,6 +86,7 @@ class _Surface:
         self.limit = _share(cfg.max_concurrency, router_replicas)
         self.max_queue = _share(cfg.max_queue, router_replicas)
         self.deadline_s = cfg.queue_deadline_ms / 1000.0
+        self.max_wait_s = self.deadline_s * WAIT_SHARE  # a longer predicted wait: 429 at once
         self.in_flight = 0
         self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
         self.counters = Counters()
@@ -183,7 +184,7 @@ class AdmissionController:
                 return self._reject(s, "guard", now, None)
         if len(s.queue) < s.max_queue:
             est = self._predict(s, now)
-            if est is not None and est.wait_s > s.deadline_s:
+            if est is not None and est.wait_s > s.max_wait_s:
                 s.counters.rejected_predicted += 1
                 return self._reject(s, "predicted_wait", now, None)
             entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant, est is not None)
@@ -438,7 +439,7 @@ class AdmissionController:
 
     def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
         est = self._predict(s, now)
-        return est is not None and est.wait_s > s.deadline_s
+        return est is not None and est.wait_s > s.max_wait_s
 
     def _tag(self, s: _Surface, tenant: str | None) -> float:
         """A waiter's fair-queuing start tag (0 without tenants: then the oldest goes first)."""

@@ -27,6 +27,15 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# A new waiter is refused at once when its predicted wait passes this share of its queue deadline,
+# not the whole deadline. Under a sustained flood the queue fills up to the predicted-wait limit, so
+# its last waiters always sit at the limit, and any error in the prediction makes them wait the
+# deadline out for a 429 anyway: bench_overload_shared's vLLM-CPU leg at 3x had 22-36 of ~1,400
+# Agent refusals after the 5 s deadline in four runs (runs 12-15); in run 15, which counted it,
+# every one had queued on an estimate (deadline_unestimated 0). The margin refuses at once the
+# waiters an estimate puts that close to their deadline.
+WAIT_SHARE = 0.8
+
 
 @dataclass(frozen=True, slots=True)
 class WaitEstimate:

@@ -127,3 +127,14 @@ def test_deadline_expiries_are_split_by_whether_the_waiter_had_a_wait_estimate()
     assert [r.entry_id for r in warm2.expire(7.0)] == [q.id]  # ...and the slot never came
     m = warm2.counters("agent")
     assert (m.rejected_deadline, m.deadline_unestimated) == (1, 0) and m.balanced()
+
+
+def test_a_predicted_wait_past_most_of_the_deadline_is_refused_at_once() -> None:
+    """WAIT_SHARE: a waiter whose slot is predicted at 90 % of its deadline would sit at the edge of
+    the queue, where any error in the estimate makes it wait the deadline out; it gets its 429 now."""
+    c = _busy(deadline_ms=2200, duration_s=1.0)  # two slots: waits of 1, 1, 2, 2 s
+    queued = [c.try_admit("agent", 6.0) for _ in range(2)]  # 1 s: under 0.8 x 2.2 = 1.76 s
+    assert all(isinstance(q, Queued) for q in queued)
+    r = c.try_admit("agent", 6.0)  # 2 s: inside the 2.2 s deadline, past 80 % of it
+    assert isinstance(r, Rejection) and r.reason == "predicted_wait"
+    assert r.error.retry_after_s == pytest.approx(2.0)
