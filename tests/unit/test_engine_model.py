@@ -339,3 +339,45 @@ def test_ten_virtual_minutes_run_in_seconds() -> None:
     assert time.perf_counter() - start < 10
     assert e.now > 600 and not e.requests
     assert e.counters.prefix_cache_hits > 0.3 * e.counters.prefix_cache_queries
+
+
+def test_the_first_step_after_the_engine_ran_dry_pays_the_idle_wake() -> None:
+    """No cost while the threads still spin (idle <= from), all of it once asleep (>= to),
+    linear between; none while the engine has work, even if a step starts late."""
+    base = make_profile()
+    wake, frm, to = 2e-3, 5e-3, 45e-3
+    profile = base.with_engine(idle_wake_s=wake, idle_wake_from_s=frm, idle_wake_to_s=to)
+    one = OVERHEAD + 8 * PREFILL  # a lone 8-token prefill step
+    e = EngineModel(profile)
+    r0 = e.add_request("r0", toks(0, 8), 1, arrival_time=1.0)  # idle since start: a full wake
+    e.run()
+    assert r0.ttft == pytest.approx(one + wake)
+    ends = r0.finish_time
+    assert ends is not None
+    for i, idle in enumerate((3e-3, 25e-3, 200e-3)):  # spinning, half way, asleep
+        r = e.add_request(f"r{i + 1}", toks(100 * (i + 1), 8), 1, arrival_time=ends + idle)
+        e.run()
+        assert r.ttft == pytest.approx(one + profile.engine.idle_wake(idle))
+        ends = r.finish_time
+        assert ends is not None
+    assert profile.engine.idle_wake(3e-3) == 0.0
+    assert profile.engine.idle_wake(25e-3) == pytest.approx(wake / 2)
+    assert profile.engine.idle_wake(200e-3) == wake
+    # Busy: a request arriving while another decodes waits for the step boundary, no wake; nor
+    # does a busy engine's step that starts late (the real-time driver's sleep overshot).
+    long = e.add_request("long", toks(900, 8), 20, arrival_time=ends + 1.0)
+    e.run_until(ends + 1.0 + one + wake + 0.05)
+    late = e.step(now=e.now + 0.03)
+    assert late is not None and late.end - late.start == pytest.approx(OVERHEAD + DECODE_BASE + PER_SEQ)
+    t = e.now + 0.0004
+    busy = e.add_request("busy", toks(950, 8), 1, arrival_time=t)
+    e.run()
+    assert long.num_output_tokens == 20
+    step = OVERHEAD + 8 * PREFILL + DECODE_BASE + PER_SEQ  # its prefill beside long's decode
+    boundary = min(x for x in long.token_times if x >= t)
+    assert busy.first_token_time == pytest.approx(boundary + step)
+
+
+def test_idle_wake_ramp_is_validated() -> None:
+    with pytest.raises(ValueError, match="idle_wake_to_s"):
+        make_profile().with_engine(idle_wake_s=1e-3, idle_wake_from_s=0.05, idle_wake_to_s=0.01)
