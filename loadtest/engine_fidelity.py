@@ -58,22 +58,23 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
 from cluster.engine.model import EngineModel  # noqa: E402
-from cluster.engine.profiles import Profile, StepTimeModel, get_profile  # noqa: E402
-from loadtest.calibrate_engine import (  # noqa: E402
-    DEFAULT_CONFIG,
-    RESULTS,
-    CoreTimes,
-    engine_facts,
-    engine_settings,
-    machine_note,
-    random_prompt,
-    run_request,
-    start_engine,
-    warm_up,
-)
+from cluster.engine.profiles import Profile, StepTimeModel  # noqa: E402
+from loadtest.calibrate_engine import RESULTS  # noqa: E402
 from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
 from loadtest.procs import quiet_collector  # noqa: E402
 from loadtest.provenance import git_state, provenance  # noqa: E402
+from loadtest.real_engine import (  # noqa: E402
+    DEFAULT_CONFIG,
+    CoreTimes,
+    engine_facts,
+    machine_note,
+    random_prompt,
+    run_request,
+    sim_profile,
+    start_engine,
+    warm_up,
+)
+from loadtest.replay_fit import ScaledStepTime  # noqa: E402
 from loadtest.step_time_fit import FITS, WAKE_KEYS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
@@ -228,19 +229,6 @@ def phase_floor(
 # --------------------------------------------------------------------------------------------
 
 
-def sim_profile(facts: dict[str, Any], config_path: str | os.PathLike[str]) -> Profile:
-    """cpu-tiny with the real engine's settings laid over it (what SimBackend.from_config does,
-    with the real engine's own token budget)."""
-    _, backend, _ = engine_settings(config_path)
-    return get_profile("cpu-tiny").with_engine(
-        block_size=facts["block_size"],
-        max_num_seqs=facts["max_num_seqs"],
-        max_num_batched_tokens=facts["max_num_batched_tokens"],
-        max_model_len=facts["max_model_len"],
-        kv_cache_bytes=backend.engine.kv_cache_memory_bytes,
-    )
-
-
 @dataclass(frozen=True)
 class Variant:
     """One simulated side: a step-time model (None: the profile's own), a request latency
@@ -267,17 +255,13 @@ def sim_variants(calibration: dict[str, Any] | None) -> dict[str, Variant]:
     extended = ExtendedStepTime.from_coefficients(calibration["fit_extended"]["coefficients"])
     variants["extended+latency"] = Variant(extended, extended.request_latency)
     if "idle_wake_fit" in calibration:
-        wake = calibration["idle_wake_fit"]
-        warm = ExtendedStepTime.from_coefficients(
-            {**calibration["fit_extended"]["coefficients"], "request_latency_s": _warm_latency(calibration)}
-        )
-        variants["calibrated"] = Variant(extended, warm.request_latency, wake)
+        wake, loaded = calibration["idle_wake_fit"], calibration.get("fit_loaded")
+        offset = loaded["request_latency_offset_s"] if loaded else wake.get("warm_offset_s", 0.0)
+        c = calibration["fit_extended"]["coefficients"]
+        warm = ExtendedStepTime.from_coefficients({**c, "request_latency_s": c["request_latency_s"] + offset})
+        steps = ScaledStepTime(extended, loaded["step_scale"]) if loaded else extended
+        variants["calibrated"] = Variant(steps, warm.request_latency, wake)
     return variants
-
-
-def _warm_latency(calibration: dict[str, Any]) -> float:
-    c = calibration["fit_extended"]["coefficients"]
-    return float(c["request_latency_s"]) + float(calibration["idle_wake_fit"].get("warm_offset_s", 0.0))
 
 
 async def replay_trials(args: argparse.Namespace) -> dict[str, Any]:

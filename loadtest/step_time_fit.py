@@ -322,6 +322,7 @@ RAW_KEYS = (
     "itl_vs_batch",
     "mixed_steps",
     "ttft_vs_idle",
+    "loaded_trace",
 )
 
 

@@ -272,3 +272,32 @@ def test_idle_wake_fit_of_a_flat_curve_is_no_wake() -> None:
     flat = fit_idle_wake([(x, 5e-3, 1) for x in (0.001, 0.01, 0.1, 1.0)])
     assert flat["idle_wake_s"] == pytest.approx(0.0, abs=1e-12)
     assert flat["hot_ttft_s"] == pytest.approx(5e-3)
+
+
+def test_loaded_trace_fit_recovers_the_scale_and_offset_it_was_made_with() -> None:
+    """A trace the model itself produced with steps 12 % slower and requests 0.5 ms later: the
+    replay fit finds both (and starts from a worse place)."""
+    from loadtest.replay_fit import ScaledStepTime, TraceRequest, fit_loaded, replay
+
+    coefficients = {**TRUE_SHIPPED, "request_latency_s": 1.5e-3, "request_latency_s_per_token": 5e-7}
+    wake = {"idle_wake_s": 2e-3, "idle_wake_from_s": 0.005, "idle_wake_to_s": 0.05, "warm_offset_s": 0.0}
+    profile = get_profile("cpu-tiny").with_engine(
+        block_size=32, max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=2048
+    )
+    model = ExtendedStepTime.from_coefficients(coefficients)
+    rng = random.Random(7)
+    plan, t = [], 0.0
+    for _ in range(60):
+        t += rng.expovariate(8.0)
+        plan.append(TraceRequest(t, rng.randint(16, 1024), rng.randint(8, 192), 1.0, 1.0))
+    woke = profile.with_engine(idle_wake_s=2e-3, idle_wake_from_s=0.005, idle_wake_to_s=0.05)
+    times = replay(woke, plan, ScaledStepTime(model, 1.12), model, 5e-4)
+    trace = [
+        TraceRequest(r.submit_s, r.prompt_tokens, r.output_tokens, ttft, e2e)
+        for r, (ttft, e2e) in zip(plan, times, strict=True)
+    ]
+    fit = fit_loaded(profile, trace, coefficients, wake)
+    assert fit["step_scale"] == pytest.approx(1.12, abs=0.011)
+    assert fit["request_latency_offset_s"] == pytest.approx(5e-4, abs=1.1e-4)
+    assert fit["trace_errors"]["e2e_median_error"] < 0.01
+    assert fit["trace_errors_before"]["e2e_median_error"] > 0.05
