@@ -96,7 +96,8 @@ VARIANTS_DOC = {
 HEADLINES = {
     "calibrated": "EngineModel with the step times, request latency and idle wake that "
     "loadtest.calibrate_engine fitted on this machine (its own workload: isolated prompts, "
-    "synchronized decode batches, injected prefills, idle gaps), replaying a workload it did not see",
+    "synchronized decode batches, injected prefills, idle gaps, a Poisson trace of private prompts "
+    "replayed for a step scale and a latency offset), replaying a workload it did not see",
     "profile+latency": "EngineModel, cpu-tiny profile as shipped + the calibrated constant request latency "
     "(as SimBackend's sim_options.extra_latency_s)",
     "profile": "EngineModel, cpu-tiny profile as shipped (no request latency)",

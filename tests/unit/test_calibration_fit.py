@@ -243,11 +243,13 @@ def test_replay_sim_measures_from_the_submit_time_and_adds_the_request_latency()
     plain = replay_sim(profile, items, submits, ext)
     late = replay_sim(profile, items, submits, ext, ext.request_latency)
     assert [o.output_tokens for o in plain] == [x.max_tokens for x in items]
-    # The first request meets an idle engine: its TTFT is one prefill step (+ the latency).
-    first = items[0]
+    # The first request meets an idle engine: its TTFT is one prefill step and the idle wake of
+    # the time since the engine started (+ the latency).
+    first, wake = items[0], profile.engine.idle_wake
     step = ext.step_time(BatchShape(len(first.prompt), 0, len(first.prompt)))
-    assert plain[0].ttft_s == pytest.approx(step)
-    assert late[0].ttft_s == pytest.approx(step + ext.request_latency(len(first.prompt)))
+    latency = ext.request_latency(len(first.prompt))
+    assert plain[0].ttft_s == pytest.approx(step + wake(first.arrival_s))
+    assert late[0].ttft_s == pytest.approx(step + latency + wake(first.arrival_s + latency))
     assert sum(o.cached_tokens for o in plain) > 0  # the shared prefixes hit
 
 
