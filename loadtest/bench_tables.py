@@ -27,6 +27,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "summary": tables_summary.summary,
     "engine-fidelity": tables_engine.engine_fidelity,
     "engine-fidelity-earlier": tables_engine.engine_fidelity_earlier,
+    "engine-fidelity-runs": tables_engine.engine_fidelity_runs,
     "gpu-profiles": tables_engine.gpu_profiles,
     "planner-validation": tables_engine.planner_validation,
     "planner-real": tables_engine.planner_real,

@@ -372,6 +372,7 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "e2e_median_error": round(head["e2e_median_error"], 4),
         "n": head["n"],
         "headline_model": HEADLINES[headline],
+        "headline_variant": headline,
         "engine_model_alone": {
             "model": HEADLINES["profile"],
             "ttft_median_error": round(alone["ttft_median_error"], 4),

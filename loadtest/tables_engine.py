@@ -15,8 +15,13 @@ _FIDELITY_NAMES = {  # the file's variant keys, as the page names them
     "profile+latency": "profile + request latency",
     "linear-ttft": "linear-ttft",
     "extended+latency": "extended + latency",
+    "calibrated": "calibrated (+ idle wake, loaded-trace fit)",
 }
-HEADLINE_VARIANT = "profile+latency"
+HEADLINE_VARIANT = "profile+latency"  # files from before the file named its headline
+
+
+def _headline(d: dict[str, Any]) -> str:
+    return str(d.get("headline_variant", HEADLINE_VARIANT))
 
 
 FIDELITY_EARLIER = "98ed80d"  # the run at ca6761b, kept beside the current file
@@ -33,16 +38,50 @@ def engine_fidelity(r: Results, at: str | None = None) -> str:
         return f"{fixed(v[key + '_real_ms'][q], 1)} / {fixed(v[key + '_sim_ms'][q], 1)}"
 
     rows = []
-    for key, v in r.get("engine_fidelity", at=at)["variants"].items():
+    d = r.get("engine_fidelity", at=at)
+    for key, v in d["variants"].items():
         ttft_err, e2e_err = pct(v["ttft_median_error"]), pct(v["e2e_median_error"])
         name = _FIDELITY_NAMES.get(key, key)
-        if key == HEADLINE_VARIANT:
+        if key == _headline(d):
             name, ttft_err, e2e_err = f"**{name}** (headline)", f"**{ttft_err}**", f"**{e2e_err}**"
         ttft = [pair(v, "ttft", "p50"), pair(v, "ttft", "p90"), ttft_err]
         rows.append([name, str(v["n"]), *ttft, pair(v, "e2e", "p50"), pair(v, "e2e", "p90"), e2e_err])
     header = ["Sim model", "n", "TTFT p50 real / sim (ms)", "TTFT p90 real / sim (ms)", "TTFT median err"]
     header += ["E2E p50 real / sim (ms)", "E2E p90 real / sim (ms)", "E2E median err"]
     return table(header, "lrrrrrrr", rows)
+
+
+# Every fidelity run since the shipped profile's last fit, oldest first: (what it was, the commit
+# whose engine_fidelity.json holds it; None: the file as it stands).
+FIDELITY_RUNS = (
+    ("at ca6761b", "98ed80d"),
+    ("third whole bench_all, 9a62ba4", "25f54cb"),
+    ("idle wake, cf6a983", "b35fc34"),
+    ("+ loaded-trace fit, b35fc34", "5f7eabc"),
+    ("final", None),
+)
+
+
+def engine_fidelity_runs(r: Results) -> str:
+    """Each run's headline: its model, load before → after (1 decimal), errors as % to 1 decimal,
+    and the phase floor's TTFT error."""
+    rows = []
+    for run, at in FIDELITY_RUNS:
+        d = r.get("engine_fidelity", at=at)
+        prov = d["provenance"]
+        load = f"{fixed(prov['load_average_before'][0], 1)} → {fixed(prov['load_average_after'][0], 1)}"
+        head = _FIDELITY_NAMES.get(_headline(d), _headline(d))
+        rows.append(
+            [
+                f"{run} (`{prov['git_commit'][:7]}`, load {load})",
+                head,
+                pct(d["ttft_median_error"]),
+                pct(d["e2e_median_error"]),
+                pct(d["phase_floor"]["ttft_median_error"]),
+            ]
+        )
+    header = ["run (code, load)", "headline model", "TTFT median err", "E2E median err", "TTFT phase floor"]
+    return table(header, "llrrr", rows)
 
 
 GPU_PROFILES = {
@@ -96,7 +135,8 @@ PLANNER_HOST_RUNS = (
     ("6", "09c3613", "3"),
     ("7", "b247fd3", "4"),
     ("8", "19bd2c6", "4"),
-    ("9", None, "4"),
+    ("9", "25f54cb", "4"),
+    ("10", None, "5, just before"),
 )
 
 
