@@ -172,8 +172,9 @@ ROWS: list[Row] = [
     ),
     (
         "Planner validation",
-        "`python -m loadtest.planner_validation`",
-        "planner_validation.json",
+        "`python -m loadtest.calibrate_host` then `python -m loadtest.planner_validation --host-calibration "
+        "loadtest/results/host_cpu.json`",
+        "host_cpu.json, planner_validation.json",
         "≤ 15 %",
         _planner,
     ),
