@@ -35,7 +35,7 @@ is next to real GPUs. Every time is reported both ways.
 
 Workload (:class:`loadtest.workloads.SharedPrefixWorkload`, scenario in ``SCENARIOS``): groups with
 a long shared system prompt + repository context, Zipf-skewed sessions per group, multi-turn
-growing conversations, Poisson arrivals. The client (httpx, streaming) sends each request at its
+growing conversations, Poisson arrivals. The client (aiohttp, streaming) sends each request at its
 arrival time, except that a session's next turn waits for its previous one to end (closed-loop
 sessions); each request carries its session id in ``x-session-id`` (only ours uses it).
 

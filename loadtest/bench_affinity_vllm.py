@@ -30,7 +30,7 @@ kv_pressure, the reverse of the simulated engines: one round cannot tell a polic
 
 Measured per policy: ``hit_rate`` from the engines' own counters (vLLM's prefix-cache queries and
 hits, in tokens: our engine replicas' stats, the plain servers' ``/metrics``), deltas over the
-replay; client TTFT p50/p90/p99 (send -> first content chunk, wall ms; the client is httpx, the
+replay; client TTFT p50/p90/p99 (send -> first content chunk, wall ms; the client is aiohttp, the
 same for every policy); requests per replica where known. ``unlimited_kv_hit_rate``: the share of
 prompt tokens (whole 32-token blocks) that some earlier request of the workload already had — the
 hit rate of one cache that never evicts, an upper bound for any router.

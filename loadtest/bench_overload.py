@@ -54,8 +54,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from deployments.local import free_port
 from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
@@ -70,6 +68,7 @@ from loadtest.sim_live import (
     ms,
     percentile,
     replay,
+    session,
     stream_chat,
     warm_up,
 )
@@ -207,8 +206,7 @@ async def closed_loop(
     quiet_collector()  # no collector pause of ours inside the measurement
     by_surface = {s: itertools.cycle([x for x in specs if x.surface == s]) for s in clients}
     results: list[Result] = []
-    limits = httpx.Limits(max_connections=500, max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+    async with session(timeout_s, max_connections=500) as client:
         t0 = time.perf_counter()
 
         async def worker(surface: str) -> None:

@@ -33,8 +33,10 @@ class EventStream:
             yield ev.data
 
     async def aiter(self, response: Any) -> AsyncIterator[str]:
-        """``response``: an ``httpx.Response`` opened with ``client.stream(...)``."""
-        async for chunk in response.aiter_bytes():
+        """``response``: an ``httpx.Response`` opened with ``client.stream(...)``, or an aiohttp
+        ``ClientResponse`` (its body as it arrives)."""
+        chunks = response.aiter_bytes() if hasattr(response, "aiter_bytes") else response.content.iter_any()
+        async for chunk in chunks:
             for data in self._data(chunk):
                 yield data
             if self.done:

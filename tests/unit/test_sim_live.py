@@ -3,12 +3,11 @@ overhead benchmark's fake upstream): what it records of one request."""
 
 from __future__ import annotations
 
-import httpx
 from aiohttp import web
 
 from loadtest.fake_upstream import build_app
 from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, stream_chat, warm_up
+from loadtest.sim_live import Result, session, stream_chat, warm_up
 
 
 async def _serve(chunks: int) -> tuple[web.AppRunner, int]:
@@ -40,7 +39,7 @@ async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
     )
     res = Result(0, "s1", "tab")
     try:
-        async with httpx.AsyncClient() as client:
+        async with session(30) as client:
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             await stream_chat(client, url, spec, res, 0.0, timeout_s=30)
     finally:
