@@ -156,6 +156,7 @@ class EngineReplica:
             "waiting": s.waiting,
             "running": s.running,
             "kv_usage": s.kv_usage,
+            "healthy": s.healthy,  # a dead engine leaves the routing view before Serve replaces it
             "kv_events": self.kv_events is not None,  # the gateways follow GET /kv_events
             "kv_blocks": int(s.extra.get("num_kv_blocks", 0)),
             "ttft": self.ttft.report(time.monotonic()),  # every gateway's SLO guard reads them

@@ -59,6 +59,7 @@ class _Pick:
                     st.get("url"),
                     int(st.get("waiting", 0)),
                     float(st.get("kv_usage", 0.0)),
+                    healthy=bool(st.get("healthy", True)),
                     kv_events=bool(st.get("kv_events", False)),
                     kv_blocks=int(st.get("kv_blocks", 0)),
                     ttft=tuple(tuple(x) for x in st.get("ttft", ())),

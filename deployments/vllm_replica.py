@@ -195,6 +195,10 @@ class VLLMBackend:
             requests_started=self._started,
             requests_finished=self._finished,
             requests_aborted=self._aborted,
+            # A dead EngineCore (its process crashed) leaves AsyncLLM answering every request with
+            # EngineDeadError: the replica reports itself unhealthy, Serve's health check fails and
+            # Serve replaces it, and the gateways stop choosing it at once.
+            healthy=not self.engine.errored,
             extra={
                 "unfinished": self.engine.get_num_unfinished_requests(),
                 "num_kv_blocks": self._num_blocks,

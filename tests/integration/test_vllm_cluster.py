@@ -107,6 +107,59 @@ def test_vllm_kv_events_feed_the_gateway_index(cluster) -> None:
     assert idx["replicas"][replica]["blocks"] >= want, idx
 
 
+def _engine_core_pids(parent: int) -> list[int]:
+    """The vLLM EngineCore processes a replica's actor process started (its children by /proc)."""
+    from pathlib import Path
+
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "EngineCore" in cmd:
+            pids.append(int(d.name))
+    return pids
+
+
+def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:
+    """A vLLM EngineCore that dies (CI once saw one crash) must not leave a replica that answers
+    every request with EngineDeadError: the replica reports itself unhealthy, the gateways route
+    around it, Serve's health check fails and Serve starts a new replica."""
+    import os
+    import signal
+
+    import ray
+
+    healthy = cluster.wait_stats(lambda s: len(s) == 2 and all(x.healthy for x in s.values()), timeout=90)
+    assert len(healthy) == 2 and all(x.healthy for x in healthy.values())
+    victim = sorted(healthy)[0]
+    actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{victim}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    cores = _engine_core_pids(pid)
+    assert cores, f"no EngineCore process under replica {victim} (pid {pid})"
+    for core in cores:
+        os.kill(core, signal.SIGKILL)
+
+    # Until Serve replaces it, the replica says it is unhealthy (or is already gone) ...
+    seen = cluster.wait_stats(lambda s: victim not in s or not s[victim].healthy, timeout=30)
+    assert victim not in seen or not seen[victim].healthy
+    # ... and requests are served by the other replica meanwhile.
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for _ in range(4):
+        r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-llmc-replica"] != victim
+    # Serve replaced it: two healthy replicas again, the victim not among them.
+    after = cluster.wait_stats(
+        lambda s: len(s) == 2 and victim not in s and all(x.healthy for x in s.values()), timeout=180
+    )
+    assert len(after) == 2 and victim not in after and all(x.healthy for x in after.values())
+
+
 def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
     """One stream read raw: its token ids (the engine's ``: ids`` comment lines) with their arrival
     times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many
