@@ -64,7 +64,8 @@ FIDELITY_RUNS = (
     ("third whole bench_all, 9a62ba4", "25f54cb"),
     ("idle wake + warm offset, cf6a983", "b35fc34"),
     ("idle wake + loaded-trace fit, b35fc34", "5f7eabc"),
-    ("final: the same, 1167c9a", None),
+    ("idle wake + loaded-trace fit, 1167c9a", "86ba4c7"),
+    ("fourth whole bench_all, bcee197", None),
 )
 
 
@@ -142,7 +143,8 @@ PLANNER_HOST_RUNS = (
     ("7", "b247fd3", "4"),
     ("8", "19bd2c6", "4"),
     ("9", "25f54cb", "4"),
-    ("10", None, "5, just before"),
+    ("10", "86ba4c7", "5, just before"),
+    ("11", None, "6, just before"),
 )
 
 
