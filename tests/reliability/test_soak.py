@@ -29,12 +29,27 @@ DURATION_S = 600 if LONG else 45  # CI: long enough for leaked tasks, sockets an
 # their bounds, which these figures cannot tell from a slow leak); engines and Serve's actors 2-5 MB.
 # A CI-length run cannot resolve 1 MB/min against that noise: loadtest/soak.py reports the slope.
 RSS_BOUND_MB = 60 if LONG else 30
+WORKERS = 4  # the load's concurrency
+
+
+def sockets_bound(actor: str) -> int:
+    """Sockets an actor may end with beyond its baseline when the snapshot takes no rest: its pooled,
+    idle keep-alive connections, at most one per concurrent request to each peer. A gateway's peers
+    are HAProxy in front and each engine replica and provider server behind; an engine's, the two
+    gateways; Serve's own actors carry no request and keep the old bound. Measured (the soak*.json
+    files, 5-minute runs of 2.5-10.6K requests): gateways +1 to +4, engines 0-3; one CI run at
+    968cfb6 saw a gateway at +5. A leak per request would be hundreds: the CI run sends 300-500."""
+    if actor.startswith("Gateway"):
+        return WORKERS * (1 + sum(SELF_HOSTED.values()) + len(PROVIDERS))
+    if actor.startswith("backend-"):
+        return WORKERS * 2
+    return 4
 
 
 @pytest.fixture(scope="module")
 def soak(rel, tmp_path_factory):
     out = run_soak(
-        rel.name, rel.base_url, rel.keys, duration_s=DURATION_S, warmup_s=5, workers=4, sample_every_s=5
+        rel.name, rel.base_url, rel.keys, duration_s=DURATION_S, warmup_s=5, workers=WORKERS, sample_every_s=5
     )
     (tmp_path_factory.mktemp("soak") / "soak.json").write_text(json.dumps(out, indent=2))
     print("\nsoak:", json.dumps({k: v for k, v in out.items() if k not in ("actors", "gateway_counters")}))
@@ -61,13 +76,9 @@ def test_nothing_left_behind(soak) -> None:
     for name, a in soak["actors"].items():
         if "tasks_end" not in a:
             continue
-        # Measured on the gateway path (loadtest/results/soak*.json, two 5-minute runs, 2,517 and
-        # 3,601 requests): a gateway ends with 1-4 more sockets than it started with (its pooled,
-        # idle connections to the engines and providers; 1-2 still after 35 s at rest), an engine
-        # with 0-3 (the other end of those). A leak per request would be hundreds here; what is
-        # pooled is bounded by the peers. Every other descriptor stays where it was.
+        # What is pooled is bounded by the peers (sockets_bound); every other descriptor stays.
         grew = a["sockets_end"] - a["sockets_start"]
-        assert grew <= 4, (name, a)
+        assert grew <= sockets_bound(name), (name, sockets_bound(name), a)
         # Serve's own actors (controller, proxies) get a margin of 2 other descriptors: in a full CI
         # run at load 30-40 the fallback proxy, which HAProxy mode leaves idle, ended with one more
         # non-socket descriptor than it started with (97 against 96; Ray's internals, not a request
