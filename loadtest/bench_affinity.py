@@ -870,9 +870,31 @@ def run_scenario(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
         run = run_concurrent if args.mode == "concurrent" else run_sequential
         per_policy = run(args.policy_list, specs, args, port)
     meta["provenance"] = provenance(list(argv or sys.argv[1:]), git, load_before, started)
+    per_policy = stamp_runs(per_policy, meta["provenance"])
     if extra:
         offline = {**offline, "other_workload_seeds": extra}
     write_report(args, wl, specs, token_ids, per_policy, orc, offline, meta, time.perf_counter() - t_start)
+
+
+RUN_KEYS = ("git_commit", "git_dirty", "timestamp", "load_average_before", "load_average_after")
+
+
+def stamp_runs(per_policy: dict[str, Any], prov: dict[str, Any]) -> dict[str, Any]:
+    """Each policy's result with the run that measured it (commit, time, load), so that rows a
+    later ``--merge`` keeps still say where they came from."""
+    run = {k: prov.get(k) for k in RUN_KEYS}
+    return {name: {**r, "run": run} for name, r in per_policy.items()}
+
+
+def merge_policies(
+    kept: dict[str, Any], workload: dict[str, Any], fresh: dict[str, Any]
+) -> tuple[dict[str, Any], bool]:
+    """The fresh policies over the kept scenario's, each row with its own ``run`` stamp; only when
+    both ran the same workload (another size or seed would put unlike figures in one table):
+    (policies, merged)."""
+    if kept.get("workload") != workload:
+        return fresh, False
+    return {**kept.get("policies", {}), **fresh}, True
 
 
 def write_report(
@@ -891,10 +913,8 @@ def write_report(
     scenarios = old.get("scenarios", {})
     workload = {**wl.params(), **summary(specs)}
     if (args.merge or args.offline) and args.scenario in scenarios:
-        kept = scenarios[args.scenario]
-        if kept.get("workload") == workload:
-            per_policy = {**kept.get("policies", {}), **per_policy}
-        else:  # another workload (--quick, another seed): its figures would sit in one table with ours
+        per_policy, merged = merge_policies(scenarios[args.scenario], workload, per_policy)
+        if not merged:
             print(f"[{args.scenario}] not merged: the file's policies ran another workload", flush=True)
     lens = sorted(len(t) for t in token_ids)
     entry = {
