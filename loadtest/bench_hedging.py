@@ -37,7 +37,9 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
+from cluster.policy.hedging import HedgeConfig
 from loadtest.client import EventStream
+from loadtest.hedge_bound import hedge_window
 from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.stats import quantile
@@ -310,6 +312,10 @@ def run_leg(leg: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
             out["variants"][v] = s
             print(f"[{leg}] {v}: {json.dumps(s)}", flush=True)
         out["hedge_on_delay_ms_by_round"] = run.delays
+        hc = HedgeConfig()
+        out["feasibility"] = hedge_window(
+            [r["ttft_ms"] for r in rows["no_fault"] if r["ok"]], SHARE, hc.budget_ratio, 1000 * hc.min_delay_s
+        )
         # per request, for reading a missed goal: [index, TTFT ms (None: failed), attempts, hedge won]
         out["requests"] = {v: [_row(r) for r in rows[v]] for v in VARIANTS}
         return out
