@@ -36,6 +36,8 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "hedging": tables_engine.hedging,
     "hedging-run-1": tables_engine.hedging_run_1,
     "hedging-run-8": tables_engine.hedging_run_8,
+    "hedging-run-10": tables_engine.hedging_run_10,
+    "hedging-window": tables_engine.hedging_window,
     "affinity-groups": tables_affinity.groups,
     "affinity-common-prompt": tables_affinity.common_prompt,
     "affinity-kv-pressure-live": tables_affinity.kv_pressure_live,

@@ -217,6 +217,7 @@ _HEDGE_VARIANTS = {
 
 HEDGING_RUN_1 = "6f88d36"  # the first run on the new path, kept beside the current file
 HEDGING_RUN_8 = "ab8c5ce"  # the last run before the replicas froze their heaps
+HEDGING_RUN_10 = "968cfb6"  # the fourth whole bench_all (bcee197)
 
 
 def hedging_run_1(r: Results) -> str:
@@ -225,6 +226,43 @@ def hedging_run_1(r: Results) -> str:
 
 def hedging_run_8(r: Results) -> str:
     return hedging(r, at=HEDGING_RUN_8)
+
+
+def hedging_run_10(r: Results) -> str:
+    return hedging(r, at=HEDGING_RUN_10)
+
+
+def hedging_window(r: Results) -> str:
+    """hedging.json ``legs.*.feasibility`` (loadtest/hedge_bound.py): ms to 1 decimal."""
+    rows = []
+    for leg, d in r.get("hedging")["legs"].items():
+        w = d.get("feasibility")
+        if not w or w.get("feasible") is None:
+            continue
+        earliest = fixed(w["earliest_delay_ms"], 1) if w["earliest_delay_ms"] is not None else "none"
+        rows.append(
+            [
+                leg,
+                f"{fixed(w['no_fault_p50_ms'], 1)} / {fixed(w['no_fault_p99_ms'], 1)}",
+                fixed(w["limit_ms"], 1),
+                str(w["false_hedges_allowed"]),
+                earliest,
+                fixed(w["floor_ms"], 1),
+                fixed(w["latest_delay_ms"], 1),
+                "open" if w["feasible"] else "closed",
+            ]
+        )
+    header = [
+        "leg",
+        "no-fault TTFT p50 / p99 (ms)",
+        "limit: 1.5 × p99 (ms)",
+        "hedges left for normal calls",
+        "earliest delay the budget allows (ms)",
+        "policy floor (ms)",
+        "latest delay a hedge can still win by (ms)",
+        "window",
+    ]
+    return table(header, "lrrrrrrl", rows)
 
 
 def hedging(r: Results, at: str | None = None) -> str:
