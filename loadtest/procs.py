@@ -166,8 +166,9 @@ def box_busy_s() -> float:
     return (user + nice + system + irq + softirq) / TICK
 
 
-def engine_cores_s() -> dict[int, float]:
-    """PID -> CPU seconds of each live vLLM engine-core process."""
+def _engine_core_stats() -> dict[int, list[str]]:
+    """PID -> the ``/proc/<pid>/stat`` fields after the command name (state, ppid, ...) of each
+    live vLLM engine-core process."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -178,11 +179,21 @@ def engine_cores_s() -> dict[int, float]:
                 and "EngineCor" not in (d / "comm").read_text()
             ):
                 continue
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            out[int(d.name)] = (int(stat[11]) + int(stat[12])) / TICK  # utime + stime
+            out[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
     return out
+
+
+def engine_cores_s() -> dict[int, float]:
+    """PID -> CPU seconds of each live vLLM engine-core process."""
+    # fields 11 and 12 after the name: utime and stime, in clock ticks
+    return {pid: (int(f[11]) + int(f[12])) / TICK for pid, f in _engine_core_stats().items()}
+
+
+def engine_core_pids(parent: int) -> list[int]:
+    """The live vLLM engine-core processes whose parent is ``parent`` (an engine replica's process)."""
+    return [pid for pid, f in _engine_core_stats().items() if int(f[1]) == parent]
 
 
 def quiet_collector() -> None:

@@ -107,24 +107,6 @@ def test_vllm_kv_events_feed_the_gateway_index(cluster) -> None:
     assert idx["replicas"][replica]["blocks"] >= want, idx
 
 
-def _engine_core_pids(parent: int) -> list[int]:
-    """The vLLM EngineCore processes a replica's actor process started (its children by /proc)."""
-    from pathlib import Path
-
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and "EngineCore" in cmd:
-            pids.append(int(d.name))
-    return pids
-
-
 def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:
     """A vLLM EngineCore that dies (CI once saw one crash) must not leave a replica that answers
     every request with EngineDeadError: the replica reports itself unhealthy, the gateways route
@@ -134,12 +116,14 @@ def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(clust
 
     import ray
 
+    from loadtest.procs import engine_core_pids
+
     healthy = cluster.wait_stats(lambda s: len(s) == 2 and all(x.healthy for x in s.values()), timeout=90)
     assert len(healthy) == 2 and all(x.healthy for x in healthy.values())
     victim = sorted(healthy)[0]
     actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{victim}", namespace="serve")
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
-    cores = _engine_core_pids(pid)
+    cores = engine_core_pids(pid)
     assert cores, f"no EngineCore process under replica {victim} (pid {pid})"
     for core in cores:
         os.kill(core, signal.SIGKILL)
