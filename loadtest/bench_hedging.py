@@ -49,6 +49,9 @@ SHARE = 0.05  # of calls slow
 FACTOR = 10.0  # slow calls' TTFT against the no-fault median
 VARIANTS = ("no_fault", "hedge_off", "hedge_on")
 GOAL = "hedge-on p99 within 1.5x of the no-fault p99 at <= 5 % extra upstream requests"
+# The default policy (TTFT p95, 5 % budget), with a fixed delay while the sketch is cold; the
+# feasibility window reads its budget and floor from the same settings.
+HEDGING = HedgeConfig(fixed_delay_s=0.1)
 # server.gc_freeze of every app (--no-gc-freeze: the replicas' startup heap is not frozen, for A/B)
 GC_FREEZE = {"on": True}
 
@@ -63,8 +66,7 @@ def _app(name: str, backends: list[dict[str, Any]], candidates: list[str], hedgi
             "backends": backends,
             "routes": [{"model": "m", "candidates": candidates}],
             "surfaces": [{"name": "chat", "hedging": hedging, "max_concurrency": 256}],
-            # The default policy (TTFT p95, 5 % budget), with a fixed delay while the sketch is cold.
-            "policies": {"hedging": {"fixed_delay_s": 0.1}},
+            "policies": {"hedging": HEDGING.model_dump(exclude_defaults=True)},
         }
     )
 
@@ -312,9 +314,11 @@ def run_leg(leg: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
             out["variants"][v] = s
             print(f"[{leg}] {v}: {json.dumps(s)}", flush=True)
         out["hedge_on_delay_ms_by_round"] = run.delays
-        hc = HedgeConfig()
         out["feasibility"] = hedge_window(
-            [r["ttft_ms"] for r in rows["no_fault"] if r["ok"]], SHARE, hc.budget_ratio, 1000 * hc.min_delay_s
+            [r["ttft_ms"] for r in rows["no_fault"] if r["ok"]],
+            SHARE,
+            HEDGING.budget_ratio,
+            1000 * HEDGING.min_delay_s,
         )
         # per request, for reading a missed goal: [index, TTFT ms (None: failed), attempts, hedge won]
         out["requests"] = {v: [_row(r) for r in rows[v]] for v in VARIANTS}
