@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import pytest
 
 from loadtest.hedge_bound import hedge_window
+from loadtest.table_format import Results
 
 
 def test_a_tight_tail_leaves_no_delay_that_meets_the_goal() -> None:
@@ -36,11 +36,21 @@ def test_too_few_samples_say_so() -> None:
     assert hedge_window([10.0] * 50, 0.05, 0.05)["feasible"] is None
 
 
-def test_the_committed_run_read_through_it() -> None:
-    # hedging.json run 10 (bcee197): the sim leg's window is closed by about 2 ms, the provider's by
-    # the floor and the tail both.
-    d = json.loads((Path(__file__).parents[2] / "loadtest/results/hedging.json").read_text())
+def _no_fault(d: dict, leg: str) -> list[float]:
+    return [r[1] for r in d["legs"][leg]["requests"]["no_fault"] if r[1] is not None]
+
+
+@pytest.mark.parametrize("at", ["968cfb6", "1c4e421"])  # hedging runs 10 and 11, as committed
+def test_the_committed_runs_read_through_it(at: str) -> None:
+    # Both legs' windows closed: the sim's by 1-2 ms, the provider's by the tail and the floor both.
+    d = Results().get("hedging", at=at)
     for leg in ("sim", "provider"):
-        xs = [r[1] for r in d["legs"][leg]["requests"]["no_fault"] if r[1] is not None]
-        w = hedge_window(xs, 0.05, 0.05, floor_ms=20.0)
-        assert w["n"] == 1000 and w["feasible"] is False, (leg, w)
+        w = hedge_window(_no_fault(d, leg), 0.05, 0.05, floor_ms=20.0)
+        assert w["n"] == 1000 and w["feasible"] is False, (at, leg, w)
+
+
+def test_the_result_file_holds_the_window_of_its_own_no_fault_rows() -> None:
+    d = Results().get("hedging")
+    for leg, x in d["legs"].items():
+        w = x["feasibility"]
+        assert hedge_window(_no_fault(d, leg), 0.05, 0.05, floor_ms=w["floor_ms"]) == w, leg
