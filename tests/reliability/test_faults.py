@@ -92,6 +92,14 @@ def test_gateway_counters_balance(fault_run) -> None:
     assert sum(c["admitted"] for c in end.values()) > 0
 
 
+def _gateway_died_holding(r) -> bool:
+    """How a client sees a gateway die while it holds the client's request: the connection breaks,
+    or HAProxy answers for the dead server with our 503."""
+    if r.outcome == "conn_error":
+        return True
+    return r.outcome == "error_status" and r.error_code == "gateway_unavailable"
+
+
 def test_provider_tokens_billed_equal_our_usage(fault_run) -> None:
     """Every request the OpenAI provider finished is one our client got, with the same usage (matched
     by request id); the rest of the billed tokens are those of requests our client saw fail."""
@@ -99,9 +107,13 @@ def test_provider_tokens_billed_equal_our_usage(fault_run) -> None:
     oai = acc["openai"]
     assert oai["provider_requests_ok"] > 0
     assert oai["per_request_mismatches"] == [], oai
-    # A request the provider finished whose id our client never saw: only one whose connection
-    # broke before any byte came (the killed gateway held it), at most one per such record.
-    no_id = [r for r in fault_run["_records"] if r.outcome == "conn_error" and not r.request_id]
+    # A request the provider finished whose id our client never saw: only one the killed gateway
+    # held before any byte of answer, at most one per such record. Its client saw the connection
+    # break, or HAProxy's answer for a server that died before answering, which is our OpenAI 503
+    # `gateway_unavailable` (deployments/haproxy_errors.py). A CI run at ceaf140 had one finished
+    # request whose id its client never saw, one such 503 in the gateway kill's window, and no
+    # broken connection without an id.
+    no_id = [r for r in fault_run["_records"] if not r.request_id and _gateway_died_holding(r)]
     assert len(oai["finished_unknown"]) <= len(no_id), (oai["finished_unknown"], len(no_id))
     assert oai["diff_delivered"] == 0, oai
     for label in ("openai", "anthropic"):
