@@ -267,6 +267,15 @@ class Gateway:
             log.exception("gateway: unexpected error on %s %s", scope["method"], path)
             with contextlib.suppress(RuntimeError):  # the response may have started already
                 await h.send_error(send, ClusterError(f"internal error: {type(exc).__name__}"))
+        except BaseException as exc:  # SystemExit & co.: the process is going away; uvicorn would
+            # answer a response not yet started with its plain-text 500 (a killed gateway's waiter
+            # got one once in CI): the OpenAI 503 instead, as for a cancellation, and say what it was
+            log.warning("gateway: %s on %s %s; answering 503", type(exc).__name__, scope["method"], path)
+            with contextlib.suppress(Exception):
+                await h.send_error(
+                    send, Overloaded("The gateway replica is shutting down; retry.", retry_after_s=1)
+                )
+            raise
 
     def _caller(self, scope: h.Scope) -> tuple[str, str | None]:
         """(surface, tenant): from the API key with auth on; else from x-surface and x-tenant (a

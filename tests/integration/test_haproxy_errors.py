@@ -78,4 +78,11 @@ def test_a_request_its_gateway_died_holding_gets_an_openai_503(dp) -> None:
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert waiter.status == 503, raw[:300]
     assert b"retry-after: 1" in head.lower(), head
-    assert json.loads(payload) == json.loads(haproxy_errors.error_response().partition(b"\r\n\r\n")[2])
+    # HAProxy's page (the process died at once), or the gateway's own 503 when the process had a
+    # moment to answer on its way out (its ASGI entry answers any exit so; CI once saw uvicorn's
+    # plain-text 500 there, before it did)
+    page = json.loads(haproxy_errors.error_response().partition(b"\r\n\r\n")[2])
+    got = json.loads(payload)
+    assert got == page or (
+        got["error"]["type"] == "overloaded_error" and got["error"]["code"] == "overloaded"
+    ), got
