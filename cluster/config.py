@@ -131,6 +131,9 @@ class EngineArgs(Strict):
             "cluster), the kernel then runs the gateway first. 0: unchanged."
         ),
     )
+    cpu_sched: Literal["normal", "idle"] = Field(
+        "normal", description="A vLLM engine core's Linux scheduling class: deployments/cpu_sched.py"
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 
     @model_validator(mode="after")

@@ -128,6 +128,12 @@ class VLLMBackend:
         args = AsyncEngineArgs(**kw)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
         self._num_blocks = _num_blocks(self.engine)
+        self.engine_cores_idle: dict[int, int] = {}
+        if backend.engine.cpu_sched == "idle":
+            from deployments.cpu_sched import idle_engine_cores
+
+            self.engine_cores_idle = idle_engine_cores()
+            log.info("vLLM replica %s: engine cores in the idle class: %s", replica, self.engine_cores_idle)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
@@ -203,6 +209,8 @@ class VLLMBackend:
                 "unfinished": self.engine.get_num_unfinished_requests(),
                 "num_kv_blocks": self._num_blocks,
                 "recent_aborts": list(self._recent_aborts),
+                # engine-core pid -> its threads moved to the idle class (engine.cpu_sched: idle)
+                "engine_cores_idle": {str(k): v for k, v in self.engine_cores_idle.items()},
                 "ts": time.time(),
             },
         )

@@ -261,7 +261,7 @@ def run_vllm_router(
         ports = peer.server_ports
         results, wall, engines = _measured(peer.url, specs, warm, lambda: _server_counters(ports))
     out = {**_figures(results, wall), **engines, "startup_s": round(peer.startup_s, 1)}
-    out["problems"] = peer.problems
+    out["problems"], out["engine_cores_idle"] = peer.problems, len(peer.engines_idle)
     return out
 
 

@@ -280,6 +280,24 @@ class PeerStack:
     server_ports: list[int]
     startup_s: float
     problems: list[str]  # filled once the stack is stopped
+    engines_idle: dict[int, int]  # engine-core pid -> threads in the idle class (as ours: cpu_sched)
+
+
+def engines_like_ours(cfg: ClusterConfig, servers: list[int]) -> dict[int, int]:
+    """The plain vLLM servers' engine cores in the scheduling class the config gives ours
+    (``engine.cpu_sched``), so that the two legs differ in the router alone; {} when 'normal'."""
+    from deployments.cpu_sched import idle_engine_cores
+
+    b = next(b for b in cfg.backends if b.kind == "vllm")
+    if b.engine.cpu_sched != "idle":
+        return {}
+    idle: dict[int, int] = {}
+    for pid in servers:
+        moved = idle_engine_cores(pid)
+        if not moved:
+            raise RuntimeError(f"no engine-core process under the vLLM server {pid} to put in the idle class")
+        idle.update(moved)
+    return idle
 
 
 @contextlib.contextmanager
@@ -301,11 +319,12 @@ def peer_stack(
             procs.append(proc)
         for proc, port in servers:
             wait_http(f"http://{HOST}:{port}/health", proc, timeout_s)
+        idle = engines_like_ours(cfg, [proc.p.pid for proc, _ in servers])
         workers = [f"http://{HOST}:{port}" for _, port in servers]
         router, rport = start_vllm_router(f"{name}-router", workers, policy, logdir)
         procs.append(stack.enter_context(router))
         url = f"http://{HOST}:{rport}/v1/chat/completions"
-        peer = PeerStack(url, [p for _, p in servers], time.monotonic() - t0, [])
+        peer = PeerStack(url, [p for _, p in servers], time.monotonic() - t0, [], idle)
         yield peer
     left = {p.name: p.leftovers for p in procs if p.leftovers}
     peer.problems += [f"killed leftovers after stop: {left}"] if left else []
@@ -317,7 +336,8 @@ def vllm_peer(
     with peer_stack(cfg, policy, logdir, "peer-vllm", 420) as peer:
         fig = runner.run(e2e_leg(peer.url, work["jobs"], work["warmup"], work["concurrency"]))
     problems = [f"peer vLLM: {p}" for p in peer.problems]
-    return {**fig, "startup_s": _r(peer.startup_s, 1), "policy": policy, "problems": problems}
+    out = {**fig, "startup_s": _r(peer.startup_s, 1), "policy": policy, "problems": problems}
+    return out | {"engine_cores_idle": len(peer.engines_idle)}
 
 
 def vllm_phase(

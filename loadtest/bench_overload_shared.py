@@ -86,7 +86,11 @@ VLLM_SHAPES: dict[str, dict[str, int]] = {
 
 
 def variant_config(
-    variant: str, engine: str = "sim", batched_tokens: int | None = None, cpu_nice: int | None = None
+    variant: str,
+    engine: str = "sim",
+    batched_tokens: int | None = None,
+    cpu_nice: int | None = None,
+    cpu_sched: str | None = None,
 ) -> Any:
     from cluster.config import load_config, parse_config
 
@@ -102,6 +106,8 @@ def variant_config(
         raw["backends"][0]["engine"]["max_num_batched_tokens"] = batched_tokens
     if cpu_nice is not None:  # the engines' niceness on the shared cores, both variants alike
         raw["backends"][0]["engine"]["cpu_nice"] = cpu_nice
+    if cpu_sched is not None:  # the engines' scheduling class on the shared cores, both variants alike
+        raw["backends"][0]["engine"]["cpu_sched"] = cpu_sched
     raw["backends"][0]["engine"]["scheduling_policy"] = "priority" if on else "fcfs"
     raw["policies"]["slo_guard"]["enabled"] = on
     return parse_config(raw)
@@ -217,7 +223,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
 
     from deployments import local
 
-    cfg = variant_config(variant, args.engine, args.batched_tokens, args.cpu_nice)
+    cfg = variant_config(variant, args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
     shapes = VLLM_SHAPES if args.engine == "vllm" else None
     app_url = f"http://127.0.0.1:{args.port}/{variant}"
     url = app_url + "/v1/chat/completions"
@@ -276,6 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--batched-tokens", type=int, default=None, help="engine step token budget (default: the config's)"
     )
     ap.add_argument("--cpu-nice", type=int, default=None, help="engines' niceness (default: the config's)")
+    ap.add_argument(
+        "--cpu-sched",
+        choices=["normal", "idle"],
+        default=None,
+        help="the vLLM engine cores' scheduling class (default: the config's)",
+    )
     ap.add_argument("--out", default=None, help="default: overload_shared.json, or _vllm for vLLM")
     args = ap.parse_args(argv)
     args.out = args.out or str(
@@ -292,11 +304,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report["config"] = "configs/local.yaml (2 vLLM-CPU replicas, tiny model), 1 gateway replica"
         report["shapes"] = VLLM_SHAPES
-    engine = variant_config("on", args.engine, args.batched_tokens, args.cpu_nice).backends[0].engine
+    engine = (
+        variant_config("on", args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
+        .backends[0]
+        .engine
+    )
     report["max_num_batched_tokens"], report["engine_cpu_nice"] = (
         engine.max_num_batched_tokens,
         engine.cpu_nice,
     )
+    report["engine_cpu_sched"] = engine.cpu_sched
     report["machine"] = machine()
     from deployments import local
 

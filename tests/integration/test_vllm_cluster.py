@@ -107,6 +107,35 @@ def test_vllm_kv_events_feed_the_gateway_index(cluster) -> None:
     assert idx["replicas"][replica]["blocks"] >= want, idx
 
 
+def test_the_engine_cores_run_in_the_idle_class_and_the_replicas_do_not(cluster) -> None:
+    """configs/local.yaml's ``cpu_sched: idle``: every thread of each replica's engine core is in
+    SCHED_IDLE (the engines yield the shared cores to the relay), the replica's own process, which
+    streams the tokens, keeps the normal class; and the replica reports what it moved."""
+    import os
+
+    import ray
+
+    from deployments.cpu_sched import engine_core_children
+
+    assert cluster.cfg.backends[0].engine.cpu_sched == "idle"
+    stats = cluster.wait_stats(lambda s: len(s) == 2 and all(x.healthy for x in s.values()), timeout=90)
+    assert len(stats) == 2
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text  # the engines serve (and started their threads) in the idle class
+    for rid, st in stats.items():
+        actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{rid}", namespace="serve")
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+        cores = engine_core_children(pid)
+        assert cores, f"no engine core under replica {rid}"
+        assert {str(c) for c in cores} == set(st.extra["engine_cores_idle"]), st.extra
+        for core in cores:
+            threads = [int(t) for t in os.listdir(f"/proc/{core}/task")]
+            assert len(threads) > 1
+            assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}, (rid, core)
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+
+
 def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:
     """A vLLM EngineCore that dies (CI once saw one crash) must not leave a replica that answers
     every request with EngineDeadError: the replica reports itself unhealthy, the gateways route

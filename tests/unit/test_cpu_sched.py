@@ -1,0 +1,83 @@
+"""The engine-core lookup and the idle class, on real processes of this machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments import cpu_sched
+
+# A child that starts a second thread, so that every thread of a process is moved, not the first.
+CHILD = (
+    "import threading, time\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _child() -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _classes(pid: int) -> list[int]:
+    return [os.sched_getscheduler(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_set_idle_class_moves_every_thread_of_the_process() -> None:
+    p = _child()
+    try:
+        assert len(_classes(p.pid)) == 2 and set(_classes(p.pid)) == {os.SCHED_OTHER}
+        assert cpu_sched.set_idle_class(p.pid) == 2
+        assert set(_classes(p.pid)) == {os.SCHED_IDLE}
+        assert cpu_sched.sched_class(p.pid) == "idle"
+        assert cpu_sched.sched_class(os.getpid()) == "normal"  # the caller is left as it was
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _fake_proc(root: Path, procs: dict[int, tuple[str, int]]) -> Path:
+    for pid, (comm, ppid) in procs.items():
+        d = root / str(pid)
+        d.mkdir()
+        (d / "comm").write_text(comm + "\n")
+        (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1\n")
+    (root / "self").mkdir()  # not a pid: skipped
+    return root
+
+
+def test_engine_core_children_are_the_engine_cores_of_that_parent_only(tmp_path: Path) -> None:
+    proc = _fake_proc(
+        tmp_path,
+        {
+            10: ("ray::ServeRepli", 1),
+            11: ("VLLM::EngineCor", 10),  # ours
+            12: ("python", 10),  # our other child: not an engine
+            21: ("VLLM::EngineCor", 20),  # another replica's engine
+            # a name with a ')' in it, as Ray's worker names can have: the ppid still parses
+            13: ("VLLM::EngineCor", 10),
+        },
+    )
+    (proc / "13" / "stat").write_text("13 (VLLM::EngineCor) x) S 10 13 13 0 -1\n")
+    assert sorted(cpu_sched.engine_core_children(10, proc)) == [11, 13]
+    assert cpu_sched.engine_core_children(20, proc) == [21]
+    assert cpu_sched.engine_core_children(99, proc) == []
+
+
+def test_idle_engine_cores_with_no_engine_child_moves_nothing() -> None:
+    # An in-process engine (no engine-core child): the replica's own threads keep their class.
+    assert cpu_sched.idle_engine_cores(os.getpid()) == {}
+    assert cpu_sched.sched_class(os.getpid()) == "normal"
+
+
+def test_a_process_that_ended_is_skipped_not_raised() -> None:
+    p = _child()
+    p.kill()
+    p.wait()
+    assert not Path(f"/proc/{p.pid}").exists()
+    assert cpu_sched.set_idle_class(p.pid) == 0
