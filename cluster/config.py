@@ -131,8 +131,8 @@ class EngineArgs(Strict):
             "cluster), the kernel then runs the gateway first. 0: unchanged."
         ),
     )
-    cpu_sched: Literal["normal", "idle"] = Field(
-        "normal", description="A vLLM engine core's Linux scheduling class: deployments/cpu_sched.py"
+    cpu_sched: Literal["normal", "idle", "auto"] = Field(
+        "normal", description="A vLLM engine core's Linux scheduling class: cluster/policy/cpu_class.py"
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 

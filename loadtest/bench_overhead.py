@@ -284,8 +284,9 @@ class PeerStack:
 
 
 def engines_like_ours(cfg: ClusterConfig, servers: list[int]) -> dict[int, int]:
-    """The plain vLLM servers' engine cores in the scheduling class the config gives ours
-    (``engine.cpu_sched``), so that the two legs differ in the router alone; {} when 'normal'."""
+    """The plain vLLM servers' engine cores in the scheduling class ours are in on this workload
+    (``engine.cpu_sched``), so that the two legs differ in the router alone: idle for 'idle'; {}
+    (normal) otherwise, 'auto' included, since these workloads send no Tab request."""
     from deployments.cpu_sched import idle_engine_cores
 
     b = next(b for b in cfg.backends if b.kind == "vllm")

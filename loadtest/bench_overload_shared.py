@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cpu-nice", type=int, default=None, help="engines' niceness (default: the config's)")
     ap.add_argument(
         "--cpu-sched",
-        choices=["normal", "idle"],
+        choices=["normal", "idle", "auto"],
         default=None,
         help="the vLLM engine cores' scheduling class (default: the config's)",
     )

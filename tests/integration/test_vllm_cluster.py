@@ -107,33 +107,43 @@ def test_vllm_kv_events_feed_the_gateway_index(cluster) -> None:
     assert idx["replicas"][replica]["blocks"] >= want, idx
 
 
-def test_the_engine_cores_run_in_the_idle_class_and_the_replicas_do_not(cluster) -> None:
-    """configs/local.yaml's ``cpu_sched: idle``: every thread of each replica's engine core is in
-    SCHED_IDLE (the engines yield the shared cores to the relay), the replica's own process, which
-    streams the tokens, keeps the normal class; and the replica reports what it moved."""
+def test_tab_traffic_puts_the_engine_cores_in_the_idle_class_and_its_end_takes_them_out(cluster) -> None:
+    """configs/local.yaml's ``cpu_sched: auto``: a Tab request moves every thread of the engine core
+    that serves it to SCHED_IDLE (the engines yield the shared cores to the relay while Tab is
+    about); the replica's own process, which streams the tokens, keeps the normal class; once no
+    Tab request came for the hold, the engine core is back in the normal class."""
     import os
 
     import ray
 
-    from deployments.cpu_sched import engine_core_children
+    from cluster.policy.cpu_class import CpuClassPolicy
 
-    assert cluster.cfg.backends[0].engine.cpu_sched == "idle"
-    stats = cluster.wait_stats(lambda s: len(s) == 2 and all(x.healthy for x in s.values()), timeout=90)
-    assert len(stats) == 2
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text  # the engines serve (and started their threads) in the idle class
-    for rid, st in stats.items():
-        actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{rid}", namespace="serve")
-        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
-        cores = engine_core_children(pid)
-        assert cores, f"no engine core under replica {rid}"
-        assert {str(c) for c in cores} == set(st.extra["engine_cores_idle"]), st.extra
-        for core in cores:
-            threads = [int(t) for t in os.listdir(f"/proc/{core}/task")]
-            assert len(threads) > 1
-            assert {os.sched_getscheduler(t) for t in threads} == {os.SCHED_IDLE}, (rid, core)
-        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+    assert cluster.cfg.backends[0].engine.cpu_sched == "auto"
+    hold_s = CpuClassPolicy().hold_s
+
+    def threads(pid: int) -> set[int]:
+        return {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 4}
+    r = httpx.post(
+        cluster.base_url + "/chat/completions", json=body, headers={"x-surface": "tab"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-llmc-replica"]
+    served = cluster.replica_stats()[rid].extra["engine_cpu_class"]
+    assert served["mode"] == "auto" and served["class"] == "idle" and served["stuck"] is None, served
+    actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{rid}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
+    (core,) = served["cores"]
+    assert threads(core) == {os.SCHED_IDLE} and len(os.listdir(f"/proc/{core}/task")) > 1
+    assert threads(pid) == {os.SCHED_OTHER}  # the replica's own process streams the tokens
+
+    # No Tab request for the hold: the stats (read here, as Serve reads them) take it back out.
+    back = cluster.wait_stats(
+        lambda s: rid in s and s[rid].extra["engine_cpu_class"]["class"] == "normal", timeout=hold_s + 30
+    )
+    assert back[rid].extra["engine_cpu_class"]["class"] == "normal", back[rid].extra
+    assert threads(core) == {os.SCHED_OTHER}
 
 
 def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cluster.policy.cpu_class import CpuClassPolicy
 from deployments import cpu_sched
 
 # A child that starts a second thread, so that every thread of a process is moved, not the first.
@@ -81,3 +82,51 @@ def test_a_process_that_ended_is_skipped_not_raised() -> None:
     p.wait()
     assert not Path(f"/proc/{p.pid}").exists()
     assert cpu_sched.set_idle_class(p.pid) == 0
+
+
+ENGINE_CHILD = "open('/proc/self/comm', 'w').write('VLLM::EngineCor')\n" + CHILD
+
+
+def test_engine_core_class_follows_the_policy_on_a_real_child() -> None:
+    p = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    try:
+        cores = cpu_sched.EngineCoreClass(CpuClassPolicy("auto", hold_s=5.0))
+        assert cores.cores == [p.pid]
+        cores.note_request(100.0, priority=2)  # Agent: the engine keeps the normal class
+        assert cores.current == "normal" and set(_classes(p.pid)) == {os.SCHED_OTHER}
+        cores.note_request(101.0, priority=0)  # Tab: every thread of the engine goes idle-class
+        assert cores.current == "idle" and set(_classes(p.pid)) == {os.SCHED_IDLE}
+        cores.apply(105.0)
+        assert cores.current == "idle"
+        cores.apply(106.5)  # the hold ran out: back to the normal class
+        if cores.stuck is None:  # leaving the idle class needs the privilege to (this box: root)
+            assert cores.current == "normal" and set(_classes(p.pid)) == {os.SCHED_OTHER}
+        else:
+            assert cores.current == "idle" and "cannot move" in cores.stuck
+        assert cores.report()["changes"] == (2 if cores.stuck is None else 1)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_change_the_kernel_refuses_is_reported_and_not_retried(monkeypatch) -> None:
+    p = subprocess.Popen([sys.executable, "-c", ENGINE_CHILD], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    calls: list[str] = []
+
+    def refuse(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
+        calls.append(klass)
+        raise PermissionError(1, "Operation not permitted")
+
+    try:
+        monkeypatch.setattr(cpu_sched, "set_class", refuse)
+        cores = cpu_sched.EngineCoreClass(CpuClassPolicy("idle"))
+        assert calls == ["idle"] and cores.current == "normal"
+        assert cores.stuck is not None and "Operation not permitted" in cores.stuck
+        cores.apply(1.0)
+        assert calls == ["idle"]  # no syscall loop on every request after a refusal
+        assert cores.report()["stuck"] == cores.stuck
+    finally:
+        p.kill()
+        p.wait()
