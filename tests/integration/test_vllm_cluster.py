@@ -138,12 +138,18 @@ def test_tab_traffic_puts_the_engine_cores_in_the_idle_class_and_its_end_takes_t
     assert threads(core) == {os.SCHED_IDLE} and len(os.listdir(f"/proc/{core}/task")) > 1
     assert threads(pid) == {os.SCHED_OTHER}  # the replica's own process streams the tokens
 
-    # No Tab request for the hold: the stats (read here, as Serve reads them) take it back out.
-    back = cluster.wait_stats(
-        lambda s: rid in s and s[rid].extra["engine_cpu_class"]["class"] == "normal", timeout=hold_s + 30
-    )
-    assert back[rid].extra["engine_cpu_class"]["class"] == "normal", back[rid].extra
-    assert threads(core) == {os.SCHED_OTHER}
+    # No Tab request for the hold: the stats (read here, as Serve reads them) take it back out;
+    # where the kernel refuses that (leaving SCHED_IDLE needs CAP_SYS_NICE), it stays idle and says so.
+    def settled(s: dict) -> bool:
+        c = s[rid].extra["engine_cpu_class"] if rid in s else {}
+        return c.get("class") == "normal" or c.get("stuck") is not None
+
+    back = cluster.wait_stats(settled, timeout=hold_s + 30)[rid].extra["engine_cpu_class"]
+    if back["stuck"] is None:
+        assert back["class"] == "normal" and threads(core) == {os.SCHED_OTHER}, back
+    else:
+        assert back["class"] == "idle" and "normal class" in back["stuck"], back
+        assert threads(core) == {os.SCHED_IDLE}
 
 
 def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:
