@@ -202,7 +202,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("15", "2cdec48"),
     ("16", "6a74dc8"),
     ("17", "968cfb6"),
-    ("18", None),
+    ("18", "6c39619"),
+    ("19", None),
 )
 
 
@@ -221,7 +222,8 @@ def overload_shared_vllm(r: Results) -> str:
             late += f"{num(x3['admission_delta']['rejected_unreachable'])} of {num(x3['rejects'])}"
             step = d.get("max_num_batched_tokens", "the config")
             nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
-            nice += ", idle class" if d.get("engine_cpu_sched") == "idle" else ""
+            sched = {"idle": ", idle class", "auto": ", idle class with Tab"}
+            nice += sched.get(d.get("engine_cpu_sched", "normal"), "")
             label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
             cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
             rows.append([label, variant, *cells, inside, late, str(hung_requests(v))])
