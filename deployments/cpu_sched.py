@@ -23,22 +23,27 @@ log = logging.getLogger(__name__)
 ENGINE_CORE_NAMES = ("EngineCor",)  # vLLM names its engine-core process "VLLM::EngineCore"
 
 
-def engine_core_children(parent: int, proc: Path = Path("/proc")) -> list[int]:
-    """PIDs of the engine-core processes whose parent is ``parent``."""
-    found = []
+def engine_core_stats(proc: Path = Path("/proc")) -> dict[int, list[str]]:
+    """PID -> the ``/proc/<pid>/stat`` fields after the command name (state, ppid, ...) of each
+    live vLLM engine-core process, found by its name or its command line."""
+    out = {}
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         try:
-            comm = (d / "comm").read_text()
-            if not any(n in comm for n in ENGINE_CORE_NAMES):
+            if not any(n in (d / "comm").read_text() for n in ENGINE_CORE_NAMES) and (
+                b"EngineCore" not in (d / "cmdline").read_bytes()
+            ):
                 continue
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            out[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
             continue  # gone meanwhile
-        if ppid == parent:
-            found.append(int(d.name))
-    return found
+    return out
+
+
+def engine_core_children(parent: int, proc: Path = Path("/proc")) -> list[int]:
+    """PIDs of the engine-core processes whose parent is ``parent``."""
+    return [pid for pid, f in engine_core_stats(proc).items() if int(f[1]) == parent]
 
 
 POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}

@@ -15,6 +15,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from deployments.cpu_sched import engine_core_stats
+
 ROOT = Path(__file__).resolve().parents[1]  # children run from the repository root
 HOST = "127.0.0.1"
 TAG_VAR = "LLMC_BENCH_TAG"  # in every child's environment: finds what a leg left behind
@@ -166,34 +168,10 @@ def box_busy_s() -> float:
     return (user + nice + system + irq + softirq) / TICK
 
 
-def _engine_core_stats() -> dict[int, list[str]]:
-    """PID -> the ``/proc/<pid>/stat`` fields after the command name (state, ppid, ...) of each
-    live vLLM engine-core process."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if (
-                b"EngineCore" not in (d / "cmdline").read_bytes()
-                and "EngineCor" not in (d / "comm").read_text()
-            ):
-                continue
-            out[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-    return out
-
-
 def engine_cores_s() -> dict[int, float]:
     """PID -> CPU seconds of each live vLLM engine-core process."""
     # fields 11 and 12 after the name: utime and stime, in clock ticks
-    return {pid: (int(f[11]) + int(f[12])) / TICK for pid, f in _engine_core_stats().items()}
-
-
-def engine_core_pids(parent: int) -> list[int]:
-    """The live vLLM engine-core processes whose parent is ``parent`` (an engine replica's process)."""
-    return [pid for pid, f in _engine_core_stats().items() if int(f[1]) == parent]
+    return {pid: (int(f[11]) + int(f[12])) / TICK for pid, f in engine_core_stats().items()}
 
 
 def quiet_collector() -> None:

@@ -161,14 +161,14 @@ def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(clust
 
     import ray
 
-    from loadtest.procs import engine_core_pids
+    from deployments.cpu_sched import engine_core_children
 
     healthy = cluster.wait_stats(lambda s: len(s) == 2 and all(x.healthy for x in s.values()), timeout=90)
     assert len(healthy) == 2 and all(x.healthy for x in healthy.values())
     victim = sorted(healthy)[0]
     actor = ray.get_actor(f"SERVE_REPLICA::{cluster.cfg.name}#backend-vllm-tiny#{victim}", namespace="serve")
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
-    cores = engine_core_pids(pid)
+    cores = engine_core_children(pid)
     assert cores, f"no EngineCore process under replica {victim} (pid {pid})"
     for core in cores:
         os.kill(core, signal.SIGKILL)
