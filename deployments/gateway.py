@@ -257,20 +257,16 @@ class Gateway:
             await route(scope, receive, send)
         except ClusterError as err:
             await h.send_error(send, err)
-        except asyncio.CancelledError:  # the replica is going away (or the client): say so if we can
-            with contextlib.suppress(Exception):
-                await h.send_error(
-                    send, Overloaded("The gateway replica is shutting down; retry.", retry_after_s=1)
-                )
-            raise
         except Exception as exc:  # ours: an OpenAI error object, never the server's plain-text 500
             log.exception("gateway: unexpected error on %s %s", scope["method"], path)
             with contextlib.suppress(RuntimeError):  # the response may have started already
                 await h.send_error(send, ClusterError(f"internal error: {type(exc).__name__}"))
-        except BaseException as exc:  # SystemExit & co.: the process is going away; uvicorn would
-            # answer a response not yet started with its plain-text 500 (a killed gateway's waiter
-            # got one once in CI): the OpenAI 503 instead, as for a cancellation, and say what it was
-            log.warning("gateway: %s on %s %s; answering 503", type(exc).__name__, scope["method"], path)
+        except BaseException as exc:  # cancelled (the replica is going away, or the client), or the
+            # process exiting (SystemExit & co.: uvicorn would answer a response not yet started with
+            # its plain-text 500, as a killed gateway's waiter once got in CI): the OpenAI 503 if we
+            # can; an exit is rare enough to say what it was
+            if not isinstance(exc, asyncio.CancelledError):
+                log.warning("gateway: %s on %s %s; answering 503", type(exc).__name__, scope["method"], path)
             with contextlib.suppress(Exception):
                 await h.send_error(
                     send, Overloaded("The gateway replica is shutting down; retry.", retry_after_s=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,17 +48,21 @@ def _answer(sent: list[dict[str, Any]]) -> tuple[int, dict[bytes, bytes], dict[s
 
 @pytest.mark.parametrize("exc", [SystemExit(1), KeyboardInterrupt(), GeneratorExit()])
 def test_a_process_exit_before_the_answer_gets_the_openai_503_and_still_propagates(
-    exc: BaseException,
+    exc: BaseException, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sent, raised = _run(exc)
+    with caplog.at_level(logging.WARNING, logger="deployments.gateway"):
+        sent, raised = _run(exc)
+    assert any(type(exc).__name__ in r.getMessage() for r in caplog.records)  # an exit says what it was
     assert raised is exc  # the process still goes away
     status, headers, body = _answer(sent)
     assert status == 503 and headers[b"retry-after"] == b"1"
     assert body["error"]["type"] == "overloaded_error" and body["error"]["code"] == "overloaded"
 
 
-def test_a_cancellation_gets_the_same_503() -> None:
-    sent, raised = _run(asyncio.CancelledError())
+def test_a_cancellation_gets_the_same_503(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="deployments.gateway"):
+        sent, raised = _run(asyncio.CancelledError())
+    assert not caplog.records  # a client gone is no news
     assert isinstance(raised, asyncio.CancelledError)
     status, _, body = _answer(sent)
     assert status == 503 and body["error"]["code"] == "overloaded"
