@@ -49,11 +49,6 @@ def engine_core_children(parent: int, proc: Path = Path("/proc")) -> list[int]:
 POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}
 
 
-def set_idle_class(pid: int, proc: Path = Path("/proc")) -> int:
-    """Every thread of ``pid`` into ``SCHED_IDLE``; returns how many threads were moved."""
-    return set_class(pid, "idle", proc)
-
-
 def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
     """Every thread of ``pid`` into ``klass`` ('idle' or 'normal'); returns how many were moved."""
     policy = POLICIES[klass]
@@ -69,20 +64,6 @@ def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
         except (ProcessLookupError, FileNotFoundError):
             continue  # the thread ended meanwhile
     return moved
-
-
-def idle_engine_cores(parent: int | None = None) -> dict[int, int]:
-    """The engine-core children of ``parent`` (this process by default) into the idle class:
-    {pid: threads moved}. Empty when the engine runs in this process (nothing is moved then: the
-    replica's own HTTP stream must not go idle-class)."""
-    parent = os.getpid() if parent is None else parent
-    return {pid: set_idle_class(pid) for pid in engine_core_children(parent)}
-
-
-def sched_class(pid: int) -> str:
-    """The scheduling class of ``pid``'s main thread, by name (for stats and tests)."""
-    names = {os.SCHED_OTHER: "normal", os.SCHED_IDLE: "idle", os.SCHED_BATCH: "batch"}
-    return names.get(os.sched_getscheduler(pid), str(os.sched_getscheduler(pid)))
 
 
 class EngineCoreClass:

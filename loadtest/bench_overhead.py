@@ -280,24 +280,25 @@ class PeerStack:
     server_ports: list[int]
     startup_s: float
     problems: list[str]  # filled once the stack is stopped
-    engines_idle: dict[int, int]  # engine-core pid -> threads in the idle class (as ours: cpu_sched)
+    engines_idle: list[int]  # the engine cores in the idle class (as ours: cpu_sched)
 
 
-def engines_like_ours(cfg: ClusterConfig, servers: list[int]) -> dict[int, int]:
-    """The plain vLLM servers' engine cores in the scheduling class ours are in on this workload
-    (``engine.cpu_sched``), so that the two legs differ in the router alone: idle for 'idle'; {}
-    (normal) otherwise, 'auto' included, since these workloads send no Tab request."""
-    from deployments.cpu_sched import idle_engine_cores
+def engines_like_ours(cfg: ClusterConfig, servers: list[int]) -> list[int]:
+    """The plain vLLM servers' engine cores under the policy ours run under (``engine.cpu_sched``),
+    fed what ours are fed here, no Tab request, so that the two legs differ in the router alone:
+    'idle' moves them to the idle class, 'normal' and 'auto' leave them normal. The idle ones' PIDs."""
+    from cluster.policy.cpu_class import CpuClassPolicy
+    from deployments.cpu_sched import EngineCoreClass
 
-    b = next(b for b in cfg.backends if b.kind == "vllm")
-    if b.engine.cpu_sched != "idle":
-        return {}
-    idle: dict[int, int] = {}
+    mode = next(b for b in cfg.backends if b.kind == "vllm").engine.cpu_sched
+    if mode == "normal":
+        return []
+    idle: list[int] = []
     for pid in servers:
-        moved = idle_engine_cores(pid)
-        if not moved:
+        cores = EngineCoreClass(CpuClassPolicy(mode), parent=pid)
+        if mode == "idle" and not cores.cores:
             raise RuntimeError(f"no engine-core process under the vLLM server {pid} to put in the idle class")
-        idle.update(moved)
+        idle += cores.cores if cores.current == "idle" else []
     return idle
 
 

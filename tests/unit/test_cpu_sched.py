@@ -29,14 +29,14 @@ def _classes(pid: int) -> list[int]:
     return [os.sched_getscheduler(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
 
 
-def test_set_idle_class_moves_every_thread_of_the_process() -> None:
+def test_set_class_moves_every_thread_of_the_process() -> None:
     p = _child()
     try:
         assert len(_classes(p.pid)) == 2 and set(_classes(p.pid)) == {os.SCHED_OTHER}
-        assert cpu_sched.set_idle_class(p.pid) == 2
+        assert cpu_sched.set_class(p.pid, "idle") == 2
         assert set(_classes(p.pid)) == {os.SCHED_IDLE}
-        assert cpu_sched.sched_class(p.pid) == "idle"
-        assert cpu_sched.sched_class(os.getpid()) == "normal"  # the caller is left as it was
+        assert os.sched_getscheduler(p.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(os.getpid()) == os.SCHED_OTHER  # the caller is left as it was
     finally:
         p.kill()
         p.wait()
@@ -70,10 +70,11 @@ def test_engine_core_children_are_the_engine_cores_of_that_parent_only(tmp_path:
     assert cpu_sched.engine_core_children(99, proc) == []
 
 
-def test_idle_engine_cores_with_no_engine_child_moves_nothing() -> None:
+def test_no_engine_child_moves_nothing() -> None:
     # An in-process engine (no engine-core child): the replica's own threads keep their class.
-    assert cpu_sched.idle_engine_cores(os.getpid()) == {}
-    assert cpu_sched.sched_class(os.getpid()) == "normal"
+    cores = cpu_sched.EngineCoreClass(CpuClassPolicy("idle"))
+    assert cores.cores == [] and cores.current == "normal"
+    assert os.sched_getscheduler(os.getpid()) == os.SCHED_OTHER
 
 
 def test_a_process_that_ended_is_skipped_not_raised() -> None:
@@ -81,7 +82,7 @@ def test_a_process_that_ended_is_skipped_not_raised() -> None:
     p.kill()
     p.wait()
     assert not Path(f"/proc/{p.pid}").exists()
-    assert cpu_sched.set_idle_class(p.pid) == 0
+    assert cpu_sched.set_class(p.pid, "idle") == 0
 
 
 ENGINE_CHILD = "open('/proc/self/comm', 'w').write('VLLM::EngineCor')\n" + CHILD
