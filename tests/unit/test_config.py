@@ -52,6 +52,7 @@ def _base() -> dict:
         ),
         (lambda c: c["backends"][0]["engine"].update(cpu_nice=20), "backends.0.engine.cpu_nice"),
         (lambda c: c["backends"][0]["engine"].update(cpu_nice=-1), "backends.0.engine.cpu_nice"),
+        (lambda c: c["backends"][0]["engine"].update(cpu_sched="fast"), "backends.0.engine.cpu_sched"),
     ],
 )
 def test_bad_config_names_the_field(mutate, field: str) -> None:
