@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 import time
 
 from cluster.config import load_config
@@ -33,9 +34,18 @@ def _serve(args: argparse.Namespace) -> int:
     mport = args.metrics_port or cfg.server.metrics_port
     api, prom = f"http://{cfg.server.host}:{port}", f"http://127.0.0.1:{mport}/metrics"
     print(f"[cluster] starting {cfg.name} from {args.config}: API {api}, metrics {prom} …", flush=True)
+    # Ctrl-C or SIGTERM from here on stops the cluster cleanly. A KeyboardInterrupt in the middle
+    # of the start-up was sometimes lost inside Ray (a Ctrl-C 8 s in left the cluster serving), and
+    # where it was not, it left a half-started cluster to Ray's exit hooks: the signal is noted
+    # instead, the start-up runs to its end, and the cluster is stopped right after it.
+    stop = _note_signals()
     t0 = time.monotonic()
     local.start(cfg, port=port, metrics_port=mport)
     print(f"[cluster] ready in {time.monotonic() - t0:.0f} s", flush=True)
+    if stop.is_set():
+        print("[cluster] stopping: a stop signal came during the start-up", flush=True)
+        local.stop()
+        return 130
     print(f"[cluster] API      {api}/v1", flush=True)
     print(f"[cluster] metrics  {prom}   (Prometheus; `cluster status --watch` reads it)", flush=True)
     if args.demo:
@@ -47,23 +57,25 @@ def _serve(args: argparse.Namespace) -> int:
         '"messages": [{"role": "user", "content": "Hello"}]}\''
     )
     if not args.exit_after_demo:
-        _wait_for_a_signal()
+        print("[cluster] Ctrl-C stops it.", flush=True)
+        while not stop.wait(0.5):
+            pass
     local.stop()
     return 0
 
 
-def _wait_for_a_signal() -> None:
-    print("[cluster] Ctrl-C stops it.", flush=True)
-    stop = False
+def _note_signals() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event (and say so) instead of raising."""
+    stop = threading.Event()
 
     def _on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
+        if not stop.is_set():
+            print("\n[cluster] stopping …", flush=True)
+        stop.set()
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    while not stop:
-        time.sleep(0.5)
+    return stop
 
 
 def _stream_demo(base_url: str, model: str, prompt: str) -> None:
