@@ -33,12 +33,12 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or cfg.server.port
     mport = args.metrics_port or cfg.server.metrics_port
     api, prom = f"http://{cfg.server.host}:{port}", f"http://127.0.0.1:{mport}/metrics"
-    print(f"[cluster] starting {cfg.name} from {args.config}: API {api}, metrics {prom} …", flush=True)
     # Ctrl-C or SIGTERM from here on stops the cluster cleanly. A KeyboardInterrupt in the middle
     # of the start-up was sometimes lost inside Ray (a Ctrl-C 8 s in left the cluster serving), and
     # where it was not, it left a half-started cluster to Ray's exit hooks: the signal is noted
     # instead, the start-up runs to its end, and the cluster is stopped right after it.
     stop = _note_signals()
+    print(f"[cluster] starting {cfg.name} from {args.config}: API {api}, metrics {prom} …", flush=True)
     t0 = time.monotonic()
     local.start(cfg, port=port, metrics_port=mport)
     print(f"[cluster] ready in {time.monotonic() - t0:.0f} s", flush=True)
