@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,7 @@ def run_phase(
     specs = workloads(rates, window_s, seed, shapes=shapes)
     model = cfg.models[0].name
     before = admission_counters(app_url)
+    decisions0 = _decisions(gateway_status(app_url))
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
     lag: list[float] = []
     with EngineTtft(app_url, cfg.surface("tab").priority) as engine_tab:
@@ -213,7 +215,16 @@ def run_phase(
     rep["gateway_refusal_ms_last_30s"] = status.get("refusals", {}).get("last_30s")
     # Tab's TTFT inside the engines: how much of the client's TTFT is queue and prefill
     rep["engine_tab_ttft_ms"] = engine_tab.summary()
+    # The gateway's routing decisions in the phase, by reason (cluster/routing/affinity.py)
+    rep["routing_decisions"] = dict(_decisions(status) - decisions0)
     return rep
+
+
+def _decisions(status: dict[str, Any]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for view in status.get("routing", {}).values():
+        out.update(view.get("decisions", {}))
+    return out
 
 
 def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) -> tuple[dict, float]:
