@@ -316,6 +316,16 @@ class ServerConfig(Strict):
         description="Freeze each gateway and engine replica's startup heap (gc.freeze) so that Python's "
         "full collections, which stop the process, walk only what requests allocated since.",
     )
+    gateway_nice: int | None = Field(
+        None,
+        ge=-20,
+        le=19,
+        description=(
+            "Niceness of each gateway replica and of its node's HAProxy (Ray starts workers at 15). On a "
+            "host shared with engines and clients, 0 stops the router waiting behind every nice-0 process "
+            "there; lowering it needs CAP_SYS_NICE (refused: kept, said in /internal/status). None: Ray's."
+        ),
+    )
 
     @property
     def router_replicas(self) -> int:

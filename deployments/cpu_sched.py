@@ -1,4 +1,5 @@
-"""Move a vLLM replica's engine-core process between Linux scheduling classes.
+"""Move a vLLM replica's engine-core process between Linux scheduling classes; set the gateway's
+niceness and its node's HAProxy's (:func:`renice_gateway`).
 
 What class the engine's compute wants, and why, is ``cluster.policy.cpu_class``; this is the shell
 that applies it. Only the engine core (the model's compute and its busy-waiting workers) changes
@@ -64,6 +65,56 @@ def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
         except (ProcessLookupError, FileNotFoundError):
             continue  # the thread ended meanwhile
     return moved
+
+
+def set_nice(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
+    """Every thread of ``pid`` to niceness ``nice`` (Linux keeps one per thread, and a thread or a
+    child process starts with its creator's); returns how many were set. Lowering it needs
+    CAP_SYS_NICE: ``PermissionError`` otherwise."""
+    n = 0
+    try:
+        threads = list((proc / str(pid) / "task").iterdir())
+    except FileNotFoundError:
+        return 0
+    for t in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(t.name), nice)
+            n += 1
+        except ProcessLookupError:
+            continue
+    return n
+
+
+def haproxy_pids(proc: Path = Path("/proc")) -> list[int]:
+    """This node's Serve HAProxy processes and the Ray actor that starts them (``HAProxyManager``:
+    HAProxy restarts on each config reload, as the manager's child, with the manager's niceness)."""
+    out = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            comm = (d / "comm").read_text().strip()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if comm == "haproxy" or cmd.startswith(b"ray::HAProxyManager"):
+            out.append(int(d.name))
+    return out
+
+
+def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None) -> dict[str, Any]:
+    """This process (a gateway replica; or ``pid``) and its node's HAProxy to ``nice``. A refusal
+    is logged and reported, not raised: the processes keep Ray's niceness then."""
+    pid = os.getpid() if pid is None else pid
+    out: dict[str, Any] = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
+    try:
+        set_nice(pid, nice, proc)
+        for pid in haproxy_pids(proc):
+            out["haproxy_processes"] += bool(set_nice(pid, nice, proc))
+    except PermissionError as exc:
+        out["refused"] = f"cannot set niceness {nice}: {exc}"
+        log.warning("%s (the gateway and HAProxy keep theirs)", out["refused"])
+    return out
 
 
 class EngineCoreClass:

