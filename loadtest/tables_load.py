@@ -203,7 +203,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("16", "6a74dc8"),
     ("17", "968cfb6"),
     ("18", "6c39619"),
-    ("19", None),
+    ("19", "c67b606"),
+    ("20", None),
 )
 
 
@@ -224,6 +225,8 @@ def overload_shared_vllm(r: Results) -> str:
             nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
             sched = {"idle": ", idle class", "auto": ", idle class with Tab"}
             nice += sched.get(d.get("engine_cpu_sched", "normal"), "")
+            if d.get("gateway_nice") is not None:
+                nice += f", gateway nice {d['gateway_nice']}"
             label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
             cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
             rows.append([label, variant, *cells, inside, late, str(hung_requests(v))])
