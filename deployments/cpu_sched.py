@@ -114,13 +114,13 @@ def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None
     """This process (a gateway replica; or ``pid``) and its node's HAProxy to ``nice``. A refusal
     is logged and reported, not raised: the processes keep Ray's niceness then."""
     pid = os.getpid() if pid is None else pid
-    raylet = _ppid(proc / str(pid))  # the node's raylet, parent of every worker on it
     out: dict[str, Any] = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
     try:
+        raylet = _ppid(proc / str(pid))  # the node's raylet, parent of every worker on it
         set_nice(pid, nice, proc)
         for other in haproxy_pids(raylet, proc):
             out["haproxy_processes"] += bool(set_nice(other, nice, proc))
-    except PermissionError as exc:
+    except (OSError, ValueError, IndexError) as exc:  # PermissionError: no CAP_SYS_NICE
         out["refused"] = f"cannot set niceness {nice}: {exc}"
         log.warning("%s (the gateway and HAProxy keep theirs)", out["refused"])
     return out

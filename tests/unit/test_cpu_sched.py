@@ -191,3 +191,9 @@ def test_a_niceness_the_kernel_refuses_is_reported_not_raised(monkeypatch) -> No
     monkeypatch.setattr(cpu_sched, "set_nice", refuse)
     report = cpu_sched.renice_gateway(0)
     assert report["refused"] is not None and "Permission denied" in report["refused"]
+
+
+def test_an_unreadable_proc_is_reported_not_raised(tmp_path: Path) -> None:
+    # The gateway starts whatever /proc looks like: a niceness it cannot apply is a report.
+    report = cpu_sched.renice_gateway(0, tmp_path, pid=12345)
+    assert report["refused"] is not None and report["haproxy_processes"] == 0
