@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,15 @@ from cluster.policy.cpu_class import CpuClassPolicy, Klass
 log = logging.getLogger(__name__)
 
 ENGINE_CORE_NAMES = ("EngineCor",)  # vLLM names its engine-core process "VLLM::EngineCore"
+
+
+def _stat_fields(d: Path) -> list[str]:
+    """``<d>/stat``'s fields after the command name (state, ppid, ...); the name may hold ')'."""
+    return (d / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int:
+    return int(_stat_fields(proc / str(pid))[1])
 
 
 def engine_core_stats(proc: Path = Path("/proc")) -> dict[int, list[str]]:
@@ -36,7 +46,7 @@ def engine_core_stats(proc: Path = Path("/proc")) -> dict[int, list[str]]:
                 b"EngineCore" not in (d / "cmdline").read_bytes()
             ):
                 continue
-            out[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(d.name)] = _stat_fields(d)
         except OSError:
             continue  # gone meanwhile
     return out
@@ -50,43 +60,34 @@ def engine_core_children(parent: int, proc: Path = Path("/proc")) -> list[int]:
 POLICIES = {"idle": os.SCHED_IDLE, "normal": os.SCHED_OTHER}
 
 
-def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
-    """Every thread of ``pid`` into ``klass`` ('idle' or 'normal'); returns how many were moved."""
-    policy = POLICIES[klass]
-    moved = 0
+def _each_thread(pid: int, proc: Path, apply: Callable[[int], object]) -> int:
+    """``apply(tid)`` for every thread of ``pid``; how many it reached. A process or thread that
+    ended meanwhile is skipped; anything else (``PermissionError``) is raised."""
     try:
         threads = list((proc / str(pid) / "task").iterdir())
     except FileNotFoundError:
         return 0  # the process ended meanwhile
+    done = 0
     for t in threads:
         try:
-            os.sched_setscheduler(int(t.name), policy, os.sched_param(0))
-            moved += 1
+            apply(int(t.name))
+            done += 1
         except (ProcessLookupError, FileNotFoundError):
             continue  # the thread ended meanwhile
-    return moved
+    return done
+
+
+def set_class(pid: int, klass: str, proc: Path = Path("/proc")) -> int:
+    """Every thread of ``pid`` into ``klass`` ('idle' or 'normal'); returns how many were moved."""
+    policy = POLICIES[klass]
+    return _each_thread(pid, proc, lambda tid: os.sched_setscheduler(tid, policy, os.sched_param(0)))
 
 
 def set_nice(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
     """Every thread of ``pid`` to niceness ``nice`` (Linux keeps one per thread, and a thread or a
     child process starts with its creator's); returns how many were set. Lowering it needs
     CAP_SYS_NICE: ``PermissionError`` otherwise."""
-    n = 0
-    try:
-        threads = list((proc / str(pid) / "task").iterdir())
-    except FileNotFoundError:
-        return 0
-    for t in threads:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(t.name), nice)
-            n += 1
-        except ProcessLookupError:
-            continue
-    return n
-
-
-def _ppid(d: Path) -> int:
-    return int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    return _each_thread(pid, proc, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
 
 
 def haproxy_pids(raylet: int, proc: Path = Path("/proc")) -> list[int]:
@@ -99,7 +100,8 @@ def haproxy_pids(raylet: int, proc: Path = Path("/proc")) -> list[int]:
         if not d.name.isdigit():
             continue
         try:
-            stats[int(d.name)] = ((d / "comm").read_text().strip(), _ppid(d), (d / "cmdline").read_bytes())
+            comm, ppid = (d / "comm").read_text().strip(), int(_stat_fields(d)[1])
+            stats[int(d.name)] = (comm, ppid, (d / "cmdline").read_bytes())
         except (OSError, ValueError, IndexError):
             continue
     managers = {
@@ -116,7 +118,7 @@ def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None
     pid = os.getpid() if pid is None else pid
     out: dict[str, Any] = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
     try:
-        raylet = _ppid(proc / str(pid))  # the node's raylet, parent of every worker on it
+        raylet = parent_pid(pid, proc)  # the node's raylet, parent of every worker on it
         set_nice(pid, nice, proc)
         for other in haproxy_pids(raylet, proc):
             out["haproxy_processes"] += bool(set_nice(other, nice, proc))

