@@ -327,6 +327,12 @@ class ServerConfig(Strict):
         ),
     )
 
+    timing_header: bool = Field(
+        True,
+        description="Send each completion's Server-Timing header (prep, queue, upstream, ttft in ms): the "
+        "gateway's share of the time to the first token against the backend's.",
+    )
+
     @property
     def router_replicas(self) -> int:
         """Admission divides every limit between the gateway replicas (each enforces its share)."""

@@ -311,6 +311,7 @@ class Gateway:
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
             prepared = await prepare_off_loop(self.cfg, raw, schema, kind, rid, surface, session, self.views)
+            prepared.prep_s = time.perf_counter() - t0
         except ClusterError as err:
             await h.send_error(send, err)
             return

@@ -35,6 +35,7 @@ class Prepared:
     candidates: list[str]
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
     usage: Usage | None = None  # set by the relay when the request ends (tenant budgets settle it)
+    prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
 
     @property
     def stream(self) -> bool:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.observability.server_timing import server_timing
 from cluster.observability.trace import RequestTrace
 from cluster.policy.admission import Outcome
 from cluster.policy.attempts import backend_of_slot
@@ -140,6 +141,9 @@ class Relay:
                 "x-llmc-attempts": str(len(result.attempts)),
                 "x-llmc-hedge-won": "1" if winner.hedge else "0",
             }
+            if gw.cfg.server.timing_header:
+                upstream_s = hooks.clock() - winner.started_at
+                headers["server-timing"] = server_timing(p.prep_s, waited_s, upstream_s, acct.first_at - t0)
             rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
             stream = winner.stream
             if getattr(stream, "passed", None) is not None:  # an engine's, with its token ids

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from cluster.observability.server_timing import NAMES, parse_server_timing
 from loadtest.overhead_stats import _r, percentile, summarize
 from loadtest.procs import quiet_collector
 
@@ -124,6 +125,7 @@ class Sample:
     e2e_ms: float | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    timing: dict[str, float] | None = None  # the gateway's Server-Timing (ms), where it sent one
 
 
 @dataclass
@@ -161,6 +163,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> 
         async with session.post(url, data=body) as resp:
             if resp.status != 200:
                 return Sample(False, error=f"HTTP {resp.status}: {(await resp.text())[:160]}")
+            timing = parse_server_timing(resp.headers.get("server-timing")) or None
             async for data in resp.content.iter_any():
                 if scan.feed(data) and ttft is None:
                     ttft = (time.perf_counter() - t0) * 1000.0
@@ -169,7 +172,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> 
     e2e = (time.perf_counter() - t0) * 1000.0
     error = scan.error or (None if scan.done else "no [DONE]") or (None if ttft is not None else "no content")
     tokens = (scan.usage or {}).get("completion_tokens")
-    return Sample(error is None, ttft, e2e, tokens, error)
+    return Sample(error is None, ttft, e2e, tokens, error, timing)
 
 
 async def run_jobs(
@@ -210,7 +213,24 @@ def leg_figures(batches: Sequence[Batch]) -> dict[str, Any]:
         "ttft_ms": summarize([s.ttft_ms for s in ok if s.ttft_ms is not None]),
         "ttft_p50_ms_by_round": [_r(percentile([s.ttft_ms for s in b.samples if s.ok], 50)) for b in batches],
         "e2e_ms": summarize([s.e2e_ms for s in ok if s.e2e_ms is not None]),
+        **split_figures(ok),
     }
+
+
+def split_figures(ok: Sequence[Sample]) -> dict[str, Any]:
+    """Where a leg's TTFT went, from the gateway's Server-Timing (ours only; ms, per request then
+    summarized): its four figures, ``gateway_own`` (its time to the first token less prep, queue and
+    the upstream's), and ``outside`` (the client's TTFT less the gateway's: HAProxy, the HTTP server
+    and Serve's replica wrapper, the loopback hops, the client)."""
+    timed = [s for s in ok if s.timing and s.ttft_ms is not None and "ttft" in s.timing]
+    if not timed:
+        return {}
+    split: dict[str, list[float]] = {n: [s.timing[n] for s in timed if n in s.timing] for n in NAMES}
+    split["gateway_own"] = [
+        s.timing["ttft"] - sum(s.timing.get(n, 0.0) for n in ("prep", "queue", "upstream")) for s in timed
+    ]
+    split["outside"] = [s.ttft_ms - s.timing["ttft"] for s in timed]
+    return {"server_timing_ms": {name: summarize(v) for name, v in split.items()}}
 
 
 async def ab_level(

@@ -14,6 +14,7 @@ import pytest
 from openai import APIError, OpenAI
 
 from cluster.config import parse_config
+from cluster.observability.server_timing import parse_server_timing
 from loadtest.reliability import provider_backend
 from tests.integration.test_sim_cluster import kill_replica
 from tests.servers.anthropic_server import AnthropicServer
@@ -178,7 +179,11 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
     assert _until_served_by(mix, "mix", "prov-openai", timeout=15)  # earlier faults have healed
     # Fund the hedge budget (0.25 per request, burst 1) with healthy tab requests first.
     for _ in range(4):
-        assert _chat(mix, "mix", surface="tab").status_code == 200
+        plain = _chat(mix, "mix", surface="tab")
+        assert plain.status_code == 200
+    timing = parse_server_timing(plain.headers["server-timing"])
+    assert set(timing) == {"prep", "queue", "upstream", "ttft"}, plain.headers["server-timing"]
+    assert 0 < timing["upstream"] <= timing["ttft"] and timing["prep"] <= timing["ttft"]
     snap0 = mix.status()["policy"]
     disconnects0 = oai.stats().disconnects
     oai.push_faults("slow_first:5")
@@ -188,6 +193,9 @@ def test_slow_first_token_is_hedged_and_the_loser_aborted(mix, servers) -> None:
     assert r.headers["x-llmc-backend"] == "sim-mix"  # the hedge won
     assert (r.headers["x-llmc-attempts"], r.headers["x-llmc-hedge-won"]) == ("2", "1")
     assert time.monotonic() - t0 < 4  # well before the slow provider's first token (5 s)
+    # Server-Timing's upstream is the winner's own time: the hedge delay (0.3 s) is the gateway's
+    timing = parse_server_timing(r.headers["server-timing"])
+    assert timing["ttft"] - timing["prep"] - timing["queue"] - timing["upstream"] >= 299, timing
     snap = mix.status()["policy"]
     assert snap["hedges_won"] == snap0["hedges_won"] + 1
     # The loser's cancel reached the provider: it saw the client go away.

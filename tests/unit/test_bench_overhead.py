@@ -283,3 +283,13 @@ def test_assemble_puts_headline_keys_goals_and_provenance_in_the_results() -> No
     } <= set(p)
     assert p["machine"]["nproc"] and p["argv"] == ["--quick"] and p["command"]
     json.dumps(out)  # the file is JSON
+
+
+def test_split_figures_from_the_gateways_server_timing() -> None:
+    t = {"prep": 0.2, "queue": 0.0, "upstream": 0.6, "ttft": 1.0}
+    ok = [oc.Sample(True, ttft_ms=1.5, timing=t), oc.Sample(True, ttft_ms=1.7, timing=t)]
+    split = oc.split_figures(ok)["server_timing_ms"]
+    assert split["ttft"]["p50"] == 1.0 and split["upstream"]["p50"] == 0.6
+    assert split["gateway_own"]["p50"] == pytest.approx(0.2)
+    assert split["outside"]["p50"] == pytest.approx(0.6) and split["outside"]["n"] == 2
+    assert oc.split_figures([oc.Sample(True, ttft_ms=1.0)]) == {}  # direct, or a peer: no header
