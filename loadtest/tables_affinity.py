@@ -164,7 +164,13 @@ VLLM_LABELS = {
     "vllm_router_round_robin": "vllm-router `round_robin`",
 }
 # Earlier runs of affinity_vllm.json's kv_pressure, as the commits that hold them recorded them.
-VLLM_EARLIER_RUNS = (("1", "9e2ed2b"), ("2", "f7803f5"), ("3", "66c6a0c"), ("4", "25f54cb"))
+VLLM_EARLIER_RUNS = (
+    ("1", "9e2ed2b"),
+    ("2", "f7803f5"),
+    ("3", "66c6a0c"),
+    ("4", "25f54cb"),
+    ("5", "968cfb6"),
+)
 
 
 def _rounds(p: dict[str, Any]) -> str:

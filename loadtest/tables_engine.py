@@ -65,7 +65,8 @@ FIDELITY_RUNS = (
     ("idle wake + warm offset, cf6a983", "b35fc34"),
     ("idle wake + loaded-trace fit, b35fc34", "5f7eabc"),
     ("idle wake + loaded-trace fit, 1167c9a", "86ba4c7"),
-    ("fourth whole bench_all, bcee197", None),
+    ("fourth whole bench_all, bcee197", "968cfb6"),
+    ("fifth whole bench_all, ceff069", None),
 )
 
 
@@ -144,7 +145,8 @@ PLANNER_HOST_RUNS = (
     ("8", "19bd2c6", "4"),
     ("9", "25f54cb", "4"),
     ("10", "86ba4c7", "5, just before"),
-    ("11", None, "6, just before"),
+    ("11", "968cfb6", "6, just before"),
+    ("12", None, "7, just before"),
 )
 
 
@@ -218,6 +220,7 @@ _HEDGE_VARIANTS = {
 HEDGING_RUN_1 = "6f88d36"  # the first run on the new path, kept beside the current file
 HEDGING_RUN_8 = "ab8c5ce"  # the last run before the replicas froze their heaps
 HEDGING_RUN_10 = "968cfb6"  # the fourth whole bench_all (bcee197)
+HEDGING_RUN_11 = "1c4e421"  # 25bba5d, the final code of that round
 
 
 def hedging_run_1(r: Results) -> str:
@@ -230,6 +233,10 @@ def hedging_run_8(r: Results) -> str:
 
 def hedging_run_10(r: Results) -> str:
     return hedging(r, at=HEDGING_RUN_10)
+
+
+def hedging_run_11(r: Results) -> str:
+    return hedging(r, at=HEDGING_RUN_11)
 
 
 def hedging_window(r: Results) -> str:

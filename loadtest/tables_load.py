@@ -59,6 +59,36 @@ def overhead(r: Results, at: str | None = None) -> str:
     return table(["", "direct", "vllm-router (peer)", "ours"], "lrrr", rows)
 
 
+SPLIT_ROWS = (
+    ("the client's TTFT", None),
+    ("in the gateway's handler (Server-Timing `ttft`)", "ttft"),
+    ("of which prep (parse, validate, tokenize, route)", "prep"),
+    ("of which admission's queue", "queue"),
+    ("of which the upstream call to its first item", "upstream"),
+    ("of which the gateway's own rest (race, accounting)", "gateway_own"),
+    ("outside the handler (HAProxy, uvicorn, Serve, writes)", "outside"),
+)
+
+
+def overhead_split(r: Results) -> str:
+    """overhead.json, ours: where the TTFT went, p50 in ms to 2 decimals (each figure is the median
+    of its own per-request values, so the parts need not sum to the whole), the direct leg beside."""
+    legs = r.get("overhead")["legs"]
+    levels = [c for c in ("c1", "c16", "c64") if "server_timing_ms" in legs["ours"].get(c, {})]
+
+    def cell(c: str, key: str | None) -> str:
+        got = legs["ours"][c]["ttft_ms"] if key is None else legs["ours"][c]["server_timing_ms"][key]
+        return fixed(got["p50"], 2)
+
+    rows = [[label] + [cell(c, key) for c in levels] for label, key in SPLIT_ROWS]
+    rows.append(
+        ["the direct leg's TTFT (the upstream alone)"]
+        + [fixed(legs["direct"][c]["ttft_ms"]["p50"], 2) for c in levels]
+    )
+    header = ["ours, p50 (ms)"] + [f"{c[1:]} stream{'s' if c != 'c1' else ''}" for c in levels]
+    return table(header, "l" + "r" * len(levels), rows)
+
+
 def _ms(x: float) -> str:
     return fixed(x, 1) if x < 100 else fixed(x, 0)  # 1 decimal below 100 ms, whole ms above
 
@@ -109,7 +139,8 @@ OVERLOAD_SHARED_RUNS = (
     ("9", "0c4ebf8"),
     ("10", "25f54cb"),
     ("11", "0b96cdb"),
-    ("12", None),
+    ("12", "968cfb6"),
+    ("13", None),
 )
 
 
@@ -204,7 +235,8 @@ OVERLOAD_SHARED_VLLM_RUNS = (
     ("17", "968cfb6"),
     ("18", "6c39619"),
     ("19", "c67b606"),
-    ("20", None),
+    ("20", "44d0c36"),
+    ("21", None),
 )
 
 
