@@ -198,10 +198,10 @@ class AdmissionController:
         return self._reject(s, "queue_full", now, None)
 
     def precheck(self, surface: str, now: float) -> Rejection | None:
-        """The rejection any new request of ``surface`` gets, whatever it asks for: the surface is at
-        its own limit and cannot usefully queue (a full queue, or a wait past its deadline), or the
-        guard's cap keeps it off every backend. The gateway asks before parsing and tokenizing, so
-        such a request costs it almost nothing; None: go on (:meth:`try_admit` decides)."""
+        """The rejection any new request of ``surface`` gets, whatever it asks for: it would queue
+        (the surface at its limit, or every backend full) and cannot usefully (a full queue, or a
+        wait past its deadline), or the guard's cap keeps it off every backend. The gateway asks
+        before parsing and tokenizing: such a request costs it almost nothing; None: go on."""
         s = self._surface(surface)
         if s.in_flight < s.limit:
             if (
@@ -211,7 +211,8 @@ class AdmissionController:
             ):
                 s.counters.rejected_guard += 1
                 return self._reject(s, "guard", now, None)
-            return None
+            if not self._backends or any(self._has_room(b, surface) for b in self._backends):
+                return None  # a backend has room for it: try_admit decides
         if len(s.queue) >= s.max_queue:
             s.counters.rejected_queue_full += 1
             return self._reject(s, "queue_full", now, None)

@@ -110,6 +110,48 @@ def test_the_precheck_refuses_only_what_try_admit_would_refuse_whatever_was_aske
     assert c.counters("agent").rejected_predicted == 2 and c.counters().balanced()
 
 
+def test_the_precheck_also_refuses_when_every_backend_is_full_below_the_surfaces_limit() -> None:
+    """A shared pool's Agent surface allows more than its backends hold: with every backend full a
+    new request would queue whatever it named, so a wait past its deadline (or a full queue) is
+    refused before its body is parsed and tokenized, as try_admit would refuse it after."""
+    c = AdmissionController([surf("agent", 2, 16, 3, 2500), surf("tab", 0, 4, 4, 250)], {"pool": 2})
+    for i in range(3):  # requests of 1 s each
+        ticket = c.try_admit("agent", float(i), ["pool"])
+        assert isinstance(ticket, Ticket)
+        c.release(ticket, "completed", i + 1.0)
+    for _ in range(2):  # the pool full at 6 s, the surface at 2 of its 16
+        assert isinstance(c.try_admit("agent", 6.0, ["pool"]), Ticket)
+    assert c.precheck("agent", 6.0) is None  # it can still queue usefully
+    for _ in range(3):
+        assert isinstance(c.try_admit("agent", 6.0, ["pool"]), Queued)  # waits of 1, 1, 2 s
+    r = c.precheck("agent", 6.0)
+    assert isinstance(r, Rejection) and r.reason == "queue_full"
+    assert c.try_admit("agent", 6.0, ["pool"]).reason == "queue_full"  # type: ignore[union-attr]
+    assert c.precheck("tab", 6.0) is None  # the same full pool: tab's own queue is empty
+    roomy = AdmissionController([surf("agent", 2, 16, 3, 2500)], {"pool": 2, "api": None})
+    for _ in range(2):
+        assert isinstance(roomy.try_admit("agent", 0.0, ["pool"]), Ticket)
+    for _ in range(3):
+        assert isinstance(roomy.try_admit("agent", 0.0, ["pool"]), Queued)
+    assert roomy.precheck("agent", 0.0) is None  # an uncapped backend has room: try_admit decides
+    assert c.counters("agent").balanced() and roomy.counters("agent").balanced()
+
+
+def test_the_precheck_refuses_a_wait_past_the_deadline_on_a_full_backend() -> None:
+    c = AdmissionController([surf("agent", 2, 16, 100, 2500)], {"pool": 2})
+    for i in range(3):
+        ticket = c.try_admit("agent", float(i), ["pool"])
+        assert isinstance(ticket, Ticket)
+        c.release(ticket, "completed", i + 1.0)
+    for _ in range(2):
+        assert isinstance(c.try_admit("agent", 6.0, ["pool"]), Ticket)
+    for _ in range(4):
+        assert isinstance(c.try_admit("agent", 6.0, ["pool"]), Queued)  # waits of 1, 1, 2, 2 s
+    r = c.precheck("agent", 6.0)
+    assert isinstance(r, Rejection) and r.reason == "predicted_wait" and r.error.retry_after_s == 3.0
+    assert c.counters("agent").rejected_predicted == 1
+
+
 def test_deadline_expiries_are_split_by_whether_the_waiter_had_a_wait_estimate() -> None:
     c = AdmissionController([surf("agent", 2, 1, 10, 1000), surf("tab", 0, 4, 4, 250)])
     assert isinstance(c.try_admit("agent", 0.0), Ticket)  # holds the one slot: no estimate yet
