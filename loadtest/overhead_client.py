@@ -163,7 +163,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> 
         async with session.post(url, data=body) as resp:
             if resp.status != 200:
                 return Sample(False, error=f"HTTP {resp.status}: {(await resp.text())[:160]}")
-            timing = parse_server_timing(resp.headers.get("server-timing")) or None
+            timing_header = resp.headers.get("server-timing")  # parsed after the stream, not in its TTFT
             async for data in resp.content.iter_any():
                 if scan.feed(data) and ttft is None:
                     ttft = (time.perf_counter() - t0) * 1000.0
@@ -172,6 +172,7 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> 
     e2e = (time.perf_counter() - t0) * 1000.0
     error = scan.error or (None if scan.done else "no [DONE]") or (None if ttft is not None else "no content")
     tokens = (scan.usage or {}).get("completion_tokens")
+    timing = parse_server_timing(timing_header) or None
     return Sample(error is None, ttft, e2e, tokens, error, timing)
 
 
