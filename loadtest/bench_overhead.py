@@ -1,16 +1,20 @@
 """What our gateway adds to a streamed request, side by side with the Rust ``vllm-router`` peer.
 
-    python -m loadtest.bench_overhead [--quick] [--legs direct,peer,ours] [--vllm | --no-vllm]
+    python -m loadtest.bench_overhead [--quick] [--legs direct,peer,ours,floor] [--vllm | --no-vllm]
 
 Loopback only (127.0.0.1); every process is started here, in its own session, and stopped here.
 
 **Relay phase** — a fake OpenAI-compatible upstream that answers at once (:mod:`loadtest.fake_upstream`,
-32 chunks per answer), reached three ways:
+32 chunks per answer), reached four ways:
 
 * **direct**: the client straight to the fake upstream (the floor; always measured);
 * **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
 * **ours**: our cluster (``deployments.local.start``) with one provider backend (``kind: provider``,
-  OpenAI wire) pointing at it; requests carry ``x-surface: chat``.
+  OpenAI wire) pointing at it; requests carry ``x-surface: chat``;
+* **floor**: a relay with no logic at all, served the way our gateway is (a Serve deployment with
+  direct ingress behind Serve's HAProxy, the gateway's replicas and options), as a second app
+  (``/floor``) in the ours leg's cluster (:mod:`loadtest.serve_floor`): what the shape costs before
+  any code of ours runs. Needs the ours leg.
 
 The same request (stream, ``include_usage``) at 1, 16 and 64 (stress) concurrent streams. A/B
 interleaved: each round runs one batch per leg, the order rotating each round, so background load
@@ -71,7 +75,15 @@ from loadtest.overhead_client import (
     smoke,
 )
 from loadtest.overhead_cluster import OursCluster, provider_config, serve_cluster
-from loadtest.overhead_stats import _r, added_ms, evaluate_goals, overhead_figures, summarize
+from loadtest.overhead_stats import (
+    _r,
+    added_ms,
+    evaluate_goals,
+    floor_goals,
+    ours_minus_floor,
+    overhead_figures,
+    summarize,
+)
 from loadtest.procs import LegFailed, Proc, wait_http
 from loadtest.provenance import git_state, provenance
 
@@ -80,7 +92,7 @@ RESULTS = ROOT / "loadtest" / "results"
 OUT = RESULTS / "overhead.json"
 PARTIAL = RESULTS / "overhead.partial.json"
 LOCAL_CONFIG = ROOT / "configs" / "local.yaml"
-LEGS = ("direct", "peer", "ours")
+LEGS = ("direct", "peer", "ours", "floor")
 MAX_ERROR_RATE = 0.01
 # The engine environment our replicas get, for the peer's engines too (Ray Serve's own log setting aside).
 VLLM_ENV = {k: v for k, v in ENGINE_ENV.items() if not k.startswith("RAY_")}
@@ -125,13 +137,21 @@ def start_vllm_router(name: str, workers: list[str], policy: str, logdir: Path) 
 # --- relay phase -----------------------------------------------------------------------------------
 
 
-def _start_leg(leg: str, stack: contextlib.ExitStack, up_port: int, logdir: Path, procs: list[Proc]) -> str:
+def _start_leg(
+    leg: str, legs: Sequence[str], stack: contextlib.ExitStack, up_port: int, logdir: Path, procs: list[Proc]
+) -> str:
+    upstream = f"http://{HOST}:{up_port}/v1/chat/completions"
     if leg == "peer":
         router, port = start_vllm_router("peer-router", [f"http://{HOST}:{up_port}"], "round_robin", logdir)
         procs.append(stack.enter_context(router))
         return f"http://{HOST}:{port}/v1/chat/completions"
-    port = free_port()
-    ours = stack.enter_context(OursCluster("ours", provider_config(up_port, port), port, logdir))
+    if leg == "floor":  # the second app of the ours leg's cluster
+        ours = next((p for p in procs if isinstance(p, OursCluster) and p.floor_url and not p.stopped), None)
+        if ours is None:
+            raise LegFailed("floor: it is served by the ours leg's cluster, which did not start")
+        return ours.floor_url or ""
+    port, floor = free_port(), upstream if "floor" in legs else None
+    ours = stack.enter_context(OursCluster("ours", provider_config(up_port, port), port, logdir, floor))
     procs.append(ours)
     ours.wait_ready(300)
     return ours.url
@@ -149,7 +169,8 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
         for leg in legs:
             t0, started = time.monotonic(), len(procs)
             try:
-                url = urls["direct"] if leg == "direct" else _start_leg(leg, stack, up_port, logdir, procs)
+                start = _start_leg
+                url = urls["direct"] if leg == "direct" else start(leg, legs, stack, up_port, logdir, procs)
                 first = runner.run(smoke(url, body))
                 if not first.ok:
                     raise LegFailed(f"{leg}: the first request failed: {first.error}")
@@ -393,7 +414,8 @@ def assemble(relay: dict | None, vllm: dict | None, levels: Sequence[Level], pro
     v = {k: (vllm or {}).get(k) for k in ("vllm_e2e_p50_ms", "peer_vllm_e2e_p50_ms")}
     problems = (relay or {}).get("problems", []) + (vllm or {}).get("problems", [])
     out: dict[str, Any] = {k: x for k, x in fig.items() if k != "stress"}
-    out.update(stress=fig["stress"], **v, goals=evaluate_goals(fig, v), problems=problems)
+    out.update(stress=fig["stress"], **v, goals=evaluate_goals(fig, v))
+    out.update(floor_goals=floor_goals(fig), ours_minus_floor=ours_minus_floor(fig), problems=problems)
     if relay is not None:
         out["legs"] = relay.get("legs", {})
         out["relay"] = {k: relay.get(k, {}) for k in ("startup_s", "stop")}
@@ -431,6 +453,9 @@ def print_summary(result: dict[str, Any]) -> None:
             print(f"{k}: {result[k]}")
     for goal, ok in result["goals"].items():
         print(f"goal {goal}: {ok}")
+    for goal, ok in result.get("floor_goals", {}).items():
+        print(f"the floor leg, goal {goal}: {ok}")
+    print(f"ours minus the floor: {result.get('ours_minus_floor')}")
     for p in result["problems"]:
         print(f"problem: {p.splitlines()[0]}")
 
@@ -439,7 +464,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples (about a quarter)")
     ap.add_argument(
-        "--legs", default=",".join(LEGS), help="comma list of direct,peer,ours (direct always runs)"
+        "--legs", default=",".join(LEGS), help="comma list of direct,peer,ours,floor (direct always runs)"
     )
     phase = ap.add_mutually_exclusive_group()
     phase.add_argument("--vllm", action="store_true", help="only the vLLM phase")
@@ -455,13 +480,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--keep-logs", action="store_true", help="keep the children's logs even after a clean run"
     )
-    for hidden in ("--serve-cluster", "--serve-port", "--ready-file"):  # the child of OursCluster
+    for hidden in ("--serve-cluster", "--serve-port", "--ready-file", "--floor-upstream"):  # the child
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     legs = [g.strip() for g in args.legs.split(",") if g.strip()]
     if unknown := set(legs) - set(LEGS):
         ap.error(f"unknown legs: {sorted(unknown)}")
     args.legs = [g for g in LEGS if g in legs or g == "direct"]
+    if "floor" in args.legs and "ours" not in args.legs:
+        ap.error("the floor leg is served by the ours leg's cluster: give ours too")
     return args
 
 
@@ -477,7 +504,8 @@ def _guarded(phase: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_cluster:
-        return serve_cluster(Path(args.serve_cluster), int(args.serve_port), Path(args.ready_file))
+        cluster = Path(args.serve_cluster), int(args.serve_port), Path(args.ready_file)
+        return serve_cluster(*cluster, floor_upstream=args.floor_upstream)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every child is stopped on the way out
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
     logdir = Path(tempfile.mkdtemp(prefix="llmc-bench-overhead-"))

@@ -49,6 +49,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overhead": tables_load.overhead,
     "overhead-earlier": tables_load.overhead_earlier,
     "overhead-split": tables_load.overhead_split,
+    "overhead-floor": tables_load.overhead_floor,
     "faults-issue-10": tables_reliability.faults_issue_10,
     "faults-final": tables_reliability.faults_final,
     "faults-second-kill": tables_reliability.faults_second_kill,

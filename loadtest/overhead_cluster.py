@@ -69,15 +69,20 @@ def provider_config(upstream_port: int, port: int) -> ClusterConfig:
     )
 
 
-def serve_cluster(config_path: Path, port: int, ready_file: Path) -> int:
-    """The child side of :class:`OursCluster`: start, say so in ``ready_file``, stop when stdin closes."""
+def serve_cluster(config_path: Path, port: int, ready_file: Path, floor_upstream: str | None = None) -> int:
+    """The child side of :class:`OursCluster`: start (and the ``floor`` app beside it when given its
+    upstream: :mod:`loadtest.serve_floor`), say so in ``ready_file``, stop when stdin closes."""
     import traceback
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that local.stop() still runs
     try:
         from deployments import local
 
-        local.start(load_config(config_path), port=port, metrics_port=0)
+        cfg = local.start(load_config(config_path), port=port, metrics_port=0)
+        if floor_upstream:
+            from loadtest.serve_floor import deploy_floor
+
+            deploy_floor(cfg, floor_upstream)
     except BaseException as exc:
         traceback.print_exc()
         ready_file.write_text(f"error: local.start failed: {type(exc).__name__}: {exc}"[:2000])
@@ -99,8 +104,11 @@ class OursCluster(Proc):
 
     settle_s = 10.0  # Ray's workers and actors exit a few seconds after ray.shutdown()
 
-    def __init__(self, name: str, cfg: ClusterConfig, port: int, logdir: Path) -> None:
+    def __init__(
+        self, name: str, cfg: ClusterConfig, port: int, logdir: Path, floor_upstream: str | None = None
+    ) -> None:
         self.port = port
+        self.floor_upstream = floor_upstream  # also serve loadtest.serve_floor's relay to it at /floor
         self.ready_file = logdir / f"{name}.ready"
         config_path = logdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -110,11 +118,16 @@ class OursCluster(Proc):
     def command(self, config_path: Path) -> list[str]:
         """The child that serves ``config_path`` on ``self.port`` and writes "ok" to the ready file."""
         cmd = [sys.executable, "-m", "loadtest.bench_overhead", "--serve-cluster", str(config_path)]
-        return [*cmd, "--serve-port", str(self.port), "--ready-file", str(self.ready_file)]
+        cmd += ["--serve-port", str(self.port), "--ready-file", str(self.ready_file)]
+        return cmd + (["--floor-upstream", self.floor_upstream] if self.floor_upstream else [])
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}/v1/chat/completions"
+
+    @property
+    def floor_url(self) -> str | None:
+        return f"http://{HOST}:{self.port}/floor/v1/chat/completions" if self.floor_upstream else None
 
     def wait_ready(self, timeout_s: float) -> float:
         t0 = time.monotonic()

@@ -62,10 +62,13 @@ def overhead_figures(legs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, An
         into[f"added_ttft_p99_ms_c{c}"] = add("ours", c, "p99")
         into[f"peer_added_ttft_p50_ms_c{c}"] = add("peer", c, "p50")
         into[f"peer_added_ttft_p99_ms_c{c}"] = add("peer", c, "p99")
+        into[f"floor_added_ttft_p50_ms_c{c}"] = add("floor", c, "p50")
+        into[f"floor_added_ttft_p99_ms_c{c}"] = add("floor", c, "p99")
         if c > 1:
             into[f"rps_c{c}"] = rps("ours", c)
             into[f"peer_rps_c{c}"] = rps("peer", c)
             into[f"direct_rps_c{c}"] = rps("direct", c)
+            into[f"floor_rps_c{c}"] = rps("floor", c)
     return fig
 
 
@@ -97,4 +100,28 @@ def evaluate_goals(fig: dict[str, Any], vllm: dict[str, Any] | None = None) -> d
         f"vllm_e2e_p50_ms <= {GOAL_VLLM_VS_PEER:g} x peer": _holds(
             v.get("vllm_e2e_p50_ms"), "<=", times(GOAL_VLLM_VS_PEER, v.get("peer_vllm_e2e_p50_ms"))
         ),
+    }
+
+
+def floor_goals(fig: dict[str, Any]) -> dict[str, bool | None]:
+    """The relay goals met by the floor leg (a relay with no logic, served as our gateway is), with
+    the same peer: where the floor misses one, no code of ours in that shape could meet it that run."""
+    as_ours = {k.removeprefix("floor_"): v for k, v in fig.items() if k.startswith("floor_")}
+    as_ours.update({k: fig.get(k) for k in ("peer_added_ttft_p50_ms_c16", "peer_rps_c16")})
+    return {goal: ok for goal, ok in evaluate_goals(as_ours).items() if not goal.startswith("vllm")}
+
+
+def ours_minus_floor(fig: dict[str, Any]) -> dict[str, float | None]:
+    """What our gateway's code costs over the floor: added TTFT (ms) ours minus floor, and ours'
+    requests/s as a share of the floor's."""
+
+    def minus(k: str) -> float | None:
+        a, b = fig.get(k), fig.get(f"floor_{k}")
+        return None if a is None or b is None else round(a - b, 3)
+
+    rps, floor_rps = fig.get("rps_c16"), fig.get("floor_rps_c16")
+    return {
+        "added_ttft_p50_ms_c1": minus("added_ttft_p50_ms_c1"),
+        "added_ttft_p50_ms_c16": minus("added_ttft_p50_ms_c16"),
+        "rps_c16_share": None if not rps or not floor_rps else round(rps / floor_rps, 3),
     }

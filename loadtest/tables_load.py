@@ -89,6 +89,47 @@ def overhead_split(r: Results) -> str:
     return table(header, "l" + "r" * len(levels), rows)
 
 
+def overhead_floor(r: Results) -> str:
+    """overhead.json: the floor leg (a relay with no logic, served as our gateway is) beside ours,
+    what ours costs over it, and whether the floor itself meets each relay goal that run."""
+    d = r.get("overhead")
+    peer16, peer_rps = d["peer_added_ttft_p50_ms_c16"], d["peer_rps_c16"]
+    minus, goals = d["ours_minus_floor"], list(d["floor_goals"].values())
+
+    def meets(ok: bool | None) -> str:
+        return "-" if ok is None else ("yes" if ok else "**no**")
+
+    rows = [
+        [
+            "added TTFT p50 at 1 stream (ms)",
+            signed(d["floor_added_ttft_p50_ms_c1"], 2),
+            signed(d["added_ttft_p50_ms_c1"], 2),
+            signed(minus["added_ttft_p50_ms_c1"], 2),
+            "≤ +1.00",
+            meets(goals[0]),
+        ],
+        [
+            "added TTFT p50 at 16 streams (ms)",
+            signed(d["floor_added_ttft_p50_ms_c16"], 1),
+            signed(d["added_ttft_p50_ms_c16"], 1),
+            signed(minus["added_ttft_p50_ms_c16"], 1),
+            f"≤ 2 × the peer's {signed(peer16, 1)} = {signed(2 * peer16, 1)}",
+            meets(goals[1]),
+        ],
+        [
+            "requests/s at 16 streams",
+            fixed(d["floor_rps_c16"], 1),
+            fixed(d["rps_c16"], 1),
+            f"{fixed(100 * minus['rps_c16_share'], 0)} % of the floor",
+            f"≥ 0.8 × the peer's {fixed(peer_rps, 1)} = {fixed(0.8 * peer_rps, 1)}",
+            meets(goals[2]),
+        ],
+    ]
+    header = ["", "the floor (no logic, same shape)", "ours", "ours over the floor", "goal"]
+    header.append("the floor meets it")
+    return table(header, "lrrrll", rows)
+
+
 def _ms(x: float) -> str:
     return fixed(x, 1) if x < 100 else fixed(x, 0)  # 1 decimal below 100 ms, whole ms above
 

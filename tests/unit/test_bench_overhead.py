@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -87,6 +88,28 @@ def test_goals_are_booleans_and_none_where_unmeasured() -> None:
     assert set(goals.values()) == {False}
     unmeasured = bo.evaluate_goals(bo.overhead_figures({"direct": LEGS["direct"], "peer": LEGS["peer"]}))
     assert set(unmeasured.values()) == {None}
+
+
+def test_the_floor_legs_figures_goals_and_what_ours_costs_over_it() -> None:
+    floor = {"c1": _leg(2.2, 3.5, 600), "c16": _leg(11.0, 30.0, 700), "c64": _leg(60.0, 90.0, 800)}
+    fig = bo.overhead_figures({**LEGS, "floor": floor})
+    assert fig["floor_added_ttft_p50_ms_c1"] == pytest.approx(1.2)
+    assert fig["floor_added_ttft_p50_ms_c16"] == pytest.approx(1.0)
+    assert fig["floor_rps_c16"] == 700 and fig["stress"]["floor_rps_c64"] == 800
+    # the floor misses the 1 ms goal at one stream (1.2), meets the two against the peer
+    assert bo.floor_goals(fig) == {
+        "added_ttft_p50_ms_c1 <= 1.0": False,
+        "added_ttft_p50_ms_c16 <= 2 x peer": True,  # 1.0 <= 4.0
+        "rps_c16 >= 0.8 x peer": True,  # 700 >= 480
+    }
+    assert bo.ours_minus_floor(fig) == {
+        "added_ttft_p50_ms_c1": pytest.approx(-0.3),  # 0.9 - 1.2
+        "added_ttft_p50_ms_c16": pytest.approx(2.5),  # 3.5 - 1.0
+        "rps_c16_share": pytest.approx(0.714),  # 500 / 700
+    }
+    without = bo.overhead_figures(LEGS)  # an earlier file: no floor leg
+    assert set(bo.floor_goals(without).values()) == {None}
+    assert set(bo.ours_minus_floor(without).values()) == {None}
 
 
 def test_error_rate_problems_flag_over_one_percent() -> None:
@@ -197,6 +220,9 @@ def test_legs_option_always_keeps_direct() -> None:
     assert bo.parse_args([]).legs == list(bo.LEGS)
     with pytest.raises(SystemExit):
         bo.parse_args(["--legs", "direct,nginx"])
+    assert bo.parse_args(["--legs", "floor,ours"]).legs == ["direct", "ours", "floor"]
+    with pytest.raises(SystemExit):  # the floor is served by the ours leg's cluster
+        bo.parse_args(["--legs", "peer,floor"])
 
 
 # --- the fake upstream on the wire --------------------------------------------------------------------
@@ -259,6 +285,42 @@ async def test_fake_upstream_raw_bytes_non_stream_and_worker_probes() -> None:
                 assert r.status == 200, path
         async with s.get(upstream + "/v1/models") as r:
             assert (await r.json())["data"][0]["id"] == fu.MODEL
+
+
+async def test_the_floor_relay_passes_the_upstreams_bytes_through_unchanged() -> None:
+    """loadtest.serve_floor's app (without Ray): the body to the upstream, every byte back as sent."""
+    from loadtest.serve_floor import PassThrough
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    async with serving() as upstream, aiohttp.ClientSession() as s:
+        async with s.post(upstream + "/v1/chat/completions", data=body) as r:
+            want = await r.read()
+        app = PassThrough(upstream + "/v1/chat/completions")
+        parts = [body[:10].encode(), body[10:].encode()]  # a body in two messages
+        received = iter([{"body": p, "more_body": i == 0} for i, p in enumerate(parts)])
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return next(received)
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        await app({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+        relayed, sent[:] = list(sent), []
+        await app({"type": "http", "method": "GET", "path": "/healthz"}, receive, send)
+        health = sent
+        await app._session.close()
+    head, chunks = relayed[0], relayed[1:]
+    assert head["status"] == 200 and dict(head["headers"])[b"content-type"].startswith(b"text/event-stream")
+
+    def same(raw: bytes) -> bytes:  # each answer of the fake upstream has its own id and time
+        return re.sub(rb'"(id|created)": ?("[^"]*"|\d+)', b"", raw)
+
+    got = b"".join(m["body"] for m in chunks)
+    assert same(got) == same(want) and got.endswith(b"data: [DONE]\n\n") and len(got) == len(want)
+    assert [m["more_body"] for m in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert health[0]["status"] == 200 and health[1]["body"] == b"ok"
 
 
 def test_assemble_puts_headline_keys_goals_and_provenance_in_the_results() -> None:

@@ -1,0 +1,98 @@
+"""The floor of the shape our gateway is served in, for the overhead benchmark's ``floor`` leg.
+
+Issue 13 has the gateway serve HTTP itself as a Ray Serve deployment (direct ingress) behind Serve's
+HAProxy. What that shape costs before any gateway logic runs (HAProxy, Serve's uvicorn and its
+per-request wrapper, an aiohttp client to the upstream, the writes back) is measured here with a
+relay that has no logic at all: it reads the body, POSTs it to the upstream and passes the bytes back
+as they arrive. No parse, no tokenizer, no admission, no race, no accounting, no metrics of ours.
+
+It is deployed as a second app (``/floor``) into the same Ray cluster and behind the same HAProxy as
+the ``ours`` leg, with the gateway's replica count, Serve options, environment and logging
+(:func:`deploy_floor`), so the two legs differ in the gateway's code alone. Our gateway's added TTFT
+minus the floor's is what our code costs; the floor's own added TTFT is what no gateway written this
+way can go under on the machine at the time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray import serve
+
+Scope = dict[str, Any]
+
+
+class PassThrough:
+    """The relay as a plain ASGI 3 app (no Ray): POST bodies go to ``upstream``, its status, content
+    type and body bytes come back as they arrive; any GET answers 200 (the readiness check)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self._session: Any = None
+
+    def session(self) -> Any:
+        import aiohttp
+
+        if self._session is None or self._session.closed:  # as the gateway's own pool (gateway.py)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            )
+        return self._session
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST":
+            await _answer(send, 200, b"ok")
+            return
+        body = bytearray()
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = {"content-type": "application/json"}
+        async with self.session().post(self.upstream, data=bytes(body), headers=headers) as resp:
+            ctype = resp.headers.get("content-type", "application/octet-stream").encode()
+            head = [(b"content-type", ctype)]
+            await send({"type": "http.response.start", "status": resp.status, "headers": head})
+            async for chunk in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _answer(send: Any, status: int, body: bytes) -> None:
+    head = [(b"content-type", b"text/plain")]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@serve.deployment(max_ongoing_requests=4096)  # the gateway's own (deployments/gateway.py)
+@serve.ingress()
+class FloorRelay:
+    def __init__(self, upstream: str) -> None:
+        self.relay = PassThrough(upstream)  # not `app`: serve.ingress owns that name
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.relay
+
+
+def deploy_floor(cfg: Any, upstream: str, timeout_s: float = 120.0) -> str:
+    """Deploy :class:`FloorRelay` as app ``floor`` at ``/floor`` beside a cluster that
+    ``deployments.local.start(cfg)`` started, with the gateway's options; returns its chat URL once
+    HAProxy routes to it."""
+    from cluster.dataplane import GATEWAY_ENV, GATEWAY_LOGGING
+    from deployments.local import _wait_routed, _wait_running
+
+    actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}  # as deployments/app.py
+    app = FloorRelay.options(
+        num_replicas=cfg.server.gateway_replicas, ray_actor_options=actor, logging_config=GATEWAY_LOGGING
+    ).bind(upstream)
+    serve.run(app, name="floor", route_prefix="/floor", blocking=False)
+    deadline = time.monotonic() + timeout_s
+    base = f"http://{cfg.server.host}:{cfg.server.port}/floor"
+    _wait_running("floor", deadline)
+    _wait_routed(f"{base}/healthz", deadline)
+    return f"{base}/v1/chat/completions"
