@@ -29,23 +29,28 @@ used for both. Keys per phase: ``surfaces.tab.ttft_p99_wall_ms``, ``surfaces.age
 and where a client-side time goes: ``client_loop_lag_ms`` (this load generator's own event loop)
 and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status),
 ``gateway_refusal_ms_last_30s`` (the time its refusals spent inside the gateway), and
-``engine_tab_ttft_ms`` (Tab's TTFT inside the engines, :class:`EngineTtft`). ``--engine vllm``
-takes about 6 minutes here (the two variants, factors 1,2,3).
+``engine_tab_ttft_ms`` (Tab's TTFT inside the engines, :class:`EngineTtft`), and
+``floor_answer_ms``: a GET answered at once by a replica with no logic served as the gateway is
+(:mod:`loadtest.serve_floor`, deployed beside the variants as app ``floor``), sent every 50 ms by
+the same client loop as the load: what any answer, a refusal included, costs on the machine at the
+time through HAProxy and Serve's direct ingress before the gateway's code. ``--engine vllm`` takes
+about 6 minutes here (the two variants, factors 1,2,3).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from deployments.local import free_port, gateway_status
 from loadtest.bench_overload import (
@@ -59,6 +64,7 @@ from loadtest.bench_overload import (
 from loadtest.provenance import git_state, provenance
 from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
+T = TypeVar("T")
 VARIANTS = ("off", "on")
 ENGINES = ("sim", "vllm")
 # Word counts (~1.3 tokens of the tiny tokenizer a word): Tab ~300 tokens and 8 out; Agent ~1,000
@@ -194,9 +200,15 @@ def run_phase(
     status0 = gateway_status(app_url)
     timeout_s = max(s.request_timeout_s for s in cfg.surfaces) + 5.0
     lag: list[float] = []
+    floor: list[float] = []
+    floor_url = app_url.rsplit("/", 1)[0] + "/floor/ping"
     with EngineTtft(app_url, cfg.surface("tab").priority) as engine_tab:
         results, _ = asyncio.run(
-            replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag)
+            with_floor_probe(
+                replay(url, specs, timeout_s=timeout_s, closed_loop=False, model=model, lag=lag),
+                floor_url,
+                floor,
+            )
         )
     time.sleep(1.0)  # the last releases settle
     status = gateway_status(app_url)
@@ -213,9 +225,40 @@ def run_phase(
     rep["gateway_refusal_ms_last_30s"] = status.get("refusals", {}).get("last_30s")
     # Tab's TTFT inside the engines: how much of the client's TTFT is queue and prefill
     rep["engine_tab_ttft_ms"] = engine_tab.summary()
+    # An answer at once from a no-logic replica in the gateway's shape, timed by the same client loop
+    rep["floor_answer_ms"] = {"n": len(floor), **{f"p{q}_ms": ms(percentile(floor, q)) for q in (50, 99)}}
     # The gateway's routing decisions in the phase, by reason (cluster/routing/affinity.py)
     rep["routing_decisions"] = dict(_decisions(status) - _decisions(status0))
     return rep
+
+
+async def with_floor_probe(
+    work: Coroutine[Any, Any, T], url: str, into: list[float], every_s: float = 0.05
+) -> T:
+    """``work``, with a GET of ``url`` every ``every_s`` beside it in the same event loop until it
+    ends; each 200's time (send to the whole answer read, seconds) goes ``into`` the list."""
+    import aiohttp
+
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        async with aiohttp.ClientSession() as client:
+            while not stop.is_set():
+                t = time.perf_counter()
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with client.get(url, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        await r.read()
+                        if r.status == 200:
+                            into.append(time.perf_counter() - t)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), every_s)
+
+    task = asyncio.create_task(probe())
+    try:
+        return await work
+    finally:
+        stop.set()
+        await task
 
 
 def _decisions(status: dict[str, Any]) -> Counter[str]:
@@ -237,7 +280,11 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     app_url = f"http://127.0.0.1:{args.port}/{variant}"
     url = app_url + "/v1/chat/completions"
     out: dict[str, Any] = {"load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
-    local.start(cfg, port=args.port, route_prefix=f"/{variant}")
+    served = local.start(cfg, port=args.port, route_prefix=f"/{variant}")
+    if "floor" not in serve.status().applications:  # the first variant's: kept until local.stop()
+        from loadtest.serve_floor import deploy_floor
+
+        deploy_floor(served, "http://127.0.0.1:9/unused")  # only GETs reach it: answered at once
     try:
         model = cfg.models[0].name
         asyncio.run(warm_up(url, 4, model))

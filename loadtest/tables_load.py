@@ -204,8 +204,9 @@ def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
     p = v[phase]
     reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
     inside = refusal_p99_inside(p)
+    floor = (p.get("floor_answer_ms") or {}).get("p99_ms")  # runs since the floor probe
     if inside is not None:
-        reject += f" ({fixed(inside, 1)})"
+        reject += f" ({fixed(inside, 1)}" + ("" if floor is None else f"; floor {fixed(floor, 1)}") + ")"
     return [_tab_cell(v, phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]
 
 
@@ -241,10 +242,10 @@ def overload_shared(r: Results) -> str:
         "Agent goodput 1× (tok/s)",
     ]
     header += [
-        "reject p99 1× (in gateway)",
+        "reject p99 1× (in gateway; floor)",
         "Tab at 3× p50 / p99",
         "Agent goodput 3× (tok/s)",
-        "reject p99 3× (in gateway)",
+        "reject p99 3× (in gateway; floor)",
         "hung",
     ]
     return table(header, "lllrrrrrrrr", rows)
@@ -306,10 +307,10 @@ def overload_shared_vllm(r: Results) -> str:
     header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
     header += [
         "Agent goodput 1× (tok/s)",
-        "reject p99 1× (in gateway)",
+        "reject p99 1× (in gateway; floor)",
         "Tab at 3× p50 / p99",
         "Agent goodput 3× (tok/s)",
     ]
-    header += ["reject p99 3× (in gateway)", "Tab at 3× inside the engines p50 / p99"]
+    header += ["reject p99 3× (in gateway; floor)", "Tab at 3× inside the engines p50 / p99"]
     header += ["refused after waiting at 3× (deadline + guard cut) of all", "hung"]
     return table(header, "llrrrrrrrrrr", rows)

@@ -69,3 +69,45 @@ def test_vllm_shapes_fit_the_tiny_models_context() -> None:
         and min(tok.count_chat(x.messages) for x in specs if x.surface == "agent") >= 900
     )
     assert longest["tab"] <= 600
+
+
+async def test_the_floor_probe_times_each_answer_beside_the_work_and_stops_with_it() -> None:
+    """``with_floor_probe``: GETs beside the work in the same loop, a 200's time recorded, anything
+    else not; the work's own result comes back and no probe outlives it."""
+    import asyncio
+
+    from aiohttp import web
+
+    from loadtest.bench_overload_shared import with_floor_probe
+
+    hits = {"ok": 0, "bad": 0}
+
+    async def ok(_: web.Request) -> web.Response:
+        hits["ok"] += 1
+        return web.Response(text="ok")
+
+    async def bad(_: web.Request) -> web.Response:
+        hits["bad"] += 1
+        return web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_get("/floor/ping", ok)
+    app.router.add_get("/down", bad)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        times: list[float] = []
+        got = await with_floor_probe(asyncio.sleep(0.3, result="done"), base + "/floor/ping", times, 0.02)
+        assert got == "done"
+        assert len(times) == hits["ok"] >= 5 and all(0 < t < 1 for t in times)
+        after = hits["ok"]
+        await asyncio.sleep(0.1)
+        assert hits["ok"] == after  # stopped with the work
+        refused: list[float] = []
+        await with_floor_probe(asyncio.sleep(0.1), base + "/down", refused, 0.02)
+        assert hits["bad"] >= 2 and refused == []
+    finally:
+        await runner.cleanup()
