@@ -76,12 +76,20 @@ def build_graph(cfg: ClusterConfig) -> Application:
             cfg.tracing.model_dump(mode="json"),
             cfg.server.gc_freeze,
         )
+    return Gateway.options(**gateway_options(cfg)).bind(
+        cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg)
+    )
+
+
+def gateway_options(cfg: ClusterConfig) -> dict[str, Any]:
+    """Serve options of the gateway deployment (also given to the overhead benchmark's floor relay,
+    ``loadtest/serve_floor.py``, which must be served exactly as the gateway is)."""
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
-    return Gateway.options(
-        num_replicas=cfg.server.gateway_replicas,
-        ray_actor_options=actor,
-        logging_config=GATEWAY_LOGGING,
-    ).bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
+    return {
+        "num_replicas": cfg.server.gateway_replicas,
+        "ray_actor_options": actor,
+        "logging_config": GATEWAY_LOGGING,
+    }
 
 
 def _tenant_budgets(cfg: ClusterConfig) -> Application | None:

@@ -20,6 +20,8 @@ from typing import Any
 
 from ray import serve
 
+from deployments.provider_http import shared_session
+
 Scope = dict[str, Any]
 
 
@@ -29,17 +31,6 @@ class PassThrough:
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
-        self._session: Any = None
-
-    def session(self) -> Any:
-        import aiohttp
-
-        if self._session is None or self._session.closed:  # as the gateway's own pool (gateway.py)
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
-            )
-        return self._session
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -54,7 +45,8 @@ class PassThrough:
             if not msg.get("more_body"):
                 break
         headers = {"content-type": "application/json"}
-        async with self.session().post(self.upstream, data=bytes(body), headers=headers) as resp:
+        # the provider adapters' own pooled session: the ours leg reaches the upstream through it
+        async with shared_session().post(self.upstream, data=bytes(body), headers=headers) as resp:
             ctype = resp.headers.get("content-type", "application/octet-stream").encode()
             head = [(b"content-type", ctype)]
             await send({"type": "http.response.start", "status": resp.status, "headers": head})
@@ -83,13 +75,10 @@ def deploy_floor(cfg: Any, upstream: str, timeout_s: float = 120.0) -> str:
     """Deploy :class:`FloorRelay` as app ``floor`` at ``/floor`` beside a cluster that
     ``deployments.local.start(cfg)`` started, with the gateway's options; returns its chat URL once
     HAProxy routes to it."""
-    from cluster.dataplane import GATEWAY_ENV, GATEWAY_LOGGING
+    from deployments.app import gateway_options
     from deployments.local import _wait_routed, _wait_running
 
-    actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}  # as deployments/app.py
-    app = FloorRelay.options(
-        num_replicas=cfg.server.gateway_replicas, ray_actor_options=actor, logging_config=GATEWAY_LOGGING
-    ).bind(upstream)
+    app = FloorRelay.options(**gateway_options(cfg)).bind(upstream)
     serve.run(app, name="floor", route_prefix="/floor", blocking=False)
     deadline = time.monotonic() + timeout_s
     base = f"http://{cfg.server.host}:{cfg.server.port}/floor"

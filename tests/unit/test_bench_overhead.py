@@ -14,6 +14,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from cluster.config import load_config, parse_config
+from deployments.provider_http import aclose_shared_session
 from loadtest import bench_overhead as bo
 from loadtest import fake_upstream as fu
 from loadtest import overhead_client as oc
@@ -310,7 +311,7 @@ async def test_the_floor_relay_passes_the_upstreams_bytes_through_unchanged() ->
         relayed, sent[:] = list(sent), []
         await app({"type": "http", "method": "GET", "path": "/healthz"}, receive, send)
         health = sent
-        await app._session.close()
+        await aclose_shared_session()
     head, chunks = relayed[0], relayed[1:]
     assert head["status"] == 200 and dict(head["headers"])[b"content-type"].startswith(b"text/event-stream")
 
