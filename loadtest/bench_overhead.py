@@ -169,8 +169,10 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
         for leg in legs:
             t0, started = time.monotonic(), len(procs)
             try:
-                start = _start_leg
-                url = urls["direct"] if leg == "direct" else start(leg, legs, stack, up_port, logdir, procs)
+                if leg == "direct":
+                    url = urls["direct"]
+                else:
+                    url = _start_leg(leg, legs, stack, up_port, logdir, procs)
                 first = runner.run(smoke(url, body))
                 if not first.ok:
                     raise LegFailed(f"{leg}: the first request failed: {first.error}")

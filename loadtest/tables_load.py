@@ -197,6 +197,11 @@ def refusal_p99_inside(phase: dict[str, Any]) -> float | None:
     return (phase.get("gateway_refusal_ms_last_30s") or {}).get("p99_ms")
 
 
+def floor_answer_p99(phase: dict[str, Any]) -> float | None:
+    """A phase's p99 of the floor probe's answers, ms; None in runs before 9ed3b34 (they lack it)."""
+    return (phase.get("floor_answer_ms") or {}).get("p99_ms")
+
+
 def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
     """Tab's TTFT, Agent's goodput and the reject p99 of one phase with Agent load ("not run" when
     the run left the phase out: bench_all's quick step runs 3x only)."""
@@ -205,7 +210,7 @@ def _load_cells(v: dict[str, Any], phase: str) -> list[str]:
     p = v[phase]
     reject = "-" if p["reject_p99_ms"] is None else fixed(p["reject_p99_ms"], 0)
     inside = refusal_p99_inside(p)
-    floor = (p.get("floor_answer_ms") or {}).get("p99_ms")  # runs since the floor probe
+    floor = floor_answer_p99(p)
     if inside is not None:
         reject += f" ({fixed(inside, 1)}" + ("" if floor is None else f"; floor {fixed(floor, 1)}") + ")"
     return [_tab_cell(v, phase), fixed(p["surfaces"]["agent"]["goodput_tok_s"], 0), reject]

