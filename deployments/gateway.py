@@ -304,7 +304,7 @@ class Gateway:
             surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
             raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
-            refusal = self._precheck(surface)
+            refusal = self._precheck(surface, tenant)
             if refusal is not None:
                 await self._refuse(send, refusal, surface, t0)
                 return
@@ -332,12 +332,12 @@ class Gateway:
         trace_id, parent_id = ids if ids else (new_id(rng, 128), None)
         return RequestTrace(trace_id, new_id(rng, 64), start_ns, prepared.req, parent_span_id=parent_id)
 
-    def _precheck(self, surface: str) -> ClusterError | None:
+    def _precheck(self, surface: str, tenant: str | None = None) -> ClusterError | None:
         """A request admission would refuse whatever it asks for is refused before it is parsed and
         tokenized (a long Agent prompt costs milliseconds to tokenize; the 429 should not)."""
         self.guard.arrived(surface, time.monotonic())
         try:
-            self.admission.precheck(surface)
+            self.admission.precheck(surface, tenant)
         except ClusterError as err:
             return err
         return None

@@ -4,7 +4,8 @@ A request needs a slot of its surface (``SurfaceConfig.max_concurrency``) and, w
 candidate backends, a slot of the first candidate with room (per-backend in-flight caps). With no
 slot it waits in its surface's bounded queue (``max_queue``) for at most ``queue_deadline_ms``; when
 a slot frees, the waiter with the lowest ``priority`` number goes first (Tab before Chat before
-Agent), the oldest first within one priority. Waiters past their deadline are never admitted:
+Agent), the oldest first within one priority (with tenants: in start-time fair-queuing order by
+their weights, :mod:`cluster.policy.fair_queue`). Waiters past their deadline are never admitted:
 :meth:`AdmissionController.expire` rejects them. So nothing hangs: a waiter gets a slot or a
 rejection by its deadline (the asyncio wrapper arms a timer on the earliest deadline). Lower
 priorities can starve under a sustained higher-priority load; their deadline bounds the starvation.
@@ -18,6 +19,10 @@ Rejections carry the errors of :mod:`cluster.wire.errors`:
   when the slot it would get frees, from the surface's requests in flight and its recent request
   durations) exceeds its queue deadline, with the prediction as ``retry_after_s``: waiting the
   deadline out would end in the same 429;
+* with tenants, a newcomer's predicted wait counts only the waiters that go before it in fair order,
+  and a full queue takes it in place of the waiter with the latest fair-queuing tag when that tag is
+  after its own: that waiter gets a 429 at once (reason ``"pushed_out"``), so a heavy tenant's
+  backlog cannot keep a light tenant of the same surface out;
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
   ``retry_after_s`` is the predicted wait when there is an estimate, else ``(waiting in that surface
   + 1) / recent completion rate of that surface`` (completions over the last ``rate_window_s``),
@@ -49,12 +54,11 @@ Budgets live elsewhere: a provider's, one count per backend for the app, in
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from cluster.config import ClusterConfig, SurfaceConfig
+from cluster.policy import fair_queue
+from cluster.policy.admission_state import SurfaceState, Waiter, share
 from cluster.policy.admission_types import (
     Counters,
     Outcome,
@@ -65,48 +69,7 @@ from cluster.policy.admission_types import (
     rejection_error,
 )
 from cluster.policy.guard_caps import GuardCaps
-from cluster.policy.queue_wait import WAIT_SHARE, DurationWindow, WaitEstimate, predict_wait, slot_times
-
-
-@dataclass(slots=True)
-class _Entry:
-    id: int
-    surface: str
-    enqueued_at: float
-    deadline: float
-    candidates: tuple[str, ...]
-    tenant: str | None = None
-    estimated: bool = True  # queued with a wait estimate (the counters split deadline expiries by it)
-
-
-class _Surface:
-    def __init__(self, cfg: SurfaceConfig, router_replicas: int, rate_window_s: float) -> None:
-        self.name = cfg.name
-        self.priority = cfg.priority
-        self.limit = _share(cfg.max_concurrency, router_replicas)
-        self.max_queue = _share(cfg.max_queue, router_replicas)
-        self.deadline_s = cfg.queue_deadline_ms / 1000.0
-        self.max_wait_s = self.deadline_s * WAIT_SHARE  # a longer predicted wait: 429 at once
-        self.in_flight = 0
-        self.queue: OrderedDict[int, _Entry] = OrderedDict()  # FIFO = deadline order
-        self.counters = Counters()
-        self.done_times: deque[float] = deque()
-        self.durations = DurationWindow()  # admitted -> ended, for the wait predictor
-        self.admitted_at: dict[int, float] = {}  # tickets in flight
-        self.unchecked = 0  # waiters queued with no wait estimate yet (checked once there is one)
-        self.rate_window_s = rate_window_s
-        self.vclock = 0.0  # fair queuing: the virtual time of the last admission
-        self.vtime: dict[str, float] = {}  # by tenant: its virtual finish time
-
-    def completion_rate(self, now: float) -> float:
-        cutoff = now - self.rate_window_s
-        while self.done_times and self.done_times[0] <= cutoff:
-            self.done_times.popleft()
-        return len(self.done_times) / self.rate_window_s
-
-
-def _share(limit: int, router_replicas: int) -> int:
-    return math.ceil(limit / router_replicas)
+from cluster.policy.queue_wait import WaitEstimate, predict_wait, slot_times
 
 
 class AdmissionController:
@@ -129,7 +92,7 @@ class AdmissionController:
         self.router_replicas = router_replicas
         self.max_retry_after_s = max_retry_after_s
         self._weights = dict(tenant_weights or {})
-        self._surfaces = {s.name: _Surface(s, router_replicas, rate_window_s) for s in surfaces}
+        self._surfaces = {s.name: SurfaceState(s, router_replicas, rate_window_s) for s in surfaces}
         if not self._surfaces:
             raise ValueError("at least one surface is needed")
         self._order = sorted(self._surfaces.values(), key=lambda s: s.priority)
@@ -144,6 +107,7 @@ class AdmissionController:
             self._set_cap(name, cap)
         self._active: dict[int, Ticket] = {}
         self._next_id = 1
+        self._pushed_out: list[Rejection] = []  # waiters a newcomer took the place of (take_pushed_out)
 
     @classmethod
     def from_config(cls, cfg: ClusterConfig, **kwargs: float) -> AdmissionController:
@@ -182,12 +146,18 @@ class AdmissionController:
             if cands and not self.queue_while_capped and self._guard.binds_all(cands, s.name):
                 s.counters.rejected_guard += 1
                 return self._reject(s, "guard", now, None)
-        if len(s.queue) < s.max_queue:
-            est = self._predict(s, now)
+        victim = self._victim(s, tenant) if len(s.queue) >= s.max_queue else None
+        if len(s.queue) < s.max_queue or victim is not None:
+            est = self._predict(s, now, self._ahead(s, tenant))
             if est is not None and est.wait_s > s.max_wait_s:
                 s.counters.rejected_predicted += 1
                 return self._reject(s, "predicted_wait", now, None)
-            entry = _Entry(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant, est is not None)
+            if victim is not None:  # a full queue: the newcomer takes the place of a later share
+                del s.queue[victim]
+                s.counters.waiting -= 1
+                s.counters.pushed_out += 1
+                self._pushed_out.append(self._reject(s, "pushed_out", now, victim))
+            entry = Waiter(self._new_id(), s.name, now, now + s.deadline_s, cands, tenant, est is not None)
             ahead = len(s.queue)
             s.queue[entry.id] = entry
             s.unchecked += est is None
@@ -197,11 +167,12 @@ class AdmissionController:
         s.counters.rejected_queue_full += 1
         return self._reject(s, "queue_full", now, None)
 
-    def precheck(self, surface: str, now: float) -> Rejection | None:
-        """The rejection any new request of ``surface`` gets, whatever it asks for: it would queue
-        (the surface at its limit, or every backend full) and cannot usefully (a full queue, or a
-        wait past its deadline), or the guard's cap keeps it off every backend. The gateway asks
-        before parsing and tokenizing: such a request costs it almost nothing; None: go on."""
+    def precheck(self, surface: str, now: float, tenant: str | None = None) -> Rejection | None:
+        """The rejection any new request of ``surface`` (and ``tenant``) gets, whatever it asks for:
+        it would queue (the surface at its limit, or every backend full) and cannot usefully (a full
+        queue it cannot take a place in, or a wait past its deadline), or the guard's cap keeps it
+        off every backend. The gateway asks before parsing and tokenizing: such a request costs it
+        almost nothing; None: go on."""
         s = self._surface(surface)
         if s.in_flight < s.limit:
             if (
@@ -213,10 +184,10 @@ class AdmissionController:
                 return self._reject(s, "guard", now, None)
             if not self._backends or any(self._has_room(b, surface) for b in self._backends):
                 return None  # a backend has room for it: try_admit decides
-        if len(s.queue) >= s.max_queue:
+        if len(s.queue) >= s.max_queue and self._victim(s, tenant) is None:
             s.counters.rejected_queue_full += 1
             return self._reject(s, "queue_full", now, None)
-        if self._wait_exceeds_deadline(s, now):
+        if self._wait_exceeds_deadline(s, now, tenant):
             s.counters.rejected_predicted += 1
             return self._reject(s, "predicted_wait", now, None)
         return None
@@ -313,6 +284,11 @@ class AdmissionController:
                     out.append(self._reject(s, "predicted_wait", now, entry.id))
         return out
 
+    def take_pushed_out(self) -> list[Rejection]:
+        """The waiters pushed out of a full queue since the last call (each to be answered)."""
+        out, self._pushed_out = self._pushed_out, []
+        return out
+
     def deferred_in_flight(self) -> dict[str, int]:
         """Deferrable surfaces' requests in flight, by backend (what the guard caps)."""
         return self._guard.in_flight()
@@ -334,7 +310,7 @@ class AdmissionController:
             self._backend_in_flight[b] >= cap for b, cap in self._caps.items()
         )
 
-        def cannot_queue(s: _Surface) -> bool:
+        def cannot_queue(s: SurfaceState) -> bool:
             return len(s.queue) >= s.max_queue or (now is not None and self._wait_exceeds_deadline(s, now))
 
         return all((s.in_flight >= s.limit or backends_full) and cannot_queue(s) for s in self._order)
@@ -371,7 +347,7 @@ class AdmissionController:
         return s.limit, s.max_queue
 
     # Internals ---------------------------------------------------------------------------------
-    def _surface(self, name: str) -> _Surface:
+    def _surface(self, name: str) -> SurfaceState:
         s = self._surfaces.get(name)
         if s is None:
             raise ValueError(f"unknown surface '{name}'")
@@ -385,7 +361,7 @@ class AdmissionController:
         if cap is None:
             self._caps.pop(backend, None)
         else:
-            self._caps[backend] = _share(cap, self.router_replicas)
+            self._caps[backend] = share(cap, self.router_replicas)
             self._backend_in_flight.setdefault(backend, 0)
 
     def _has_room(self, backend: str, surface: str) -> bool:
@@ -414,7 +390,7 @@ class AdmissionController:
 
     def _admit(
         self,
-        s: _Surface,
+        s: SurfaceState,
         backend: str | None,
         ticket_id: int,
         enqueued_at: float,
@@ -434,19 +410,31 @@ class AdmissionController:
         self._active[ticket_id] = ticket
         return ticket
 
-    def _predict(self, s: _Surface, now: float) -> WaitEstimate | None:
+    def _predict(self, s: SurfaceState, now: float, ahead: int | None = None) -> WaitEstimate | None:
+        """A newcomer's wait with ``ahead`` waiters before it (default: the whole queue)."""
         elapsed = (now - t for t in s.admitted_at.values())
-        return predict_wait(len(s.queue), elapsed, s.durations, now, skip=self._guard.skip(s.name))
+        n = len(s.queue) if ahead is None else ahead
+        return predict_wait(n, elapsed, s.durations, now, skip=self._guard.skip(s.name))
 
-    def _wait_exceeds_deadline(self, s: _Surface, now: float) -> bool:
-        est = self._predict(s, now)
+    def _wait_exceeds_deadline(self, s: SurfaceState, now: float, tenant: str | None = None) -> bool:
+        est = self._predict(s, now, self._ahead(s, tenant))
         return est is not None and est.wait_s > s.max_wait_s
 
-    def _tag(self, s: _Surface, tenant: str | None) -> float:
-        """A waiter's fair-queuing start tag (0 without tenants: then the oldest goes first)."""
+    def _ahead(self, s: SurfaceState, tenant: str | None) -> int:
+        """Waiters admitted before a newcomer of ``tenant``: its fair place with tenants, else all."""
         if not self._weights:
-            return 0.0
-        return max(s.vtime.get(tenant, 0.0), s.vclock) if tenant is not None else s.vclock
+            return len(s.queue)
+        return fair_queue.ahead_of(tenant, s.queue.values(), s.vtime, s.vclock, self._weights)
+
+    def _victim(self, s: SurfaceState, tenant: str | None) -> int | None:
+        """The waiter of a full queue a newcomer of ``tenant`` takes the place of (tenants only)."""
+        if not self._weights:
+            return None
+        return fair_queue.push_out(tenant, s.queue.values(), s.vtime, s.vclock, self._weights)
+
+    def _tag(self, s: SurfaceState, tenant: str | None) -> float:
+        """A waiter's fair-queuing start tag (0 without tenants: then the oldest goes first)."""
+        return fair_queue.start_tag(tenant, 0, s.vtime, s.vclock, self._weights) if self._weights else 0.0
 
     def _drain(self, now: float) -> list[Ticket]:
         """Admit waiters while any fits: lowest priority number first, then (with tenants) the
@@ -454,7 +442,7 @@ class AdmissionController:
         admitted = []
         fair = bool(self._weights)
         while True:
-            best: tuple[tuple[int, float, int], _Surface, _Entry, str | None] | None = None
+            best: tuple[tuple[int, float, int], SurfaceState, Waiter, str | None] | None = None
             for s in self._order:
                 if best is not None and s.priority > best[0][0]:
                     break
@@ -480,7 +468,7 @@ class AdmissionController:
 
     def _reject(
         self,
-        s: _Surface,
+        s: SurfaceState,
         reason: RejectReason,
         now: float,
         entry_id: int | None,

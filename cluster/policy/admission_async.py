@@ -32,6 +32,7 @@ class AsyncAdmission:
         now = self.clock()
         self._settle(self.controller.expire(now), [])
         result = self.controller.try_admit(surface, now, candidates, tenant)
+        self._settle(self.controller.take_pushed_out(), [])  # the places it took: answered at once
         if isinstance(result, Ticket):
             return result
         if isinstance(result, Rejection):
@@ -49,11 +50,11 @@ class AsyncAdmission:
                 self._arm()
             raise
 
-    def precheck(self, surface: str) -> None:
-        """Raises the rejection a new request of ``surface`` would get whatever it asks for."""
+    def precheck(self, surface: str, tenant: str | None = None) -> None:
+        """Raises the rejection a new request of ``surface`` (``tenant``'s) would get whatever it asks for."""
         now = self.clock()
         self._settle(self.controller.expire(now), [])
-        rejection = self.controller.precheck(surface, now)
+        rejection = self.controller.precheck(surface, now, tenant)
         if rejection is not None:
             raise rejection.error
 

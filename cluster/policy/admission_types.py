@@ -4,7 +4,8 @@ the exactly-once counters. Plain values, so the gateway, the status page and tes
 Accounting is exactly-once: each admitted ticket is released once as completed, errored or
 cancelled; a second release (or a foreign ticket) changes nothing and is counted in
 ``double_release``. :meth:`Counters.balanced` checks ``admitted == completed + errored + cancelled
-+ in_flight`` and ``queued == admitted_after_wait + rejected_deadline + abandoned + waiting``.
++ in_flight`` and ``queued == admitted_after_wait + rejected_deadline + rejected_unreachable +
+pushed_out + abandoned + waiting``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Literal
 
 from cluster.wire.errors import ClusterError, Overloaded, RateLimited
 
-RejectReason = Literal["queue_full", "deadline", "predicted_wait", "guard"]
+RejectReason = Literal["queue_full", "deadline", "predicted_wait", "guard", "pushed_out"]
 
 
 class Outcome(StrEnum):
@@ -72,7 +73,8 @@ class Counters:
     rejected_predicted: int = 0  # at once: the predicted wait exceeded the queue deadline
     rejected_unreachable: int = 0  # waiters rejected early: a lowered guard cap put them past it
     rejected_guard: int = 0  # at once: the SLO guard holds the surface off every candidate backend
-    rejected_overloaded: int = 0  # of the five above, those answered 503 (cluster saturated)
+    pushed_out: int = 0  # waiters refused to make room for a tenant with a smaller share of the queue
+    rejected_overloaded: int = 0  # of the six above, those answered 503 (cluster saturated)
     abandoned: int = 0  # waiters that left before admission
     double_release: int = 0
     in_flight: int = 0
@@ -81,7 +83,11 @@ class Counters:
     def balanced(self) -> bool:
         ended = self.completed + self.errored + self.cancelled
         left_queue = (
-            self.admitted_after_wait + self.rejected_deadline + self.rejected_unreachable + self.abandoned
+            self.admitted_after_wait
+            + self.rejected_deadline
+            + self.rejected_unreachable
+            + self.pushed_out
+            + self.abandoned
         )
         return self.admitted == ended + self.in_flight and self.queued == left_queue + self.waiting
 
@@ -111,6 +117,12 @@ def rejection_error(
         return RateLimited(
             f"surface '{surface}' is deferred: a higher-priority surface is near its latency objective "
             f"on every backend this request could use; retry in {retry_s:.1f} s",
+            retry_after_s=retry_s,
+        )
+    if reason == "pushed_out":
+        return RateLimited(
+            f"surface '{surface}' is full and this request's place in its queue went to a tenant with a "
+            f"smaller share of it; retry in {retry_s:.1f} s",
             retry_after_s=retry_s,
         )
     if reason == "queue_full":
