@@ -150,6 +150,17 @@ STEPS: tuple[Step, ...] = (
         350,
         220,
     ),
+    # A runaway tenant beside a light one on the shared pool (issue 16 item 4; 92 s with the quick
+    # plan's phases on 2026-12-03, the full ones three times as long).
+    Step(
+        "noisy-neighbour",
+        "loadtest.bench_noisy_neighbour",
+        (),
+        ("--calib-s", "6", "--alone-s", "8", "--flood-s", "10"),
+        ("noisy_neighbour.json",),
+        260,
+        100,
+    ),
     Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 70),
     Step("soak", "loadtest.soak", ("--minutes", "5"), ("--minutes", "0.75"), ("soak.json",), 470, 160),
 )

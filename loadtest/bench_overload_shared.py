@@ -122,13 +122,7 @@ def variant_config(
 def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters: tuple[dict, dict]) -> dict:
     before, after = counters
     surfaces = per_surface(results, cfg, 5.0, window_s, 1.0)
-    agent_slo_s = cfg.surface("agent").ttft_slo_ms / 1000
-    good = [
-        r
-        for r in results
-        if r.surface == "agent" and r.status == 200 and r.error is None and (r.ttft_s or 1e9) <= agent_slo_s
-    ]
-    surfaces["agent"]["goodput_tok_s"] = round(sum(r.output_tokens for r in good) / window_s, 1)
+    surfaces["agent"]["goodput_tok_s"] = agent_goodput(results, cfg, window_s)
     rejects = [r.latency_s for r in results if r.status in (429, 503) and r.latency_s is not None]
     delta = {k: v - before[k] for k, v in after.items() if type(v) is int}
     ended = delta["completed"] + delta["errored"] + delta["cancelled"]
@@ -144,6 +138,17 @@ def phase_report(results: Sequence[Result], cfg: Any, window_s: float, counters:
         },
         "admission_delta": delta,
     }
+
+
+def agent_goodput(results: Sequence[Result], cfg: Any, window_s: float) -> float:
+    """Output tokens per second of Agent requests answered 200 whose TTFT met Agent's objective."""
+    slo_s = cfg.surface("agent").ttft_slo_ms / 1000
+    good = [
+        r
+        for r in results
+        if r.surface == "agent" and r.status == 200 and r.error is None and (r.ttft_s or 1e9) <= slo_s
+    ]
+    return round(sum(r.output_tokens for r in good) / window_s, 1)
 
 
 class EngineTtft:

@@ -22,6 +22,7 @@ class RequestSpec:
     session_id: str
     max_tokens: int
     surface: str | None = None  # the product surface (x-surface); None: the server's default
+    tenant: str | None = None  # who pays (x-tenant, without auth); None: no tenant
     kind: Kind = "chat"
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str | None = None  # completion
@@ -50,6 +51,8 @@ class RequestSpec:
         h = {"x-session-id": self.session_id}
         if self.surface is not None:
             h = {"x-surface": self.surface, **h}
+        if self.tenant is not None:
+            h["x-tenant"] = self.tenant
         return h
 
     def to_record(self) -> dict[str, Any]:

@@ -64,6 +64,8 @@ def _request(spec: RequestSpec, model: str, session_header: bool) -> tuple[dict[
         headers["x-session-id"] = spec.session_id
     if spec.surface:
         headers["x-surface"] = spec.surface
+    if spec.tenant:
+        headers["x-tenant"] = spec.tenant
     return body, headers
 
 

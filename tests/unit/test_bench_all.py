@@ -54,8 +54,8 @@ def test_each_steps_options_are_its_scripts(step: bench_all.Step) -> None:
         assert f'"{opt}"' in source, f"{step.module} has no option {opt}"
 
 
-def test_the_quick_plan_fits_forty_minutes_and_full_is_never_smaller() -> None:
-    assert sum(s.est_s(full=False) for s in STEPS) <= 40 * 60
+def test_the_quick_plan_fits_forty_five_minutes_and_full_is_never_smaller() -> None:
+    assert sum(s.est_s(full=False) for s in STEPS) <= 45 * 60  # 40 until the noisy neighbour joined
     assert all(s.est_s(full=True) >= s.est_s(full=False) for s in STEPS)
     assert [s.args(full=True) for s in STEPS if s.quick is None] == [
         s.args(full=False) for s in STEPS if s.quick is None

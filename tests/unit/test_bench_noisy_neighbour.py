@@ -1,0 +1,106 @@
+"""The noisy-neighbour benchmark's pure parts: each tenant's load, the budget's allowance, why a
+refusal came, the per-tenant figures and the admission checks summed over gateway replicas."""
+
+from __future__ import annotations
+
+from loadtest.bench_noisy_neighbour import (
+    admission_checks,
+    allowance,
+    b_tab_p99_ratio,
+    phase_figures,
+    refusal_reason,
+    tenant_load,
+    variant_config,
+)
+from loadtest.request_spec import RequestSpec
+from loadtest.sim_live import Result, _request
+
+
+def test_each_tenant_gets_its_own_sessions_and_header() -> None:
+    specs = tenant_load({"a": {"agent": 4.0}, "b": {"tab": 2.0, "agent": 0.0}}, 10.0, 1)
+    by = {t: [s for s in specs if s.tenant == t] for t in ("a", "b")}
+    assert by["a"] and by["b"] and len(by["a"]) + len(by["b"]) == len(specs)
+    assert {s.surface for s in by["a"]} == {"agent"} and {s.surface for s in by["b"]} == {"tab"}
+    assert all(s.session_id.startswith(f"{s.tenant}-") for s in specs)
+    assert [s.arrival_s for s in specs] == sorted(s.arrival_s for s in specs)
+    assert max(s.arrival_s for s in specs) < 10.0
+    _, headers = _request(by["a"][0], "m", True)
+    assert headers["x-tenant"] == "a" and headers["x-surface"] == "agent"
+    assert by["b"][0].headers()["x-tenant"] == "b"
+    assert "x-tenant" not in RequestSpec(session_id="s", max_tokens=1).headers()
+
+
+def test_the_budget_allows_a_full_bucket_and_its_refill() -> None:
+    assert allowance(60, 30.0) == 90  # a minute's 60 at once, then one a second
+    assert allowance(None, 30.0) is None
+
+
+def test_variants_differ_only_in_a_budget() -> None:
+    off, on = variant_config("off", None), variant_config("on", 120)
+    assert [(t.name, t.rpm) for t in off.tenants] == [("a", None), ("b", None)]
+    assert [(t.name, t.rpm) for t in on.tenants] == [("a", 120), ("b", None)]
+    assert off.server.gateway_replicas == on.server.gateway_replicas == 2
+    assert off.name != on.name
+
+
+def _res(
+    i: int, surface: str, status: int, latency: float, ttft: float | None = None, error: str = ""
+) -> Result:
+    r = Result(i, f"s{i}", surface, status=status, ttft_s=ttft, latency_s=latency, error=error or None)
+    r.output_tokens = 10 if status == 200 else 0
+    r.retry_after = "1" if status == 429 else None
+    return r
+
+
+def test_a_phase_splits_refusals_by_reason_and_times_the_at_once_ones_apart() -> None:
+    cfg = variant_config("on", 60)
+    results = [
+        _res(0, "tab", 200, 0.05, 0.02),
+        _res(1, "agent", 200, 1.0, 0.5),
+        _res(2, "agent", 429, 0.002, error="tenant 'a' is over its budget: ..."),
+        _res(3, "agent", 429, 0.9, error="... went to a tenant with a smaller share of it; retry"),
+        _res(4, "agent", 429, 0.004, error="surface 'agent' is at its limit of 3 requests with 2 waiting"),
+    ]
+    specs = [
+        RequestSpec(session_id="b", max_tokens=1, surface="tab", tenant="b"),
+        RequestSpec(session_id="b2", max_tokens=1, surface="agent", tenant="b"),
+        *[RequestSpec(session_id=f"a{i}", max_tokens=1, surface="agent", tenant="a") for i in range(3)],
+    ]
+    assert [refusal_reason(r) for r in results[2:]] == ["budget", "pushed_out", "admission"]
+    rep = phase_figures(results, specs, cfg, 10.0)
+    assert rep["a_refusals"] == {"budget": 1, "pushed_out": 1, "admission": 1}
+    assert rep["rejects"] == 3 and rep["reject_p99_ms"] == 900.0 and rep["reject_at_once_p99_ms"] == 4.0
+    assert rep["tenants"]["b"]["tab"]["admitted"] == 1 and rep["tenants"]["a"]["agent"]["admitted"] == 0
+    assert rep["tenants"]["b"]["agent"]["goodput_tok_s"] == 1.0  # 10 tokens in 10 s within 3 s
+    assert rep["a_refusals_without_retry_after"] == 0 and rep["hung"] == 0
+
+
+def test_admission_is_summed_over_every_gateway_replica() -> None:
+    def st(admitted: int, completed: int, in_flight: int = 0) -> dict:
+        return {
+            "admission": {
+                "admitted": admitted,
+                "completed": completed,
+                "errored": 0,
+                "cancelled": 0,
+                "in_flight": in_flight,
+                "waiting": 0,
+                "balanced": True,
+            }
+        }
+
+    before = {"g1": st(10, 10), "g2": st(5, 5)}
+    ok = admission_checks(before, {"g1": st(14, 14), "g2": st(8, 8)})
+    assert ok["admission_delta"]["admitted"] == 7 and all(ok["checks"].values()) and ok["gateways_seen"] == 2
+    left = admission_checks(before, {"g1": st(14, 13, 1), "g2": st(8, 8)})
+    assert not left["checks"]["admitted_equals_ended"]
+    assert not left["checks"]["nothing_in_flight_or_waiting_after"]
+
+
+def test_the_ratio_is_bs_tab_p99_with_the_flood_over_alone() -> None:
+    def ph(p99: float | None) -> dict:
+        return {"tenants": {"b": {"tab": {"ttft_p99_wall_ms": p99}}}}
+
+    assert b_tab_p99_ratio({"b_alone": ph(40.0), "a_flood": ph(46.0)}) == 1.15
+    assert b_tab_p99_ratio({"b_alone": ph(None), "a_flood": ph(46.0)}) is None
+    assert b_tab_p99_ratio({"b_alone": ph(40.0)}) is None
