@@ -333,9 +333,13 @@ class Gateway:
         return RequestTrace(trace_id, new_id(rng, 64), start_ns, prepared.req, parent_span_id=parent_id)
 
     def _precheck(self, surface: str, tenant: str | None = None) -> ClusterError | None:
-        """A request admission would refuse whatever it asks for is refused before it is parsed and
-        tokenized (a long Agent prompt costs milliseconds to tokenize; the 429 should not)."""
+        """A request admission or its tenant's spent budget would refuse whatever it asks for is
+        refused before it is parsed and tokenized (a long Agent prompt costs milliseconds to
+        tokenize, and the budget a call to its deployment; the 429 should not)."""
         self.guard.arrived(surface, time.monotonic())
+        spent = self.tenants.refusal(tenant)
+        if spent is not None:
+            return spent
         try:
             self.admission.precheck(surface, tenant)
         except ClusterError as err:

@@ -10,7 +10,10 @@ waiting. Should the deployment be unreachable, the request is admitted (the budg
 control; the providers' own limits still hold) and the failure is logged.
 
 Without Serve (unit tests, one process) the budgets are an in-process object. Both speak the same
-async interface; the pure accounting is :class:`cluster.policy.tenants.TenantBudgets`.
+async interface; the pure accounting is :class:`cluster.policy.tenants.TenantBudgets`. Both also
+remember (:class:`cluster.policy.tenants.KnownOut`) a tenant whose requests per minute are spent
+until a known time: its next requests are refused by :meth:`refusal` before they are parsed,
+tokenized or sent to the deployment (a runaway loop's 429s cost the gateway almost nothing).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from ray import serve
 
 from cluster.config import TenantConfig
-from cluster.policy.tenants import TenantBudgets, TenantReservation
+from cluster.policy.tenants import KnownOut, TenantBudgets, TenantReservation
 from cluster.wire.errors import RateLimited
 
 log = logging.getLogger("ray.serve")
@@ -35,9 +38,16 @@ class LocalTenants:
 
     def __init__(self, budgets: TenantBudgets) -> None:
         self._b = budgets
+        self.out = KnownOut()
+
+    def refusal(self, tenant: str | None) -> RateLimited | None:
+        return self.out.refusal(tenant, time.monotonic())
 
     async def reserve(self, tenant: str | None, input_tokens: int, max_tokens: int) -> Reserved:
-        return self._b.reserve(tenant, input_tokens, max_tokens, time.monotonic())
+        got = self._b.reserve(tenant, input_tokens, max_tokens, time.monotonic())
+        if isinstance(got, RateLimited) and tenant is not None:
+            self.out.note(tenant, got, time.monotonic())
+        return got
 
     def settle(self, res: TenantReservation, actual_tokens: int) -> None:
         self._b.settle(res, actual_tokens, time.monotonic())
@@ -71,15 +81,22 @@ class ServeTenants:
         self._h = handle
         self._budgeted = budgeted
         self._pending: set[asyncio.Task[Any]] = set()
+        self.out = KnownOut()
+
+    def refusal(self, tenant: str | None) -> RateLimited | None:
+        return self.out.refusal(tenant, time.monotonic())
 
     async def reserve(self, tenant: str | None, input_tokens: int, max_tokens: int) -> Reserved:
         if tenant is None or tenant not in self._budgeted:
             return None
         try:
-            return await self._h.reserve.remote(tenant, input_tokens, max_tokens)
+            got = await self._h.reserve.remote(tenant, input_tokens, max_tokens)
         except Exception as exc:  # unreachable: admit, as without budgets
             log.warning("tenant budgets unreachable, admitting tenant %r unbudgeted: %r", tenant[:64], exc)
             return None
+        if isinstance(got, RateLimited):
+            self.out.note(tenant, got, time.monotonic())
+        return got
 
     def settle(self, res: TenantReservation, actual_tokens: int) -> None:
         self._send(self._h.settle.remote(res, actual_tokens))

@@ -20,7 +20,50 @@ from dataclasses import dataclass
 
 from cluster.config import TenantConfig
 from cluster.policy.token_bucket import BucketBudget, Reservation
-from cluster.wire.errors import RateLimited
+from cluster.wire.errors import RateLimited, _rebuild
+
+
+class OverBudget(RateLimited):
+    """A tenant over its budget (429). ``all_refused_s``: how long every request of the tenant will
+    be refused whatever its size (its request bucket is empty for that long; 0 when only its token
+    budget refused this request, which a smaller one might pass)."""
+
+    def __init__(self, message: str, *, all_refused_s: float = 0.0, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.all_refused_s = all_refused_s
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses the budget deployment's Ray call
+        _, (cls, message, kwargs) = super().__reduce__()
+        return (_rebuild, (cls, message, {**kwargs, "all_refused_s": self.all_refused_s}))
+
+
+class KnownOut:
+    """What a gateway replica learnt from the budgets' refusals: tenants whose every request is
+    refused until a known time. A request of such a tenant is refused before it is parsed and
+    tokenized, without asking the budgets (one call to their deployment per request otherwise).
+    Never refuses what the budget would admit, as its request bucket only refills by the clock;
+    a request handed back (refused by admission after its reservation) may free one a little
+    sooner, which this replica learns at its next ask."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def note(self, tenant: str, refusal: RateLimited, now: float) -> None:
+        wait = getattr(refusal, "all_refused_s", 0.0)
+        if wait > 0:
+            self._until[tenant] = now + wait
+
+    def refusal(self, tenant: str | None, now: float) -> RateLimited | None:
+        until = self._until.get(tenant) if tenant is not None else None
+        if until is None:
+            return None
+        if now >= until:
+            del self._until[tenant]  # type: ignore[arg-type]
+            return None
+        return RateLimited(
+            f"tenant '{tenant}' is over its budget: its requests per minute are spent",
+            retry_after_s=until - now,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +89,11 @@ class TenantBudgets:
             return None
         got = budget.try_reserve(input_tokens, max_tokens, now)
         if isinstance(got, RateLimited):
-            return RateLimited(
-                f"tenant '{tenant}' is over its budget: {got.message}", retry_after_s=got.retry_after_s
+            every = budget.rpm.time_until(1, now) if budget.rpm is not None else 0.0
+            return OverBudget(
+                f"tenant '{tenant}' is over its budget: {got.message}",
+                retry_after_s=got.retry_after_s,
+                all_refused_s=every,
             )
         return TenantReservation(tenant, got)
 

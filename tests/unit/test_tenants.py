@@ -3,12 +3,16 @@ weight inside a surface, so a heavy tenant cannot take every freed slot from a l
 
 from __future__ import annotations
 
+import pickle
+import time
+
 import pytest
 
 from cluster.config import ConfigError, SurfaceConfig, TenantConfig, parse_config
 from cluster.policy.admission import AdmissionController, Queued, Ticket
-from cluster.policy.tenants import TenantBudgets, TenantReservation
+from cluster.policy.tenants import KnownOut, OverBudget, TenantBudgets, TenantReservation
 from cluster.wire.errors import RateLimited
+from deployments.tenant_budget import LocalTenants
 
 
 def test_a_tenant_over_its_request_budget_gets_a_429_with_retry_after() -> None:
@@ -86,3 +90,38 @@ def test_a_heavier_weight_gets_more_of_the_freed_slots() -> None:
         (ticket,) = c.release(ticket, "completed", 1.0 + i)
         got.append("gold" if ticket.id in ids["gold"] else "std")
     assert got.count("gold") == 6 and got.count("std") == 3  # 2 : 1
+
+
+def test_a_spent_request_budget_says_how_long_every_request_is_refused() -> None:
+    b = TenantBudgets([TenantConfig(name="a", rpm=60, tpm=100_000), TenantConfig(name="t", tpm=100)], 0.0)
+    for _ in range(60):
+        assert isinstance(b.reserve("a", 1, 1, 0.0), TenantReservation)
+    spent = b.reserve("a", 1, 1, 0.5)
+    assert isinstance(spent, OverBudget) and spent.status_code == 429
+    assert spent.all_refused_s == pytest.approx(0.5)  # one request a second: the next at t = 1
+    back = pickle.loads(pickle.dumps(spent))  # it crosses the budget deployment's Ray call
+    assert isinstance(back, OverBudget) and back.all_refused_s == spent.all_refused_s
+    assert back.retry_after_s == spent.retry_after_s and back.message == spent.message
+    tokens = b.reserve("t", 90, 20, 0.0)  # over the token budget only: a smaller one may pass
+    assert isinstance(tokens, OverBudget) and tokens.all_refused_s == 0.0
+
+
+def test_a_replica_refuses_a_spent_tenant_before_asking_until_its_bucket_refills() -> None:
+    out = KnownOut()
+    out.note("a", OverBudget("over", retry_after_s=2.0, all_refused_s=2.0), 10.0)
+    out.note("t", OverBudget("over", retry_after_s=3.0, all_refused_s=0.0), 10.0)  # tokens only
+    r = out.refusal("a", 11.0)
+    assert isinstance(r, RateLimited) and r.retry_after_s == pytest.approx(1.0) and "tenant 'a'" in r.message
+    assert out.refusal("a", 12.0) is None and out.refusal("a", 11.0) is None  # refilled: forgotten
+    assert (
+        out.refusal("t", 10.5) is None and out.refusal(None, 10.5) is None and out.refusal("b", 10.5) is None
+    )
+
+
+async def test_the_local_budgets_remember_a_spent_tenant() -> None:
+    local = LocalTenants(TenantBudgets([TenantConfig(name="a", rpm=1)], time.monotonic()))
+    assert local.refusal("a") is None
+    assert isinstance(await local.reserve("a", 1, 1), TenantReservation)
+    assert isinstance(await local.reserve("a", 1, 1), OverBudget)  # the minute's one is spent
+    r = local.refusal("a")  # so the next is refused without asking
+    assert r is not None and 59.0 < (r.retry_after_s or 0) <= 60.0
