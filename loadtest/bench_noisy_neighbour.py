@@ -24,7 +24,8 @@ Agent's 3 s objective), ``a_refusals`` (by reason: its budget, its queued place 
 (``pushed_out``, :mod:`cluster.policy.fair_queue`), admission), ``a_admitted_allowance`` (what the
 budget lets through in the phase: a full bucket of one minute's requests plus its refill),
 ``reject_p99_ms`` (client-side, every 429/503) and ``reject_at_once_p99_ms`` (without the waiters
-pushed out, which waited before their 429), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`), and
+pushed out, which waited before their 429), ``by_slice`` (``b``'s Tab p99 and ``a``'s admitted
+requests by 10 s of the phase), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`), and
 from every gateway replica's status: loop lag, refusal time inside, admission counters summed.
 
 ``--a-share`` 0.1 by default: ``a``'s flood is then about Agent's capacity, its budget's bucket (a
@@ -60,6 +61,7 @@ TENANTS = ("a", "b")
 GATEWAYS = 2
 OUT = RESULTS / "noisy_neighbour.json"
 RATIO_GOAL = 1.2  # b's Tab p99 with a's flood / alone (the issue's acceptance)
+SLICE_S = 10.0  # the phases' figures by slice (``by_slice``)
 
 
 def variant_config(variant: str, budget_rpm: int | None, gateways: int = GATEWAYS) -> Any:
@@ -132,7 +134,26 @@ def phase_figures(
     rep["a_refusals"] = reasons
     rep["a_refusals_without_retry_after"] = sum(1 for r in a_refused if not r.retry_after)
     rep["hung"] = sum(r.hung for r in results)
+    rep["by_slice"] = slices(results, tenants, window_s)
     return rep
+
+
+def slices(
+    results: Sequence[Result], tenants: Sequence[str | None], window_s: float, slice_s: float = SLICE_S
+) -> dict[str, list[Any]]:
+    """By ``slice_s`` of the phase (by send time): ``b``'s Tab p99 TTFT (ms) and ``a``'s requests
+    admitted, to tell the flood's start (``a``'s full bucket: a minute's requests at once) from
+    the rest."""
+    n = max(1, math.ceil(window_s / slice_s))
+    tab: list[list[float]] = [[] for _ in range(n)]
+    admitted = [0] * n
+    for r, t in zip(results, tenants, strict=True):
+        k = min(n - 1, int(r.sent_s // slice_s))
+        if t == "b" and r.surface == "tab" and r.status == 200 and r.ttft_s is not None:
+            tab[k].append(r.ttft_s)
+        elif t == "a" and r.status == 200:
+            admitted[k] += 1
+    return {"b_tab_p99_ms": [ms(percentile(x, 99)) for x in tab], "a_admitted": admitted}
 
 
 def gateway_statuses(app_url: str, replicas: int, tries: int = 40) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from loadtest import tables_affinity, tables_engine, tables_load, tables_reliability, tables_summary
+from loadtest import (
+    tables_affinity,
+    tables_engine,
+    tables_load,
+    tables_reliability,
+    tables_summary,
+    tables_tenants,
+)
 from loadtest.table_format import ROOT, Results
 
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
@@ -58,6 +65,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overload": tables_load.overload,
     "overload-shared": tables_load.overload_shared,
     "overload-shared-vllm": tables_load.overload_shared_vllm,
+    "noisy-neighbour": tables_tenants.noisy_neighbour,
     "migration": tables_reliability.migration,
 }
 

@@ -104,3 +104,24 @@ def test_the_ratio_is_bs_tab_p99_with_the_flood_over_alone() -> None:
     assert b_tab_p99_ratio({"b_alone": ph(40.0), "a_flood": ph(46.0)}) == 1.15
     assert b_tab_p99_ratio({"b_alone": ph(None), "a_flood": ph(46.0)}) is None
     assert b_tab_p99_ratio({"b_alone": ph(40.0)}) is None
+
+
+def test_slices_tell_the_floods_start_from_the_rest() -> None:
+    from loadtest.bench_noisy_neighbour import slices
+
+    def at(i: int, sent: float, surface: str, status: int, ttft: float | None = None) -> Result:
+        r = Result(i, f"s{i}", surface, sent_s=sent, status=status, ttft_s=ttft)
+        return r
+
+    results = [
+        at(0, 1.0, "tab", 200, 0.080),
+        at(1, 2.0, "agent", 200),
+        at(2, 3.0, "agent", 200),
+        at(3, 12.0, "tab", 200, 0.020),
+        at(4, 13.0, "agent", 429),
+        at(5, 25.0, "agent", 200),
+        at(6, 31.0, "tab", 200, 0.030),  # sent at the very end: the last slice
+    ]
+    tenants = ["b", "a", "a", "b", "a", "a", "b"]
+    got = slices(results, tenants, 30.0)
+    assert got == {"b_tab_p99_ms": [80.0, 20.0, 30.0], "a_admitted": [2, 0, 1]}
