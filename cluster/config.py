@@ -296,6 +296,16 @@ class TenantConfig(Strict):
     weight: float = Field(
         1.0, gt=0, description="Fair-queuing weight: its share of a surface's freed slots when tenants queue."
     )
+    burst_s: float = Field(
+        60.0,
+        gt=0,
+        le=60,
+        description="Seconds of its request budget a tenant may spend at once: its request bucket holds "
+        "burst_s/60 of its rpm (at least one request) and refills at rpm per minute. 60: a whole "
+        "minute's requests at once; lower it so a runaway loop cannot spend its minute in its first "
+        "seconds beside other tenants (the noisy-neighbour benchmark, BENCHMARKS.md). Its token "
+        "budget keeps a minute's bucket, so that one large request still fits its tpm.",
+    )
 
 
 class ServerConfig(Strict):

@@ -1,8 +1,9 @@
 """A noisy neighbour on a shared pool, wall clock (issue 16 item 4): tenant ``a`` runs away on Agent at
 10x its request budget while tenant ``b`` types (Tab) and runs a light agent of its own, all on the
-same replicas, behind two gateway replicas; the tenant budget on against off, in one run.
+same replicas, behind two gateway replicas; without a budget for ``a``, with one, and with one whose
+bucket holds only a few seconds of it, in one run.
 
-    python -m loadtest.bench_noisy_neighbour            # ~4 minutes
+    python -m loadtest.bench_noisy_neighbour            # ~4.5 minutes
 
 The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (three simulated H100 replicas of Llama-3.1-8B at their own speed that Tab and Agent share, the
@@ -12,7 +13,9 @@ budget is counted once across both (:mod:`deployments.tenant_budget`). Tenants (
 
 * ``b``: no budget; Tab at ``--tab-rate`` and Agent at ``--b-agent-share`` of Agent's capacity;
 * ``a``: Agent at 10x its budget (``--flood-x``). Variant ``on``: an RPM budget of ``--a-share`` of
-  Agent's capacity; variant ``off``: no budget, the same flood.
+  Agent's capacity whose bucket holds a minute's requests (``TenantConfig.burst_s`` 60, the
+  default); ``on_short_burst``: the same budget, its bucket ``--a-burst-s`` (5) seconds' of it;
+  ``off``: no budget, the same flood.
 
 Per variant: deploy, warm up, ``b`` alone for ``--alone-s`` (its own baseline), then ``b`` with ``a``'s
 flood for ``--flood-s``. Agent's capacity is measured once, in the first variant, closed loop at its
@@ -29,9 +32,9 @@ requests by 10 s of the phase), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`
 from every gateway replica's status: loop lag, refusal time inside, admission counters summed.
 
 ``--a-share`` 0.1 by default: ``a``'s flood is then about Agent's capacity, its budget's bucket (a
-minute's worth, full at the start) is empty after about 7 s of it, and the budget binds for the
-rest of the phase; with a larger share, admission's own limits bind first and the two variants
-differ little.
+minute's worth, full at the start, in ``on``) is empty after about 7 s of it, and the budget binds
+for the rest of the phase; with a larger share, admission's own limits bind first and the variants
+differ little. Runs 1-3 (``on`` and ``off`` only) found ``b``'s Tab tail in those first seconds.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from loadtest.provenance import git_state, provenance
 from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
-VARIANTS = ("off", "on")
+VARIANTS = ("off", "on", "on_short_burst")
 TENANTS = ("a", "b")
 GATEWAYS = 2
 OUT = RESULTS / "noisy_neighbour.json"
@@ -64,16 +67,25 @@ RATIO_GOAL = 1.2  # b's Tab p99 with a's flood / alone (the issue's acceptance)
 SLICE_S = 10.0  # the phases' figures by slice (``by_slice``)
 
 
-def variant_config(variant: str, budget_rpm: int | None, gateways: int = GATEWAYS) -> Any:
-    """The shared-pool cluster with tenants ``a`` (an RPM budget when ``on``) and ``b`` (none)."""
-    if variant == "on" and budget_rpm is None:
-        raise ValueError("variant 'on' needs a's budget")
+def variant_config(
+    variant: str, budget_rpm: int | None, burst_s: float = 5.0, gateways: int = GATEWAYS
+) -> Any:
+    """The shared-pool cluster with tenants ``a`` and ``b`` (no budget). ``a``: no budget (``off``),
+    an RPM budget whose bucket holds a minute's requests (``on``, the default ``burst_s``), or one
+    that holds ``burst_s`` seconds' (``on_short_burst``)."""
+    if variant != "off" and budget_rpm is None:
+        raise ValueError(f"variant {variant!r} needs a's budget")
     from cluster.config import parse_config
 
     raw = overload_config("shared", 1.0).model_dump(mode="json")
-    raw["name"] = f"{APP}-nn-{variant}"
+    raw["name"] = f"{APP}-nn-{variant}".replace("_", "-")
     raw["server"]["gateway_replicas"] = gateways
-    raw["tenants"] = [{"name": "a", "rpm": budget_rpm} if variant == "on" else {"name": "a"}, {"name": "b"}]
+    a: dict[str, Any] = {"name": "a"}
+    if variant != "off":
+        a["rpm"] = budget_rpm
+    if variant == "on_short_burst":
+        a["burst_s"] = burst_s
+    raw["tenants"] = [a, {"name": "b"}]
     return parse_config(raw)
 
 
@@ -86,11 +98,13 @@ def tenant_load(rates: dict[str, dict[str, float]], window_s: float, seed: int) 
     return sorted(out, key=lambda s: s.arrival_s)
 
 
-def allowance(budget_rpm: int | None, window_s: float) -> int | None:
-    """The most requests a full bucket of a minute's budget lets through in ``window_s``."""
+def allowance(budget_rpm: int | None, window_s: float, burst_s: float | None = 60.0) -> int | None:
+    """The most requests a full bucket (``burst_s`` seconds of the budget, at least one request)
+    lets through in ``window_s``."""
     if budget_rpm is None:
         return None
-    return math.floor(budget_rpm + budget_rpm / 60.0 * window_s)
+    rate = budget_rpm / 60.0
+    return math.floor(max(1.0, rate * (burst_s or 60.0)) + rate * window_s)
 
 
 def refusal_reason(r: Result) -> str:
@@ -253,7 +267,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     app_url = f"http://127.0.0.1:{args.port}/{variant}"
     url = app_url + "/v1/chat/completions"
     budget = None if capacity is None else max(1, round(args.a_share * capacity * 60))
-    cfg = variant_config(variant, budget)
+    cfg = variant_config(variant, budget, args.a_burst_s)
     served = local.start(cfg, port=args.port, route_prefix=f"/{variant}")
     try:
         if "floor" not in serve.status().applications:  # the first variant's: kept until local.stop()
@@ -265,7 +279,8 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
             capacity = measure_capacity(url, cfg, args.calib_s, args.seed)
             out["agent_capacity_measured_here"] = True
             budget = max(1, round(args.a_share * capacity * 60))
-        out["a_budget_rpm"] = budget if variant == "on" else None
+        out["a_budget_rpm"] = budget if variant != "off" else None
+        out["a_burst_s"] = cfg.tenant("a").burst_s if variant != "off" else None
         b = {"tab": args.tab_rate, "agent": args.b_agent_share * capacity}
         flood = {"agent": args.flood_x * budget / 60.0}
         print(
@@ -275,7 +290,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
         out["b_alone"] = run_phase(app_url, cfg, {"b": b}, args.alone_s, args.seed)
         out["a_flood"] = rep = run_phase(app_url, cfg, {"a": flood, "b": b}, args.flood_s, args.seed + 1)
         rep["a_admitted"] = rep["tenants"]["a"]["agent"]["admitted"]
-        rep["a_admitted_allowance"] = allowance(out["a_budget_rpm"], args.flood_s)
+        rep["a_admitted_allowance"] = allowance(out["a_budget_rpm"], args.flood_s, out["a_burst_s"])
         out["b_tab_p99_ratio"] = b_tab_p99_ratio(out)
         print(
             f"[{variant}] b tab p99 alone {out['b_alone']['tenants']['b']['tab']['ttft_p99_wall_ms']} ms, "
@@ -296,6 +311,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--b-agent-share", type=float, default=0.2, help="b's Agent rate / Agent's capacity")
     ap.add_argument("--a-share", type=float, default=0.1, help="a's RPM budget / Agent's capacity (on)")
     ap.add_argument("--flood-x", type=float, default=10.0, help="a's Agent rate / its budget")
+    ap.add_argument("--a-burst-s", type=float, default=5.0, help="a's request burst (on_short_burst)")
     ap.add_argument("--calib-s", type=float, default=20.0)
     ap.add_argument("--alone-s", type=float, default=30.0)
     ap.add_argument("--flood-s", type=float, default=30.0)

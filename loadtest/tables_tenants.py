@@ -7,7 +7,9 @@ from typing import Any
 
 from loadtest.table_format import Results, fixed, num, table
 
-RUNS: tuple[tuple[str, str | None], ...] = (("1", None),)  # (run, commit; None: the file as it stands)
+# (run, commit; None: the file as it stands). Runs 1-3: off and on (a minute's burst); from run 4 also
+# on_short_burst (TenantConfig.burst_s).
+RUNS: tuple[tuple[str, str | None], ...] = (("1", "993ed5e"), ("2", "4bee8b8"), ("3", None))
 
 
 def _p50_p99(s: dict[str, Any]) -> str:
@@ -29,7 +31,8 @@ def _row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
         else run
     )
     load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
-    budget = "none" if v["a_budget_rpm"] is None else f"{num(v['a_budget_rpm'])} rpm"
+    burst = v.get("a_burst_s") or 60  # runs 1-3 record none: a minute's, the only one then
+    budget = "none" if v["a_budget_rpm"] is None else f"{num(v['a_budget_rpm'])} rpm, {num(burst)} s burst"
     ratio = "-" if v["b_tab_p99_ratio"] is None else fixed(v["b_tab_p99_ratio"], 2) + "×"
     allowed = flood["a_admitted_allowance"]
     a_cell = f"{num(a['sent'])} / {num(a['admitted'])}" + ("" if allowed is None else f" ({num(allowed)})")
@@ -51,7 +54,7 @@ def noisy_neighbour(r: Results) -> str:
     rows = []
     for run, at in RUNS:
         d = r.get("noisy_neighbour", at=at)
-        rows += [_row(run, variant, d, first=i == 0) for i, variant in enumerate(("off", "on"))]
+        rows += [_row(run, variant, d, first=i == 0) for i, variant in enumerate(d["variants"])]
     header = [
         "run",
         "variant",

@@ -1,7 +1,8 @@
 """Tenants: who pays for a request. API keys carry a tenant (config); each tenant may have request
 and token budgets per minute and a fair-queuing weight (used by admission, :mod:`cluster.policy.admission`).
 
-Budgets are token buckets (:class:`cluster.policy.token_bucket.BucketBudget`) holding a minute's worth:
+Budgets are token buckets (:class:`cluster.policy.token_bucket.BucketBudget`) holding a minute's worth
+(the request bucket ``burst_s`` seconds' worth, ``TenantConfig.burst_s``, 60 by default):
 a request reserves one request and ``prompt tokens + max_tokens`` before admission and settles with
 its actual usage at the end (the unused part given back); a request refused by admission gives its
 reservation back. Over budget: 429 with ``Retry-After`` = when the bucket has room again, so a
@@ -75,7 +76,9 @@ class TenantReservation:
 class TenantBudgets:
     def __init__(self, tenants: Iterable[TenantConfig], now: float, *, router_replicas: int = 1) -> None:
         self._budgets = {
-            t.name: BucketBudget(t.rpm, t.tpm, now, router_replicas=router_replicas)
+            t.name: BucketBudget(
+                t.rpm, t.tpm, now, router_replicas=router_replicas, request_burst_s=t.burst_s
+            )
             for t in tenants
             if t.rpm is not None or t.tpm is not None
         }

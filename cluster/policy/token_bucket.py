@@ -70,7 +70,9 @@ class Reservation:
 
 class BucketBudget:
     """A tenant's RPM and TPM budgets (this gateway replica's share). ``burst_s`` sizes the
-    buckets: 60 s holds a minute's worth; lower it for a smoother limit on shorter windows."""
+    buckets: 60 s holds a minute's worth; lower it for a smoother limit on shorter windows.
+    ``request_burst_s`` sizes the request bucket alone (default: ``burst_s``), so that requests can
+    be smoothed while one large request still fits a minute's tokens."""
 
     def __init__(
         self,
@@ -80,8 +82,9 @@ class BucketBudget:
         *,
         router_replicas: int = 1,
         burst_s: float = 60.0,
+        request_burst_s: float | None = None,
     ) -> None:
-        self.rpm = self._bucket(rpm, router_replicas, burst_s, now)
+        self.rpm = self._bucket(rpm, router_replicas, request_burst_s or burst_s, now)
         self.tpm = self._bucket(tpm, router_replicas, burst_s, now)
 
     @staticmethod

@@ -32,15 +32,22 @@ def test_each_tenant_gets_its_own_sessions_and_header() -> None:
 
 def test_the_budget_allows_a_full_bucket_and_its_refill() -> None:
     assert allowance(60, 30.0) == 90  # a minute's 60 at once, then one a second
+    assert allowance(60, 30.0, 5.0) == 35  # 5 s of it at once
+    assert allowance(6, 30.0, 5.0) == 4  # at least one request at once, then one each 10 s
     assert allowance(None, 30.0) is None
 
 
 def test_variants_differ_only_in_a_budget() -> None:
-    off, on = variant_config("off", None), variant_config("on", 120)
-    assert [(t.name, t.rpm) for t in off.tenants] == [("a", None), ("b", None)]
-    assert [(t.name, t.rpm) for t in on.tenants] == [("a", 120), ("b", None)]
-    assert off.server.gateway_replicas == on.server.gateway_replicas == 2
-    assert off.name != on.name
+    off, on, short = (
+        variant_config("off", None),
+        variant_config("on", 120),
+        variant_config("on_short_burst", 120, 5),
+    )
+    assert [(t.name, t.rpm, t.burst_s) for t in off.tenants] == [("a", None, 60), ("b", None, 60)]
+    assert [(t.name, t.rpm, t.burst_s) for t in on.tenants] == [("a", 120, 60), ("b", None, 60)]
+    assert [(t.name, t.rpm, t.burst_s) for t in short.tenants] == [("a", 120, 5), ("b", None, 60)]
+    assert off.server.gateway_replicas == on.server.gateway_replicas == short.server.gateway_replicas == 2
+    assert len({off.name, on.name, short.name}) == 3
 
 
 def _res(

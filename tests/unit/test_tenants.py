@@ -125,3 +125,15 @@ async def test_the_local_budgets_remember_a_spent_tenant() -> None:
     assert isinstance(await local.reserve("a", 1, 1), OverBudget)  # the minute's one is spent
     r = local.refusal("a")  # so the next is refused without asking
     assert r is not None and 59.0 < (r.retry_after_s or 0) <= 60.0
+
+
+def test_a_short_burst_spreads_a_tenants_requests_and_keeps_a_minutes_tokens() -> None:
+    b = TenantBudgets([TenantConfig(name="a", rpm=120, tpm=6_000, burst_s=5)], 0.0)
+    got = [b.reserve("a", 10, 10, 0.0) for _ in range(11)]
+    assert [isinstance(r, TenantReservation) for r in got] == [True] * 10 + [False]  # 5 s of 2 a second
+    assert isinstance(got[10], OverBudget) and got[10].all_refused_s == pytest.approx(0.5)
+    assert isinstance(b.reserve("a", 10, 10, 0.5), TenantReservation)  # refilled at 2 a second
+    # the token bucket still holds the minute's 6,000: one request of 5,000 fits
+    assert isinstance(b.reserve("a", 4_000, 1_000, 1.0), TenantReservation)
+    with pytest.raises(ValueError):
+        TenantConfig(name="x", rpm=1, burst_s=0)
