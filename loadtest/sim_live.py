@@ -143,11 +143,15 @@ async def replay(
     session_header: bool = True,
     model: str = MODEL,
     lag: list[float] | None = None,
+    warm_connections: int = 0,
 ) -> tuple[list[Result], float]:
     """Send every spec at its arrival time (a session's next turn waits for its previous one when
     ``closed_loop``); returns the results in spec order and the wall time of the whole replay.
     ``lag``: filled with the client's own event-loop lag (seconds, sampled every 10 ms), the part
-    of every client-side time that is the load generator's, not the cluster's."""
+    of every client-side time that is the load generator's, not the cluster's.
+    ``warm_connections``: open that many keep-alive connections (concurrent ``GET /v1/models``)
+    before the clock starts, so that the first requests do not also pay their TCP connections,
+    as a client that keeps its connection does not."""
     quiet_collector()  # no collector pause of ours inside the measurement
     results = [Result(i, s.session_id, s.surface) for i, s in enumerate(specs)]
     done = [asyncio.Event() for _ in specs]
@@ -157,6 +161,8 @@ async def replay(
         prev.append(last.get(s.session_id))
         last[s.session_id] = i
     async with session(timeout_s) as client:
+        if warm_connections:
+            await open_connections(client, url, warm_connections)
         t0 = time.perf_counter()
 
         async def one(i: int, spec: RequestSpec) -> None:
@@ -186,6 +192,18 @@ async def replay(
                 probe.cancel()
         wall = time.perf_counter() - t0
     return results, wall
+
+
+async def open_connections(client: aiohttp.ClientSession, url: str, n: int) -> None:
+    """``n`` keep-alive connections in ``client``'s pool: ``n`` concurrent GETs of the models list
+    beside ``url`` (each needs its own connection while the others are in flight)."""
+    models = url.split("/v1/", 1)[0] + "/v1/models"
+
+    async def one() -> None:
+        async with client.get(models) as resp:
+            await resp.read()
+
+    await asyncio.gather(*(one() for _ in range(n)))
 
 
 async def loop_lag(out: list[float], every_s: float = 0.01) -> None:

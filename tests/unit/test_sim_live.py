@@ -48,3 +48,29 @@ async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
     assert res.ttft_s is not None and res.latency_s is not None and res.ttft_s <= res.latency_s
     assert res.output_tokens == 5  # the usage chunk's completion_tokens
     assert res.finish_reason == "stop"
+
+
+async def test_open_connections_leaves_that_many_keep_alive_connections_in_the_pool() -> None:
+    from loadtest.sim_live import open_connections
+
+    peers: set[int] = set()
+
+    async def models(request: web.Request) -> web.Response:
+        peers.add(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        return web.json_response({"data": []})
+
+    app = web.Application()
+    app.router.add_get("/x/v1/models", models)  # beside the completions URL, under its prefix
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with session(10.0) as client:
+            await open_connections(client, f"http://127.0.0.1:{port}/x/v1/chat/completions", 8)
+            assert len(peers) == 8  # eight connections, each from its own port
+            await open_connections(client, f"http://127.0.0.1:{port}/x/v1/chat/completions", 8)
+            assert len(peers) == 8  # the second time they were reused
+    finally:
+        await runner.cleanup()
