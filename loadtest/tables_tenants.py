@@ -8,8 +8,15 @@ from typing import Any
 from loadtest.table_format import Results, fixed, num, table
 
 # (run, commit; None: the file as it stands). Runs 1-3: off and on (a minute's burst); from run 4 also
-# on_short_burst (TenantConfig.burst_s).
-RUNS: tuple[tuple[str, str | None], ...] = (("1", "993ed5e"), ("2", "4bee8b8"), ("3", None))
+# on_short_burst (TenantConfig.burst_s); from run 5 the client's connections are opened before each
+# phase (bench_noisy_neighbour.WARM_CONNECTIONS).
+RUNS: tuple[tuple[str, str | None], ...] = (
+    ("1", "993ed5e"),
+    ("2", "4bee8b8"),
+    ("3", "fa5873c"),
+    ("4", "915b74b"),
+    ("5", None),
+)
 
 
 def _p50_p99(s: dict[str, Any]) -> str:
@@ -46,7 +53,9 @@ def _row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
         "-" if every is None else f"{fixed(at_once, 0) if at_once is not None else '-'} ({fixed(every, 0)})"
     )
     hung = alone["hung"] + flood["hung"]
-    tab = [_p50_p99(ba["tab"]), _p50_p99(bf["tab"]), ratio]
+    sliced = flood.get("by_slice")  # from run 3
+    slices = "-" if sliced is None else " / ".join(fixed(x, 0) for x in sliced["b_tab_p99_ms"])
+    tab = [_p50_p99(ba["tab"]), _p50_p99(bf["tab"]), ratio, slices]
     return [label, variant, load, budget, *tab, agent, goodput, a_cell, refused, reject, str(hung)]
 
 
@@ -63,6 +72,7 @@ def noisy_neighbour(r: Results) -> str:
         "b's Tab alone p50 / p99",
         "b's Tab beside a's flood p50 / p99",
         "p99 ratio (goal ≤ 1.2×)",
+        "b's Tab p99 by 10 s of the flood",
         "b's Agent admitted: alone → flood",
         "b's Agent goodput tok/s: alone → flood",
         "a sent / admitted (budget allows)",
@@ -70,4 +80,4 @@ def noisy_neighbour(r: Results) -> str:
         "reject p99 at once (all)",
         "hung",
     ]
-    return table(header, "lllrrrrrrrrrr", rows)
+    return table(header, "lllrrrrrrrrrrr", rows)
