@@ -52,6 +52,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cluster.observability.server_timing import parse_server_timing
 from deployments.local import free_port, gateway_status
 from loadtest.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
 from loadtest.bench_overload_shared import agent_goodput, with_floor_probe
@@ -155,7 +156,37 @@ def phase_figures(
     rep["a_refusals_without_retry_after"] = sum(1 for r in a_refused if not r.retry_after)
     rep["hung"] = sum(r.hung for r in results)
     rep["by_slice"] = slices(results, tenants, window_s)
+    rep["b_tab_slowest"] = slowest_tab(results, specs)
     return rep
+
+
+def slowest_tab(results: Sequence[Result], specs: Sequence[RequestSpec], n: int = 3) -> list[dict[str, Any]]:
+    """``b``'s ``n`` slowest Tab requests (they set its p99): when each was sent, its TTFT at the
+    client and where the gateway says it went (Server-Timing: prep, queue, upstream, ttft; the rest
+    of the client's TTFT is outside the gateway's handler), its replica, and the Agent requests of
+    each tenant sent in the second before it (what it may have queued behind)."""
+    tab = [
+        r
+        for r, s in zip(results, specs, strict=True)
+        if s.tenant == "b" and r.surface == "tab" and r.status == 200 and r.ttft_s is not None
+    ]
+    out = []
+    for r in sorted(tab, key=lambda r: r.ttft_s or 0.0, reverse=True)[:n]:
+        before = [
+            s.tenant
+            for x, s in zip(results, specs, strict=True)
+            if s.surface == "agent" and r.sent_s - 1.0 <= x.sent_s <= r.sent_s
+        ]
+        out.append(
+            {
+                "sent_s": round(r.sent_s, 3),
+                "ttft_ms": ms(r.ttft_s),
+                "server_timing_ms": parse_server_timing(r.timing),
+                "replica": r.replica,
+                "agent_sent_in_1s_before": {t: before.count(t) for t in TENANTS},
+            }
+        )
+    return out
 
 
 def slices(
@@ -326,7 +357,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--out", default=str(OUT))
-    return ap.parse_args(argv)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which, in this order (a probe)")
+    ap.add_argument("--capacity", type=float, help="Agent's capacity (req/s), not measured (a probe)")
+    args = ap.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        ap.error(f"--variants: {unknown or 'none'} (known: {', '.join(VARIANTS)})")
+    if args.variants[0] != VARIANTS[0] and args.capacity is None:
+        ap.error(f"--capacity is needed when {VARIANTS[0]!r}, which measures it, does not come first")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,10 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "speedup": 1.0,
     }
     report.update(gateway_replicas=GATEWAYS, ratio_goal=RATIO_GOAL, machine=machine())
-    capacity = None
+    capacity = args.capacity
     variants: dict[str, Any] = {}
     try:
-        for v in VARIANTS:
+        for v in args.variants:
             variants[v], capacity = run_variant(v, args, capacity)
     finally:
         local.stop()

@@ -49,6 +49,7 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     hung: bool = False  # the client's deadline ended it, not the server
+    timing: str | None = None  # the gateway's Server-Timing header, as sent (parse_server_timing)
 
 
 def _request(spec: RequestSpec, model: str, session_header: bool) -> tuple[dict[str, Any], dict[str, str]]:
@@ -120,6 +121,7 @@ async def stream_chat(
                 res.status = resp.status
                 res.replica = resp.headers.get("x-llmc-replica", "")
                 res.retry_after = resp.headers.get("retry-after")
+                res.timing = resp.headers.get("server-timing")  # parsed after, outside the stream
                 if resp.status != 200:
                     res.error = (await resp.read()).decode(errors="replace")[:300]
                     return

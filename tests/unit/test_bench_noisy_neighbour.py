@@ -132,3 +132,39 @@ def test_slices_tell_the_floods_start_from_the_rest() -> None:
     tenants = ["b", "a", "a", "b", "a", "a", "b"]
     got = slices(results, tenants, 30.0)
     assert got == {"b_tab_p99_ms": [80.0, 20.0, 30.0], "a_admitted": [2, 0, 1]}
+
+
+def test_the_slowest_tab_requests_say_where_their_time_went() -> None:
+    from loadtest.bench_noisy_neighbour import slowest_tab
+
+    def at(sent: float, surface: str, tenant: str, ttft: float | None, timing: str | None = None) -> tuple:
+        r = Result(0, "s", surface, sent_s=sent, status=200, ttft_s=ttft, replica="r1")
+        r.timing = timing
+        return r, RequestSpec(session_id="s", max_tokens=1, surface=surface, tenant=tenant)
+
+    rows = [
+        at(0.3, "agent", "a", 0.3),  # more than 1 s before the slowest
+        at(0.9, "agent", "a", 0.3),
+        at(1.2, "agent", "b", 0.3),
+        at(1.4, "tab", "b", 0.070, "prep;dur=0.4, queue;dur=0.0, upstream;dur=60.1, ttft;dur=61.0"),
+        at(5.0, "tab", "b", 0.020),
+        at(6.0, "tab", "a", 0.900),  # not b's
+        at(7.0, "tab", "b", 0.015),
+    ]
+    got = slowest_tab([r for r, _ in rows], [s for _, s in rows], n=2)
+    assert [g["ttft_ms"] for g in got] == [70.0, 20.0]
+    assert got[0]["server_timing_ms"] == {"prep": 0.4, "queue": 0.0, "upstream": 60.1, "ttft": 61.0}
+    assert got[0]["agent_sent_in_1s_before"] == {"a": 1, "b": 1} and got[0]["sent_s"] == 1.4
+    assert got[1]["server_timing_ms"] == {} and got[1]["agent_sent_in_1s_before"] == {"a": 0, "b": 0}
+
+
+def test_a_probe_of_some_variants_needs_agents_capacity() -> None:
+    import pytest
+
+    from loadtest.bench_noisy_neighbour import parse_args
+
+    assert parse_args([]).variants == ["off", "on", "on_short_burst"]
+    assert parse_args(["--variants", "on_short_burst", "--capacity", "11.5"]).variants == ["on_short_burst"]
+    for bad in (["--variants", "on"], ["--variants", "off,sometimes"], ["--variants", ","]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
