@@ -4,6 +4,8 @@ same replicas, behind two gateway replicas; without a budget for ``a``, with one
 bucket holds only a few seconds of it, in one run.
 
     python -m loadtest.bench_noisy_neighbour            # ~4.5 minutes
+    python -m loadtest.bench_noisy_neighbour --variants on_short_burst --capacity 11.5 --out /tmp/x.json
+                                                        # a probe of one variant (~1.5 minutes)
 
 The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (three simulated H100 replicas of Llama-3.1-8B at their own speed that Tab and Agent share, the
@@ -28,7 +30,9 @@ Agent's 3 s objective), ``a_refusals`` (by reason: its budget, its queued place 
 budget lets through in the phase: a full bucket of one minute's requests plus its refill),
 ``reject_p99_ms`` (client-side, every 429/503) and ``reject_at_once_p99_ms`` (without the waiters
 pushed out, which waited before their 429), ``by_slice`` (``b``'s Tab p99 and ``a``'s admitted
-requests by 10 s of the phase), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`), and
+requests by 10 s of the phase), ``b_tab_slowest`` (``b``'s three slowest Tab requests, which set
+its p99 of ~110: when sent, where the gateway's Server-Timing says their time went, the Agent
+requests sent in the second before each), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`), and
 from every gateway replica's status: loop lag, refusal time inside, admission counters summed.
 
 ``--a-share`` 0.1 by default: ``a``'s flood is then about Agent's capacity, its budget's bucket (a
