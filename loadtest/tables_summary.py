@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, num, pct, signed, table
 from loadtest.tables_load import floor_answer_p99, hung_requests, refusal_p99_inside
+from loadtest.tables_tenants import RUNS
 
 
 def _pct(ratio: float) -> str:
@@ -137,7 +138,8 @@ _VARIANT = {"off": "no budget", "on": "a's budget", "on_short_burst": "a's budge
 
 
 def _noisy_neighbour(r: Results) -> str:
-    """The budgeted variant's figures against the goal; the unbudgeted ratio beside them."""
+    """The budgeted variant's figures against the goal; the unbudgeted ratio beside them; how many of
+    the runs with that variant (:data:`loadtest.tables_tenants.RUNS`) met the ratio."""
     if not r.exists("noisy_neighbour"):
         return "not run"
     v = r.get("noisy_neighbour")["variants"]
@@ -148,9 +150,16 @@ def _noisy_neighbour(r: Results) -> str:
     without = sum(x["a_flood"]["a_refusals_without_retry_after"] for x in v.values())
     ratio = on["b_tab_p99_ratio"]
     others = [f"{_VARIANT[k]} {fixed(x['b_tab_p99_ratio'], 2)}×" for k, x in v.items() if k != name]
+    ratios = [
+        x["b_tab_p99_ratio"]
+        for _, at in RUNS
+        if (x := r.get("noisy_neighbour", at=at)["variants"].get(name)) is not None
+    ]
+    met = sum(1 for x in ratios if x is not None and x <= 1.2)
     return (
         f"b's Tab p99 {fixed(ratio, 2)}× alone with {_VARIANT[name]} {_met(ratio <= 1.2)} "
-        f"({', '.join(others)}); a: {num(why.get('budget', 0))} budget 429s, "
+        f"({', '.join(others)}; with {_VARIANT[name]} met in {met} of {len(ratios)} runs); "
+        f"a: {num(why.get('budget', 0))} budget 429s, "
         f"{num(without)} without Retry-After {_met(without == 0)}; a admitted {num(flood['a_admitted'])} "
         f"of the {num(flood['a_admitted_allowance'])} its budget allows across 2 gateways"
     )

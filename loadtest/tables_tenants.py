@@ -15,7 +15,8 @@ RUNS: tuple[tuple[str, str | None], ...] = (
     ("2", "4bee8b8"),
     ("3", "fa5873c"),
     ("4", "915b74b"),
-    ("5", None),
+    ("5", "e87c74e"),
+    ("6", None),
 )
 
 
