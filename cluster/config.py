@@ -273,6 +273,14 @@ class SurfaceConfig(Strict):
     queue_deadline_ms: float = Field(2000.0, gt=0, description="Longest queue wait before a 429.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for the whole request.")
     hedging: bool = Field(False, description="Race a second backend when the first token is late.")
+    avoid_prefill_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Route this surface's requests away from engine replicas where this gateway's "
+        "requests still waiting for their first token hold at least this many uncached prompt tokens, "
+        "while another replica is below it: a short prompt there waits for a long prefill's step "
+        "(cluster/routing/view.py). None: route by cache and load alone.",
+    )
 
 
 class RouteConfig(Strict):

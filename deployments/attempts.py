@@ -152,11 +152,14 @@ class AttemptRunner:
             backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
         ) + list(broken)
         picker = self.pickers[backend]
+        surface = self.cfg.surface(req.surface)
+        busy = surface.avoid_prefill_tokens if surface is not None else None
 
         async def choose() -> Any:
-            choice = await picker.pick(block_hashes, req.session_id, avoid)
+            choice = await picker.pick(block_hashes, req.session_id, avoid, busy)
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
-            picker.view.started(choice, block_hashes, time.monotonic(), req.session_id)
+            prompt = len(req.prompt_token_ids)
+            picker.view.started(choice, block_hashes, time.monotonic(), req.session_id, prompt)
             reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
             metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
             spans.routed(at, choice.replica, reason)
@@ -178,7 +181,14 @@ class AttemptRunner:
             replica = getattr(att.stream, "replica", None)
             picker = self.pickers.get(backend_of_slot(att.planned.backend))
             if replica is not None and picker is not None:
-                picker.view.ended(replica)
+                picker.view.ended(replica, getattr(att.stream, "choice", None))
+
+    def _prefilled(self, att: Attempt) -> None:
+        """An engine attempt's first token: its replica's view stops counting its prompt."""
+        choice = getattr(att.stream, "choice", None)
+        picker = self.pickers.get(backend_of_slot(att.planned.backend))
+        if choice is not None and picker is not None:
+            picker.view.prefilled(choice)
 
     def _verdict(
         self,
@@ -189,6 +199,8 @@ class AttemptRunner:
         dt: float,
         observe: bool = True,
     ) -> None:
+        if v == "won":  # its prefill is done: the replica no longer counts it as prefilling
+            self._prefilled(att)
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
         fx = effects(v, err, att.hedge)

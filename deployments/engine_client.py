@@ -34,7 +34,7 @@ STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first 
 class _Pick:
     """The routing payload handed to Serve's request router (in this process, by reference)."""
 
-    __slots__ = ("avoid", "choice", "hashes", "now", "session_id", "sync_only", "view")
+    __slots__ = ("avoid", "busy_prefill", "choice", "hashes", "now", "session_id", "sync_only", "view")
 
     def __init__(
         self,
@@ -43,9 +43,10 @@ class _Pick:
         session_id: str | None,
         avoid: Sequence[str],
         sync_only: bool = False,
+        busy_prefill: int | None = None,
     ) -> None:
         self.view, self.hashes, self.session_id, self.avoid = view, hashes, session_id, avoid
-        self.sync_only = sync_only
+        self.sync_only, self.busy_prefill = sync_only, busy_prefill
         self.now = time.monotonic()
         self.choice: Choice | None = None
 
@@ -68,7 +69,7 @@ class _Pick:
         self.view.sync(infos)
         if self.sync_only:
             return [candidates]
-        self.choice = self.view.choose(self.hashes, self.now, self.session_id, self.avoid)
+        self.choice = self.view.choose(self.hashes, self.now, self.session_id, self.avoid, self.busy_prefill)
         if self.choice is None:
             return [candidates]
         by_id = {r.replica_id.unique_id: r for r in candidates}
@@ -85,10 +86,18 @@ class ReplicaPicker:
         async with self.handle.choose_replica(_Pick(self.view, [], None, [], sync_only=True), _reserve=False):
             pass
 
-    async def pick(self, hashes: Sequence[int], session_id: str | None, avoid: Sequence[str]) -> Choice:
+    async def pick(
+        self,
+        hashes: Sequence[int],
+        session_id: str | None,
+        avoid: Sequence[str],
+        busy_prefill: int | None = None,
+    ) -> Choice:
+        """The replica for one attempt (``busy_prefill``: :meth:`BackendView.choose`'s
+        ``busy_prefill_tokens``, the surface's ``avoid_prefill_tokens``)."""
         deadline = time.monotonic() + STARTUP_WAIT_S
         while True:
-            pick = _Pick(self.view, hashes, session_id, avoid)
+            pick = _Pick(self.view, hashes, session_id, avoid, busy_prefill=busy_prefill)
             async with self.handle.choose_replica(pick, _reserve=False):
                 pass
             if pick.choice is not None:

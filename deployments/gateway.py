@@ -454,6 +454,8 @@ class Gateway:
                     "replicas": {r: i.url for r, i in v.live.items()},
                     "in_flight": dict(v.in_flight),
                     "decisions": dict(v.decision_counts),
+                    "prefilling_tokens": dict(v.prefilling),
+                    "avoided_prefill": v.avoided_prefill,
                     "kv_index": kv_index_status(v, self.kv_feeds.get(name)),
                 }
                 for name, v in self.views.items()

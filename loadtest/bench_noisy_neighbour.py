@@ -274,10 +274,17 @@ def run_phase(app_url: str, cfg: Any, rates: dict[str, dict[str, float]], window
             "loop_lag_ms_last_30s": s.get("loop_lag", {}).get("last_30s"),
             "refusal_ms_last_30s": s.get("refusals", {}).get("last_30s"),
             "guard": s.get("slo_guard", {}),
+            "avoided_prefill": avoided_prefill(s) - avoided_prefill(before.get(rid, {})),
         }
         for rid, s in after.items()
     }
     return rep
+
+
+def avoided_prefill(status: dict[str, Any]) -> int:
+    """A gateway replica's decisions so far that kept a request off a replica mid-prefill (its
+    surface's ``avoid_prefill_tokens``), over its backends."""
+    return sum(v.get("avoided_prefill", 0) for v in status.get("routing", {}).values())
 
 
 def b_tab_p99_ratio(variant: dict[str, Any]) -> float | None:

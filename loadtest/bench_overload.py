@@ -90,6 +90,7 @@ SURFACE_LIMITS: list[dict[str, Any]] = [
         "max_queue": 4,
         "queue_deadline_ms": 25,
         "request_timeout_s": 5,
+        "avoid_prefill_tokens": 512,  # as configs/sim-local.yaml: off replicas mid-prefill
     },
     {
         "name": "chat",

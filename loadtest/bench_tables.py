@@ -22,6 +22,7 @@ from loadtest import (
     tables_affinity,
     tables_engine,
     tables_load,
+    tables_prefill,
     tables_reliability,
     tables_summary,
     tables_tenants,
@@ -66,6 +67,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overload-shared": tables_load.overload_shared,
     "overload-shared-vllm": tables_load.overload_shared_vllm,
     "noisy-neighbour": tables_tenants.noisy_neighbour,
+    "prefill-avoid": tables_prefill.prefill_avoid,
     "migration": tables_reliability.migration,
 }
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, num, pct, signed, table
 from loadtest.tables_load import floor_answer_p99, hung_requests, refusal_p99_inside
+from loadtest.tables_prefill import gains
 from loadtest.tables_tenants import RUNS
 
 
@@ -165,6 +166,31 @@ def _noisy_neighbour(r: Results) -> str:
     )
 
 
+def _prefill_avoid(r: Results) -> str:
+    """Tab's p99 gain (off over on) by workload and gateway count: its least and its most."""
+    if not r.exists("prefill_avoid"):
+        return "not run"
+    d = r.get("prefill_avoid")
+    parts = []
+    for workload in dict.fromkeys(x["workload"] for x in d["runs"]):
+        for gw in sorted({x["gateways"] for x in d["runs"]}):
+            g = gains(d, workload, gw)
+            parts.append(
+                f"{workload}, {gw} gateway{'s' if gw > 1 else ''}: {fixed(min(g), 2)}–{fixed(max(g), 2)}×"
+            )
+    long1 = gains(d, "long_context", 1) if any(x["workload"] == "long_context" for x in d["runs"]) else []
+    agent_same = all(
+        x["off"]["agent"]["output_tok_s"] == v["agent"]["output_tok_s"]
+        for x in d["runs"]
+        for k, v in x.items()
+        if k.startswith("on_")
+    )
+    return (
+        f"Tab p99 off / on: {'; '.join(parts)}; long prefills, one gateway, ≥ 2× in every load "
+        f"{_met(bool(long1) and min(long1) >= 2.0)}; Agent's tokens the same {_met(agent_same)}"
+    )
+
+
 def _overhead(r: Results) -> str:
     d = r.get("overhead")
     added = d["added_ttft_p50_ms_c1"]
@@ -269,6 +295,13 @@ ROWS: list[Row] = [
         "tenant b's Tab p99 ≤ 1.2× b alone while tenant a sends 10× its budget on Agent; a gets 429s "
         "with Retry-After",
         _noisy_neighbour,
+    ),
+    (
+        "Tab off replicas mid-prefill (virtual clock)",
+        "`python -m loadtest.bench_prefill_avoid`",
+        "prefill_avoid.json",
+        "Tab p99 lower with `avoid_prefill_tokens` where Agent's prefills are long; Agent's output unchanged",
+        _prefill_avoid,
     ),
     (
         "Hedging",

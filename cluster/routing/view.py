@@ -7,6 +7,16 @@ replica's published endpoint and engine stats) at every decision, the start and 
 attempt it sends, and each replica's KV events (pages from its engine's log, applied by a
 background feed, never per chunk). A replica that leaves Serve's list leaves the view at the next
 decision: its in-flight count, stats, index entries and breaker go with it.
+
+Prefill-aware choice (``busy_prefill_tokens``, a surface's ``avoid_prefill_tokens``): the view
+counts, per replica, the prompt tokens of this gateway's attempts there that have not had their
+first token yet, less what the cache-aware decision expected cached. A short, latency-bound prompt
+(Tab) that lands on a replica prefilling a long one waits for that prefill's chunk to finish its
+step and then shares the next step with the rest of it (the engine fills a step's token budget,
+as vLLM does); on a replica only decoding, its step is short. So such a request skips the
+replicas whose count is at least its threshold while another routable replica is below it. Each
+gateway replica counts only its own attempts: with several, this is a partial view, never wrong
+about the attempts it counts.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.engine.kv_events import KVEventPage
 from cluster.policy.failover import ReplicaEjector
@@ -48,6 +58,7 @@ class Choice:
     url: str
     decision: RouteDecision
     cache_rank: int = 0
+    prefill_tokens: int = 0  # counted in the view's ``prefilling`` until its first token or its end
 
 
 @dataclass
@@ -62,6 +73,8 @@ class BackendView:
     in_flight: Counter[str] = field(default_factory=Counter)
     live: dict[str, ReplicaInfo] = field(default_factory=dict)
     decision_counts: Counter[str] = field(default_factory=Counter)
+    prefilling: Counter[str] = field(default_factory=Counter)  # uncached prompt tokens before a first token
+    avoided_prefill: int = 0  # decisions that skipped a replica for its prefill
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     _rr: int = 0
 
@@ -70,6 +83,7 @@ class BackendView:
         now_live = {r.replica: r for r in replicas if r.url}
         for gone in set(self.live) - set(now_live):
             self.in_flight.pop(gone, None)
+            self.prefilling.pop(gone, None)
             if self.policy is not None:
                 self.policy.remove_replica(gone)
         self.live = now_live
@@ -96,14 +110,19 @@ class BackendView:
         now: float,
         session_id: str | None = None,
         avoid: Sequence[str] = (),
+        busy_prefill_tokens: int | None = None,
     ) -> Choice | None:
         """Pick a live replica for one attempt (None: no live replica). A hedge or a retry avoids
-        the replicas its earlier attempts went to, unless nothing else is left."""
+        the replicas its earlier attempts went to, unless nothing else is left. With
+        ``busy_prefill_tokens``, the replicas prefilling at least that many tokens are skipped
+        while a routable one below it is left (the module docstring)."""
         if not self.live:
             return None
         routable = set(self.ejector.routable(now))
         skip = set(avoid) if set(self.live) - set(avoid) else set()
         loads = [self._load(r, r in routable and r not in skip) for r in self.live]
+        if busy_prefill_tokens is not None:
+            loads = self._off_prefill(loads, busy_prefill_tokens)
         if self.mode == "round_robin":
             decision = self._round_robin(loads, len(hashes))
         elif self.mode == "power_of_two":
@@ -123,10 +142,22 @@ class BackendView:
         return Choice(replica, url, decision, self.policy.cache_rank(decision) if ranked else 0)
 
     def started(
-        self, choice: Choice, hashes: Sequence[BlockHash], now: float, session_id: str | None
+        self,
+        choice: Choice,
+        hashes: Sequence[BlockHash],
+        now: float,
+        session_id: str | None,
+        prompt_tokens: int = 0,
     ) -> None:
-        """The attempt went out: count it, remember where its blocks now live."""
+        """The attempt went out: count it, remember where its blocks now live, and count its
+        prompt's tokens the decision did not expect cached as prefilling there until its first
+        token (:meth:`prefilled`) or its end."""
         self.in_flight[choice.replica] += 1
+        n, matched = len(hashes), choice.decision.matched_blocks
+        uncached = prompt_tokens if not n else prompt_tokens * max(0, n - matched) // n
+        if uncached > 0:
+            choice.prefill_tokens = uncached
+            self.prefilling[choice.replica] += uncached
         reason = self.mode if self.mode != "cache_aware" else choice.decision.reason
         self.decision_counts[reason] += 1
         if self.policy is not None:
@@ -135,7 +166,19 @@ class BackendView:
         if breaker is not None:
             breaker.allow(now)  # takes a half-open probe slot, if that is what this is
 
-    def ended(self, replica: str) -> None:
+    def prefilled(self, choice: Choice) -> None:
+        """The attempt's first token came (or it ended): its prompt no longer counts as prefilling."""
+        n, choice.prefill_tokens = choice.prefill_tokens, 0
+        if n > 0 and choice.replica in self.prefilling:
+            left = self.prefilling[choice.replica] - n
+            if left > 0:
+                self.prefilling[choice.replica] = left
+            else:
+                del self.prefilling[choice.replica]
+
+    def ended(self, replica: str, choice: Choice | None = None) -> None:
+        if choice is not None:
+            self.prefilled(choice)
         n = self.in_flight[replica] - 1
         if n > 0:
             self.in_flight[replica] = n
@@ -143,6 +186,17 @@ class BackendView:
             self.in_flight.pop(replica, None)
 
     # -- internals ---------------------------------------------------------------------------
+    def _off_prefill(self, loads: list[ReplicaLoad], busy_tokens: int) -> list[ReplicaLoad]:
+        """``loads`` with the replicas prefilling ``busy_tokens`` or more marked unroutable for this
+        decision, when a routable one below that (and below its cap) is left; else unchanged."""
+        busy = {x.replica for x in loads if self.prefilling.get(x.replica, 0) >= busy_tokens}
+        if not busy or not any(
+            x.healthy and x.in_flight < x.max_in_flight and x.replica not in busy for x in loads
+        ):
+            return loads
+        self.avoided_prefill += 1
+        return [replace(x, healthy=False) if x.replica in busy else x for x in loads]
+
     def _load(self, replica: str, healthy: bool) -> ReplicaLoad:
         info = self.live[replica]
         return ReplicaLoad(

@@ -168,3 +168,11 @@ def test_a_probe_of_some_variants_needs_agents_capacity() -> None:
     for bad in (["--variants", "on"], ["--variants", "off,sometimes"], ["--variants", ","]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_prefill_avoidance_is_counted_over_a_gateways_backends() -> None:
+    from loadtest.bench_noisy_neighbour import avoided_prefill
+
+    status = {"routing": {"sim-shared": {"avoided_prefill": 5}, "other": {"avoided_prefill": 2}}}
+    assert avoided_prefill(status) == 7
+    assert avoided_prefill({"routing": {"old": {}}}) == 0 and avoided_prefill({}) == 0

@@ -6,13 +6,16 @@ from loadtest.bench_overload_shared import phase_report, variant_config
 from loadtest.sim_live import Result
 
 
-def test_variants_differ_only_in_engine_priority_and_the_guard() -> None:
+def test_variants_differ_only_in_engine_priority_the_guard_and_prefill_avoidance() -> None:
     on, off = variant_config("on"), variant_config("off")
     assert [b.name for b in on.backends] == [b.name for b in off.backends] == ["sim-shared"]
     assert on.backends[0].engine.scheduling_policy == "priority" and on.policies.slo_guard.enabled
     assert off.backends[0].engine.scheduling_policy == "fcfs" and not off.policies.slo_guard.enabled
     assert on.backends[0].engine.max_num_batched_tokens == off.backends[0].engine.max_num_batched_tokens
-    assert on.surfaces == off.surfaces and on.routes == off.routes
+    assert on.surface("tab").avoid_prefill_tokens == 512 and off.surface("tab").avoid_prefill_tokens is None
+    assert on.surface("agent").avoid_prefill_tokens is None
+    same = [s.model_copy(update={"avoid_prefill_tokens": None}) for s in on.surfaces]
+    assert same == off.surfaces and on.routes == off.routes
 
 
 def _r(i: int, surface: str, status: int, ttft: float | None, latency: float, tokens: int) -> Result:
@@ -46,7 +49,9 @@ def test_vllm_variants_are_the_local_cluster_with_the_feature_toggled() -> None:
     assert on.backends[0].engine.scheduling_policy == "priority" and on.policies.slo_guard.enabled
     assert off.backends[0].engine.scheduling_policy == "fcfs" and not off.policies.slo_guard.enabled
     assert on.server.gateway_replicas == off.server.gateway_replicas == 1
-    assert on.name != off.name and on.surfaces == off.surfaces
+    assert on.surface("tab").avoid_prefill_tokens == 512  # configs/local.yaml's
+    same = [s.model_copy(update={"avoid_prefill_tokens": None}) for s in on.surfaces]
+    assert on.name != off.name and same == off.surfaces
 
 
 def test_vllm_shapes_fit_the_tiny_models_context() -> None:

@@ -1,0 +1,227 @@
+"""Tab kept off replicas mid-prefill (a surface's ``avoid_prefill_tokens``), on the virtual clock:
+the gateway's own routing view (:class:`cluster.routing.view.BackendView`, the code the gateway runs)
+deciding for simulated engines (:class:`cluster.engine.model.EngineModel`, Llama-3.1-8B on H100s,
+1,024-token prefill chunks, the priority policy), with the threshold and without, in one run.
+
+    python -m loadtest.bench_prefill_avoid              # ~1 minute; loadtest/results/prefill_avoid.json
+
+Why a virtual clock: the effect is a matter of which engine step a Tab prompt lands in (a step
+holding a long prefill chunk takes ~25 ms on this profile, one of decodes a few), which the engine
+model times exactly and a live run on two shared cores buries in its own noise (BENCHMARKS.md, the
+noisy neighbour: ~110 Tab requests a phase, its p99 their second slowest).
+
+Two workloads (``WORKLOADS``), Tab at ``--tab-rate`` and Agent at each of its rates (requests/s,
+Poisson), for ``--duration-s`` virtual seconds, over ``--seeds``:
+
+* ``shared``: the shapes of :data:`loadtest.bench_overload.SHAPES`, as the live shared-pool
+  benchmarks send them: Agent ~2.9k-token prompts in 8 repositories, ~90 % of their tokens cached
+  once warm (the uncached part of a prompt is a few hundred tokens);
+* ``long_context``: Agent as an agent over a repository reads it: 64 repositories, 3,000 words of
+  context (~5k-token prompts), about half of Agent's tokens uncached: long prefills are common.
+
+Tab is the same in both (~900-token prompts in 8 repositories). Three engine replicas; one
+gateway, or two that take requests in turn (each view counts only its own attempts, as in the
+cluster). The views learn what they sent (their own records, without the engines' KV-event feed)
+and each attempt's first token at the next decision after it. Per variant (``off``, and ``on_N``
+per threshold N of ``--thresholds``): Tab's and Agent's TTFT p50 / p99 (virtual ms), their output
+tokens per second, the prefix-cache hit rate, and how many decisions skipped a replica for its
+prefill. The prediction this checks: Tab's p99 falls where Agent's prefills are long, Agent's
+throughput and the hit rate stay where they were, and where Agent's prefills are short the
+threshold changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench_overload import PROFILE, SHAPES, workloads
+from loadtest.request_spec import RequestSpec
+from loadtest.sim_live import RESULTS, machine, ms, percentile
+
+OUT = RESULTS / "prefill_avoid.json"
+ENGINES = 3
+CHUNK = 1024  # configs/sim-local.yaml's max_num_batched_tokens
+THRESHOLD = 512  # the shipped configs' Tab avoid_prefill_tokens
+SURFACE_PRIORITY = {"tab": 0, "chat": 1, "agent": 2}  # configs/sim-local.yaml's
+LONG_AGENT = {**SHAPES["agent"], "num_groups": 64, "context_words": 3000}
+# name: (shapes, Agent's rates per second)
+WORKLOADS: dict[str, tuple[dict[str, dict[str, int]], tuple[float, ...]]] = {
+    "shared": (SHAPES, (3.5, 7.0, 11.0)),
+    "long_context": ({**SHAPES, "agent": LONG_AGENT}, (2.0, 4.0, 6.0)),
+}
+
+
+@dataclass
+class _Sent:
+    view: Any
+    choice: Any
+    req: Any  # the engine's SimRequest
+    prefilled: bool = False
+
+
+def profile() -> Any:
+    from cluster.engine.profiles import get_profile
+
+    return get_profile(PROFILE).with_engine(max_num_batched_tokens=CHUNK, max_model_len=8192)
+
+
+def _feed_back(sent: list[_Sent], now: float) -> list[_Sent]:
+    """What the gateways learn by ``now``: first tokens (:meth:`BackendView.prefilled`) and ends."""
+    left = []
+    for s in sent:
+        if not s.prefilled and s.req.first_token_time is not None and s.req.first_token_time <= now:
+            s.view.prefilled(s.choice)
+            s.prefilled = True
+        if s.req.finish_time is not None and s.req.finish_time <= now:
+            s.view.ended(s.choice.replica, s.choice)
+        else:
+            left.append(s)
+    return left
+
+
+def replay(
+    specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], threshold: int | None, gateways: int
+) -> dict[str, Any]:
+    """One variant: the requests routed by ``gateways`` views in turn onto fresh engines."""
+    from cluster.engine.model import EngineModel
+    from cluster.policy.failover import ReplicaEjector
+    from cluster.routing.affinity import AffinityRouter
+    from cluster.routing.view import BackendView, ReplicaInfo
+
+    prof = profile()
+    engines = [EngineModel(prof, scheduling_policy="priority") for _ in range(ENGINES)]
+    views = [
+        BackendView("sim", AffinityRouter(prof.engine.block_size, "m"), ReplicaEjector(), 64)
+        for _ in range(gateways)
+    ]
+    sent: list[_Sent] = []
+    done: list[tuple[str, Any]] = []
+    for n, (spec, ids) in enumerate(zip(specs, token_ids, strict=True)):
+        now = spec.arrival_s
+        for e in engines:
+            e.run_until(now)
+        sent = _feed_back(sent, now)
+        view = views[n % gateways]
+        live = [ReplicaInfo(f"r{k}", "sim://", e.num_waiting, e.kv_usage()) for k, e in enumerate(engines)]
+        view.sync(live)
+        hashes = view.policy.hash(ids)
+        busy = threshold if spec.surface == "tab" else None
+        choice = view.choose(hashes, now, spec.session_id, busy_prefill_tokens=busy)
+        view.started(choice, hashes, now, spec.session_id, len(ids))
+        priority = 2 * SURFACE_PRIORITY[spec.surface or "chat"] + (1 if choice.cache_rank else 0)
+        engine = engines[int(choice.replica[1:])]
+        req = engine.add_request(f"v{n}", ids, spec.max_tokens, arrival_time=now, priority=priority)
+        sent.append(_Sent(view, choice, req))
+        done.append((spec.surface or "chat", req))
+    for e in engines:
+        e.run()
+    return summarize(done, engines, sum(v.avoided_prefill for v in views))
+
+
+def summarize(done: Sequence[tuple[str, Any]], engines: Sequence[Any], avoided: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    end = max(e.now for e in engines)
+    for surface in ("tab", "agent"):
+        reqs = [r for s, r in done if s == surface]
+        ttft = [r.ttft for r in reqs if r.ttft is not None]
+        out[surface] = {
+            "n": len(reqs),
+            "ttft_p50_ms": ms(percentile(ttft, 50)),
+            "ttft_p99_ms": ms(percentile(ttft, 99)),
+            "output_tok_s": round(sum(r.num_output_tokens for r in reqs) / end, 1) if end else None,
+        }
+    queries = sum(e.counters.prefix_cache_queries for e in engines)
+    hits = sum(e.counters.prefix_cache_hits for e in engines)
+    out["hit_rate"] = round(hits / queries, 4) if queries else None
+    out["avoided_prefill"] = avoided
+    return out
+
+
+def load(
+    workload: str, tab_rate: float, agent_rate: float, duration_s: float, seed: int
+) -> list[RequestSpec]:
+    return workloads({"tab": tab_rate, "agent": agent_rate}, duration_s, seed, shapes=WORKLOADS[workload][0])
+
+
+def _line(row: dict[str, Any]) -> str:
+    """One load's variants on one line: Tab's p50/p99, decisions that avoided, Agent's tok/s, hits."""
+    parts = [f"{row['workload']} agent {row['agent_rate']}/s seed {row['seed']} gateways {row['gateways']}:"]
+    for name, v in row.items():
+        if isinstance(v, dict):
+            parts.append(
+                f"{name} tab {v['tab']['ttft_p50_ms']}/{v['tab']['ttft_p99_ms']} ms"
+                f" (avoided {v['avoided_prefill']}) agent {v['agent']['output_tok_s']} tok/s"
+                f" hit {v['hit_rate']}"
+            )
+    return " | ".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--tab-rate", type=float, default=4.0)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--duration-s", type=float, default=60.0, help="virtual seconds per load")
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--gateways", default="1,2")
+    ap.add_argument("--thresholds", default=str(THRESHOLD), help="avoid_prefill_tokens, one variant each")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        ap.error(f"--workloads: one or more of {', '.join(WORKLOADS)}")
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    args.gateways = [int(x) for x in args.gateways.split(",")]
+    args.thresholds = [int(x) for x in args.thresholds.split(",")]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from cluster import tokens
+    from loadtest.provenance import git_state, provenance
+
+    args = parse_args(argv)
+    git, load0, started = git_state(), os.getloadavg(), time.monotonic()
+    tok = tokens.load("@tiny")
+    runs: list[dict[str, Any]] = []
+    for workload, rate, seed in [
+        (w, r, k) for w in args.workloads for r in WORKLOADS[w][1] for k in args.seeds
+    ]:
+        specs = load(workload, args.tab_rate, rate, args.duration_s, seed)
+        ids = [tok.chat_ids(list(s.messages)) for s in specs]
+        for gw in args.gateways:
+            row: dict[str, Any] = {"workload": workload, "agent_rate": rate, "seed": seed, "gateways": gw}
+            row["off"] = replay(specs, ids, None, gw)
+            for threshold in args.thresholds:
+                row[f"on_{threshold}"] = replay(specs, ids, threshold, gw)
+            runs.append(row)
+            print(_line(row), flush=True)
+    report = {
+        "benchmark": "prefill_avoid",
+        "clock": "virtual",
+        "profile": PROFILE,
+        "engines": ENGINES,
+        "chunk_tokens": CHUNK,
+        "thresholds": args.thresholds,
+        "tab_rate": args.tab_rate,
+        "duration_s": args.duration_s,
+        "machine": machine(),
+        "runs": runs,
+        "runtime_s": round(time.monotonic() - started, 1),
+        "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} in {report['runtime_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

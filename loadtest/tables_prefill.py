@@ -1,0 +1,70 @@
+"""BENCHMARKS.md's table of Tab kept off replicas mid-prefill (:mod:`loadtest.bench_prefill_avoid`),
+on the virtual clock: one row per workload, Agent rate and gateway count, the seeds side by side."""
+
+from __future__ import annotations
+
+from statistics import mean
+from typing import Any
+
+from loadtest.table_format import Results, fixed, num, table
+
+
+def _by_load(d: dict[str, Any]) -> dict[tuple[str, float, int], list[dict[str, Any]]]:
+    rows: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
+    for run in d["runs"]:
+        rows.setdefault((run["workload"], run["agent_rate"], run["gateways"]), []).append(run)
+    return rows
+
+
+def _on(run: dict[str, Any]) -> dict[str, Any]:
+    """The first threshold's variant (the shipped 512 in the default run)."""
+    return next(v for k, v in run.items() if k.startswith("on_"))
+
+
+def _seeds(runs: list[dict[str, Any]], key: str, surface: str = "tab") -> str:
+    """``off → on`` per seed, ``/`` between seeds, whole virtual ms."""
+    off = " / ".join(fixed(r["off"][surface][key], 0) for r in runs)
+    on = " / ".join(fixed(_on(r)[surface][key], 0) for r in runs)
+    return f"{off} → {on}"
+
+
+def gains(d: dict[str, Any], workload: str, gateways: int) -> list[float]:
+    """Tab's p99 off over on, each load and seed of one workload at one gateway count."""
+    return [
+        r["off"]["tab"]["ttft_p99_ms"] / _on(r)["tab"]["ttft_p99_ms"]
+        for r in d["runs"]
+        if r["workload"] == workload and r["gateways"] == gateways
+    ]
+
+
+def prefill_avoid(r: Results) -> str:
+    d = r.get("prefill_avoid")
+    rows = []
+    for (workload, rate, gateways), runs in _by_load(d).items():
+        agent_off = mean(x["off"]["agent"]["output_tok_s"] for x in runs)
+        agent_on = mean(_on(x)["agent"]["output_tok_s"] for x in runs)
+        hit_off = mean(x["off"]["hit_rate"] for x in runs)
+        hit_on = mean(_on(x)["hit_rate"] for x in runs)
+        rows.append(
+            [
+                workload,
+                num(rate),
+                str(gateways),
+                _seeds(runs, "ttft_p50_ms"),
+                _seeds(runs, "ttft_p99_ms"),
+                " / ".join(num(_on(x)["avoided_prefill"]) for x in runs),
+                f"{fixed(agent_off, 0)} → {fixed(agent_on, 0)}",
+                f"{fixed(hit_off, 3)} → {fixed(hit_on, 3)}",
+            ]
+        )
+    header = [
+        "workload",
+        "Agent req/s",
+        "gateways",
+        "Tab TTFT p50 off → on (per seed)",
+        "Tab TTFT p99 off → on (per seed)",
+        "decisions that avoided (per seed)",
+        "Agent output tok/s off → on (mean)",
+        "prefix hit rate off → on (mean)",
+    ]
+    return table(header, "lrrrrrrr", rows)
