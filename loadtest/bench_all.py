@@ -161,6 +161,16 @@ STEPS: tuple[Step, ...] = (
         260,
         100,
     ),
+    # Tab kept off replicas mid-prefill, on the virtual clock (75 s on 2026-12-04; no cluster).
+    Step(
+        "prefill-avoid",
+        "loadtest.bench_prefill_avoid",
+        (),
+        ("--seeds", "1", "--duration-s", "30"),
+        ("prefill_avoid.json",),
+        120,
+        40,
+    ),
     Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 70),
     Step("soak", "loadtest.soak", ("--minutes", "5"), ("--minutes", "0.75"), ("soak.json",), 470, 160),
 )

@@ -134,6 +134,7 @@ def summarize(done: Sequence[tuple[str, Any]], engines: Sequence[Any], avoided: 
         ttft = [r.ttft for r in reqs if r.ttft is not None]
         out[surface] = {
             "n": len(reqs),
+            "output_tokens": sum(r.num_output_tokens for r in reqs),
             "ttft_p50_ms": ms(percentile(ttft, 50)),
             "ttft_p99_ms": ms(percentile(ttft, 99)),
             "output_tok_s": round(sum(r.num_output_tokens for r in reqs) / end, 1) if end else None,

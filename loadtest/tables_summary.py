@@ -180,14 +180,14 @@ def _prefill_avoid(r: Results) -> str:
             )
     long1 = gains(d, "long_context", 1) if any(x["workload"] == "long_context" for x in d["runs"]) else []
     agent_same = all(
-        x["off"]["agent"]["output_tok_s"] == v["agent"]["output_tok_s"]
+        x["off"]["agent"]["output_tokens"] == v["agent"]["output_tokens"]
         for x in d["runs"]
         for k, v in x.items()
         if k.startswith("on_")
     )
     return (
         f"Tab p99 off / on: {'; '.join(parts)}; long prefills, one gateway, ≥ 2× in every load "
-        f"{_met(bool(long1) and min(long1) >= 2.0)}; Agent's tokens the same {_met(agent_same)}"
+        f"{_met(bool(long1) and min(long1) >= 2.0)}; Agent's output tokens the same {_met(agent_same)}"
     )
 
 
