@@ -190,3 +190,51 @@ async def test_every_gateway_replica_guards_tab_with_the_engines_ttft_of_all_of_
         time.sleep(0.2)
     assert len(seen) == 2, seen  # both gateways were asked
     assert min(seen.values()) >= n, seen
+
+
+@pytest.fixture(scope="module")
+def slow_pair(deploy):
+    """One gateway, two simulated replicas at 1/50 of their speed, so that a long prefill lasts
+    seconds of wall clock; Tab has the shipped ``avoid_prefill_tokens``."""
+    raw = load_config("configs/sim-local.yaml").model_dump(mode="json")
+    raw["name"] = "llm-cluster-prefill"
+    raw["server"]["gateway_replicas"] = 1  # the routing view read below is this gateway's
+    raw["backends"][0].update(replicas=2, sim_options={"speedup": 0.02, "seed": 3})
+    for s in raw["surfaces"]:
+        s.update(ttft_slo_ms=s["ttft_slo_ms"] * 50, queue_deadline_ms=60_000, request_timeout_s=120)
+    return deploy(parse_config(raw), route_prefix="/prefill")
+
+
+async def test_tab_is_sent_away_from_a_replica_prefilling_a_long_prompt(slow_pair) -> None:
+    """Tab's session lives on one replica; an Agent request of the same session (so on the same
+    replica) prefills ~3k uncached tokens there for seconds; Tab's next request goes to the other
+    replica while that prefill runs, and the gateway's count of prefilling tokens empties once
+    the Agent request has its first token."""
+    assert slow_pair.cfg.surface("tab").avoid_prefill_tokens == 512  # configs/sim-local.yaml's
+    url = slow_pair.base_url + "/chat/completions"
+    tab = {"x-surface": "tab", "x-session-id": "editor-1"}
+    words = " ".join(f"symbol{i}x{i * 7919 % 1000}" for i in range(320))  # ~3k tokens, none cached
+    async with httpx.AsyncClient(timeout=120) as c:
+        first = await c.post(url, json=_body(2, "def add(a, b):"), headers=tab)
+        assert first.status_code == 200, first.text
+        home = first.headers["x-llmc-replica"]
+        agent = asyncio.create_task(
+            c.post(url, json=_body(2, words), headers={"x-surface": "agent", "x-session-id": "editor-1"})
+        )
+        routing: dict[str, Any] = {}
+        for _ in range(100):  # until the gateway has sent it and counts its prefill
+            routing = slow_pair.status()["routing"][BACKEND]
+            if routing["prefilling_tokens"]:
+                break
+            await asyncio.sleep(0.05)
+        assert not agent.done(), agent.result().text
+        assert list(routing["prefilling_tokens"]) == [home], routing  # the session's replica
+        assert routing["prefilling_tokens"][home] >= 512
+        second = await c.post(url, json=_body(2, "def add(a, b):\n    return"), headers=tab)
+        assert second.status_code == 200, second.text
+        assert second.headers["x-llmc-replica"] != home  # not behind the prefill
+        assert not agent.done(), "the Agent request ended before Tab's: no prefill was in the way"
+        done = await agent
+        assert done.status_code == 200, done.text
+    status = slow_pair.status()["routing"][BACKEND]
+    assert status["avoided_prefill"] >= 1 and status["prefilling_tokens"] == {}, status
