@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
@@ -53,14 +52,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from cluster.observability.server_timing import parse_server_timing
 from deployments.local import free_port, gateway_status
 from loadtest.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
 from loadtest.bench_overload_shared import agent_goodput, with_floor_probe
-from loadtest.provenance import git_state, provenance
+from loadtest.provenance import git_state, provenance, write_report
 from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
@@ -410,9 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime_s=round(time.monotonic() - started, 1),
         provenance=provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['runtime_s']} s")
+    write_report(report, args.out)
     return 0
 
 

@@ -45,14 +45,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Coroutine, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from deployments.local import free_port, gateway_status
@@ -64,7 +62,7 @@ from loadtest.bench_overload import (
     per_surface,
     workloads,
 )
-from loadtest.provenance import git_state, provenance
+from loadtest.provenance import git_state, provenance, write_report
 from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
 T = TypeVar("T")
@@ -397,9 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime_s=round(time.perf_counter() - t0, 1),
         provenance=provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['runtime_s']} s")
+    write_report(report, args.out)
     return 0
 
 

@@ -33,13 +33,11 @@ threshold changes nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from loadtest.bench_overload import PROFILE, SHAPES, workloads
@@ -186,7 +184,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cluster import tokens
-    from loadtest.provenance import git_state, provenance
+    from loadtest.provenance import git_state, provenance, write_report
 
     args = parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
@@ -218,9 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runtime_s": round(time.monotonic() - started, 1),
         "provenance": provenance(sys.argv[1:] if argv is None else argv, git, load0, started),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out} in {report['runtime_s']} s")
+    write_report(report, args.out)
     return 0
 
 

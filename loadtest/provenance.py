@@ -4,6 +4,7 @@ versions of what was measured, the command and how long it ran."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -63,3 +64,12 @@ def provenance(
         "argv": list(argv),
         "runtime_s": round(time.monotonic() - started, 1),
     }
+
+
+def write_report(report: dict[str, Any], out: str | Path) -> None:
+    """A benchmark's result file: ``report`` as indented JSON at ``out`` (its folder made), and a
+    line that says so with the run's ``runtime_s``."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path} in {report.get('runtime_s')} s")
