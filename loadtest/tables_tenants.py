@@ -15,7 +15,7 @@ RUNS: tuple[tuple[str, str | None], ...] = (
     ("2", "4bee8b8"),
     ("3", "fa5873c"),
     ("4", "915b74b"),
-    ("5", "e87c74e"),
+    ("5", "cdc91fb"),
     ("6", None),
 )
 
