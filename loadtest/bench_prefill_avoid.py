@@ -21,18 +21,23 @@ Poisson), for ``--duration-s`` virtual seconds, over ``--seeds``:
 
 Tab is the same in both (~900-token prompts in 8 repositories). Three engine replicas; one
 gateway, or two that take requests in turn (each view counts only its own attempts, as in the
-cluster). The views learn what they sent (their own records, without the engines' KV-event feed)
-and each attempt's first token at the next decision after it. Per variant (``off``, and ``on_N``
-per threshold N of ``--thresholds``): Tab's and Agent's TTFT p50 / p99 (virtual ms), their output
-tokens per second, the prefix-cache hit rate, and how many decisions skipped a replica for its
-prefill. The prediction this checks: Tab's p99 falls where Agent's prefills are long, Agent's
-throughput and the hit rate stay where they were, and where Agent's prefills are short the
-threshold changes nothing.
+cluster). Every view follows every engine's KV events before it decides and each chosen replica
+announces its request (``BlocksQueued``), as the gateways' feed does (here without its lag, which
+is up to ``deployments.kv_feed.MIN_POLL_S``); a view learns of its own attempt's first token at its
+next decision after it. Variants: ``off``; ``on_N`` per threshold N of ``--thresholds``; and with
+two gateways the what-ifs ``shared_Ss`` (the first threshold, and every view also given each
+engine's own count of its prefilling tokens, all gateways' requests, every S seconds of
+``--share-every``: how fresh a cluster-wide signal would have to be). Per variant: Tab's and
+Agent's TTFT p50 / p99 (virtual ms), their output tokens, the prefix-cache hit rate, and how many
+decisions skipped a replica for its prefill. The prediction this checks: Tab's p99 falls where
+Agent's prefills are long, Agent's output and the hit rate stay where they were, and where Agent's
+prefills are short the threshold changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -85,38 +90,103 @@ def _feed_back(sent: list[_Sent], now: float) -> list[_Sent]:
     return left
 
 
+def engine_prefill(engine: Any) -> int:
+    """A simulated engine's own count: prompt tokens of its requests without a first token that
+    are neither computed nor cached (what an engine could publish to every gateway)."""
+    waiting = [*engine.running, *engine.waiting]
+    return sum(
+        max(0, r.prompt_len - max(r.num_computed_tokens, r.num_cached_tokens))
+        for r in waiting
+        if r.first_token_time is None
+    )
+
+
+def _informed_view(*args: Any) -> Any:
+    """A what-if view that also knows each replica's prefilling tokens as its engine last shared
+    them (``shared``: every gateway's requests), taking the larger of that and its own count."""
+    from collections import Counter
+    from dataclasses import dataclass, field
+
+    from cluster.routing.view import BackendView
+
+    @dataclass
+    class Informed(BackendView):
+        shared: dict[str, int] = field(default_factory=dict)
+
+        def _off_prefill(self, loads: list[Any], busy_tokens: int) -> list[Any]:
+            own = self.prefilling
+            both = set(own) | set(self.shared)
+            self.prefilling = Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
+            try:
+                return super()._off_prefill(loads, busy_tokens)
+            finally:
+                self.prefilling = own
+
+    return Informed(*args)
+
+
 def replay(
-    specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], threshold: int | None, gateways: int
+    specs: Sequence[RequestSpec],
+    token_ids: Sequence[list[int]],
+    threshold: int | None,
+    gateways: int,
+    share_every: float | None = None,
 ) -> dict[str, Any]:
-    """One variant: the requests routed by ``gateways`` views in turn onto fresh engines."""
+    """One variant: the requests routed by ``gateways`` views in turn onto fresh engines. Every
+    view follows every engine's KV events before it decides (the gateways' feed, without its lag)
+    and the chosen replica announces each request (``BlocksQueued``), as in the cluster.
+    ``share_every``: a what-if, each engine's own prefill count (:func:`engine_prefill`) given to
+    every view at the first decision ``share_every`` seconds after the last (0: at each one)."""
+    from cluster.engine.kv_events import BlocksQueued, KVEventLog
     from cluster.engine.model import EngineModel
     from cluster.policy.failover import ReplicaEjector
     from cluster.routing.affinity import AffinityRouter
     from cluster.routing.view import BackendView, ReplicaInfo
 
     prof = profile()
-    engines = [EngineModel(prof, scheduling_policy="priority") for _ in range(ENGINES)]
+    logs = [KVEventLog(max_batches=1 << 20, epoch=k) for k in range(ENGINES)]
+    engines = [
+        EngineModel(
+            prof, scheduling_policy="priority", on_kv_events=lambda ev, end, log=log: log.append(ev, end)
+        )
+        for log in logs
+    ]
+    make = BackendView if share_every is None else _informed_view
     views = [
-        BackendView("sim", AffinityRouter(prof.engine.block_size, "m"), ReplicaEjector(), 64)
+        make("sim", AffinityRouter(prof.engine.block_size, "m"), ReplicaEjector(), 64)
         for _ in range(gateways)
     ]
+    cursors = [[(k, 0) for k in range(ENGINES)] for _ in views]
     sent: list[_Sent] = []
     done: list[tuple[str, Any]] = []
+    shared_at = -math.inf
     for n, (spec, ids) in enumerate(zip(specs, token_ids, strict=True)):
         now = spec.arrival_s
         for e in engines:
             e.run_until(now)
         sent = _feed_back(sent, now)
-        view = views[n % gateways]
-        live = [ReplicaInfo(f"r{k}", "sim://", e.num_waiting, e.kv_usage()) for k, e in enumerate(engines)]
-        view.sync(live)
+        if share_every is not None and now >= shared_at + share_every:
+            counts = {f"r{k}": engine_prefill(e) for k, e in enumerate(engines)}
+            for v in views:
+                v.shared = counts
+            shared_at = now
+        g = n % gateways
+        view = views[g]
+        view.sync(
+            [ReplicaInfo(f"r{k}", "sim://", e.num_waiting, e.kv_usage()) for k, e in enumerate(engines)]
+        )
+        for k, log in enumerate(logs):
+            page = log.since(cursors[g][k][1], cursors[g][k][0], limit=1 << 30)
+            view.apply_kv_page(f"r{k}", page, now)
+            cursors[g][k] = (page.epoch, page.last_seq)
         hashes = view.policy.hash(ids)
         busy = threshold if spec.surface == "tab" else None
         choice = view.choose(hashes, now, spec.session_id, busy_prefill_tokens=busy)
         view.started(choice, hashes, now, spec.session_id, len(ids))
         priority = 2 * SURFACE_PRIORITY[spec.surface or "chat"] + (1 if choice.cache_rank else 0)
-        engine = engines[int(choice.replica[1:])]
-        req = engine.add_request(f"v{n}", ids, spec.max_tokens, arrival_time=now, priority=priority)
+        k = int(choice.replica[1:])
+        req = engines[k].add_request(f"v{n}", ids, spec.max_tokens, arrival_time=now, priority=priority)
+        logs[k].append([BlocksQueued(hashes, spec.session_id)], now)  # the replica announces it
         sent.append(_Sent(view, choice, req))
         done.append((spec.surface or "chat", req))
     for e in engines:
@@ -171,6 +241,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--gateways", default="1,2")
     ap.add_argument("--thresholds", default=str(THRESHOLD), help="avoid_prefill_tokens, one variant each")
+    ap.add_argument(
+        "--share-every",
+        default="0.5,0.1,0",
+        help="what-ifs with several gateways: the engines' prefill counts shared this often (seconds)",
+    )
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]
@@ -179,6 +254,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.seeds = [int(x) for x in args.seeds.split(",")]
     args.gateways = [int(x) for x in args.gateways.split(",")]
     args.thresholds = [int(x) for x in args.thresholds.split(",")]
+    args.share_every = [float(x) for x in args.share_every.split(",") if x]
     return args
 
 
@@ -200,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             row["off"] = replay(specs, ids, None, gw)
             for threshold in args.thresholds:
                 row[f"on_{threshold}"] = replay(specs, ids, threshold, gw)
+            for every in args.share_every if gw > 1 else ():  # what-ifs: the engines' counts shared
+                row[f"shared_{every:g}s"] = replay(specs, ids, args.thresholds[0], gw, every)
             runs.append(row)
             print(_line(row), flush=True)
     report = {

@@ -68,6 +68,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "overload-shared-vllm": tables_load.overload_shared_vllm,
     "noisy-neighbour": tables_tenants.noisy_neighbour,
     "prefill-avoid": tables_prefill.prefill_avoid,
+    "prefill-avoid-shared": tables_prefill.prefill_avoid_shared,
     "migration": tables_reliability.migration,
 }
 

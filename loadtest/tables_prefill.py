@@ -16,7 +16,7 @@ def _by_load(d: dict[str, Any]) -> dict[tuple[str, float, int], list[dict[str, A
 
 
 def _on(run: dict[str, Any]) -> dict[str, Any]:
-    """The first threshold's variant (the shipped 512 in the default run)."""
+    """The first threshold's variant (the shipped 512 in the default run; not the what-ifs)."""
     return next(v for k, v in run.items() if k.startswith("on_"))
 
 
@@ -72,3 +72,18 @@ def prefill_avoid(r: Results) -> str:
         "prefix hit rate off → on (per seed)",
     ]
     return table(header, "lrrrrrrr", rows)
+
+
+def prefill_avoid_shared(r: Results) -> str:
+    """Two gateways: Tab's p99 per seed without the threshold, with it (each gateway its own count),
+    and with every engine's count shared every S seconds (the what-ifs), whole virtual ms."""
+    d = r.get("prefill_avoid")
+    rows = []
+    for (workload, rate, gateways), runs in _by_load(d).items():
+        if gateways < 2:
+            continue
+        names = [k for k in runs[0] if k == "off" or k.startswith(("on_", "shared_"))]
+        cells = [" / ".join(fixed(x[k]["tab"]["ttft_p99_ms"], 0) for x in runs) for k in names]
+        rows.append([workload, num(rate), *cells])
+        header = ["workload", "Agent req/s", *(f"Tab p99 {k} (per seed)" for k in names)]
+    return table(header, "l" + "r" * (len(header) - 1), rows)

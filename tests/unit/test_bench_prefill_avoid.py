@@ -41,3 +41,27 @@ def test_the_workloads_differ_in_agents_prefills() -> None:
     assert parse_args(["--workloads", "long_context", "--thresholds", "256,512"]).thresholds == [256, 512]
     with pytest.raises(SystemExit):
         parse_args(["--workloads", "nope"])
+
+
+def test_two_gateways_gain_only_when_every_engines_count_is_shared_at_once(
+    long_context: tuple[list, list],
+) -> None:
+    from loadtest.bench_prefill_avoid import engine_prefill
+
+    specs, ids = long_context
+    own = replay(specs, ids, THRESHOLD, 2)
+    fresh = replay(specs, ids, THRESHOLD, 2, share_every=0.0)
+    assert fresh["avoided_prefill"] >= own["avoided_prefill"] > 0
+    assert fresh["agent"]["output_tokens"] == own["agent"]["output_tokens"]
+    assert fresh["tab"]["ttft_p99_ms"] <= own["tab"]["ttft_p99_ms"]
+
+    from cluster.engine.model import EngineModel
+    from loadtest.bench_prefill_avoid import profile
+
+    e = EngineModel(profile(), scheduling_policy="priority")
+    e.add_request("a", list(range(1, 3001)), 4)
+    assert engine_prefill(e) == 3000  # waiting, nothing computed
+    e.step()
+    assert 0 < engine_prefill(e) < 3000  # one chunk of it computed
+    e.run()
+    assert engine_prefill(e) == 0
