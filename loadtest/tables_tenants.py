@@ -16,7 +16,8 @@ RUNS: tuple[tuple[str, str | None], ...] = (
     ("3", "fa5873c"),
     ("4", "915b74b"),
     ("5", "cdc91fb"),
-    ("6", None),
+    ("6", "f9b3fcc"),
+    ("7", None),
 )
 
 
