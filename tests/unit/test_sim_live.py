@@ -10,8 +10,9 @@ from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import Result, session, stream_chat, warm_up
 
 
-async def _serve(chunks: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(build_app(chunks=chunks))
+async def _serve(chunks: int = 1, app: web.Application | None = None) -> tuple[web.AppRunner, int]:
+    """The fake upstream (or ``app``) on a free loopback port: its runner and the port."""
+    runner = web.AppRunner(app if app is not None else build_app(chunks=chunks))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -61,11 +62,7 @@ async def test_open_connections_leaves_that_many_keep_alive_connections_in_the_p
 
     app = web.Application()
     app.router.add_get("/x/v1/models", models)  # beside the completions URL, under its prefix
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await _serve(app=app)
     try:
         async with session(10.0) as client:
             await open_connections(client, f"http://127.0.0.1:{port}/x/v1/chat/completions", 8)
