@@ -41,10 +41,16 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.engine.kv_events import BlocksQueued, KVEventLog
+from cluster.engine.model import EngineModel
+from cluster.policy.failover import ReplicaEjector
+from cluster.routing.affinity import AffinityRouter
+from cluster.routing.view import BackendView, ReplicaInfo
 from loadtest.bench_overload import PROFILE, SHAPES, workloads
 from loadtest.request_spec import RequestSpec
 from loadtest.sim_live import RESULTS, machine, ms, percentile
@@ -93,36 +99,28 @@ def _feed_back(sent: list[_Sent], now: float) -> list[_Sent]:
 def engine_prefill(engine: Any) -> int:
     """A simulated engine's own count: prompt tokens of its requests without a first token that
     are neither computed nor cached (what an engine could publish to every gateway)."""
-    waiting = [*engine.running, *engine.waiting]
     return sum(
         max(0, r.prompt_len - max(r.num_computed_tokens, r.num_cached_tokens))
-        for r in waiting
+        for r in (*engine.running, *engine.waiting)
         if r.first_token_time is None
     )
 
 
-def _informed_view(*args: Any) -> Any:
+@dataclass
+class _InformedView(BackendView):
     """A what-if view that also knows each replica's prefilling tokens as its engine last shared
     them (``shared``: every gateway's requests), taking the larger of that and its own count."""
-    from collections import Counter
-    from dataclasses import dataclass, field
 
-    from cluster.routing.view import BackendView
+    shared: dict[str, int] = field(default_factory=dict)
 
-    @dataclass
-    class Informed(BackendView):
-        shared: dict[str, int] = field(default_factory=dict)
-
-        def _off_prefill(self, loads: list[Any], busy_tokens: int) -> list[Any]:
-            own = self.prefilling
-            both = set(own) | set(self.shared)
-            self.prefilling = Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
-            try:
-                return super()._off_prefill(loads, busy_tokens)
-            finally:
-                self.prefilling = own
-
-    return Informed(*args)
+    def _off_prefill(self, loads: list[Any], busy_tokens: int) -> list[Any]:
+        own = self.prefilling
+        both = set(own) | set(self.shared)
+        self.prefilling = Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
+        try:
+            return super()._off_prefill(loads, busy_tokens)
+        finally:
+            self.prefilling = own
 
 
 def replay(
@@ -137,12 +135,6 @@ def replay(
     and the chosen replica announces each request (``BlocksQueued``), as in the cluster.
     ``share_every``: a what-if, each engine's own prefill count (:func:`engine_prefill`) given to
     every view at the first decision ``share_every`` seconds after the last (0: at each one)."""
-    from cluster.engine.kv_events import BlocksQueued, KVEventLog
-    from cluster.engine.model import EngineModel
-    from cluster.policy.failover import ReplicaEjector
-    from cluster.routing.affinity import AffinityRouter
-    from cluster.routing.view import BackendView, ReplicaInfo
-
     prof = profile()
     logs = [KVEventLog(max_batches=1 << 20, epoch=k) for k in range(ENGINES)]
     engines = [
@@ -151,7 +143,7 @@ def replay(
         )
         for log in logs
     ]
-    make = BackendView if share_every is None else _informed_view
+    make = BackendView if share_every is None else _InformedView
     views = [
         make("sim", AffinityRouter(prof.engine.block_size, "m"), ReplicaEjector(), 64)
         for _ in range(gateways)

@@ -3,6 +3,7 @@ on the virtual clock: one row per workload, Agent rate and gateway count, the se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from loadtest.table_format import Results, fixed, num, table
@@ -20,10 +21,10 @@ def _on(run: dict[str, Any]) -> dict[str, Any]:
     return next(v for k, v in run.items() if k.startswith("on_"))
 
 
-def _seeds(runs: list[dict[str, Any]], key: str, surface: str = "tab") -> str:
-    """``off → on`` per seed, ``/`` between seeds, whole virtual ms."""
-    off = " / ".join(fixed(r["off"][surface][key], 0) for r in runs)
-    on = " / ".join(fixed(_on(r)[surface][key], 0) for r in runs)
+def _seeds(runs: list[dict[str, Any]], get: Callable[[dict[str, Any]], float], digits: int = 0) -> str:
+    """``off → on`` per seed (``get`` of each variant), ``/`` between seeds, ``digits`` decimals."""
+    off = " / ".join(fixed(get(r["off"]), digits) for r in runs)
+    on = " / ".join(fixed(get(_on(r)), digits) for r in runs)
     return f"{off} → {on}"
 
 
@@ -52,13 +53,11 @@ def prefill_avoid(r: Results) -> str:
                 workload,
                 num(rate),
                 str(gateways),
-                _seeds(runs, "ttft_p50_ms"),
-                _seeds(runs, "ttft_p99_ms"),
+                _seeds(runs, lambda v: v["tab"]["ttft_p50_ms"]),
+                _seeds(runs, lambda v: v["tab"]["ttft_p99_ms"]),
                 " / ".join(num(_on(x)["avoided_prefill"]) for x in runs),
                 agent,
-                " / ".join(fixed(x["off"]["hit_rate"], 3) for x in runs)
-                + " → "
-                + " / ".join(fixed(_on(x)["hit_rate"], 3) for x in runs),
+                _seeds(runs, lambda v: v["hit_rate"], 3),
             ]
         )
     header = [
@@ -77,13 +76,11 @@ def prefill_avoid(r: Results) -> str:
 def prefill_avoid_shared(r: Results) -> str:
     """Two gateways: Tab's p99 per seed without the threshold, with it (each gateway its own count),
     and with every engine's count shared every S seconds (the what-ifs), whole virtual ms."""
-    d = r.get("prefill_avoid")
-    rows = []
-    for (workload, rate, gateways), runs in _by_load(d).items():
-        if gateways < 2:
-            continue
-        names = [k for k in runs[0] if k == "off" or k.startswith(("on_", "shared_"))]
-        cells = [" / ".join(fixed(x[k]["tab"]["ttft_p99_ms"], 0) for x in runs) for k in names]
-        rows.append([workload, num(rate), *cells])
-        header = ["workload", "Agent req/s", *(f"Tab p99 {k} (per seed)" for k in names)]
+    loads = [(w, rate, runs) for (w, rate, gw), runs in _by_load(r.get("prefill_avoid")).items() if gw > 1]
+    names = [k for k in loads[0][2][0] if k == "off" or k.startswith(("on_", "shared_"))] if loads else []
+    rows = [
+        [w, num(rate), *(" / ".join(fixed(x[k]["tab"]["ttft_p99_ms"], 0) for x in runs) for k in names)]
+        for w, rate, runs in loads
+    ]
+    header = ["workload", "Agent req/s", *(f"Tab p99 {k} (per seed)" for k in names)]
     return table(header, "l" + "r" * (len(header) - 1), rows)

@@ -170,20 +170,12 @@ class BackendView:
         """The attempt's first token came (or it ended): its prompt no longer counts as prefilling."""
         n, choice.prefill_tokens = choice.prefill_tokens, 0
         if n > 0 and choice.replica in self.prefilling:
-            left = self.prefilling[choice.replica] - n
-            if left > 0:
-                self.prefilling[choice.replica] = left
-            else:
-                del self.prefilling[choice.replica]
+            _take(self.prefilling, choice.replica, n)
 
     def ended(self, replica: str, choice: Choice | None = None) -> None:
         if choice is not None:
             self.prefilled(choice)
-        n = self.in_flight[replica] - 1
-        if n > 0:
-            self.in_flight[replica] = n
-        else:
-            self.in_flight.pop(replica, None)
+        _take(self.in_flight, replica, 1)
 
     # -- internals ---------------------------------------------------------------------------
     def _off_prefill(self, loads: list[ReplicaLoad], busy_tokens: int) -> list[ReplicaLoad]:
@@ -222,3 +214,12 @@ class BackendView:
             return RouteDecision(None, "saturated", 0, 0, n_blocks)
         self._rr += 1
         return RouteDecision(ok[self._rr % len(ok)], "load", 0, 0, n_blocks)
+
+
+def _take(counts: Counter[str], key: str, n: int) -> None:
+    """``n`` off ``key``'s count, the key gone at zero (the views list only what is non-zero)."""
+    left = counts[key] - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
