@@ -79,6 +79,9 @@ def start_engine(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from deployments.amx import request_amx
+
+    request_amx()  # AMX hosts: before the engine's first attention step (deployments/amx.py)
     kwargs, backend, _ = engine_settings(config_path)
     for k, v in backend.env.items():
         os.environ.setdefault(k, v)
