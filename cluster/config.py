@@ -73,7 +73,14 @@ class ModelConfig(Strict):
     overflow_to: str | None = Field(
         None, description="A bigger-window model to route to when a request does not fit; else 400."
     )
-    default_max_tokens: int = Field(256, gt=0, description="max_tokens when the request gives none.")
+    default_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="max_tokens when the request gives none; None: the rest of the context window, as "
+        "OpenAI and vLLM. Set it where the model's own output limit is below its window (a provider "
+        "refuses more) or the model never stops on its own (random weights, sims); an answer it "
+        "shortens carries x-llmc-max-tokens-capped.",
+    )
     fim: FimTemplate | None = Field(
         None, description="FIM tokens: /v1/completions with 'suffix' on self-hosted engines; else a 400."
     )
@@ -280,6 +287,13 @@ class SurfaceConfig(Strict):
         "requests still waiting for their first token hold at least this many uncached prompt tokens, "
         "while another replica is below it: a short prompt there waits for a long prefill's step "
         "(cluster/routing/view.py). None: route by cache and load alone.",
+    )
+    max_output_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Most completion tokens a request of this surface gets: a larger max_tokens, or "
+        "none (the rest of the window), is lowered to it and the answer carries "
+        "x-llmc-max-tokens-capped. None: no cap.",
     )
 
 

@@ -30,6 +30,7 @@ from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
 from cluster.policy.admission import AdmissionController, Outcome
 from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.context import reserved_output
 from cluster.policy.failover import BreakerBoard
 from cluster.policy.slo_guard import SloGuard
 from cluster.policy.tenants import TenantReservation
@@ -365,7 +366,9 @@ class Gateway:
     ) -> None:
         req = prepared.req
         surface = req.surface
-        budget = await self.tenants.reserve(tenant, len(req.prompt_token_ids), req.sampling.max_tokens)
+        n_in, t = len(req.prompt_token_ids), self.cfg.tenant(tenant) if tenant is not None else None
+        out = reserved_output(req.sampling.max_tokens, n_in, t.tpm if t else None, req.max_tokens_asked)
+        budget = await self.tenants.reserve(tenant, n_in, out)
         try:
             if isinstance(budget, ClusterError):  # the tenant is over its budget: at once
                 raise budget

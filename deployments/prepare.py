@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster import tokens
-from cluster.config import ClusterConfig, ModelConfig
+from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
 from cluster.policy import capabilities
-from cluster.policy.context import fit_context
+from cluster.policy.context import ContextDecision, fit_context
 from cluster.routing.view import BackendView
 from cluster.tokens.images import image_parts, image_tokens
 from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
@@ -36,6 +36,13 @@ class Prepared:
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
     usage: Usage | None = None  # set by the relay when the request ends (tenant budgets settle it)
     prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
+    max_tokens_capped: int | None = None  # a configured limit shortened max_tokens to this (a header)
+
+    def length_headers(self) -> dict[str, str]:
+        """``x-llmc-max-tokens-capped`` when a configured limit shortened the answer (README)."""
+        if self.max_tokens_capped is None:
+            return {}
+        return {"x-llmc-max-tokens-capped": str(self.max_tokens_capped)}
 
     @property
     def stream(self) -> bool:
@@ -104,19 +111,14 @@ def prepare(
         counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim, m.tool_calls)
         return len(counted[model_name][0]) + image_estimate(cfg, model_name, counted[model_name][1])
 
-    param = "messages" if kind == "chat" else "prompt"
-    try:
-        fit = fit_context(asked, count, requested_max_tokens(api), cfg.model, param=param)
-    except ContextLengthExceeded:
-        metrics.CONTEXT_REJECTIONS.inc(tags={"model": asked.name})
-        raise
+    surface = cfg.surface(surface_name)
+    assert surface is not None  # the gateway resolved it
+    fit = _fit(cfg, api, asked, count, kind, surface)
     model = cfg.model(fit.model)
     assert model is not None
     if fit.rerouted_from is not None:
         metrics.CONTEXT_REROUTES.inc(tags={"from_model": asked.name, "to_model": model.name})
     ids, messages, text = counted[model.name]
-    surface = cfg.surface(surface_name)
-    assert surface is not None  # the gateway resolved it
     req = build_generate_request(
         api,
         model,
@@ -129,6 +131,7 @@ def prepare(
         timeout_s=surface.request_timeout_s,
         max_tokens=fit.max_tokens,
         priority=surface.priority,
+        max_tokens_asked=requested_max_tokens(api) is not None,
     )
     candidates = supporting_candidates(
         cfg,
@@ -139,7 +142,26 @@ def prepare(
         tools=model.tool_calls is not None,
     )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    return Prepared(api, req, meta, candidates, _block_hashes(ids, candidates, views))
+    hashes = _block_hashes(ids, candidates, views)
+    return Prepared(api, req, meta, candidates, hashes, max_tokens_capped=fit.capped)
+
+
+def _fit(
+    cfg: ClusterConfig,
+    api: ChatCompletionRequest | CompletionRequest,
+    asked: ModelConfig,
+    count: Callable[[str], int],
+    kind: str,
+    surface: SurfaceConfig,
+) -> ContextDecision:
+    """The context fit under the surface's output cap; a rejection is counted."""
+    param = "messages" if kind == "chat" else "prompt"
+    cap = surface.max_output_tokens
+    try:
+        return fit_context(asked, count, requested_max_tokens(api), cfg.model, param=param, cap=cap)
+    except ContextLengthExceeded:
+        metrics.CONTEXT_REJECTIONS.inc(tags={"model": asked.name})
+        raise
 
 
 def _block_hashes(

@@ -28,6 +28,7 @@ import aiohttp
 
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
+from cluster.policy.context import reserved_output
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, cost_usd
@@ -173,7 +174,8 @@ class ProviderBackend:
 
     async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> None:
         """The budget's seat for this request, waiting at most ``wait_s``; a 429 when there is none."""
-        adm = await self.budget.reserve(req.request_id, input_est, req.sampling.max_tokens, wait_s)
+        out = reserved_output(req.sampling.max_tokens, input_est, self.cfg.tpm, req.max_tokens_asked)
+        adm = await self.budget.reserve(req.request_id, input_est, out, wait_s)
         if not adm.ok:
             self.counts.budget_denied += 1
             raise RateLimited(

@@ -141,6 +141,7 @@ class Relay:
                 "x-llmc-attempts": str(len(result.attempts)),
                 "x-llmc-hedge-won": "1" if winner.hedge else "0",
             }
+            headers.update(p.length_headers())  # a configured limit, not the client, set the length
             if gw.cfg.server.timing_header:
                 upstream_s = hooks.clock() - winner.started_at
                 headers["server-timing"] = server_timing(p.prep_s, waited_s, upstream_s, acct.first_at - t0)

@@ -302,6 +302,9 @@ class GenerateRequest:
     # How a self-hosted engine reads tool calls out of its text (cluster.wire.tool_schema.ToolPlan.parse:
     # mode hermes / named / list, name, max_calls, stop); None: no tools to parse.
     tool_parse: dict[str, Any] | None = None
+    # False: the client gave no max_tokens and sampling.max_tokens is ours (the rest of the window or
+    # a configured limit), so a token budget may trim its reservation (cluster.policy.context).
+    max_tokens_asked: bool = True
 
     @property
     def engine_priority(self) -> int:

@@ -85,6 +85,7 @@ def build_generate_request(
     timeout_s: float,
     max_tokens: int,
     priority: int = 0,
+    max_tokens_asked: bool = True,
 ) -> GenerateRequest:
     chat = isinstance(req, ChatCompletionRequest)
     tools = tool_plan(req) if chat and model.tool_calls is not None else None  # type: ignore[arg-type]
@@ -106,6 +107,7 @@ def build_generate_request(
         ),
         options=options(req),
         tool_parse=tools.parse if tools else None,
+        max_tokens_asked=max_tokens_asked,
         messages=messages,
         prompt_text=text,
         surface=surface,

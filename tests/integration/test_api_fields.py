@@ -16,9 +16,11 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
+from cluster import tokens
 from cluster.config import parse_config
 from cluster.policy import capabilities as C
-from cluster.wire.protocol import CompletionRequest
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.wire.requests import prompt_ids
 from loadtest.reliability import provider_backend
 from tests.servers.anthropic_server import AnthropicServer
 from tests.servers.openai_server import OpenAIServer
@@ -33,6 +35,8 @@ WEATHER = json.loads((DATA / "openai_round_trip.json").read_text())["tools"]
 ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
 MODEL_OF_KIND = {"sim": "fx-sim", "anthropic": "fx-claude", "openai": "fx-gpt", "vllm": "tiny-llama"}
 BACKEND_OF_KIND = {"sim": "fx-sim-b", "anthropic": "fx-claude-b", "openai": "fx-gpt-b", "vllm": "vllm-tiny"}
+WINDOW = 4096  # every fx model's context window
+CAP = 5  # the 'capped' surface's max_output_tokens
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +56,15 @@ _provider = functools.partial(
 @pytest.fixture(scope="module")
 def fx(deploy, servers):
     oai, ant = servers
-    tiny = {"tokenizer": "@tiny", "context_window": 4096, "default_max_tokens": 16}
+    tiny = {"tokenizer": "@tiny", "context_window": WINDOW, "default_max_tokens": 16}
     sim = {"kind": "sim", "resources": {"num_cpus": 0.1}, "sim_profile": "llama-3.1-8b-h100"}
     cfg = parse_config(
         {
             "name": "llm-cluster-fields",
             "models": [
-                *({"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-gpt", "fx-mix")),
+                *({"name": n, **tiny} for n in ("fx-sim", "fx-claude", "fx-mix")),
+                # no default_max_tokens: a request without max_tokens gets the rest of the window
+                {"name": "fx-gpt", "tokenizer": "@tiny", "context_window": WINDOW},
                 {"name": "fx-text", "accepts_images": False, **tiny},  # a text-only model
             ],
             "backends": [
@@ -70,7 +76,10 @@ def fx(deploy, servers):
                 _provider("fx-mix-gpt", "openai", oai.base_url, "fx-mix"),
                 _provider("fx-text-gpt", "openai", oai.base_url, "fx-text"),
             ],
-            "surfaces": [{"name": "chat", "priority": 1}],
+            "surfaces": [
+                {"name": "chat", "priority": 1},
+                {"name": "capped", "priority": 1, "max_output_tokens": CAP},
+            ],
             "routes": [{"model": "fx-mix", "candidates": ["fx-mix-sim", "fx-mix-claude", "fx-mix-gpt"]}],
         }
     )
@@ -586,3 +595,48 @@ def test_images_count_against_the_context_window_as_the_provider_counts_them(fx,
     r = _chat(fx, "fx-gpt", messages=[{"role": "user", "content": [parts[0], low]}], max_tokens=3000)
     assert r.status_code == 200, r.text  # detail low: 85 tokens
     assert oai.stats().records[-1].body["messages"][0]["content"][1] == low
+
+
+def test_the_output_length_is_the_windows_rest_and_a_cap_says_so(fx, servers) -> None:
+    oai, _ = servers
+    capped = "x-llmc-max-tokens-capped"
+
+    def chat(model: str, surface: str = "chat", **extra: Any) -> httpx.Response:
+        body = {"model": model, "messages": ASK, **extra}
+        r = httpx.post(
+            fx.base_url + "/chat/completions", json=body, headers={"x-surface": surface}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        return r
+
+    # No max_tokens, no configured limit: the rest of the window goes upstream, and no header.
+    prompt = len(
+        prompt_ids(
+            ChatCompletionRequest.model_validate({"model": "m", "messages": ASK}), tokens.load("@tiny")
+        )[0]
+    )
+    assert capped not in chat("fx-gpt").headers
+    assert oai.stats().records[-1].body["max_tokens"] == WINDOW - prompt
+    assert capped not in chat("fx-gpt", max_tokens=8).headers  # the client's own
+    # The model's default_max_tokens shortened an unasked answer (on the sim: 16 tokens, cut).
+    r = chat("fx-sim")
+    assert r.headers[capped] == "16" and r.json()["usage"]["completion_tokens"] == 16
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    # The surface's cap lowers a larger ask and an unasked answer, on engines and providers alike.
+    r = chat("fx-sim", "capped", max_tokens=8)
+    assert r.headers[capped] == str(CAP) and r.json()["usage"]["completion_tokens"] == CAP
+    assert chat("fx-gpt", "capped").headers[capped] == str(CAP)
+    assert oai.stats().records[-1].body["max_tokens"] == CAP
+    assert capped not in chat("fx-sim", "capped", max_tokens=CAP).headers  # not above the cap
+    # A stream says so in its headers too, and the Messages API passes them on.
+    body = {"model": "fx-sim", "messages": ASK, "max_tokens": 8, "stream": True}
+    with httpx.stream(
+        "POST", fx.base_url + "/chat/completions", json=body, headers={"x-surface": "capped"}
+    ) as r:
+        assert r.status_code == 200 and r.headers[capped] == str(CAP)
+        r.read()
+    body = {"model": "fx-sim", "max_tokens": 8, "messages": ASK}
+    r = httpx.post(fx.url + "/v1/messages", json=body, headers={"x-surface": "capped"}, timeout=30)
+    assert (
+        r.status_code == 200 and r.headers[capped] == str(CAP) and r.json()["usage"]["output_tokens"] == CAP
+    )

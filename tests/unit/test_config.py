@@ -64,6 +64,21 @@ def test_bad_config_names_the_field(mutate, field: str) -> None:
     assert "bad.yaml" in str(info.value)
 
 
+def test_output_limits_default_to_none_and_old_files_keep_loading() -> None:
+    raw = _base()
+    raw["models"][0].pop("default_max_tokens", None)
+    cfg = parse_config(raw)
+    assert cfg.models[0].default_max_tokens is None  # the rest of the window, as OpenAI and vLLM
+    assert all(s.max_output_tokens is None for s in cfg.surfaces)
+    raw["models"][0]["default_max_tokens"] = 64  # a file written before the window default
+    raw["surfaces"][0]["max_output_tokens"] = 128
+    cfg = parse_config(raw)
+    assert cfg.models[0].default_max_tokens == 64 and cfg.surfaces[0].max_output_tokens == 128
+    raw["surfaces"][0]["max_output_tokens"] = 0
+    with pytest.raises(ConfigError, match=r"surfaces\.0\.max_output_tokens"):
+        parse_config(raw)
+
+
 def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         parse_config([1, 2])

@@ -3,11 +3,11 @@ import pickle
 import pytest
 
 from cluster.config import ModelConfig, parse_config
-from cluster.policy.context import ContextDecision, fit_context
+from cluster.policy.context import ContextDecision, fit_context, reserved_output
 from cluster.wire.errors import Action, ContextLengthExceeded, InvalidRequest
 
 
-def _m(name: str, window: int, overflow: str | None = None, default: int = 256) -> ModelConfig:
+def _m(name: str, window: int, overflow: str | None = None, default: int | None = None) -> ModelConfig:
     return ModelConfig(
         name=name,
         tokenizer="estimate:4",
@@ -51,13 +51,63 @@ def test_fits_exactly():
     assert calls == ["small"]  # the overflow models are not tokenized
 
 
-def test_default_max_tokens_is_the_models_default():
-    assert _fit(SMALL, {"small": 10}, None)[0] == ContextDecision("small", 16, 10, None)
+def test_no_max_tokens_gets_the_rest_of_the_window():
+    # What OpenAI and vLLM promise: the answer runs until the model stops or the window ends.
+    assert _fit(BIG, {"big": 100}, None)[0] == ContextDecision("big", 900, 100, None, None)
+    assert _fit(BIG, {"big": 999}, None)[0] == ContextDecision("big", 1, 999, None, None)
+
+
+def test_a_models_default_max_tokens_lowers_it_and_says_so():
+    assert _fit(SMALL, {"small": 10}, None)[0] == ContextDecision("small", 16, 10, None, capped=16)
 
 
 def test_default_max_tokens_shrinks_to_the_room_left():
     assert _fit(SMALL, {"small": 90}, None)[0] == ContextDecision("small", 10, 90, None)
     assert _fit(SMALL, {"small": 99}, None)[0] == ContextDecision("small", 1, 99, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The surface's output cap
+# ---------------------------------------------------------------------------------------------
+
+
+def test_surface_cap_lowers_the_default_and_is_reported():
+    assert _fit(BIG, {"big": 100}, None, cap=50)[0] == ContextDecision("big", 50, 100, None, capped=50)
+    # Below a model's own default too: the lower limit wins.
+    assert _fit(SMALL, {"small": 10}, None, cap=8)[0] == ContextDecision("small", 8, 10, None, capped=8)
+
+
+def test_surface_cap_lowers_an_explicit_larger_max_tokens_and_is_reported():
+    assert _fit(BIG, {"big": 100}, 500, cap=50)[0] == ContextDecision("big", 50, 100, None, capped=50)
+
+
+def test_explicit_max_tokens_at_or_below_the_cap_is_untouched():
+    assert _fit(BIG, {"big": 100}, 20, cap=50)[0] == ContextDecision("big", 20, 100, None, None)
+    assert _fit(BIG, {"big": 100}, 50, cap=50)[0] == ContextDecision("big", 50, 100, None, None)
+    # A model's default_max_tokens never lowers what the client asked for.
+    assert _fit(SMALL, {"small": 10}, 80)[0] == ContextDecision("small", 80, 10, None, None)
+
+
+def test_a_cap_above_the_room_left_shortens_nothing():
+    assert _fit(BIG, {"big": 980}, None, cap=50)[0] == ContextDecision("big", 20, 980, None, None)
+
+
+def test_the_capped_ask_is_what_must_fit_the_window():
+    # 50 + 80 overflows 'small', 50 + 40 fits it: the cap keeps the request where it was sent.
+    d, calls = _fit(SMALL, {"small": 50}, 80, cap=40)
+    assert d == ContextDecision("small", 40, 50, None, capped=40) and calls == ["small"]
+    with pytest.raises(ContextLengthExceeded) as info:
+        _fit(BIG, {"big": 990}, 500, cap=50)
+    assert "(990 in the messages, 50 in the completion)" in info.value.message
+
+
+def test_reservation_of_an_unasked_default_fits_the_budget():
+    assert reserved_output(900, 100, None, asked=False) == 900  # no token budget: the whole rest
+    assert reserved_output(900, 100, 10_000, asked=False) == 900  # fits the minute: all of it
+    assert reserved_output(900, 100, 600, asked=False) == 500  # trimmed to what the minute holds
+    assert reserved_output(900, 700, 600, asked=False) == 1  # the prompt alone is too large
+    # What the client asked for is reserved whole, as a provider counts it.
+    assert reserved_output(900, 100, 600, asked=True) == 900
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +123,7 @@ def test_one_token_too_many_overflows():
 
 def test_prompt_filling_the_window_overflows_with_the_new_default():
     d, _ = _fit(SMALL, {"small": 100, "mid": 100}, None)
-    assert d == ContextDecision("mid", 64, 100, "small")
+    assert d == ContextDecision("mid", 64, 100, "small", capped=64)
 
 
 def test_overflow_counts_with_the_bigger_models_tokenizer():
