@@ -27,12 +27,12 @@ from ray import serve
 
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine.kv_events import KVEventLog
+from cluster.engine.warmup import plan as warmup_plan
 from cluster.observability import gc_pauses
 from cluster.observability.trace import engine_span, new_id, parse_traceparent
 from cluster.policy.migration import DRAINING_CODE
 from cluster.policy.ttft_window import TtftWindow
 from cluster.routing.block_hash import BlockHasher
-from cluster.wire.backend import Backend
 from cluster.wire.engine_stream import (
     INTERNAL_TOKEN_HEADER,
     end_frame,
@@ -45,6 +45,7 @@ from cluster.wire.errors import ClusterError, InvalidRequest, StreamInterrupted,
 from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.wire.tool_stream import ToolEvents
+from deployments.engine_warmup import WarmableBackend, WarmupReport, run_warmup
 from deployments.internal import internal_token, token_ok
 from deployments.kv_endpoint import KVEventEndpoint, no_events
 
@@ -53,7 +54,7 @@ METRICS_PERIOD_S = 1.0
 HOST_ENV = "LLMC_ENGINE_HOST"  # the address engine servers bind and publish (default: Ray's node IP)
 
 
-def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> Backend:
+def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> WarmableBackend:
     if backend.kind == "vllm":
         from deployments.vllm_replica import VLLMBackend
 
@@ -90,6 +91,9 @@ class EngineReplica:
         model_cfg = ModelConfig.model_validate(model)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.backend = build_backend(self.cfg, model_cfg, self.replica_id)
+        # Before the replica serves (Serve routes to it once this constructor returns): its first
+        # users must not pay for the engine's first-shape work (cluster/engine/warmup.py).
+        self.warmup = await self._warm_up(model_cfg)
         self._token = internal_token()
         self.ongoing = 0
         self.by_cache_rank = [0, 0]  # requests the gateways sent expecting a cache hit here, and not
@@ -113,6 +117,14 @@ class EngineReplica:
         self.gc_frozen = gc_pauses.freeze_startup_heap() if gc_freeze else 0
         self.gc = gc_pauses.GcPauses()
         gc_pauses.install(self.gc)
+
+    async def _warm_up(self, model: ModelConfig) -> WarmupReport | None:
+        w = self.cfg.engine.warmup
+        if not (w.enabled if w.enabled is not None else self.cfg.kind == "vllm"):
+            return None
+        window = self.cfg.engine.max_model_len or model.context_window
+        plan = warmup_plan(w, window, self.backend.vocab_size)
+        return await run_warmup(self.backend, model.name, plan, f"{self.cfg.name}/{self.replica_id}")
 
     async def _serve_http(self) -> tuple[web.AppRunner, str]:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -192,6 +204,7 @@ class EngineReplica:
         # (sequence number, age in s, priority, TTFT in s), as the gateways' SLO guards read them.
         stats["extra"]["ttft"] = self.ttft.report(time.monotonic())
         stats["extra"]["by_cache_rank"] = list(self.by_cache_rank)
+        stats["extra"]["warmup"] = self.warmup.as_dict() if self.warmup is not None else None
         stats["extra"]["gc"] = {"frozen": self.gc_frozen, **self.gc.summary(60.0, time.perf_counter())}
         return web.json_response(stats)
 

@@ -25,8 +25,9 @@ from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv_events import KVEventLog
 from cluster.policy.cpu_class import CpuClassPolicy
 from cluster.tokens import resolve_model_path
-from cluster.wire.errors import BackendUnavailable, InvalidRequest, StreamInterrupted
+from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from deployments.amx import request_amx
 from deployments.cpu_sched import EngineCoreClass
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ class VLLMBackend:
             os.environ.setdefault(k, v)
         if backend.engine.cpu_nice:  # before the engine starts: its threads inherit the niceness
             os.nice(backend.engine.cpu_nice)
+        # Before the engine's first attention step, which dies with SIGILL on AMX hosts otherwise.
+        self.amx = request_amx(log)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -171,8 +174,9 @@ class VLLMBackend:
             if _client_error(exc):  # e.g. a schema xgrammar cannot compile: the client's, never retried
                 raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
             raise BackendUnavailable(
-                f"vLLM replica {self.replica} failed: {exc}", backend=self.backend
+                f"vLLM replica {self.replica} failed: {exc}", backend=self.backend, code=dead
             ) from exc
+            dead = ENGINE_DEAD_CODE if self.engine.errored else None  # the gateway picks another
         finally:
             if finished:
                 self._finished += 1
@@ -185,6 +189,19 @@ class VLLMBackend:
     async def abort(self, request_id: str) -> None:
         try:
             await self.engine.abort(request_id)
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.vllm_config.model_config.get_vocab_size())
+
+    async def after_warmup(self) -> None:
+        """The warm-up's prompts leave no cache (KV events: all blocks cleared) and no counts."""
+        if not await self.engine.reset_prefix_cache():
+            log.warning("replica %s: the prefix cache kept the warm-up's blocks", self.replica)
+        c = self._counters
+        c.prefix_queries = c.prefix_hits = 0
+        self._started = self._finished = self._aborted = 0
+        self._recent_aborts.clear()
+
         except Exception:  # the engine may already have dropped it
             log.debug("abort of %s failed", request_id, exc_info=True)
 
@@ -215,6 +232,7 @@ class VLLMBackend:
                 "ts": time.time(),
             },
         )
+                "amx": self.amx.status,  # deployments/amx.py: the tile state asked before the engine
 
     def _cpu_class_report(self) -> dict[str, Any] | None:
         if self.cpu_class is None:

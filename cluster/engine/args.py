@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from cluster.base import Strict
+from cluster.engine.warmup import WarmupConfig
 
 
 class EngineArgs(Strict):
@@ -55,6 +56,10 @@ class EngineArgs(Strict):
     )
     cpu_sched: Literal["normal", "idle", "auto"] = Field(
         "normal", description="A vLLM engine core's Linux scheduling class: cluster/policy/cpu_class.py"
+    )
+    warmup: WarmupConfig = Field(
+        default_factory=WarmupConfig,
+        description="What a replica runs before it takes traffic (cluster/engine/warmup.py).",
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 

@@ -245,6 +245,15 @@ class SimBackend:
                 self.requests_aborted += 1
 
     async def abort(self, request_id: str) -> None:
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.profile.vocab_size
+
+    async def after_warmup(self) -> None:
+        """A warm-up (on only where the config asks: the model has no cold state) leaves no counts;
+        its blocks stay in the simulated cache, whose LRU evicts them first."""
+        self.requests_started = self.requests_finished = self.requests_aborted = 0
+
         """End a request's streams (every attempt of it here, or one attempt by its route key)."""
         self._check_alive()
         for key, stream in list(self._streams.items()):

@@ -136,6 +136,17 @@ class BackendUnavailable(ClusterError):
     action = Action.RETRY_ELSEWHERE
 
 
+class NoCapacity(Overloaded):
+    """No replica of the backend can take a request (every one dead, draining, unhealthy or
+    unreachable) and no other candidate could: ``retry_after_s`` estimates a replacement's start.
+    Not a breaker failure: the replicas that come back are healthy."""
+
+    code = "no_capacity"
+
+
+ENGINE_DEAD_CODE = "engine_dead"  # the replica's engine died: the request never ran, pick another
+
+
 class UpstreamTimeout(BackendUnavailable):
     status_code = 504
     code = "upstream_timeout"
