@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
 from cluster.policy.attempts import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
 from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
@@ -45,6 +45,14 @@ class Continuing:
 
     attempt_base: int
     avoid: tuple[str, ...] = ()
+
+
+def _capacity_wait_until(surface: SurfaceConfig | None, provider_next: bool) -> float:
+    """With no replica able to take it, a request's engine attempts wait for a replacement as long
+    as it could have waited in its surface's queue, all together (then 503 no_capacity); not at
+    all when a provider among its candidates can take it at once."""
+    wait = surface.queue_deadline_ms / 1000 if surface is not None and not provider_next else 0.0
+    return time.monotonic() + wait
 
 
 class AttemptRunner:
@@ -94,12 +102,11 @@ class AttemptRunner:
         breakers = {s: self.board.backend(backend_of_slot(s)) for s in slots}
         mono_deadline = None if req.deadline is None else time.monotonic() + (req.deadline - time.time())
         if cont is None:
-            self.retry_budget.record_request(time.monotonic())
-            self.hedge.on_request()
-            self.migration.on_request(time.monotonic())
+            self._new_request()
         base, avoid = (cont.attempt_base, cont.avoid) if cont is not None else (0, ())
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
         spans = AttemptSpans(trace, self.rng)
+        wait_until = _capacity_wait_until(surface, any(c in self.providers for c in candidates))
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
@@ -110,7 +117,9 @@ class AttemptRunner:
             if backend in self.providers:
                 return self.providers[backend].generate_batches(attempt_req)
             body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
-            return self._engine_stream(backend, attempt_req, body, hashes(backend), prior, spans, at, avoid)
+            return self._engine_stream(
+                backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until
+            )
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if not hedging:
@@ -136,6 +145,12 @@ class AttemptRunner:
         )
         return hooks, mono_deadline
 
+    def _new_request(self) -> None:
+        """A request (not a continuation) starts: the budgets count it."""
+        self.retry_budget.record_request(time.monotonic())
+        self.hedge.on_request()
+        self.migration.on_request(time.monotonic())
+
     def _engine_stream(
         self,
         backend: str,
@@ -146,6 +161,7 @@ class AttemptRunner:
         spans: AttemptSpans,
         at: AttemptTrace | None,
         broken: Sequence[str] = (),
+        wait_until: float | None = None,
     ) -> EngineStream:
         """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
         avoid = avoid_replicas(
@@ -156,7 +172,7 @@ class AttemptRunner:
         busy = surface.avoid_prefill_tokens if surface is not None else None
 
         async def choose() -> Any:
-            choice = await picker.pick(block_hashes, req.session_id, avoid, busy)
+            choice = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until)
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             prompt = len(req.prompt_token_ids)
             picker.view.started(choice, block_hashes, time.monotonic(), req.session_id, prompt)
@@ -165,7 +181,13 @@ class AttemptRunner:
             spans.routed(at, choice.replica, reason)
             return choice
 
-        return EngineStream(self.session(), self.token, body, backend, choose, spans.traceparent(at))
+        def unreachable(choice: Any) -> None:  # refused or dead: not counted there, skipped a while
+            picker.view.ended(choice.replica, choice)
+            picker.view.mark_unreachable(choice.replica, time.monotonic())
+
+        return EngineStream(
+            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable
+        )
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
         if attempt > 0 and not hedge:  # hedges are counted when the budget allows them

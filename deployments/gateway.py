@@ -30,6 +30,7 @@ from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
 from cluster.policy.admission import AdmissionController, Outcome
 from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.attempts import by_capacity
 from cluster.policy.context import reserved_output
 from cluster.policy.failover import BreakerBoard
 from cluster.policy.slo_guard import SloGuard
@@ -48,7 +49,7 @@ from cluster.wire.protocol import (
 from deployments import cpu_sched, haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
-from deployments.engine_client import ReplicaPicker
+from deployments.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.kv_feed import kv_index_status, start_feeds
 from deployments.prepare import prepare_off_loop
@@ -167,7 +168,7 @@ class Gateway:
             policy = AffinityRouter(block_size(b), b.model, AffinityParams(**b.affinity.params()))
             cap = b.max_in_flight_per_replica
             views[b.name] = view = BackendView(b.name, policy, self.board.replicas(b.name), cap, b.routing)
-            pickers[b.name] = ReplicaPicker(engines[b.name], view)
+            pickers[b.name] = ReplicaPicker(engines[b.name], view, TYPICAL_START_S.get(b.kind, 30.0))
         return views, pickers, providers
 
     async def _native(self, api: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
@@ -388,6 +389,7 @@ class Gateway:
         candidates = prepared.candidates
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
+        candidates = by_capacity(candidates, self._serving)  # a provider at once, not a dead backend
         outcome = Outcome.CANCELLED
         try:
             outcome = await self.relay.serve(prepared, candidates, send, t0, ticket.waited_s, trace)
@@ -403,6 +405,12 @@ class Gateway:
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()
                 self.tracer.export(trace)
+
+    def _serving(self, backend: str) -> bool:
+        """Whether ``backend`` can take a request now (a provider: always; an engine backend: a
+        replica healthy and reachable in its view, as of its last decision)."""
+        view = self.views.get(backend)
+        return view is None or not view.synced or bool(view.serving(time.monotonic()))
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:

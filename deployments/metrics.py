@@ -131,6 +131,16 @@ PREFIX_HIT_RATE = Gauge(
     description="Engine prefix-cache hit rate per backend (hits / queries, tokens, since start).",
     tag_keys=("backend",),
 )
+NO_CAPACITY = Counter(
+    "llmc_no_capacity_total",
+    description="Requests refused 503 no_capacity: no replica of the backend could take them in time.",
+    tag_keys=("backend",),
+)
+UNREACHABLE = Counter(
+    "llmc_replica_unreachable_total",
+    description="Engine replicas skipped after a refused connection or a dead engine (request re-picked).",
+    tag_keys=("backend", "why"),
+)
 FAILOVERS = Counter(
     "llmc_failovers_total",
     description="Attempts abandoned before the first token for the next candidate.",

@@ -35,6 +35,13 @@ def expand_slots(candidates: list[str], backend: Callable[[str], BackendConfig])
     return out
 
 
+def by_capacity(candidates: list[str], serving: Callable[[str], bool]) -> list[str]:
+    """The candidates that can take a request now first (a provider always can), in their order;
+    then those with no serving replica, whose attempt would wait for a replacement."""
+    ready = [c for c in candidates if serving(c)]
+    return ready + [c for c in candidates if c not in ready]
+
+
 def avoid_replicas(backend: str, prior: list[tuple[str, str | None]]) -> list[str]:
     """The replicas earlier attempts (slot, replica) of this request went to on ``backend``."""
     return [r for slot, r in prior if backend_of_slot(slot) == backend and r]

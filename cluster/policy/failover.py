@@ -30,7 +30,7 @@ from typing import Protocol
 from pydantic import Field, model_validator
 
 from cluster.base import Strict
-from cluster.wire.errors import Action, ClusterError, RateLimited
+from cluster.wire.errors import Action, ClusterError, NoCapacity, RateLimited
 
 # --------------------------------------------------------------------------------------------
 # Classifying errors
@@ -63,7 +63,7 @@ def counts_against_backend(exc: BaseException) -> bool:
     """
     if not isinstance(exc, Exception):
         return False
-    return classify(exc) is not Action.CLIENT and not isinstance(exc, RateLimited)
+    return classify(exc) is not Action.CLIENT and not isinstance(exc, RateLimited | NoCapacity)
 
 
 # --------------------------------------------------------------------------------------------

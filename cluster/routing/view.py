@@ -61,6 +61,30 @@ class Choice:
     prefill_tokens: int = 0  # counted in the view's ``prefilling`` until its first token or its end
 
 
+UNREACHABLE_HOLD_S = 5.0
+
+
+@dataclass
+class Outage:
+    """When a backend last had no serving replica, and how long its last outage took to end: the
+    Retry-After of a request refused for it estimates when a replacement will serve."""
+
+    since: float | None = None
+    last_s: float | None = None  # the previous outage's length
+
+    def note(self, serving: bool, now: float) -> None:
+        if serving and self.since is not None:
+            self.last_s, self.since = now - self.since, None
+        elif not serving and self.since is None:
+            self.since = now
+
+    def retry_after(self, now: float, typical_start_s: float) -> float:
+        """Seconds until a replacement is likely to serve (at least 1)."""
+        expected = self.last_s if self.last_s is not None else typical_start_s
+        elapsed = now - self.since if self.since is not None else 0.0
+        return max(1.0, expected - elapsed)
+
+
 @dataclass
 class BackendView:
     """See the module docstring. ``policy`` is None for a backend routed by load alone."""
@@ -77,10 +101,16 @@ class BackendView:
     avoided_prefill: int = 0  # decisions that skipped a replica for its prefill
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     _rr: int = 0
+    # Replicas whose token endpoint refused a connection or whose engine said it is dead, until
+    # when (monotonic): no request goes there meanwhile, though Serve still lists them.
+    unreachable: dict[str, float] = field(default_factory=dict)
+    outage: Outage = field(default_factory=lambda: Outage())
+    synced: bool = False  # a replica with a published endpoint has reached it at least once
 
     def sync(self, replicas: Sequence[ReplicaInfo]) -> None:
         """Serve's current replica list: replicas not in it are forgotten everywhere."""
         now_live = {r.replica: r for r in replicas if r.url}
+        self.synced = self.synced or bool(now_live)
         for gone in set(self.live) - set(now_live):
             self.in_flight.pop(gone, None)
             self.prefilling.pop(gone, None)
@@ -88,6 +118,21 @@ class BackendView:
                 self.policy.remove_replica(gone)
         self.live = now_live
         self.ejector.sync(list(now_live))
+        for gone in set(self.unreachable) - set(now_live):
+            del self.unreachable[gone]
+
+    def mark_unreachable(self, replica: str, now: float, hold_s: float = UNREACHABLE_HOLD_S) -> None:
+        """The replica refused a connection, or its engine is dead: skip it for ``hold_s`` (renewed
+        by each new refusal; Serve drops a dead replica meanwhile)."""
+        if replica in self.live:
+            self.unreachable[replica] = now + hold_s
+
+    def serving(self, now: float) -> list[str]:
+        """The live replicas that can take a request: healthy by their own report and not
+        unreachable. Notes the backend's outage (none of them) for :meth:`Outage.retry_after`."""
+        up = [r for r, info in self.live.items() if info.healthy and self.unreachable.get(r, 0.0) <= now]
+        self.outage.note(bool(up), now)
+        return up
 
     def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
         """A page of ``replica``'s KV events (the gateway's feed, off the token path). A replica
@@ -116,11 +161,12 @@ class BackendView:
         the replicas its earlier attempts went to, unless nothing else is left. With
         ``busy_prefill_tokens``, the replicas prefilling at least that many tokens are skipped
         while a routable one below it is left (the module docstring)."""
-        if not self.live:
+        up = self.serving(now)
+        if not up:  # none can take it: the caller waits for a replacement or refuses (503)
             return None
         routable = set(self.ejector.routable(now))
-        skip = set(avoid) if set(self.live) - set(avoid) else set()
-        loads = [self._load(r, r in routable and r not in skip) for r in self.live]
+        skip = set(avoid) if set(up) - set(avoid) else set()
+        loads = [self._load(r, r in routable and r not in skip) for r in up]
         if busy_prefill_tokens is not None:
             loads = self._off_prefill(loads, busy_prefill_tokens)
         if self.mode == "round_robin":
@@ -135,7 +181,7 @@ class BackendView:
             decision = self.policy.decide(hashes, loads, self.rng, now, None if skip else session_id)
         replica = decision.replica
         if replica is None:  # every replica at its cap: queue on the least loaded one
-            replica = min(self.live, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
+            replica = min(up, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
         url = self.live[replica].url
         assert url is not None  # sync keeps only replicas with an endpoint
         ranked = self.policy is not None and self.mode == "cache_aware"

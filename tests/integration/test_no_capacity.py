@@ -1,0 +1,136 @@
+"""Issue 40 item 3 on a local Ray Serve: every replica of a backend dies under load. A request then
+waits for a replacement up to its surface's queue deadline and past it gets a 503 ``no_capacity``
+with Retry-After, never a 502 from a dead replica; a route with a provider candidate is served by
+the provider at once; once Serve has replaced the replicas every request is answered again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from cluster.config import parse_config
+from tests.integration.test_failover_hedging import KEY, _provider, _sim
+from tests.integration.test_sim_cluster import kill_replica
+from tests.servers.openai_server import OpenAIServer
+
+pytestmark = pytest.mark.integration
+
+APP = "llm-cluster-nocap"
+
+
+@pytest.fixture(scope="module")
+def nocap(deploy):
+    with OpenAIServer(api_key=KEY, output_tokens=4) as oai:
+        tiny = {"tokenizer": "@tiny", "default_max_tokens": 4}
+        cfg = parse_config(
+            {
+                "name": APP,
+                "server": {"gateway_replicas": 1},
+                "models": [
+                    {"name": "only-sim", "context_window": 4096, **tiny},
+                    {"name": "sim-then-provider", "context_window": 4096, **tiny},
+                ],
+                "backends": [
+                    _sim("sim-only", "only-sim", replicas=2),
+                    _sim("sim-first", "sim-then-provider"),
+                    _provider("prov-after", "openai", oai.base_url, "sim-then-provider"),
+                ],
+                "surfaces": [{"name": "chat", "priority": 1, "queue_deadline_ms": 1000}],
+                "routes": [{"model": "sim-then-provider", "candidates": ["sim-first", "prov-after"]}],
+            }
+        )
+        yield deploy(cfg, route_prefix="/nocap")
+
+
+def _replicas(cluster, backend: str) -> list[str]:
+    return sorted(cluster.status()["routing"][backend]["replicas"])
+
+
+class _Load:
+    """One client sending a request after another to ``model`` until stopped (bounded)."""
+
+    def __init__(self, cluster, model: str) -> None:
+        self.url, self.model = cluster.base_url + "/chat/completions", model
+        self.seen: list[tuple[float, int, str, str | None, str | None, float]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        with httpx.Client(timeout=30) as c:
+            for _ in range(2000):  # ~a minute at most
+                if self.stop.is_set():
+                    return
+                t0 = time.monotonic()
+                r = c.post(self.url, json=body)
+                code = r.json().get("error", {}).get("code") if r.status_code != 200 else ""
+                backend = r.headers.get("x-llmc-backend")
+                self.seen.append(
+                    (
+                        t0,
+                        r.status_code,
+                        code or "",
+                        r.headers.get("retry-after"),
+                        backend,
+                        time.monotonic() - t0,
+                    )
+                )
+                time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+def test_every_replica_dead_is_a_503_with_retry_after_then_served_again(nocap) -> None:
+    before = {b: _replicas(nocap, b) for b in ("sim-only", "sim-first")}
+    assert len(before["sim-only"]) == 2 and len(before["sim-first"]) == 1, before
+    only, mixed = _Load(nocap, "only-sim"), _Load(nocap, "sim-then-provider")
+    time.sleep(1.0)
+    killed_at = time.monotonic()
+    for backend, replicas in before.items():
+        for r in replicas:
+            kill_replica(APP, f"backend-{backend}", r)
+    # Serve replaces them: new replica ids serving, then a few more requests on them.
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        now = {b: _replicas(nocap, b) for b in before}
+        if all(len(now[b]) == len(before[b]) and not set(now[b]) & set(before[b]) for b in before):
+            break
+        time.sleep(0.5)
+    replaced_at = time.monotonic()
+    time.sleep(2.0)
+    only.finish()
+    mixed.finish()
+
+    def codes(load: _Load, start: float, end: float) -> Counter[tuple[int, str]]:
+        return Counter((s, c) for t, s, c, *_ in load.seen if start <= t < end)
+
+    print(
+        "only-sim before/outage/after:",
+        codes(only, 0, killed_at),
+        codes(only, killed_at, replaced_at),
+        codes(only, replaced_at + 1.0, float("inf")),
+    )
+    assert set(codes(only, 0, killed_at)) == {(200, "")}
+    outage = [x for x in only.seen if killed_at <= x[0] < replaced_at]
+    assert outage, "no request was sent while the replicas were down"
+    assert {(s, c) for _, s, c, *_ in outage} <= {(200, ""), (503, "no_capacity")}, Counter(
+        (s, c) for _, s, c, *_ in outage
+    )  # never a 502 from a dead replica
+    for _, status, _, retry_after, _, _ in outage:
+        if status == 503:
+            assert retry_after is not None and int(retry_after) >= 1
+    # the outage was felt: a 503 after waiting its queue deadline, or a request that waited for the
+    # replacement (the sim replicas come back in a few seconds)
+    assert any(s == 503 or took > 0.3 for _, s, _, _, _, took in outage), outage
+    assert set(codes(only, replaced_at + 1.0, float("inf"))) == {(200, "")}
+    # The route with a provider: served all along, by the provider while its sim replica was down.
+    assert {s for _, s, *_ in mixed.seen} == {200}, Counter(s for _, s, *_ in mixed.seen)
+    by_provider = [x for x in mixed.seen if killed_at <= x[0] < replaced_at and x[4] == "prov-after"]
+    assert by_provider and min(x[5] for x in by_provider) < 1.0  # at once, not after the queue wait
