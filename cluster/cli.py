@@ -15,6 +15,7 @@ import importlib
 import sys
 
 from cluster.config import ConfigError, load_config
+from cluster.config_checks import config_warnings
 
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("cluster.cli", "add_check_parser"),
@@ -39,6 +40,8 @@ def _check(args: argparse.Namespace) -> int:
         f"{args.config}: ok — {len(cfg.models)} models, {len(cfg.backends)} backends, "
         f"{len(cfg.surfaces)} surfaces"
     )
+    for warning in config_warnings(cfg):  # loads, but probably not as meant
+        print(f"{args.config}: warning: {warning}")
     return 0
 
 

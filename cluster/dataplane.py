@@ -40,7 +40,12 @@ AUTOSCALING_METRICS_INTERVAL_S = 1.0
 # server that feeds it, instead of a thread of its own (a thread hop per request and per chunk
 # sent otherwise). The gateway never blocks its loop (big bodies are prepared in a thread).
 # Engines keep Serve's default: a vLLM engine's calls must not stall Serve's control traffic.
-GATEWAY_ENV: dict[str, str] = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# And the middleware Serve runs around the gateway's direct ingress before it reads a request's
+# headers (deployments/header_guard.py: a 400 for a header Serve would fail on or echo whole).
+GATEWAY_ENV: dict[str, str] = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.header_guard:middlewares",
+}
 
 
 # The gateway's Serve logging: no access line per request (it was 3 % of the gateway's CPU on the

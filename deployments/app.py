@@ -12,6 +12,7 @@ with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run i
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
@@ -20,6 +21,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.base import Strict
 from cluster.config import BackendConfig, ClusterConfig, load_config
+from cluster.config_checks import config_warnings
 from cluster.dataplane import (
     GATEWAY_ENV,
     GATEWAY_LOGGING,
@@ -34,6 +36,7 @@ from deployments.gateway import Gateway
 from deployments.tenant_budget import TenantBudgetDeployment
 
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
+log = logging.getLogger(__name__)
 
 
 class AppArgs(Strict):
@@ -58,6 +61,8 @@ def engine_options(b: BackendConfig) -> dict[str, Any]:
 
 
 def build_graph(cfg: ClusterConfig) -> Application:
+    for warning in config_warnings(cfg):  # loads, but probably not as meant (cluster check says it too)
+        log.warning("config %s: %s", cfg.name, warning)
     engines, budgets = {}, {}
     for b in cfg.backends:
         if b.kind == "provider":

@@ -25,7 +25,7 @@ import aiohttp
 
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
-from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd, strip_ids
 from cluster.wire.errors import (
     ENGINE_DEAD_CODE,
     BackendUnavailable,
@@ -183,6 +183,7 @@ class EngineStream:
         # With token ids asked for: every piece passed on (read back only if the stream breaks,
         # to continue it elsewhere), and what broke it (death, drain, error; None: not broken).
         self.passed: list[bytes] | None = [] if body.get("ids") else None
+        self._strip = self.passed is not None and not body.get("collect")  # ids never reach a client
         self.fault: str | None = None
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
@@ -251,6 +252,8 @@ class EngineStream:
                 self.events += out.count(b"data: ")
                 if self.passed is not None:
                     self.passed.append(out)
+                    if self._strip:
+                        return strip_ids(out)
                 return out
         if splitter.end.error is not None:
             self.fault = "drain" if splitter.end.error.code == DRAINING_CODE else "error"

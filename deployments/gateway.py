@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, fields
 from typing import Any
@@ -38,7 +39,7 @@ from cluster.policy.tenants import TenantReservation
 from cluster.providers.budget import Prices
 from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.view import BackendView
-from cluster.wire.errors import ClusterError, InvalidRequest, NotFound, Overloaded, Unauthorized
+from cluster.wire.errors import ClusterError, InvalidRequest, Overloaded, Unauthorized
 from cluster.wire.protocol import (
     BackendStats,
     ChatCompletionRequest,
@@ -175,9 +176,10 @@ class Gateway:
         """/v1/messages and /v1/responses: translated into the chat route and back."""
 
         async def chat(s: h.Scope, r: h.Receive, d: h.Send) -> None:
-            await self._complete(s, r, d, "chat")
+            await self._complete(s, r, d, "chat", translated=True)
 
-        await native_api.serve(api, chat, self.cfg.server.max_body_bytes, scope, receive, send)
+        srv = self.cfg.server
+        await native_api.serve(api, chat, srv.max_body_bytes, self._caller, scope, receive, send)
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per
@@ -247,15 +249,7 @@ class Gateway:
             path = path[len(root) :] or "/"
         route = self._routes.get((scope["method"], path))
         if route is None:
-            known = any(p == path for _, p in self._routes)
-            status, code = (405, "method_not_allowed") if known else (404, "not_found")
-            err = ClusterError(
-                f"{scope['method']} {path}: {'Method Not Allowed' if known else 'Not Found'}",
-                status_code=status,
-                code=code,
-                error_type="invalid_request_error",
-            )
-            await h.send_error(send, err)
+            await h.send_error(send, h.no_route(scope["method"], path, self._routes))
             return
         try:
             await route(scope, receive, send)
@@ -299,13 +293,17 @@ class Gateway:
         return surface, tenant
 
     # -- the completion routes ------------------------------------------------------------------
-    async def _complete(self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str) -> None:
+    async def _complete(
+        self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str, translated: bool = False
+    ) -> None:
         t0 = time.perf_counter()
         rid = h.new_request_id()
         try:
             surface, tenant = self._caller(scope)
             h.check_json_content_type(scope)
-            raw = await h.read_body(scope, receive, self.cfg.server.max_body_bytes)
+            # the limit is on the client's bytes: native_api's translation of them is not measured
+            limit = sys.maxsize if translated else self.cfg.server.max_body_bytes
+            raw = await h.read_body(scope, receive, limit)
             refusal = self._precheck(surface, tenant)
             if refusal is not None:
                 await self._refuse(send, refusal, surface, t0)
@@ -399,8 +397,7 @@ class Gateway:
         finally:
             self.admission.release(ticket, outcome)
             if isinstance(budget, TenantReservation):
-                used = prepared.usage.total_tokens if prepared.usage is not None else 0
-                self.tenants.settle(budget, used)
+                self.tenants.settle(budget, prepared.spent_tokens)  # usage, or what was spent
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()
@@ -440,7 +437,7 @@ class Gateway:
     async def _status(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
         """For operators and tests, with the internal credential: this gateway replica's view."""
         if not token_ok(h.header(scope, b"x-llmc-internal"), self._token):
-            raise NotFound("GET /internal/status: Not Found")
+            raise h.no_route("GET", "/internal/status", ())  # as if there were no such path
         for picker in self.attempts.pickers.values():
             await picker.refresh()
         await h.send_json(send, 200, self.status())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -44,6 +44,19 @@ def header(scope: Scope, name: bytes) -> str | None:
         if k == name:
             return v.decode("latin-1")
     return None
+
+
+def no_route(method: str, path: str, routes: Iterable[tuple[str, str]]) -> ClusterError:
+    """The answer to a path we do not serve (404 ``not_found``), or to a path we serve with another
+    method (405). An internal path counts as unknown whatever the method, and so does
+    ``/internal/status`` asked without the internal credential: nothing tells a caller it exists."""
+    known = not path.startswith("/internal/") and any(p == path for _, p in routes)
+    return ClusterError(
+        f"{method} {path}: {'Method Not Allowed' if known else 'Not Found'}",
+        status_code=405 if known else 404,
+        code="method_not_allowed" if known else "not_found",
+        error_type="invalid_request_error",
+    )
 
 
 def new_request_id() -> str:

@@ -6,6 +6,11 @@ The body is translated into the OpenAI chat body (:mod:`cluster.wire.messages_ap
 affinity, failover and the relay are the same; what that route writes back is translated on the
 way out (a stream event by event, a whole response or an error at once). Anthropic clients send
 their key as ``x-api-key``: it stands in for ``Authorization: Bearer`` here.
+
+The key is checked before the body is read, parsed or translated, as on the chat route. The body
+limit applies to the client's bytes; the translation is written with its non-ASCII text as is
+(``ensure_ascii`` would write a 3-byte character as a 6-byte escape, so a legal body could grow
+past the limit) and is not measured again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from cluster.wire.responses_stream import ResponsesStream
 from deployments import http_api as h
 
 Route = Callable[[h.Scope, h.Receive, h.Send], Awaitable[None]]
+Authorize = Callable[[h.Scope], object]  # raises the route's 401 (or 400) for a caller it refuses
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,8 @@ RESPONSES = NativeApi(
 )
 
 
-def _scope(scope: h.Scope, length: int) -> h.Scope:
+def _scope(scope: h.Scope) -> h.Scope:
+    """The chat route's scope: ``x-api-key`` as the bearer key, no content length (yet)."""
     headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"authorization")]
     auth = h.header(scope, b"authorization")
     key = h.header(scope, b"x-api-key")
@@ -48,17 +55,24 @@ def _scope(scope: h.Scope, length: int) -> h.Scope:
         auth = f"Bearer {key}"
     if auth is not None:
         headers.append((b"authorization", auth.encode("latin-1")))
-    headers.append((b"content-length", str(length).encode()))
     return {**scope, "headers": headers}
 
 
 async def serve(
-    api: NativeApi, chat: Route, limit: int, scope: h.Scope, receive: h.Receive, send: h.Send
+    api: NativeApi,
+    chat: Route,
+    limit: int,
+    authorize: Authorize,
+    scope: h.Scope,
+    receive: h.Receive,
+    send: h.Send,
 ) -> None:
+    inner = _scope(scope)
     try:
+        authorize(inner)  # first, as the chat route does: nothing of a refused caller's is read
         h.check_json_content_type(scope)
         body = h.parse_json(await h.read_body(scope, receive, limit))
-        translated = json.dumps(api.to_chat(body)).encode()
+        translated = json.dumps(api.to_chat(body), ensure_ascii=False).encode()
     except ClusterError as err:
         await h.send_json(send, err.status_code, api.error(err.status_code, err.to_openai()), err.headers())
         return
@@ -73,9 +87,8 @@ async def serve(
         sent = True
         return {"type": "http.request", "body": translated, "more_body": False}
 
-    await chat(
-        _scope(scope, len(translated)), inner_receive, _Translating(api, send, str(body.get("model", "")))
-    )
+    inner["headers"].append((b"content-length", str(len(translated)).encode()))
+    await chat(inner, inner_receive, _Translating(api, send, str(body.get("model", ""))))
 
 
 class _Translating:

@@ -34,7 +34,8 @@ class Prepared:
     meta: ResponseMeta
     candidates: list[str]
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
-    usage: Usage | None = None  # set by the relay when the request ends (tenant budgets settle it)
+    usage: Usage | None = None  # set by the relay when the request ends
+    spent_tokens: int = 0  # set by the relay: what the tenant's budget settles with (usage or spend)
     prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
     max_tokens_capped: int | None = None  # a configured limit shortened max_tokens to this (a header)
 

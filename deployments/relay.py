@@ -9,6 +9,7 @@ stream, in :func:`cluster.policy.race.follow`), no metrics call: those come once
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from cluster.observability.trace import RequestTrace
 from cluster.policy.admission import Outcome
 from cluster.policy.attempts import backend_of_slot
 from cluster.policy.race import RaceResult, first_token, follow
+from cluster.policy.tenants import spent_tokens
 from cluster.providers.budget import cost_usd
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
@@ -43,6 +45,18 @@ class _Account:
     backend: str = ""
     usage: Usage | None = None
     finish: str = "stop"
+    cancelled: bool = False  # the client left (the task was cancelled)
+    stream: Any = None  # the winner's stream (an engine's counts its events), and the framer
+    framer: _Framer | None = None  # (a provider's chunks: it counts their tokens)
+
+    def relayed(self) -> int:
+        """Completion tokens relayed so far, from the counts the relay keeps anyway: an engine's
+        events (one per token, or per few when a token has no text of its own), a provider's text
+        chunks."""
+        events = getattr(self.stream, "events", None)
+        if events is not None:
+            return int(events)
+        return self.framer.tokens if self.framer is not None else 0
 
 
 @dataclass
@@ -151,15 +165,21 @@ class Relay:
                 seam = Seamless(gw, p, result, winner, rest, deadline, acct, trace)
                 stream, rest = seam, seam.items()
             framer = _Framer(p)
+            acct.stream, acct.framer = stream, framer
             w = _Winner(stream, first, rest, headers)
             if p.stream:
                 return await self._stream(send, p, w, framer, acct)
             return await self._collect(send, p, w, framer, acct)
+        except asyncio.CancelledError:
+            acct.cancelled = True
+            raise
         finally:
             gw.attempts.finished(result)
             for more in seam.results if seam is not None else ():
                 gw.attempts.finished(more)
             self._record(p, acct, waited_s)
+            sent = acct.first_at is not None or (acct.cancelled and bool(result.attempts))
+            p.spent_tokens = spent_tokens(acct.usage, len(p.req.prompt_token_ids), acct.relayed(), sent)
             if trace is not None:
                 trace.usage, trace.finish = acct.usage, acct.finish if acct.first_at is not None else None
 

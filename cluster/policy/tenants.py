@@ -4,9 +4,11 @@ and token budgets per minute and a fair-queuing weight (used by admission, :mod:
 Budgets are token buckets (:class:`cluster.policy.token_bucket.BucketBudget`) holding a minute's worth
 (the request bucket ``burst_s`` seconds' worth, ``TenantConfig.burst_s``, 60 by default):
 a request reserves one request and ``prompt tokens + max_tokens`` before admission and settles with
-its actual usage at the end (the unused part given back); a request refused by admission gives its
-reservation back. Over budget: 429 with ``Retry-After`` = when the bucket has room again, so a
-runaway agent loop of one tenant is refused at once while other tenants keep their share.
+its actual usage at the end (the unused part given back), or, when it ends without usage (the
+client left mid-stream), with the prompt and the tokens relayed (:func:`spent_tokens`); a request
+refused by admission gives its reservation back. Over budget: 429 with ``Retry-After`` = when the
+bucket has room again, so a runaway agent loop of one tenant is refused at once while other
+tenants keep their share.
 
 Several gateway replicas: in a Serve app these budgets are one object in one deployment of the app,
 which every gateway replica asks (:mod:`deployments.tenant_budget`), so a tenant's budget is counted
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from cluster.config import TenantConfig
 from cluster.policy.token_bucket import BucketBudget, Reservation
 from cluster.wire.errors import RateLimited, _rebuild
+from cluster.wire.protocol import Usage
 
 
 class OverBudget(RateLimited):
@@ -65,6 +68,18 @@ class KnownOut:
             f"tenant '{tenant}' is over its budget: its requests per minute are spent",
             retry_after_s=until - now,
         )
+
+
+def spent_tokens(usage: Usage | None, prompt_tokens: int, relayed: int, sent: bool) -> int:
+    """The tokens a served request's reservation settles with. Its usage when the backend reported
+    one; else (the client left, the stream broke: no usage came) what it spent as far as the gateway
+    saw, as the provider books count an unsettled stream: the prompt once an attempt was sent (the
+    engine prefilled it) and the completion tokens relayed so far. Without that a tenant that always
+    leaves after its first tokens gave its whole reservation back each time: no token limit at all.
+    ``sent`` False (every attempt refused before a token, never sent): nothing is charged."""
+    if usage is not None and usage.total_tokens > 0:
+        return usage.total_tokens
+    return prompt_tokens + max(relayed, 0) if sent else 0
 
 
 @dataclass(frozen=True, slots=True)

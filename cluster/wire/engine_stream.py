@@ -18,6 +18,7 @@ found with one ``bytes.find`` per read and can never be confused with generated 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -65,6 +66,14 @@ def parse_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 IDS = b": ids "  # an SSE comment line in an event: the token ids whose text the event carries
+_IDS_LINE = re.compile(rb"^: ids [0-9,]*\n", re.MULTILINE)
+
+
+def strip_ids(events: bytes) -> bytes:
+    """Whole SSE events without their :data:`IDS` lines: the gateway keeps the ids (to continue a
+    broken stream) and sends the client its events as an engine without ids would (the token ids
+    and the count of tokens per event are ours, not the client's). One regex pass in C."""
+    return _IDS_LINE.sub(b"", events)
 
 
 def event_with_ids(event: bytes, ids: list[int]) -> bytes:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from cluster.config import load_config, parse_config
+from tests.rawhttp import RawRequest
 
 pytestmark = pytest.mark.integration
 
@@ -141,16 +142,18 @@ async def test_a_runaway_tenant_is_refused_while_another_is_served(shared) -> No
 
 @pytest.fixture(scope="module")
 def two_gateways(deploy):
-    """Two gateway replicas in front of one simulated replica; tenant ``metered`` may send 3 a minute."""
+    """Two gateway replicas in front of one simulated replica; tenant ``metered`` may send 3 a minute,
+    tenant ``spender`` 1,000 tokens."""
     raw = load_config("configs/sim-local.yaml").model_dump(mode="json")
     raw["name"] = "llm-cluster-tenants"
     raw["server"]["gateway_replicas"] = 2
     raw["backends"][0]["replicas"] = 1
-    raw["tenants"] = [{"name": "metered", "rpm": RPM}]
+    raw["tenants"] = [{"name": "metered", "rpm": RPM}, {"name": "spender", "tpm": SPENDER_TPM}]
     return deploy(parse_config(raw), route_prefix="/tenants")
 
 
 RPM = 3  # odd: a per-replica half (1.5) admits 1 per gateway, 2 in all
+SPENDER_TPM = 1000
 
 
 async def test_a_tenants_budget_is_counted_once_across_gateway_replicas(two_gateways) -> None:
@@ -238,3 +241,46 @@ async def test_tab_is_sent_away_from_a_replica_prefilling_a_long_prompt(slow_pai
         assert done.status_code == 200, done.text
     status = slow_pair.status()["routing"][BACKEND]
     assert status["avoided_prefill"] >= 1 and status["prefilling_tokens"] == {}, status
+
+
+def _head(req: RawRequest) -> int:
+    """The response's status, once its head has arrived."""
+    while b"\r\n\r\n" not in req.received:
+        part = req.sock.recv(65536)
+        if not part:
+            break
+        req.received += part
+    return req.status
+
+
+def test_a_tenant_that_leaves_mid_stream_is_refused_once_its_real_spend_passes_its_budget(
+    two_gateways,
+) -> None:
+    """Issue 47 item 4: a client that left after its first tokens settled its reservation with 0
+    used, so prompt + max_tokens went back each time and a tenant that always leaves had no token
+    limit. Each such request now costs its prompt and the tokens relayed: 1,000 tokens a minute,
+    360 reserved per request, ~70 spent each time: refused after about ten, never after two."""
+    url = two_gateways.base_url + "/chat/completions"
+    body = _body(300, "word " * 60)
+    plain = httpx.post(url, json={**body, "max_tokens": 1}, headers={"x-surface": "chat"}, timeout=60)
+    prompt = plain.json()["usage"]["prompt_tokens"]  # an untenanted request: nothing of spender's
+    headers = {"x-surface": "chat", "x-tenant": "spender"}
+    t0 = time.monotonic()
+    served, refused = 0, None
+    for _ in range(40):
+        req = RawRequest(url, {**body, "stream": True}, headers)
+        try:
+            if _head(req) != 200:
+                refused = req.read_response(30)
+                break
+            req.read_until(b'"content":"')  # the first token: the engine prefilled and generated
+            served += 1
+        finally:
+            req.close()  # the client leaves mid-stream
+        time.sleep(0.3)  # the gateway sees the close and settles (sent without waiting)
+    assert refused is not None, f"{served} requests left mid-stream and none was refused"
+    assert b" 429 " in refused.split(b"\r\n", 1)[0] and b"tenant 'spender'" in refused, refused[-300:]
+    refill = (time.monotonic() - t0) * SPENDER_TPM / 60
+    reserve = prompt + 300
+    # each paid at least its prompt: refused once fewer than `reserve` were left
+    assert 3 <= served <= (SPENDER_TPM + refill - reserve) / prompt + 1, (served, prompt, refill)

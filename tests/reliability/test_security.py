@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
-from loadtest.reliability import CLAUDE, MIX, is_openai_error
+from loadtest.reliability import CLAUDE, MIX, SIM_BACKEND, is_openai_error
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 
@@ -213,6 +213,115 @@ def test_unauthenticated_oversize_body_is_refused_without_reading_it(rel) -> Non
         status, _, body = _read_response(s, time.monotonic() + 20)
     assert status in (401, 413), body[:300]
     assert is_openai_error(json.loads(body))
+
+
+# -- issue 47 item 6: smaller leaks and rough edges ------------------------------------------------
+
+
+def test_the_engines_token_ids_never_reach_the_client(rel) -> None:
+    """The engines name each event's token ids in a ``: ids`` comment line (so the gateway can
+    continue a broken stream elsewhere); the gateway keeps them: the client's stream has none."""
+    body = {"model": MIX, "messages": OK_MSG, "max_tokens": 8, "stream": True}
+    headers = rel.keys.headers("agent")  # the simulated replicas first
+    with httpx.stream(
+        "POST", rel.base_url + "/chat/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        raw = b"".join(r.iter_bytes())
+    assert r.status_code == 200 and r.headers["x-llmc-backend"] == SIM_BACKEND, raw[:300]
+    assert raw.count(b"data: {") >= 2 and raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+    assert b": ids" not in raw and b"\n:" not in raw and not raw.startswith(b":"), raw[:300]
+
+
+def test_an_overlong_request_id_is_refused_not_echoed(rel) -> None:
+    """A 15 KB x-request-id came back whole in the response's headers: over 256 bytes it is an
+    OpenAI 400 now (with an id of ours); up to 256 it is echoed as before. (5,000 bytes: a header
+    near HAProxy's 16 KB buffer gets HAProxy's own 400 before the gateway.)"""
+    body = {"model": MIX, "messages": OK_MSG, "max_tokens": 2}
+    url = rel.base_url + "/chat/completions"
+    long = "a" * 5_000
+    r = httpx.post(url, json=body, headers={**rel.keys.headers("chat"), "x-request-id": long}, timeout=60)
+    assert r.status_code == 400 and is_openai_error(r.json()), r.text[:300]
+    assert r.json()["error"]["param"] == "x-request-id"
+    ids = r.headers.get_list("x-request-id")
+    assert len(ids) == 1 and len(ids[0]) <= 256 and long not in r.text
+    ok = "b" * 256
+    r = httpx.post(url, json=body, headers={**rel.keys.headers("chat"), "x-request-id": ok}, timeout=60)
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == [ok], r.text[:300]
+
+
+def test_internal_status_without_the_credential_answers_as_an_unknown_path(rel) -> None:
+    """It answered 404 ``model_not_found`` where an unknown path answers ``not_found`` (and a POST
+    405): the path could be found. Now every answer is an unknown path's."""
+    for method in ("GET", "POST"):
+        unknown = httpx.request(method, rel.url + "/internal/nothing-here", timeout=30)
+        for headers in ({}, {"x-llmc-internal": "0" * 64}):
+            r = httpx.request(method, rel.url + "/internal/status", headers=headers, timeout=30)
+            assert r.status_code == unknown.status_code == 404, r.text
+            got, want = r.json()["error"], unknown.json()["error"]
+            assert got == {**want, "message": want["message"].replace("nothing-here", "status")}, got
+            assert got["code"] == "not_found"
+
+
+def _raw_request(rel, path: str, head: bytes, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    s = socket.create_connection(("127.0.0.1", rel.cluster.port), timeout=10)
+    with s:
+        start = f"POST {rel.cluster.route_prefix}/v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+        s.sendall(start + head + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        return _read_response(s, time.monotonic() + 30)
+
+
+@pytest.mark.parametrize("name", ["x-request-id", "x-session-id"])
+def test_a_non_utf8_id_header_is_an_openai_400(rel, name) -> None:
+    """Serve's direct ingress decodes these as UTF-8 before the gateway runs: a byte that is not
+    UTF-8 got uvicorn's plain-text 500, with nothing logged."""
+    body = json.dumps({"model": MIX, "messages": OK_MSG, "max_tokens": 2}).encode()
+    key = rel.keys.clients["chat"]
+    head = f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
+    status, headers, answer = _raw_request(
+        rel, "/chat/completions", head + name.encode() + b": id-\xff\xfe\r\n", body
+    )
+    assert status == 400, answer[:300]
+    err = json.loads(answer)
+    assert is_openai_error(err) and err["error"]["param"] == name, err
+    assert headers.get("x-request-id") and headers["content-type"] == "application/json"
+    status, _, answer = _raw_request(rel, "/chat/completions", head + name.encode() + b": id-1\r\n", body)
+    assert status == 200, answer[:300]  # the same request with a clean id is served
+
+
+@pytest.mark.parametrize("path", ["/messages", "/responses"])
+def test_the_native_routes_check_the_key_before_the_body(rel, path) -> None:
+    """/v1/messages and /v1/responses parsed and translated a body before they checked the key
+    (a 400 for this body without a key); the chat route checks first, and so do they now."""
+    for headers in (
+        {},
+        {"x-api-key": "sk-wrong-0123456789"},
+        {"authorization": "Bearer sk-wrong-0123456789"},
+    ):
+        r = httpx.post(
+            rel.base_url + path,
+            content=b"{not json",
+            headers={**headers, "content-type": "application/json"},
+            timeout=30,
+        )
+        assert r.status_code == 401, (path, headers, r.status_code, r.text[:300])
+
+
+@pytest.mark.parametrize("path", ["/messages", "/responses"])
+def test_a_legal_non_ascii_body_is_not_grown_past_the_limit(rel, path) -> None:
+    """The translation was written with escaped non-ASCII (a 3-byte character as 6 bytes), so a body
+    within the limit could come back as a 413. The limit is on the client's bytes: this one (60 % of
+    it, CJK text) is read, tokenized and refused for its length in tokens instead."""
+    limit = rel.cluster.cfg.server.max_body_bytes
+    text = "字" * int(0.6 * limit / 3)
+    if path == "/messages":
+        body = {"model": MIX, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    else:
+        body = {"model": MIX, "max_output_tokens": 8, "input": text}
+    data = json.dumps(body, ensure_ascii=False).encode()
+    assert 0.5 * limit < len(data) < limit
+    headers = {"x-api-key": rel.keys.clients["chat"], "content-type": "application/json"}
+    r = httpx.post(rel.base_url + path, content=data, headers=headers, timeout=60)
+    assert r.status_code == 400 and "context" in r.text.lower(), (r.status_code, r.text[:300])
 
 
 # -- logs and metrics -----------------------------------------------------------------------------

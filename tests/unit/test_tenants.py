@@ -10,8 +10,9 @@ import pytest
 
 from cluster.config import ConfigError, SurfaceConfig, TenantConfig, parse_config
 from cluster.policy.admission import AdmissionController, Queued, Ticket
-from cluster.policy.tenants import KnownOut, OverBudget, TenantBudgets, TenantReservation
+from cluster.policy.tenants import KnownOut, OverBudget, TenantBudgets, TenantReservation, spent_tokens
 from cluster.wire.errors import RateLimited
+from cluster.wire.protocol import Usage
 from deployments.tenant_budget import LocalTenants
 
 
@@ -137,3 +138,20 @@ def test_a_short_burst_spreads_a_tenants_requests_and_keeps_a_minutes_tokens() -
     assert isinstance(b.reserve("a", 4_000, 1_000, 1.0), TenantReservation)
     with pytest.raises(ValueError):
         TenantConfig(name="x", rpm=1, burst_s=0)
+
+
+def test_a_request_that_ends_without_usage_settles_with_what_it_spent() -> None:
+    """Issue 47 item 4: a client that left mid-stream settled with 0, so prompt + max_tokens went
+    back although the engine prefilled and generated. Now: the prompt and the tokens relayed."""
+    assert spent_tokens(Usage(100, 20), 100, 5, sent=True) == 120  # usage reported: it counts
+    assert spent_tokens(None, 100, 5, sent=True) == 105  # left after 5 tokens
+    assert spent_tokens(Usage(), 100, 7, sent=True) == 107  # an error frame's empty usage
+    assert spent_tokens(None, 100, 0, sent=True) == 100  # left before the first token: prefilled
+    assert spent_tokens(None, 100, 0, sent=False) == 0  # never sent (refused before a token)
+    b = TenantBudgets([TenantConfig(name="a", tpm=1000)], 0.0)
+    served = 0
+    while isinstance(r := b.reserve("a", 100, 500, 0.0), TenantReservation):
+        b.settle(r, spent_tokens(None, 100, 3, sent=True), 0.0)  # the client leaves each time
+        served += 1
+    # 103 each: the 600 a request reserves no longer fits after four of them (1000 - 4 * 103)
+    assert served == 4 and isinstance(r, OverBudget)
