@@ -38,6 +38,7 @@ from cluster.policy.slo_guard import SloGuard
 from cluster.policy.tenants import TenantReservation
 from cluster.providers.budget import Prices
 from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.cache_salt import CacheSalts
 from cluster.routing.view import BackendView
 from cluster.wire.errors import ClusterError, InvalidRequest, Overloaded, Unauthorized
 from cluster.wire.protocol import (
@@ -85,6 +86,7 @@ class Gateway:
         self.cfg = cfg = ClusterConfig.model_validate(config)
         self._keys = {k.sha256: (k.surface, k.tenant) for k in cfg.server.api_keys}
         self._token = internal_token()
+        self.cache_salts = CacheSalts(cfg.tenants, self._token)  # one cache group's never answers another's
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
         self.tenants = shared_tenant_budgets(cfg.tenants, tenant_budgets)
         backends = [b.name for b in cfg.backends]
@@ -310,7 +312,10 @@ class Gateway:
                 return
             schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
             session = h.header(scope, b"x-session-id")
-            prepared = await prepare_off_loop(self.cfg, raw, schema, kind, rid, surface, session, self.views)
+            salt = self.cache_salts.salt(tenant)
+            prepared = await prepare_off_loop(
+                self.cfg, raw, schema, kind, rid, surface, session, self.views, salt
+            )
             prepared.prep_s = time.perf_counter() - t0
         except ClusterError as err:
             await h.send_error(send, err)

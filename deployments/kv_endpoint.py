@@ -33,7 +33,8 @@ class KVEventEndpoint:
     def announce(self, req: GenerateRequest) -> None:
         """A request arrived: every gateway learns where its prompt's blocks are going (and its
         session) before the engine computes them."""
-        queued = BlocksQueued(self.hasher.hash_blocks(req.prompt_token_ids), req.session_id)
+        hashes = self.hasher.hash_blocks(req.prompt_token_ids, salt=req.cache_salt)  # as the gateway's
+        queued = BlocksQueued(hashes, req.session_id)
         self.log.append([queued], time.time())
 
     async def handle(self, request: web.Request) -> web.Response:

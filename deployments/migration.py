@@ -147,7 +147,7 @@ class Seamless:
             if view is None or view.policy is None:
                 return []
             if backend not in hashed:
-                hashed[backend] = view.policy.hash(cont.prompt_token_ids)
+                hashed[backend] = view.policy.hash(cont.prompt_token_ids, cont.cache_salt)
             return hashed[backend]
 
         hooks, _ = gw.attempts.hooks(

@@ -17,6 +17,7 @@ from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
 from cluster.policy import capabilities
 from cluster.policy.context import ContextDecision, fit_context
+from cluster.routing.cache_salt import salted_session
 from cluster.routing.view import BackendView
 from cluster.tokens.images import image_parts, image_tokens
 from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
@@ -68,10 +69,11 @@ async def prepare_off_loop(
     surface_name: str,
     session_header: str | None,
     views: dict[str, BackendView],
+    cache_salt: str | None = None,
 ) -> Prepared:
     """:func:`prepare`, on the loop for a small body (a thread hop costs more than it saves) and in
     a worker thread for one over ``INLINE_PREPARE_BYTES``."""
-    args = (cfg, raw, schema, kind, request_id, surface_name, session_header, views)
+    args = (cfg, raw, schema, kind, request_id, surface_name, session_header, views, cache_salt)
     if len(raw) > INLINE_PREPARE_BYTES:
         return await asyncio.to_thread(prepare, *args)
     return prepare(*args)
@@ -101,8 +103,12 @@ def prepare(
     surface_name: str,
     session_header: str | None,
     views: dict[str, BackendView],
+    cache_salt: str | None = None,
 ) -> Prepared:
+    """``cache_salt``: the caller's tenant's (:mod:`cluster.routing.cache_salt`): it goes to the
+    engine with the request, salts the routing hashes and namespaces the session."""
     api, session = _parse(cfg, raw, schema, session_header)
+    session = salted_session(session, cache_salt)
     asked = lookup_model(cfg, api.model)
     counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
 
@@ -143,7 +149,8 @@ def prepare(
         tools=model.tool_calls is not None,
     )
     meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
-    hashes = _block_hashes(ids, candidates, views)
+    req.cache_salt = cache_salt
+    hashes = _block_hashes(ids, candidates, views, cache_salt)
     return Prepared(api, req, meta, candidates, hashes, max_tokens_capped=fit.capped)
 
 
@@ -166,10 +173,10 @@ def _fit(
 
 
 def _block_hashes(
-    ids: list[int], candidates: list[str], views: dict[str, BackendView]
+    ids: list[int], candidates: list[str], views: dict[str, BackendView], salt: str | None = None
 ) -> Callable[[str], list[int]]:
-    """The prompt's block hashes per backend (in its block size), computed here, off the loop for
-    big prompts, once per candidate backend."""
+    """The prompt's block hashes per backend (in its block size, under its cache salt), computed
+    here, off the loop for big prompts, once per candidate backend."""
     hashed: dict[str, list[int]] = {}
 
     def hashes(backend: str) -> list[int]:
@@ -177,7 +184,7 @@ def _block_hashes(
         if view is None or view.policy is None:
             return []
         if backend not in hashed:
-            hashed[backend] = view.policy.hash(ids)
+            hashed[backend] = view.policy.hash(ids, salt)
         return hashed[backend]
 
     for name in candidates:

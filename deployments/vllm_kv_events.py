@@ -38,14 +38,29 @@ def convert(events: list[Any]) -> list[KVCacheEvent]:
     out: list[KVCacheEvent] = []
     for e in events:
         if isinstance(e, VStored):
+            salt = stored_salt(e.extra_keys, e.lora_name) if e.parent_block_hash is None else None
             out.append(
-                BlockStored(list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size)
+                BlockStored(list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size, salt)
             )
         elif isinstance(e, VRemoved):
             out.append(BlockRemoved(list(e.block_hashes)))
         else:
             out.append(AllBlocksCleared())
     return out
+
+
+def stored_salt(extra_keys: list[tuple[Any, ...] | None] | None, lora_name: str | None) -> str | None:
+    """The cache salt of a chain's first block from vLLM's ``BlockStored.extra_keys`` (one entry
+    per block, untagged, in order: the LoRA name when there is one, multimodal ``(id, offset)``
+    pairs, the cache salt, prompt-embeds digests as bytes): the block's one string after the
+    LoRA name. None: stored without a salt."""
+    keys = extra_keys[0] if extra_keys else None
+    if not keys:
+        return None
+    strings = [k for k in keys if isinstance(k, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None
 
 
 class VLLMEventSubscriber:

@@ -149,8 +149,11 @@ class VLLMBackend:
         cached = 0
         finished = False
         try:
+            prompt = TokensPrompt(prompt_token_ids=req.prompt_token_ids)
+            if req.cache_salt:  # the tenant's cache group: its prefix cache finds no other group's
+                prompt["cache_salt"] = req.cache_salt
             stream = self.engine.generate(
-                TokensPrompt(prompt_token_ids=req.prompt_token_ids),
+                prompt,
                 params,
                 request_id=engine_id,
                 priority=req.engine_priority if self._priorities else 0,

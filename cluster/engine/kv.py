@@ -6,7 +6,11 @@
 * Only *full* blocks are cached. A block's hash chains over the whole prefix:
   ``hash(parent block's hash, this block's token ids, extra keys)``, so equal hashes mean equal
   prefixes. The first block's parent is a fixed root. Hashes are SHA-256 (deterministic across
-  processes, unlike Python's ``hash``).
+  processes, unlike Python's ``hash``). A request's cache salt (its tenant's cache group,
+  :mod:`cluster.routing.cache_salt`; an extra key ``("cache_salt", salt)``, :func:`salt_keys`)
+  keys its first block only, as vLLM's ``cache_salt`` does: the same tokens under another salt
+  find nothing, so one tenant's cache never answers another's prompt; ``BlockStored`` for a
+  chain's first blocks carries it.
 * A block has a reference count. At zero it goes to the tail of the free queue but keeps its hash
   and stays findable: a later request may take it back (a prefix hit). Allocation pops the head of
   the free queue, evicting that block's hash: the least recently freed block goes first (LRU). A
@@ -30,12 +34,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cluster.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from cluster.routing.block_hash import EngineBlockHash as BlockHash
 
 ROOT_HASH = BlockHash(hashlib.sha256(b"cluster.engine.kv root").digest())
+SALT_TAG = "cache_salt"  # an extra key ``(SALT_TAG, salt)``: vLLM's cache_salt (first block only)
 
 
 def hash_block_tokens(
@@ -49,19 +54,46 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
+def salt_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
+    """A request's extra keys for its cache salt (None: none), tagged as vLLM tags its own."""
+    return ((SALT_TAG, cache_salt),) if cache_salt else None
+
+
+def _is_salt(key: Any) -> bool:
+    return isinstance(key, tuple) and key[:1] == (SALT_TAG,)
+
+
+def salt_of(extra_keys: tuple[Any, ...] | None) -> str | None:
+    """The cache salt among a request's extra keys (:func:`salt_keys`), if any."""
+    return next((k[1] for k in extra_keys or () if _is_salt(k)), None)
+
+
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: tuple[Any, ...] | None = None,
     hashes: list[BlockHash] | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids``; extends ``hashes`` (already-hashed leading blocks)."""
+    """Hashes of the full blocks of ``token_ids``; extends ``hashes`` (already-hashed leading blocks).
+    A cache salt among the extra keys keys the first block only, as in vLLM: the chain carries it."""
     out = hashes if hashes is not None else []
     parent = out[-1] if out else None
+    rest = tuple(k for k in extra_keys if not _is_salt(k)) or None if extra_keys else None
     for start in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        extra = extra_keys if start == 0 else rest
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         out.append(parent)
     return out
+
+
+class _Seq(Protocol):
+    """What :meth:`KVCacheManager.cache_request` reads of a sequence (the engine model's request)."""
+
+    request_id: str
+    token_ids: list[int]
+    extra_keys: tuple[Any, ...] | None
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
 
 
 @dataclass(eq=False, slots=True)
@@ -205,15 +237,21 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
+    def cache_request(self, seq: _Seq) -> None:
+        """:meth:`cache_blocks` for a sequence, its cache salt from its extra keys."""
+        salt = salt_of(seq.extra_keys)
+        self.cache_blocks(seq.request_id, seq.block_hashes, seq.num_computed_tokens, seq.token_ids, salt)
+
     def cache_blocks(
         self,
         request_id: str,
         block_hashes: Sequence[BlockHash],
         num_computed: int,
         token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Register the request's full, computed blocks that are not registered yet (``token_ids``:
-        the request's tokens, for the ``BlockStored`` events)."""
+        the request's tokens, and ``cache_salt`` its salt, for the ``BlockStored`` events)."""
         if not self.enable_caching:
             return
         table = self._tables.get(request_id, [])
@@ -228,18 +266,21 @@ class KVCacheManager:
             if stored and run_start < 0:
                 run_start = i
             elif not stored and run_start >= 0:
-                self._stored(block_hashes, token_ids, run_start, i)
+                self._stored(block_hashes, token_ids, run_start, i, cache_salt)
                 run_start = -1
         if events is not None and run_start >= 0:
-            self._stored(block_hashes, token_ids, run_start, full)
+            self._stored(block_hashes, token_ids, run_start, full, cache_salt)
         self._num_cached[request_id] = max(done, full)
 
-    def _stored(self, hashes: Sequence[BlockHash], token_ids: Sequence[int], lo: int, hi: int) -> None:
+    def _stored(
+        self, hashes: Sequence[BlockHash], token_ids: Sequence[int], lo: int, hi: int, salt: str | None
+    ) -> None:
         assert self.pool.events is not None
         bs = self.block_size
         parent = hashes[lo - 1] if lo > 0 else None
         tokens = list(token_ids[lo * bs : hi * bs])
-        self.pool.events.append(BlockStored(list(hashes[lo:hi]), parent, tokens, bs))
+        salt = salt if parent is None else None  # vLLM's extra keys carry it on the first block only
+        self.pool.events.append(BlockStored(list(hashes[lo:hi]), parent, tokens, bs, salt))
 
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events recorded since the last call (empty when events are off)."""

@@ -36,12 +36,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """The engine cached these full blocks (consecutive, chained from ``parent_block_hash``)."""
+    """The engine cached these full blocks (consecutive, chained from ``parent_block_hash``).
+    ``cache_salt``: the salt of the request that stored a chain's first block (vLLM's
+    ``extra_keys`` carry it there), so a router hashes those tokens under the same salt
+    (:mod:`cluster.routing.cache_salt`); later blocks inherit it from their parent."""
 
     block_hashes: Sequence[Hashable]
     parent_block_hash: Hashable | None
     token_ids: Sequence[int]
     block_size: int
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +63,11 @@ class AllBlocksCleared:
 @dataclass(frozen=True, slots=True)
 class BlocksQueued:
     """Ours, not vLLM's: a request reached the replica; these are the *router's* hashes of its
-    prompt's full blocks (:class:`cluster.routing.block_hash.BlockHasher`), which the engine will compute
-    unless they are cached. Published by the replica as the request arrives, so that every gateway
-    learns where a context is going before the engine's ``BlockStored`` (which waits for its
-    prefill, and for the queue before it) could tell them; gateways count them for a short time.
+    prompt's full blocks under its cache salt (:class:`cluster.routing.block_hash.BlockHasher`),
+    which the engine will compute unless they are cached. Published by the replica as the request
+    arrives, so that every gateway learns where a context is going before the engine's
+    ``BlockStored`` (which waits for its prefill, and for the queue before it) could tell them;
+    gateways count them for a short time.
     ``session_id``: the request's session, which every gateway then pins to this replica, as the
     gateway that routed it did."""
 
@@ -137,13 +142,16 @@ def _hash_to_wire(h: Hashable) -> int | str:
 def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
     if isinstance(ev, BlockStored):
         parent = ev.parent_block_hash
-        return {
+        out: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes],
             "parent_block_hash": None if parent is None else _hash_to_wire(parent),
             "token_ids": list(ev.token_ids),
             "block_size": ev.block_size,
         }
+        if ev.cache_salt is not None:
+            out["cache_salt"] = ev.cache_salt
+        return out
     if isinstance(ev, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes]}
     if isinstance(ev, BlocksQueued):
@@ -172,6 +180,7 @@ class WireStored(_Strict):
     parent_block_hash: int | str | None
     token_ids: list[int]
     block_size: int = Field(gt=0)
+    cache_salt: str | None = None
 
 
 class WireRemoved(_Strict):
@@ -212,7 +221,9 @@ def page_from_wire(data: Any) -> KVEventPage:
         events: list[KVCacheEvent] = []
         for e in b.events:
             if isinstance(e, WireStored):
-                events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size))
+                events.append(
+                    BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.cache_salt)
+                )
             elif isinstance(e, WireRemoved):
                 events.append(BlockRemoved(e.block_hashes))
             elif isinstance(e, WireQueued):

@@ -451,7 +451,7 @@ class EngineModel:
         outputs: list[TokenEvent] = []
         for req, n in scheduled.items():
             req.num_computed_tokens += n
-            self.kv.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens, req.token_ids)
+            self.kv.cache_request(req)  # its full, computed blocks (and their events)
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk: no token yet
             token = seeded_token_id(req.seed, req.digest, req.num_tokens, self.vocab_size)

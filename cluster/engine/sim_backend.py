@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.config import BackendConfig, ModelConfig
+from cluster.engine.kv import salt_keys
 from cluster.engine.kv_events import KVEventLog
 from cluster.engine.model import EngineModel, SchedulingPolicy, SimRequest, TokenEvent, fake_token_id
 from cluster.engine.profiles import Profile, get_profile
@@ -342,6 +343,7 @@ class SimBackend:
             stop_after=stop_after,
             seed=seed,
             priority=req.engine_priority,
+            extra_keys=salt_keys(req.cache_salt),  # the tenant's cache group (cluster.engine.kv)
         )
         stream = _Stream(sim_req)
         self._streams[req.route_key] = stream

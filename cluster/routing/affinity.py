@@ -10,7 +10,10 @@ events' token ids, and a routed request's blocks only count until ``recent_ttl_s
 engine's events confirm them. Without events the index is an optimistic guess that forgets in LRU
 order.
 
-Hashing: :class:`cluster.routing.block_hash.BlockHasher` (chained, like vLLM's ``hash_block_tokens``).
+Hashing: :class:`cluster.routing.block_hash.BlockHasher` (chained, like vLLM's ``hash_block_tokens``),
+under the request's cache salt (:mod:`cluster.routing.cache_salt`): tenants that do not share a
+cache group never share an index entry, a home or a session, so routing tells no tenant what
+another has cached.
 
 The index (:mod:`cluster.routing.prefix_index`): ``block hash -> bitmask of replicas``, fed by the engines'
 KV events (exact) or by the routed requests (a guess), bounded, prefix-closed. The homes
@@ -213,8 +216,9 @@ class AffinityRouter:
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests)
         self._homing = p.new_prefix == "home"
 
-    def hash(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        return self.hasher.hash_blocks(token_ids)
+    def hash(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """The prompt's block hashes under its cache salt (:mod:`cluster.routing.cache_salt`)."""
+        return self.hasher.hash_blocks(token_ids, salt=salt)
 
     # The decision ------------------------------------------------------------------------------
     def decide(
@@ -403,9 +407,11 @@ class AffinityRouter:
         block_hashes: Sequence[Hashable],
         parent_block_hash: Hashable | None,
         token_ids: Sequence[int],
+        cache_salt: str | None = None,
     ) -> int:
         """The engine stored these blocks. Its hashes are not ours (vLLM seeds its own), so ours are
-        recomputed from the event's tokens, chained from the parent's; returns blocks indexed."""
+        recomputed from the event's tokens, chained from the parent's (a chain's first blocks under
+        the ``cache_salt`` the event carries); returns blocks indexed."""
         kv = self._kv_maps.get(replica)
         if kv is None:
             kv = self._kv_maps[replica] = OrderedDict()
@@ -415,7 +421,7 @@ class AffinityRouter:
             if parent is None:
                 self.kv_unmapped += 1
                 return 0
-        ours = self.hasher.hash_blocks(token_ids, parent)
+        ours = self.hasher.hash_blocks(token_ids, parent, cache_salt)
         for engine_h, our_h in zip(block_hashes, ours, strict=False):
             kv[engine_h] = our_h
             kv.move_to_end(engine_h)
@@ -465,7 +471,9 @@ class AffinityRouter:
                     if ev.block_size != self.hasher.block_size:  # another engine setting: not ours
                         self.kv_mismatched += 1
                         continue
-                    self.apply_kv_stored(replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids)
+                    self.apply_kv_stored(
+                        replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.cache_salt
+                    )
                 elif isinstance(ev, BlockRemoved):
                     self.apply_kv_removed(replica, ev.block_hashes)
                 elif isinstance(ev, BlocksQueued):

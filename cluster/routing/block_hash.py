@@ -16,6 +16,12 @@ tuple hash is a fixed xxHash-style mix, so unlike ``hash(str)`` it does *not* de
 cryptographic: a collision or a crafted prompt can only mislead a routing hint, never the engine,
 which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any Python version),
 measured about 3x slower (see loadtest/bench_affinity_micro.py).
+
+A request's cache salt (its tenant's cache group, :mod:`cluster.routing.cache_salt`) changes the
+chain's root, as vLLM's ``cache_salt`` enters only the first block's extra keys: every block of a
+salted prompt differs from the same tokens under another salt, and a chain continued from a
+known parent (the engine's KV events) carries its salt along. No salt: the root, and every hash,
+is the one it always was.
 """
 
 from __future__ import annotations
@@ -65,12 +71,27 @@ class BlockHasher:
         self.algo = algo
         self.extra = stable_hash64("extra", model, salt)  # vLLM's extra_keys: model + cache salt
         self.root = stable_hash64("root", str(block_size), algo)  # vLLM's NONE_HASH, but fixed
+        self._salted: dict[str, int] = {}  # a request's cache salt -> its chain's root
 
-    def hash_blocks(self, token_ids: Sequence[int], parent: BlockHash | None = None) -> list[BlockHash]:
-        """Hashes of the full blocks of ``token_ids``; ``parent`` continues an existing chain."""
+    def salted_root(self, salt: str | None) -> int:
+        """The root of a chain under ``salt`` (the plain root without one)."""
+        if not salt:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None:
+            if len(self._salted) >= 4096:  # salts are cache groups: few; bounded all the same
+                self._salted.clear()
+            root = self._salted[salt] = stable_hash64("root", str(self.block_size), self.algo, "salt", salt)
+        return root
+
+    def hash_blocks(
+        self, token_ids: Sequence[int], parent: BlockHash | None = None, salt: str | None = None
+    ) -> list[BlockHash]:
+        """Hashes of the full blocks of ``token_ids``; ``parent`` continues an existing chain (which
+        carries its own salt), else the chain starts at ``salt``'s root."""
         bs = self.block_size
         n = len(token_ids) - len(token_ids) % bs
-        h: int = self.root if parent is None else parent
+        h: int = parent if parent is not None else self.salted_root(salt)
         out: list[int] = []  # BlockHash values: the NewType's call per block is left out (hot path)
         if self.algo == "tuple":
             toks = tuple(token_ids)

@@ -293,6 +293,9 @@ class GenerateRequest:
     # (cluster.routing.affinity.AffinityRouter.cache_rank); set as the attempt is routed.
     cache_rank: int = 0
     session_id: str | None = None
+    # The salt of the request's tenant's cache group (cluster.routing.cache_salt; None: no tenant):
+    # the engine's prefix cache (vLLM's cache_salt) and the router's block hashes both mix it in.
+    cache_salt: str | None = None
     deadline: float | None = None  # epoch seconds
     attempt: int = 0  # 0 for the first try, 1.. for failovers and hedges
     exclude_replicas: list[str] = field(default_factory=list)  # a hedge or retry avoids these
