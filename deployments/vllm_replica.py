@@ -176,10 +176,10 @@ class VLLMBackend:
                 raise StreamInterrupted(f"vLLM replica {self.replica} failed mid-stream: {exc}") from exc
             if _client_error(exc):  # e.g. a schema xgrammar cannot compile: the client's, never retried
                 raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
+            dead = ENGINE_DEAD_CODE if self.engine.errored else None  # the gateway picks another
             raise BackendUnavailable(
                 f"vLLM replica {self.replica} failed: {exc}", backend=self.backend, code=dead
             ) from exc
-            dead = ENGINE_DEAD_CODE if self.engine.errored else None  # the gateway picks another
         finally:
             if finished:
                 self._finished += 1
@@ -189,9 +189,6 @@ class VLLMBackend:
                 self._recent_aborts.append((req.request_id, completion_tokens))
                 await self.abort(engine_id)
 
-    async def abort(self, request_id: str) -> None:
-        try:
-            await self.engine.abort(request_id)
     @property
     def vocab_size(self) -> int:
         return int(self.engine.vllm_config.model_config.get_vocab_size())
@@ -205,6 +202,9 @@ class VLLMBackend:
         self._started = self._finished = self._aborted = 0
         self._recent_aborts.clear()
 
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
         except Exception:  # the engine may already have dropped it
             log.debug("abort of %s failed", request_id, exc_info=True)
 
@@ -232,10 +232,10 @@ class VLLMBackend:
                 "recent_aborts": list(self._recent_aborts),
                 # the engine cores' scheduling class (engine.cpu_sched), kept current here too
                 "engine_cpu_class": self._cpu_class_report(),
+                "amx": self.amx.status,  # deployments/amx.py: the tile state asked before the engine
                 "ts": time.time(),
             },
         )
-                "amx": self.amx.status,  # deployments/amx.py: the tile state asked before the engine
 
     def _cpu_class_report(self) -> dict[str, Any] | None:
         if self.cpu_class is None:

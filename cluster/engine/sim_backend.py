@@ -245,7 +245,6 @@ class SimBackend:
                 self.engine.abort(rid)
                 self.requests_aborted += 1
 
-    async def abort(self, request_id: str) -> None:
     @property
     def vocab_size(self) -> int:
         return self.engine.profile.vocab_size
@@ -255,6 +254,7 @@ class SimBackend:
         its blocks stay in the simulated cache, whose LRU evicts them first."""
         self.requests_started = self.requests_finished = self.requests_aborted = 0
 
+    async def abort(self, request_id: str) -> None:
         """End a request's streams (every attempt of it here, or one attempt by its route key)."""
         self._check_alive()
         for key, stream in list(self._streams.items()):
