@@ -329,11 +329,7 @@ class TenantConfig(Strict):
         "budget keeps a minute's bucket, so that one large request still fits its tpm.",
     )
     cache_group: str | None = Field(
-        None,
-        min_length=1,
-        description="Prefix-cache sharing group: tenants naming the same group share cached prompts "
-        "(a public system prompt, say); None: the tenant's cache is its own, shared with no other "
-        "tenant nor with requests that carry none (cluster/routing/cache_salt.py).",
+        None, description="Tenants naming one group share their prefix cache; None: a cache of its own."
     )
 
 

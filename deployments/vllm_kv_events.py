@@ -8,7 +8,9 @@ and the engine's publisher connects to it (``tcp://127.0.0.1:PORT``: no port rac
 listening beyond loopback). The thread decodes each batch and hands its events to the replica's
 event loop, where they join the log the gateways read (``GET /kv_events``). A gap in vLLM's
 sequence numbers (the socket's high-water mark dropped messages) becomes an ``AllBlocksCleared``:
-the gateways forget the replica's entries rather than keep stale ones.
+the gateways forget the replica's entries rather than keep stale ones. A chain's first
+``BlockStored`` keeps the request's cache salt, which vLLM publishes in its ``extra_keys``
+(:func:`stored_salt`), so the gateways hash those tokens under the salt that stored them.
 """
 
 from __future__ import annotations
