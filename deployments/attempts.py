@@ -101,8 +101,7 @@ class AttemptRunner:
         slots = self.slots(candidates)
         breakers = {s: self.board.backend(backend_of_slot(s)) for s in slots}
         mono_deadline = None if req.deadline is None else time.monotonic() + (req.deadline - time.time())
-        if cont is None:
-            self._new_request()
+        self._new_request(cont)
         base, avoid = (cont.attempt_base, cont.avoid) if cont is not None else (0, ())
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
         spans = AttemptSpans(trace, self.rng)
@@ -145,8 +144,10 @@ class AttemptRunner:
         )
         return hooks, mono_deadline
 
-    def _new_request(self) -> None:
-        """A request (not a continuation) starts: the budgets count it."""
+    def _new_request(self, cont: Continuing | None) -> None:
+        """A request starts: the budgets count it (a continuation is no new request)."""
+        if cont is not None:
+            return
         self.retry_budget.record_request(time.monotonic())
         self.hedge.on_request()
         self.migration.on_request(time.monotonic())

@@ -183,7 +183,8 @@ class EngineStream:
         # With token ids asked for: every piece passed on (read back only if the stream breaks,
         # to continue it elsewhere), and what broke it (death, drain, error; None: not broken).
         self.passed: list[bytes] | None = [] if body.get("ids") else None
-        self._strip = self.passed is not None and not body.get("collect")  # ids never reach a client
+        # ids never reach a client, unless an operator asked for them (ResponseMeta.show_ids)
+        self._strip = self.passed is not None and not body.get("collect") and not body["meta"].get("show_ids")
         self.fault: str | None = None
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import sys
@@ -40,7 +39,7 @@ from cluster.providers.budget import Prices
 from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.cache_salt import CacheSalts
 from cluster.routing.view import BackendView
-from cluster.wire.errors import ClusterError, InvalidRequest, Overloaded, Unauthorized
+from cluster.wire.errors import ClusterError, Overloaded
 from cluster.wire.protocol import (
     BackendStats,
     ChatCompletionRequest,
@@ -51,6 +50,7 @@ from cluster.wire.protocol import (
 from deployments import cpu_sched, haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
+from deployments.callers import Callers
 from deployments.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.kv_feed import kv_index_status, start_feeds
@@ -84,8 +84,8 @@ class Gateway:
         tenant_budgets: Any = None,
     ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
-        self._keys = {k.sha256: (k.surface, k.tenant) for k in cfg.server.api_keys}
         self._token = internal_token()
+        self.callers = Callers(cfg, self._token)  # who each request is from (API keys, headers)
         self.cache_salts = CacheSalts(cfg.tenants, self._token)  # one cache group's never answers another's
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
         self.tenants = shared_tenant_budgets(cfg.tenants, tenant_budgets)
@@ -181,7 +181,7 @@ class Gateway:
             await self._complete(s, r, d, "chat", translated=True)
 
         srv = self.cfg.server
-        await native_api.serve(api, chat, srv.max_body_bytes, self._caller, scope, receive, send)
+        await native_api.serve(api, chat, srv.max_body_bytes, self.callers.identify, scope, receive, send)
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per
@@ -273,27 +273,6 @@ class Gateway:
                 )
             raise
 
-    def _caller(self, scope: h.Scope) -> tuple[str, str | None]:
-        """(surface, tenant): from the API key with auth on; else from x-surface and x-tenant (a
-        development cluster, where callers say who they are)."""
-        if self.cfg.server.auth:
-            auth = h.header(scope, b"authorization") or ""
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            found = self._keys.get(hashlib.sha256(key.encode()).hexdigest()) if key else None
-            if found is None:
-                raise Unauthorized("Missing or invalid API key. Pass it as 'Authorization: Bearer <key>'.")
-            return found
-        surface = h.header(scope, b"x-surface") or self.cfg.server.default_surface
-        if self.cfg.surface(surface) is None:
-            known = ", ".join(s.name for s in self.cfg.surfaces)
-            raise InvalidRequest(
-                f"Unknown surface '{surface[:64]}' in x-surface (known: {known}).", param="x-surface"
-            )
-        tenant = h.header(scope, b"x-tenant")
-        if tenant is not None and self.cfg.tenant(tenant) is None:
-            raise InvalidRequest(f"Unknown tenant '{tenant[:64]}' in x-tenant.", param="x-tenant")
-        return surface, tenant
-
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(
         self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str, translated: bool = False
@@ -301,7 +280,7 @@ class Gateway:
         t0 = time.perf_counter()
         rid = h.new_request_id()
         try:
-            surface, tenant = self._caller(scope)
+            surface, tenant = self.callers.identify(scope)
             h.check_json_content_type(scope)
             # the limit is on the client's bytes: native_api's translation of them is not measured
             limit = sys.maxsize if translated else self.cfg.server.max_body_bytes
@@ -317,6 +296,7 @@ class Gateway:
                 self.cfg, raw, schema, kind, rid, surface, session, self.views, salt
             )
             prepared.prep_s = time.perf_counter() - t0
+            prepared.meta.show_ids = self.callers.shows_ids(scope)
         except ClusterError as err:
             await h.send_error(send, err)
             return
@@ -416,7 +396,7 @@ class Gateway:
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
-        self._caller(scope)  # with auth on, listing models needs a key too
+        self.callers.identify(scope)  # with auth on, listing models needs a key too
         data = []
         for m in self.cfg.models:
             kinds = sorted({b.kind for b in self.cfg.backends if b.model == m.name})

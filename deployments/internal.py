@@ -30,3 +30,9 @@ def internal_token() -> str:
 
 def token_ok(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def debug_ids_headers() -> dict[str, str]:
+    """An operator's request for each streamed event's token ids (the gateway strips them for every
+    other client): the migration tests and benchmark compare streams token by token with them."""
+    return {"x-llmc-internal": internal_token(), "x-llmc-debug-ids": "1"}

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
+from deployments.internal import debug_ids_headers
 from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.surfaces import SHAPES, Session
@@ -79,7 +80,8 @@ async def stream(c: httpx.AsyncClient, url: str, body: dict[str, Any], seen: dic
     """One stream, read raw: its replica, token ids (``: ids`` lines) with arrival times, usage."""
     seen.update(ids=[], at=[], usage=None, error=None, done=False)
     try:
-        async with c.stream("POST", url, json=body, headers={"x-surface": "agent"}) as r:
+        headers = {"x-surface": "agent", **debug_ids_headers()}  # the token ids, which clients never see
+        async with c.stream("POST", url, json=body, headers=headers) as r:
             seen["replica"] = r.headers.get("x-llmc-replica")
             async for line in r.aiter_lines():
                 if line.startswith(": ids "):

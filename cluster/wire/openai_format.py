@@ -18,6 +18,9 @@ class ResponseMeta:
     request_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # An operator's request (the internal credential and x-llmc-debug-ids: 1) sees each event's token
+    # ids (the engine's ``: ids`` lines); every other client gets them stripped.
+    show_ids: bool = False
 
     @property
     def id(self) -> str:

@@ -15,6 +15,7 @@ from openai import APIError, OpenAI
 
 from cluster.config import parse_config
 from cluster.observability.server_timing import parse_server_timing
+from deployments.internal import debug_ids_headers
 from loadtest.reliability import provider_backend
 from tests.integration.test_sim_cluster import kill_replica
 from tests.servers.anthropic_server import AnthropicServer
@@ -241,7 +242,8 @@ async def _solo_stream(c: httpx.AsyncClient, mix, i: int, seen: dict[int, dict])
         "stream_options": {"include_usage": True},
     }
     out: dict = {"ids": [], "text": [], "roles": 0, "finish": [], "usage": None, "error": None}
-    async with c.stream("POST", mix.base_url + "/chat/completions", json=body) as r:
+    headers = debug_ids_headers()  # each event's token ids, which clients never see
+    async with c.stream("POST", mix.base_url + "/chat/completions", json=body, headers=headers) as r:
         assert r.status_code == 200
         out["replica"] = r.headers["x-llmc-replica"]
         seen[i] = out

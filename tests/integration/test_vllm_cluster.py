@@ -210,19 +210,70 @@ def test_a_dead_engine_core_fails_its_replica_health_and_serve_replaces_it(clust
         lambda s: len(s) == 2 and victim not in s and all(x.healthy for x in s.values()), timeout=180
     )
     assert len(after) == 2 and victim not in after and all(x.healthy for x in after.values())
+    _fresh_replica_answers_long_prefills_at_once(cluster, next(r for r in after if r not in healthy))
+
+
+def _fresh_replica_answers_long_prefills_at_once(cluster, fresh: str) -> None:
+    """Issue 40: a replica just started by Serve warmed its engine up before it took traffic (and,
+    on an AMX host, asked for the tile state first): long prompts (>= 1,500 tokens, one every
+    0.5 s) get their first token well inside a second, and no engine core dies."""
+    stats = cluster.replica_stats()[fresh]
+    assert stats.extra["amx"] in ("granted", "already", "no_amx"), stats.extra["amx"]
+    assert stats.requests_started == 0  # the warm-up's requests are not counted
+    assert fresh in cluster.status()["routing"]["vllm-tiny"]["replicas"]
+
+    def long_prompt(i: int) -> str:
+        return f"request {i}: " + " ".join(f"def fresh_{i}_{k}(x): return x * {k} + {i}" for k in range(85))
+
+    assert len(tokens.load("@tiny").encode(long_prompt(0))) >= 1500
+    results: list[tuple[str, float, int, list[str]]] = []
+
+    def send(i: int) -> None:
+        body = {
+            "model": "tiny-llama",
+            "stream": True,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": long_prompt(i)}],
+        }
+        t0 = time.monotonic()
+        try:
+            with (
+                httpx.Client(timeout=60) as c,
+                c.stream("POST", cluster.base_url + "/chat/completions", json=body) as r,
+            ):
+                lines = r.iter_lines()
+                ttft = next((time.monotonic() - t0 for line in lines if line.startswith("data: ")), 99.0)
+                rest = list(lines)
+                results.append((r.headers.get("x-llmc-replica", ""), ttft, r.status_code, rest[-3:]))
+        except Exception as exc:  # reported by the assertions below
+            results.append(("", 99.0, 0, [repr(exc)]))
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=send, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.5)
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6 and all(x[2] == 200 for x in results), results
+    assert fresh in {x[0] for x in results}, results  # the new replica took its share
+    assert max(x[1] for x in results) < 1.0, results
+    later = cluster.replica_stats()
+    assert fresh in later and later[fresh].healthy and later[fresh].extra["amx"] == stats.extra["amx"]
 
 
 def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
     """One stream read raw: its token ids (the engine's ``: ids`` comment lines) with their arrival
     times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many
     tokens have arrived."""
+    from deployments.internal import debug_ids_headers
     from tests.integration.test_sim_cluster import kill_replica
     from tests.streamread import take_data_line
 
     out: dict = {"ids": [], "at": [], "roles": 0, "finish": [], "usage": None, "error": None}
     killer: threading.Thread | None = None
     with (
-        httpx.Client(timeout=httpx.Timeout(120, read=60)) as c,
+        httpx.Client(timeout=httpx.Timeout(120, read=60), headers=debug_ids_headers()) as c,
         c.stream("POST", cluster.base_url + "/chat/completions", json=body) as r,
     ):
         assert r.status_code == 200
