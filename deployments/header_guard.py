@@ -43,6 +43,19 @@ UTF8_HEADERS = frozenset(
 )
 
 
+# Serve's own per-request controls, which a client must not set: a timeout of 0 or less turns
+# Serve's request timeout off, and "disconnect disabled" keeps the request generating (and billing
+# the upstream) after its client left. Dropped from every request before Serve reads them.
+SERVE_CONTROLS = frozenset({b"x-request-timeout-seconds", b"x-request-disconnect-disabled"})
+
+
+def without_serve_controls(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]] | None:
+    """The headers less Serve's controls, or None when there were none (the common case)."""
+    if not any(name in SERVE_CONTROLS for name, _ in headers):
+        return None
+    return [(n, v) for n, v in headers if n not in SERVE_CONTROLS]
+
+
 def refusal(headers: list[tuple[bytes, bytes]]) -> InvalidRequest | None:
     """The 400 for a request whose headers Serve would fail on or echo whole; None: let it through."""
     for name, value in headers:
@@ -74,6 +87,9 @@ class HeaderGuard:
                 ours = {"x-request-id": h.new_request_id()}
                 await h.send_json(send, err.status_code, err.to_openai(), ours)
                 return
+            kept = without_serve_controls(scope["headers"])
+            if kept is not None:
+                scope = {**scope, "headers": kept}
         await self.app(scope, receive, send)
 
 

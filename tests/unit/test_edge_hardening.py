@@ -92,6 +92,21 @@ def test_the_guard_answers_an_openai_400_with_one_id_of_ours_before_the_app() ->
     assert _asgi(guard, [(b"x-request-id", b"fine-1")]) == [] and reached == [True]
 
 
+def test_serves_own_timeout_and_disconnect_controls_never_reach_it_from_a_client() -> None:
+    """A client could turn Serve's request timeout off, or keep its request generating (and billed)
+    after it left: the guard drops those headers and leaves the rest as they were."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(list(scope["headers"]))
+
+    guard = header_guard.middlewares()[0].cls(app)
+    sent = [(b"x-request-disconnect-disabled", b"?1"), (b"x-a", b"1"), (b"x-request-timeout-seconds", b"0")]
+    assert _asgi(guard, sent) == []
+    assert seen == [[(b"x-a", b"1")]]
+    assert header_guard.without_serve_controls([(b"x-a", b"1")]) is None  # nothing copied when absent
+
+
 # -- an internal path is an unknown one -------------------------------------------------------------
 
 
