@@ -19,6 +19,8 @@ from cluster.policy.failover import FailoverConfig
 from cluster.policy.hedging import HedgeConfig
 from cluster.policy.migration import MigrationConfig
 from cluster.policy.slo_guard import SloGuardConfig
+from cluster.server_config import ApiKey as ApiKey
+from cluster.server_config import ServerConfig as ServerConfig
 
 TINY_MODEL_PATH = "@tiny"  # resolved to the locally built random-weight model (cluster.engine.tiny_model)
 
@@ -303,12 +305,6 @@ class RouteConfig(Strict):
     candidates: list[str] = Field(min_length=1, description="Backends in the order they are tried.")
 
 
-class ApiKey(Strict):
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Hex SHA-256 of the key (never the key).")
-    surface: str = Field(description="Surface the key's requests belong to.")
-    tenant: str | None = Field(None, description="Tenant (from `tenants`) billed for the key's requests.")
-
-
 class TenantConfig(Strict):
     name: str = Field(min_length=1, description="Tenant id (a customer, a team, an agent fleet).")
     rpm: int | None = Field(None, gt=0, description="Requests per minute across its keys (None: unlimited).")
@@ -331,47 +327,6 @@ class TenantConfig(Strict):
     cache_group: str | None = Field(
         None, description="Tenants naming one group share their prefix cache; None: a cache of its own."
     )
-
-
-class ServerConfig(Strict):
-    host: str = Field("127.0.0.1", description="HTTP bind address.")
-    port: int = Field(8000, gt=0, lt=65536, description="HTTP port.")
-    metrics_port: int = Field(
-        8080, gt=0, lt=65536, description="Prometheus port of Ray's metrics agent (GET /metrics), each node."
-    )
-    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Request bodies above this get a 413.")
-    auth: bool = Field(False, description="Require API keys (maps keys to surfaces).")
-    api_keys: list[ApiKey] = Field(default_factory=list, description="Accepted keys, hashed.")
-    default_surface: str = Field("chat", description="Surface for requests that name none.")
-    gateway_replicas: int = Field(
-        2, ge=1, description="Gateway replicas (HAProxy spreads clients over them; two survive one's loss)."
-    )
-    gc_freeze: bool = Field(
-        True,
-        description="Freeze each gateway and engine replica's startup heap (gc.freeze) so that Python's "
-        "full collections, which stop the process, walk only what requests allocated since.",
-    )
-    gateway_nice: int | None = Field(
-        None,
-        ge=-20,
-        le=19,
-        description=(
-            "Niceness of each gateway replica and of its node's HAProxy (Ray starts workers at 15). On a "
-            "host shared with engines and clients, 0 stops the router waiting behind every nice-0 process "
-            "there; lowering it needs CAP_SYS_NICE (refused: kept, said in /internal/status). None: Ray's."
-        ),
-    )
-
-    timing_header: bool = Field(
-        True,
-        description="Send each completion's Server-Timing header (prep, queue, upstream, ttft in ms): the "
-        "gateway's share of the time to the first token against the backend's.",
-    )
-
-    @property
-    def router_replicas(self) -> int:
-        """Admission divides every limit between the gateway replicas (each enforces its share)."""
-        return self.gateway_replicas
 
 
 class PolicyConfig(Strict):

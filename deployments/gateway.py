@@ -181,7 +181,9 @@ class Gateway:
             await self._complete(s, r, d, "chat", translated=True)
 
         srv = self.cfg.server
-        await native_api.serve(api, chat, srv.max_body_bytes, self.callers.identify, scope, receive, send)
+        await native_api.serve(
+            api, chat, srv.max_body_bytes, self.callers.identify, scope, receive, send, srv.body_timeout_s
+        )
 
     async def _report_gauges(self) -> None:
         """Breaker states and this replica's admission load as gauges once a second (never per
@@ -284,7 +286,7 @@ class Gateway:
             h.check_json_content_type(scope)
             # the limit is on the client's bytes: native_api's translation of them is not measured
             limit = sys.maxsize if translated else self.cfg.server.max_body_bytes
-            raw = await h.read_body(scope, receive, limit)
+            raw = await h.read_body(scope, receive, limit, self.cfg.server.body_timeout_s)
             refusal = self._precheck(surface, tenant)
             if refusal is not None:
                 await self._refuse(send, refusal, surface, t0)

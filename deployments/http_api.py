@@ -5,6 +5,7 @@ framework between uvicorn and the gateway: every request pays only for what it u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -14,7 +15,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge
+from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge, RequestTimeout
 from cluster.wire.native_schemas import MessagesRequest, ResponsesRequest
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -77,10 +78,22 @@ def check_json_content_type(scope: Scope) -> None:
         )
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float | None = None) -> bytes:
+    """The whole body, at most ``limit`` bytes (else a 413), in full within ``timeout_s`` (else a
+    408: a client that trickles its body or stops sending it holds the connection no longer)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body of {declared} bytes exceeds the limit of {limit} bytes.")
+    if timeout_s is None:
+        return await _read_body(receive, limit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive in full within {timeout_s:g} s.") from None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
     buf = bytearray()
     while True:
         msg = await receive()

@@ -66,12 +66,13 @@ async def serve(
     scope: h.Scope,
     receive: h.Receive,
     send: h.Send,
+    body_timeout_s: float | None = None,
 ) -> None:
     inner = _scope(scope)
     try:
         authorize(inner)  # first, as the chat route does: nothing of a refused caller's is read
         h.check_json_content_type(scope)
-        body = h.parse_json(await h.read_body(scope, receive, limit))
+        body = h.parse_json(await h.read_body(scope, receive, limit, body_timeout_s))
         translated = json.dumps(api.to_chat(body), ensure_ascii=False).encode()
     except ClusterError as err:
         await h.send_json(send, err.status_code, api.error(err.status_code, err.to_openai()), err.headers())

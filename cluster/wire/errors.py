@@ -109,6 +109,15 @@ class PayloadTooLarge(ClusterError):
     action = Action.CLIENT
 
 
+class RequestTimeout(ClusterError):
+    """The client did not send its whole request in time (``server.body_timeout_s``)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    action = Action.CLIENT
+
+
 class RateLimited(ClusterError):
     """Over a limit (ours or a provider's): try elsewhere or later, see ``retry_after_s``."""
 
