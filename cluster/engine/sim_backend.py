@@ -247,7 +247,7 @@ class SimBackend:
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.profile.vocab_size
+        return self.engine.profile.model.vocab_size
 
     async def after_warmup(self) -> None:
         """A warm-up (on only where the config asks: the model has no cold state) leaves no counts;

@@ -92,3 +92,26 @@ def test_a_failing_engine_is_reported_not_raised_and_never_hangs(dies: str) -> N
     p = plan(WarmupConfig(), window=2048, vocab_size=2048)
     report = asyncio.run(asyncio.wait_for(run_warmup(engine, "m", p, "b/r"), timeout=10))
     assert report.error == "RuntimeError: engine died" and engine.reset == 0
+
+
+def test_the_simulated_engine_runs_the_warmup_and_forgets_its_counts() -> None:
+    """The sim has no cold state (its warm-up is off unless asked), but when a config asks, it runs
+    the same plan through the same interface and keeps no counts of it."""
+    from cluster.config import load_config
+    from cluster.engine.sim_backend import SimBackend
+
+    cfg = load_config("configs/sim-local.yaml")
+    sim = SimBackend.from_config(cfg.backends[0], cfg.models[0], "r1")
+    p = plan(WarmupConfig(enabled=True, max_prompt_tokens=1024, steps=2), 8192, sim.vocab_size)
+
+    async def run() -> object:
+        try:
+            return await asyncio.wait_for(run_warmup(sim, cfg.models[0].name, p, "sim/r1"), timeout=60)
+        finally:
+            await sim.close()
+
+    report = asyncio.run(run())
+    assert report.error is None, report.error
+    assert set(report.prompts) == {"prefill-32", "prefill-1024", "mixed-decode", "mixed-prefill-512"}
+    stats = sim.stats()
+    assert stats.requests_started == stats.requests_finished == 0
