@@ -25,12 +25,18 @@ import pytest
 
 from cluster.k8s.lab_plan import LAB, ROOT, SUBNET, LabNode, LabPlan
 
+
+def _can_make_namespaces() -> bool:
+    """Linux, root, iproute2, and the right to make a network namespace (a container may lack it)."""
+    if sys.platform != "linux" or os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare")):
+        return False
+    probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None,
-        reason="network namespaces: Linux, root and iproute2",
-    ),
+    pytest.mark.skipif(not _can_make_namespaces(), reason="network namespaces: Linux, root, iproute2"),
 ]
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = str(Path(sys.executable).parent / "cluster")
