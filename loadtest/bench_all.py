@@ -130,6 +130,8 @@ STEPS: tuple[Step, ...] = (
     ),
     Step("hedging", "loadtest.bench_hedging", (), None, ("hedging.json",), 120, 120),
     Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 45),
+    # A fresh replica's first requests with and without its warm-up (112 s on 2026-12-05, whole).
+    Step("warmup", "loadtest.bench_warmup", (), ("--first", "5", "--steady", "5"), ("warmup.json",), 150, 90),
     Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
     Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 150),
     Step(

@@ -70,6 +70,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "prefill-avoid": tables_prefill.prefill_avoid,
     "prefill-avoid-shared": tables_prefill.prefill_avoid_shared,
     "migration": tables_reliability.migration,
+    "warmup": tables_engine.warmup,
 }
 
 REGION = re.compile(r"<!-- table:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)

@@ -303,3 +303,35 @@ def hedging(r: Results, at: str | None = None) -> str:
         "losers upstream / not cancelled",
     ]
     return table(header, "llrrrrr", rows)
+
+
+def warmup(r: Results) -> str:
+    """A fresh replica's first requests against its steady state, its warm-up on and off
+    (:mod:`loadtest.bench_warmup`): TTFT at the client, ms."""
+    d = r.get("warmup")
+    rows = []
+    for run in d["runs"]:
+        first, steady = run["first"], run["steady"]
+        reports = [x for x in run["replica_warmup_report"].values() if x]
+        took = fixed(reports[0]["total_ms"], 0) if reports else "—"
+        rows.append(
+            [
+                run["engine"] + (" (simulated)" if run["simulated"] else ""),
+                "on" if run["warmup"] else "off",
+                took,
+                f"{fixed(first['ttft_ms_p50'], 1)} / {fixed(first['ttft_ms_max'], 1)}",
+                f"{fixed(steady['ttft_ms_p50'], 1)} / {fixed(steady['ttft_ms_max'], 1)}",
+                fixed(run["first_max_over_steady_p50"], 2),
+                f"{first['ok']} of {first['n']}",
+            ]
+        )
+    header = [
+        "engine",
+        "warm-up",
+        "warm-up took (ms)",
+        "first requests TTFT p50 / max",
+        "steady TTFT p50 / max",
+        "first max / steady p50",
+        "first answered",
+    ]
+    return table(header, "llrrrrr", rows)
