@@ -136,15 +136,6 @@ class Overloaded(ClusterError):
     action = Action.RETRY_ELSEWHERE
 
 
-class BackendUnavailable(ClusterError):
-    """Connect error, 5xx, timeout or a dead replica: another candidate may serve it."""
-
-    status_code = 502
-    error_type = "server_error"
-    code = "backend_unavailable"
-    action = Action.RETRY_ELSEWHERE
-
-
 class NoCapacity(Overloaded):
     """No replica of the backend can take a request (every one dead, draining, unhealthy or
     unreachable) and no other candidate could: ``retry_after_s`` estimates a replacement's start.
@@ -154,6 +145,15 @@ class NoCapacity(Overloaded):
 
 
 ENGINE_DEAD_CODE = "engine_dead"  # the replica's engine died: the request never ran, pick another
+
+
+class BackendUnavailable(ClusterError):
+    """Connect error, 5xx, timeout or a dead replica: another candidate may serve it."""
+
+    status_code = 502
+    error_type = "server_error"
+    code = "backend_unavailable"
+    action = Action.RETRY_ELSEWHERE
 
 
 class UpstreamTimeout(BackendUnavailable):
