@@ -203,9 +203,9 @@ class EngineStream:
     async def _open(self) -> aiohttp.ClientResponse:
         """The engine's answer. A replica that refuses the connection, or whose engine is dead,
         never ran the request: it is skipped (``on_unreachable``) and another one picked."""
-        data = dumps(self.body)
         for _ in range(MAX_REPICKS):
             self.choice = await self._choose()
+            data = dumps(self.body)  # after the choice: it sets the request's cache rank there
             try:
                 resp = await self.session.post(self.choice.url + "/generate", data=data, headers=self.headers)
             except aiohttp.ClientConnectorError:  # refused: the request never reached the replica

@@ -34,6 +34,8 @@ EVENT_COUNTERS = {
     "ray_llmc_migration_prefill_tokens_total": "a stream continued on another replica",
     "ray_llmc_migration_seam_seconds": "a stream continued on another replica (a histogram)",
     "ray_llmc_refusal_seconds": "an admission refusal (a histogram)",
+    "ray_llmc_no_capacity_total": "a request no replica could take by its queue deadline",
+    "ray_llmc_replica_unreachable_total": "a replica that refused a connection or whose engine died",
 }
 # Ray's node metrics for GPUs: exported only by a node that has one. Checked against Ray's source.
 GPU_NODE_METRICS = {"ray_node_gpus_utilization": "GpuIndex", "ray_node_gram_used": "GpuIndex"}
