@@ -54,7 +54,7 @@ from deployments.callers import Callers
 from deployments.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.kv_feed import kv_index_status, start_feeds
-from deployments.prepare import prepare_off_loop
+from deployments.prepare import INLINE_PREPARE_BYTES, count_prompt, prepare_off_loop
 from deployments.relay import Relay
 from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
 
@@ -135,6 +135,7 @@ class Gateway:
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
             ("POST", "/v1/completions"): lambda s, r, d: self._complete(s, r, d, "completion"),
             ("POST", "/v1/messages"): functools.partial(self._native, native_api.MESSAGES),
+            ("POST", "/v1/messages/count_tokens"): self._count_tokens,
             ("POST", "/v1/responses"): functools.partial(self._native, native_api.RESPONSES),
             ("GET", "/v1/models"): self._models,
             ("GET", "/healthz"): self._healthz,
@@ -183,6 +184,19 @@ class Gateway:
         srv = self.cfg.server
         await native_api.serve(
             api, chat, srv.max_body_bytes, self.callers.identify, scope, receive, send, srv.body_timeout_s
+        )
+
+    async def _count_tokens(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+        """/v1/messages/count_tokens: the prompt counted as admission counts it, nothing admitted."""
+
+        async def count(chat: bytes) -> int:
+            if len(chat) > INLINE_PREPARE_BYTES:  # a long context is tokenized off the loop
+                return await asyncio.to_thread(count_prompt, self.cfg, chat)
+            return count_prompt(self.cfg, chat)
+
+        srv = self.cfg.server
+        await native_api.count_tokens(
+            count, srv.max_body_bytes, self.callers.identify, scope, receive, send, srv.body_timeout_s
         )
 
     async def _report_gauges(self) -> None:

@@ -16,7 +16,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge, RequestTimeout
-from cluster.wire.native_schemas import MessagesRequest, ResponsesRequest
+from cluster.wire.native_schemas import MessageCountTokensRequest, MessagesRequest, ResponsesRequest
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 Scope = dict[str, Any]
@@ -255,7 +255,8 @@ def _post(model: type[BaseModel], summary: str, errors: dict[str, Any] = _ERRORS
 
 def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict[str, Any]:
     schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest):
+    requests = (ChatCompletionRequest, CompletionRequest, MessagesRequest, MessageCountTokensRequest)
+    for model in (*requests, ResponsesRequest):
         schema = model.model_json_schema(ref_template=_REF)
         for name, sub in schema.pop("$defs", {}).items():
             if schemas.setdefault(name, sub) != sub:
@@ -271,6 +272,11 @@ def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict
             "/v1/messages": _post(
                 MessagesRequest,
                 "Anthropic Messages (served through the chat route)",
+                _errors("AnthropicError", "An Anthropic error object."),
+            ),
+            "/v1/messages/count_tokens": _post(
+                MessageCountTokensRequest,
+                "Anthropic token counting: the prompt's tokens as /v1/messages would count them",
                 _errors("AnthropicError", "An Anthropic error object."),
             ),
             "/v1/responses": _post(ResponsesRequest, "OpenAI Responses (minimal, stateless)"),

@@ -1,5 +1,6 @@
 """``POST /v1/messages`` (Anthropic-compatible) and ``POST /v1/responses`` (OpenAI Responses, minimal)
-as thin shells over the gateway's chat route.
+as thin shells over the gateway's chat route, and ``POST /v1/messages/count_tokens`` over its
+tokenization.
 
 The body is translated into the OpenAI chat body (:mod:`cluster.wire.messages_api`,
 :mod:`cluster.wire.responses_api`) and served by the gateway's own chat completions path, so admission,
@@ -90,6 +91,34 @@ async def serve(
 
     inner["headers"].append((b"content-length", str(len(translated)).encode()))
     await chat(inner, inner_receive, _Translating(api, send, str(body.get("model", ""))))
+
+
+async def count_tokens(
+    count: Callable[[bytes], Awaitable[int]],
+    limit: int,
+    authorize: Authorize,
+    scope: h.Scope,
+    receive: h.Receive,
+    send: h.Send,
+    body_timeout_s: float | None = None,
+) -> None:
+    """``POST /v1/messages/count_tokens``: the body translated as ``/v1/messages`` translates it,
+    its prompt counted by ``count`` (the gateway's own tokenization of that chat body) and answered
+    as ``{"input_tokens": N}``; the same key check first, the same errors in Anthropic's shape. No
+    admission, no backend."""
+    try:
+        authorize(_scope(scope))
+        h.check_json_content_type(scope)
+        body = h.parse_json(await h.read_body(scope, receive, limit, body_timeout_s))
+        chat = json.dumps(messages_api.count_tokens_to_chat(body), ensure_ascii=False).encode()
+        n = await count(chat)
+    except ClusterError as err:
+        body = messages_api.error_body(err.status_code, err.to_openai())
+        await h.send_json(send, err.status_code, body, err.headers())
+        return
+    except ConnectionResetError:
+        return
+    await h.send_json(send, 200, {"input_tokens": n})
 
 
 class _Translating:

@@ -113,9 +113,7 @@ def prepare(
     counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
 
     def count(model_name: str) -> int:
-        m = cfg.model(model_name)
-        assert m is not None
-        counted[model_name] = prompt_ids(api, tokens.load(m.tokenizer), m.fim, m.tool_calls)
+        counted[model_name] = _tokenized(cfg, api, model_name)
         return len(counted[model_name][0]) + image_estimate(cfg, model_name, counted[model_name][1])
 
     surface = cfg.surface(surface_name)
@@ -152,6 +150,24 @@ def prepare(
     req.cache_salt = cache_salt
     hashes = _block_hashes(ids, candidates, views, cache_salt)
     return Prepared(api, req, meta, candidates, hashes, max_tokens_capped=fit.capped)
+
+
+def _tokenized(
+    cfg: ClusterConfig, api: ChatCompletionRequest | CompletionRequest, model_name: str
+) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
+    """The prompt's ids with ``model_name``'s own tokenizer (its chat, FIM and tool templates)."""
+    m = cfg.model(model_name)
+    assert m is not None
+    return prompt_ids(api, tokens.load(m.tokenizer), m.fim, m.tool_calls)
+
+
+def count_prompt(cfg: ClusterConfig, raw: bytes) -> int:
+    """A chat body's prompt tokens as :func:`prepare` counts them for the context check and
+    admission, with the asked model's tokenizer (``POST /v1/messages/count_tokens``): the same
+    validation and errors, no capability check, no context fit, no admission."""
+    api, _ = _parse(cfg, raw, ChatCompletionRequest, None)
+    ids, messages, _ = _tokenized(cfg, api, api.model)
+    return len(ids) + image_estimate(cfg, api.model, messages)
 
 
 def _fit(

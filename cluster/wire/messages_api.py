@@ -116,6 +116,20 @@ def to_chat(body: Any) -> dict[str, Any]:
     return out
 
 
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+
+
+def count_tokens_to_chat(body: Any) -> dict[str, Any]:
+    """A ``/v1/messages/count_tokens`` body as the chat body its Messages request would become (a
+    placeholder ``max_tokens``, which counts nothing): the same translation, so the same tokens."""
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.", "body")
+    for key in body:
+        if key not in COUNT_FIELDS and key not in _REFUSED:
+            raise _bad(f"{key}: Extra inputs are not permitted", key)
+    return to_chat({**body, "max_tokens": 1})
+
+
 def _text_only(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content

@@ -123,6 +123,18 @@ class MessagesRequest(_Wire):
     thinking: ThinkingConfig | None = None
 
 
+class MessageCountTokensRequest(_Wire):
+    """``POST /v1/messages/count_tokens``: a Messages request's prompt fields (answered with
+    ``{"input_tokens": N}``)."""
+
+    model: str = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
 # -- OpenAI Responses (minimal, stateless) ---------------------------------------------------------
 class InputText(_Wire):
     type: Literal["input_text", "output_text"]
