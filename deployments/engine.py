@@ -42,6 +42,7 @@ from cluster.wire.engine_stream import (
     parse_request,
 )
 from cluster.wire.errors import ClusterError, InvalidRequest, StreamInterrupted, to_wire
+from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.wire.tool_stream import ToolEvents
@@ -292,8 +293,8 @@ class EngineReplica:
         pending: list[int] = []
         chunk: Chunk | None = first
         sent_first = continued
-        finish, usage = "stop", None
-        text_events = TextEvents(meta)
+        finish, usage, text_events = "stop", None, TextEvents(meta)
+        lp = LogprobsFraming(meta.kind, collect)  # empty unless the request asked for logprobs
         tools = ToolEvents(meta, tool_parse) if tool_parse and meta.kind == "chat" else None
         try:
             while chunk is not None:
@@ -306,7 +307,7 @@ class EngineReplica:
                     if ended is not None:
                         chunk.finish_reason = tools.finish_reason(ended)
                 else:
-                    event = _plain_event(chunk, meta, text_events, sent_first)
+                    event = _plain_event(chunk, meta, text_events, sent_first, lp)
                     if parts is not None:
                         parts.append(chunk.text)
                 if event:
@@ -332,7 +333,7 @@ class EngineReplica:
             return usage
         text = (tools.text() if tools is not None else "".join(parts)) if parts is not None else None
         calls = tools.calls() if tools is not None and collect else None
-        await _last(resp, span, end_frame(finish, usage or Usage(), text, self.replica_id, calls))
+        await _last(resp, span, end_frame(finish, usage or Usage(), text, self.replica_id, calls, lp.whole()))
         return usage
 
     def _mid_stream(self, exc: BaseException | None) -> StreamInterrupted:
@@ -363,13 +364,16 @@ async def _last(resp: web.StreamResponse, span: _EngineSpan | None, frame: bytes
     await resp.write(frame)
 
 
-def _plain_event(chunk: Chunk, meta: ResponseMeta, text_events: TextEvents, sent_first: bool) -> bytes:
-    """A chunk's event without tools (``b""``: nothing to say yet)."""
+def _plain_event(
+    chunk: Chunk, meta: ResponseMeta, text_events: TextEvents, sent_first: bool, lp: LogprobsFraming
+) -> bytes:
+    """A chunk's event without tools (``b""``: nothing to say yet; its logprobs wait, as its ids)."""
+    lp.add(chunk.logprobs)
     if not (chunk.text or not sent_first or (chunk.finish_reason and chunk.finish_reason != "abort")):
         return b""
-    if sent_first and chunk.finish_reason is None:  # the common case: text only
+    if sent_first and chunk.finish_reason is None and not lp.pending:  # the common case: text only
         return text_events.event(chunk.text)
-    return sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first))
+    return sse(stream_chunk(meta, chunk.text, chunk.finish_reason, not sent_first, logprobs=lp.take()))
 
 
 def _broken(exc: BaseException) -> StreamInterrupted:

@@ -233,8 +233,9 @@ class Relay:
         end = getattr(stream, "end", None)
         text = end.text if end is not None and end.text is not None else "".join(framer.parts)
         calls = end.tool_calls if end is not None and end.tool_calls else framer.tool_calls.calls()
+        logprobs = end.logprobs if end is not None else None
         body = full_response(
-            p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks()
+            p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks(), logprobs
         )
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED

@@ -25,6 +25,7 @@ from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv_events import KVEventLog
 from cluster.policy.cpu_class import CpuClassPolicy
 from cluster.tokens import resolve_model_path
+from cluster.wire import logprobs
 from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.amx import request_amx
@@ -141,6 +142,7 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
 
         params = _sampling_params(req)
+        k = req.sampling.logprobs
         self._started += 1
         if self.cpu_class is not None:
             self.cpu_class.note_request(time.monotonic(), req.priority)
@@ -166,6 +168,8 @@ class VLLMBackend:
                 chunk = Chunk(
                     text=o.text, token_ids=list(o.token_ids), replica=self.replica, backend=self.backend
                 )
+                if k is not None and o.logprobs:
+                    chunk.logprobs = logprobs.from_engine(o.token_ids, o.logprobs, k, o.text)
                 if out.finished:
                     finished = True
                     chunk.finish_reason = o.finish_reason or "stop"
@@ -266,6 +270,7 @@ def _sampling_params(req: GenerateRequest) -> Any:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         structured_outputs=so,
+        logprobs=s.logprobs,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -42,8 +42,8 @@ SUPPORT: dict[str, frozenset[str]] = {
     "frequency_penalty": _ENGINES | _OPENAI,
     "ignore_eos": _ENGINES,
     "logit_bias": _OPENAI,
-    "logprobs": _OPENAI,
-    "top_logprobs": _OPENAI,
+    "logprobs": _OPENAI | {"vllm"},
+    "top_logprobs": _OPENAI | {"vllm"},
     # tools
     "tools": _TOOLS,
     "tool_choice": _TOOLS,
@@ -113,6 +113,8 @@ def backend_kind(kind: str, api: str | None) -> Kind:
 
 def _asks(name: str, value: Any) -> bool:
     # ``{}`` asks for something in some fields (``web_search_options: {}`` turns search on).
+    if name == "logprobs" and type(value) is int:  # a completion's 0: the sampled tokens' own
+        return True
     return value not in (None, False, [], "") and not (value == {} and name == "logit_bias")
 
 

@@ -7,7 +7,8 @@ remaining ``max_tokens`` and the same sampling parameters and seed: an engine th
 deterministically (greedy vLLM, the simulator's seeded sampler) produces exactly the tokens the
 uninterrupted run would have; any engine produces a valid continuation of what the client has.
 Never for a provider backend (its stream cannot be resumed from token ids), never across models,
-never under structured decoding or a tool-call parser (their state is not in the token ids), at
+never under structured decoding or a tool-call parser (their state is not in the token ids) nor
+with ``logprobs`` (a completion's text offsets would restart), at
 most ``max_per_request`` times per request and within a budget shared by all requests
 (``ratio`` of the requests in a sliding window, plus ``min_per_s``), like the retry budget. When
 migration is refused the stream ends as before: one clean terminal error event.
@@ -125,6 +126,9 @@ class MigrationPolicy:
         # parser there would not know the calls already sent. The stream ends as before.
         if s.structured:
             return "structured"
+        # logprobs: the continuation's completion offsets would restart at its own first token
+        if s.logprobs is not None:
+            return "logprobs"
         if req.tool_parse:
             return "tools"
         return None

@@ -7,8 +7,8 @@ client's SSE events must say: id, model, created). The engine answers:
 * otherwise status 200 and the client's own SSE events (``data: {chat.completion.chunk}``), one per
   token or batch of tokens, which the gateway passes through as bytes without parsing them;
 * then exactly one control frame, an SSE comment that ends the stream: ``: llmc end {json}`` with
-  the finish reason, usage and (when the gateway asked to collect) the whole text and the tool
-  calls, or
+  the finish reason, usage and (when the gateway asked to collect) the whole text, the tool
+  calls and the logprobs, or
   ``: llmc error {json}`` with a typed error after tokens went out.
 
 SSE clients ignore comment lines, and JSON text never holds a raw newline, so a control frame is
@@ -121,12 +121,15 @@ def end_frame(
     text: str | None = None,
     replica: str = "",
     tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     payload: dict[str, Any] = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
     if text is not None:
         payload["text"] = text
     if tool_calls:
         payload["tool_calls"] = tool_calls
+    if logprobs is not None:
+        payload["logprobs"] = logprobs
     return control_frame("end", payload)
 
 
@@ -144,6 +147,7 @@ class StreamEnd:
     replica: str = ""
     error: ClusterError | None = None
     tool_calls: list[dict[str, Any]] | None = None  # the message's, when the gateway collects
+    logprobs: dict[str, Any] | None = None  # the choice's, when the gateway collects and they were asked
 
 
 def parse_control(frame: bytes) -> StreamEnd:
@@ -157,6 +161,7 @@ def parse_control(frame: bytes) -> StreamEnd:
         text=payload.get("text"),
         replica=payload.get("replica", ""),
         tool_calls=payload.get("tool_calls"),
+        logprobs=payload.get("logprobs"),
     )
 
 

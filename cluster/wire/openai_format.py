@@ -52,6 +52,7 @@ def stream_chunk(
     first: bool = False,
     tool_calls: list[dict[str, Any]] | None = None,
     thinking: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     base = {"id": meta.id, "object": meta.object, "created": meta.created, "model": meta.model}
     if meta.kind == "chat":
@@ -65,9 +66,9 @@ def stream_chunk(
                 delta["tool_calls"] = tool_calls
             if thinking:
                 delta["thinking_blocks"] = thinking  # cluster.wire.thinking
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**base, "choices": [choice]}
 
 
@@ -89,6 +90,7 @@ def full_response(
     usage: Usage,
     tool_calls: list[dict[str, Any]] | None = None,
     thinking: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     base = {"id": meta.id, "created": meta.created, "model": meta.model, "usage": usage_dict(usage)}
     if meta.kind == "chat":
@@ -97,9 +99,9 @@ def full_response(
             msg = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
         if thinking:
             msg["thinking_blocks"] = thinking  # cluster.wire.thinking
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**base, "object": "chat.completion", "choices": [choice]}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**base, "object": "text_completion", "choices": [choice]}
 
 

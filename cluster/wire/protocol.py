@@ -274,6 +274,8 @@ class Sampling:
     # Structured decoding on self-hosted engines: {"json": schema} or {"json_object": True}
     # (vLLM's StructuredOutputsParams fields); None for free text.
     structured: dict[str, Any] | None = None
+    # Each sampled token's logprob and this many top alternatives (vLLM's ``logprobs``; None: none)
+    logprobs: int | None = None
 
 
 @dataclass
@@ -358,6 +360,8 @@ class Chunk:
     tool_calls: list[dict[str, Any]] | None = None
     # ``delta.thinking_blocks`` items (with index): an Anthropic thinking block's pieces
     thinking: list[dict[str, Any]] | None = None
+    # an engine's sampled tokens' logprobs, chat-shape entries (cluster.wire.logprobs)
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 from cluster.config import ClusterConfig, FimTemplate, ModelConfig, ToolCallsConfig
 from cluster.tokens import HFTokenizer, Tokenizer
 from cluster.wire import fim as fim_prompt
+from cluster.wire import logprobs
 from cluster.wire.errors import InvalidRequest, NotFound
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling
 from cluster.wire.tool_schema import plan as tool_plan
@@ -89,6 +90,9 @@ def build_generate_request(
 ) -> GenerateRequest:
     chat = isinstance(req, ChatCompletionRequest)
     tools = tool_plan(req) if chat and model.tool_calls is not None else None  # type: ignore[arg-type]
+    top = logprobs.asked("chat" if chat else "completion", req.logprobs, getattr(req, "top_logprobs", None))
+    if top is not None and tools is not None and tools.parse:  # its tool-call parser frames none
+        raise InvalidRequest("'logprobs' with tools is not served on this model", param="logprobs")
     return GenerateRequest(
         request_id=request_id,
         model=model.name,
@@ -104,6 +108,7 @@ def build_generate_request(
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             structured=(tools.structured if tools and tools.structured else None) or structured(req),
+            logprobs=top,
         ),
         options=options(req),
         tool_parse=tools.parse if tools else None,

@@ -1,0 +1,128 @@
+"""``logprobs`` on a self-hosted engine: what the request asks for, the engine's per-token logprobs
+as OpenAI's shapes, and their framing across a stream's events. Pure.
+
+An engine chunk carries one entry per sampled token in the chat shape (an item of
+``choices[].logprobs.content``: ``token``, ``logprob``, ``bytes``, ``top_logprobs``); a completion's
+events get the legacy shape made from them (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+``{token: logprob}``, ``text_offset``). A token is the text it added to the answer (the engine
+streams one token a step), so the tokens join to the text: a character that spans tokens is
+written whole at its last token, the earlier ones are ``""``; ``bytes`` are that text's UTF-8.
+A chunk of several tokens (rare) names each by its own decoding, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from cluster.wire.errors import InvalidRequest
+
+Entry = dict[str, Any]
+MAX_TOP = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
+FLOOR = -9999.0  # -inf as JSON can say it (vLLM's own server clamps the same way)
+
+
+def asked(kind: str, logprobs: Any, top_logprobs: int | None = None) -> int | None:
+    """The engine's top-k count for a request (None: no logprobs), or a 400: chat takes
+    ``logprobs: true`` with ``top_logprobs`` 0..20 (which needs it), completions an int 0..20."""
+    if kind == "chat":
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise InvalidRequest("logprobs: Input should be a valid boolean", param="logprobs")
+        if top_logprobs is not None and not logprobs:
+            raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top_logprobs or 0) if logprobs else None
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP:
+        raise InvalidRequest(f"logprobs: Input should be an integer from 0 to {MAX_TOP}", param="logprobs")
+    return logprobs
+
+
+def _lp(value: float) -> float:
+    return FLOOR if math.isnan(value) or value < FLOOR else float(value)
+
+
+def entry(token: str, logprob: float, top: Iterable[tuple[str, float]] = ()) -> Entry:
+    """One token's item in the chat shape."""
+    return {
+        "token": token,
+        "logprob": _lp(logprob),
+        "bytes": list(token.encode()),
+        "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": list(t.encode())} for t, v in top],
+    }
+
+
+def from_engine(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]], k: int, text: str | None = None
+) -> list[Entry]:
+    """vLLM's per-token ``{token_id: Logprob(logprob, rank, decoded_token)}`` (the sampled token
+    and the ``k`` most likely) as chat-shape entries, the top ones by rank. ``text``: what the
+    chunk's tokens added to the answer; a chunk of one token names it so (its own decoding would
+    not join to the text where a character spans tokens: the engine writes it whole, at its last)."""
+    out = []
+    for tid, d in zip(token_ids, logprobs, strict=False):
+        chosen = d.get(tid)
+        top = sorted((p for p in d.values() if p.rank is not None and p.rank <= k), key=lambda p: p.rank)
+        own = (chosen.decoded_token or "") if chosen is not None else ""
+        out.append(
+            entry(
+                text if text is not None and len(token_ids) == 1 else own,
+                chosen.logprob if chosen is not None else FLOOR,
+                [(p.decoded_token or "", p.logprob) for p in top[:k]],
+            )
+        )
+    return out
+
+
+def completion_shape(entries: list[Entry], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape; ``offset``: the text's length before these tokens."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def shape(kind: str, entries: list[Entry], offset: int = 0) -> dict[str, Any]:
+    """A choice's ``logprobs`` for these entries in the route's shape."""
+    if kind == "chat":
+        return {"content": entries, "refusal": None}
+    return completion_shape(entries, offset)
+
+
+class LogprobsFraming:
+    """A stream's entries onto its events: those of chunks that sent no event yet ride on the next
+    one (as their token ids do); with ``collect`` every entry is kept for the whole answer."""
+
+    __slots__ = ("kept", "kind", "offset", "pending")
+
+    def __init__(self, kind: str, collect: bool) -> None:
+        self.kind = kind
+        self.pending: list[Entry] = []
+        self.kept: list[Entry] | None = [] if collect else None
+        self.offset = 0
+
+    def add(self, entries: list[Entry] | None) -> None:
+        if entries:
+            self.pending.extend(entries)
+            if self.kept is not None:
+                self.kept.extend(entries)
+
+    def take(self) -> dict[str, Any] | None:
+        """The pending entries as the next event's ``logprobs`` (None: none pending)."""
+        if not self.pending:
+            return None
+        out = shape(self.kind, self.pending, self.offset)
+        self.offset += sum(len(e["token"]) for e in self.pending)
+        self.pending = []
+        return out
+
+    def whole(self) -> dict[str, Any] | None:
+        """The whole answer's ``logprobs`` (collecting, and some were produced)."""
+        return shape(self.kind, self.kept) if self.kept else None
