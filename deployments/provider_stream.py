@@ -110,7 +110,7 @@ class ChunkReader:
             return self.fail(delta.error, s.started)
         s.usage = delta.usage or s.usage
         s.finish = delta.finish_reason or s.finish
-        if delta.text or delta.tool_calls or delta.thinking:  # all content
+        if delta.text or delta.tool_calls or delta.thinking or delta.logprobs:  # all content
             s.started = True
             s.out_parts.append(delta.text)
             batch.append(
@@ -120,6 +120,7 @@ class ChunkReader:
                     thinking=delta.thinking,
                     replica=self.replica,
                     backend=self.backend,
+                    logprobs=delta.logprobs,
                 )
             )
         if delta.done:

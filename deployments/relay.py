@@ -22,6 +22,7 @@ from cluster.policy.race import RaceResult, first_token, follow
 from cluster.policy.tenants import spent_tokens
 from cluster.providers.budget import cost_usd
 from cluster.wire.errors import ClusterError, StreamInterrupted
+from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
 from cluster.wire.protocol import Chunk, Usage
 from cluster.wire.thinking import ThinkingAccumulator
@@ -84,6 +85,7 @@ class _Framer:
         self.tokens = 0
         self.tool_calls = ToolCallAccumulator()
         self.thinking = ThinkingAccumulator()
+        self.logprobs = LogprobsFraming(prepared.meta.kind, collect=True)  # a provider's, if it sent any
 
     def frame(self, batch: list[Chunk]) -> bytes:
         if len(batch) == 1:
@@ -96,6 +98,7 @@ class _Framer:
         if chunk.finish_reason is not None:
             self.finish = chunk.finish_reason
         calls, thinking = chunk.tool_calls, chunk.thinking
+        self.logprobs.add(chunk.logprobs)  # they ride on the next event, as an engine's do
         if not (chunk.text or calls or thinking or chunk.finish_reason is not None or not self.sent_first):
             return b""
         if chunk.text or calls or thinking:
@@ -105,15 +108,13 @@ class _Framer:
             self.tool_calls.feed(calls)
         if thinking:
             self.thinking.feed(thinking)
-        if not (calls or thinking) and self.sent_first and chunk.finish_reason is None:
+        lp = self.logprobs.take()
+        if not (calls or thinking or lp) and self.sent_first and chunk.finish_reason is None:
             return self.text_events.event(chunk.text)  # the common case: text, nothing else
         first = not self.sent_first
         self.finished = chunk.finish_reason is not None
-        data = sse(
-            stream_chunk(
-                self.meta, chunk.text, chunk.finish_reason, first, tool_calls=calls, thinking=thinking
-            )
-        )
+        c = stream_chunk(self.meta, chunk.text, chunk.finish_reason, first, calls, thinking, lp)
+        data = sse(c)
         self.sent_first = True
         return data
 
@@ -233,7 +234,7 @@ class Relay:
         end = getattr(stream, "end", None)
         text = end.text if end is not None and end.text is not None else "".join(framer.parts)
         calls = end.tool_calls if end is not None and end.tool_calls else framer.tool_calls.calls()
-        logprobs = end.logprobs if end is not None else None
+        logprobs = end.logprobs if end is not None else framer.logprobs.whole()
         body = full_response(
             p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks(), logprobs
         )

@@ -23,6 +23,7 @@ class StreamDelta:
     text: str = ""
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
     thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.wire.thinking)
+    logprobs: list[dict[str, Any]] | None = None  # the tokens' logprobs entries (cluster.wire.logprobs)
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.providers import StreamDelta, error_value
+from cluster.wire.logprobs import from_openai
 from cluster.wire.openai_format import loads
 from cluster.wire.protocol import GenerateRequest, Usage
 
@@ -89,7 +90,12 @@ def plain_text(data: bytes) -> str | Any:
         choices = obj.get("choices")
         if type(choices) is list and len(choices) == 1:
             c = choices[0]
-            if type(c) is dict and c.get("finish_reason") is None and c.get("index", 0) == 0:
+            if (
+                type(c) is dict
+                and c.get("finish_reason") is None
+                and c.get("index", 0) == 0
+                and not c.get("logprobs")
+            ):
                 d = c.get("delta")
                 text = d.get("content") if type(d) is dict else c.get("text")
                 if type(text) is str and text and (type(d) is not dict or d.get("tool_calls") is None):
@@ -121,6 +127,7 @@ def parse_stream_obj(obj: Any) -> StreamDelta:
             raise ValueError("stream chunk tool_calls is not a list")
         out.tool_calls = calls or None
         out.finish_reason = choice.get("finish_reason")
+        out.logprobs = from_openai(choice.get("logprobs"))
     return out
 
 

@@ -75,6 +75,24 @@ def from_engine(
     return out
 
 
+def from_openai(lp: Any) -> list[Entry] | None:
+    """An OpenAI-compatible provider's ``choices[].logprobs`` (chat's ``content`` items as they
+    are, or the completions shape) as entries; None when it sent none or a shape we do not know."""
+    if not isinstance(lp, dict):
+        return None
+    if isinstance(lp.get("content"), list):
+        return [e for e in lp["content"] if isinstance(e, dict)]
+    tokens, values, tops = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return None
+    tops = tops if isinstance(tops, list) else []
+    out = []
+    for i, (tok, value) in enumerate(zip(tokens, values, strict=False)):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        out.append(entry(str(tok), value if isinstance(value, int | float) else FLOOR, top.items()))
+    return out
+
+
 def completion_shape(entries: list[Entry], offset: int = 0) -> dict[str, Any]:
     """The legacy completions shape; ``offset``: the text's length before these tokens."""
     offsets = []

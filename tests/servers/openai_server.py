@@ -237,6 +237,8 @@ class OpenAIServer(LoopbackServer):
             }
         )
         await resp.prepare(request)
+        asked = body.get("top_logprobs", 0) if chat and body.get("logprobs") else body.get("logprobs")
+        offset = [0]  # a completion's text_offset so far
 
         def chunk(delta_text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
             if chat:
@@ -270,6 +272,8 @@ class OpenAIServer(LoopbackServer):
                     "model": rec.model,
                     "system_fingerprint": FINGERPRINT,
                 }
+            if asked is not None and asked is not False and delta_text:
+                choice["logprobs"] = _logprobs(delta_text, int(asked), chat, offset)
             if include_usage:
                 obj["usage"] = None
             return obj
@@ -342,3 +346,14 @@ class OpenAIServer(LoopbackServer):
 
 if __name__ == "__main__":
     main(OpenAIServer)
+
+
+def _logprobs(token: str, k: int, chat: bool, offset: list[int]) -> dict[str, Any]:
+    """A streamed token's ``logprobs`` as OpenAI writes them (made-up values: the token first)."""
+    top = [(token, -0.25), *((f"alt{i}", -1.0 - i) for i in range(1, k))][:k]
+    if chat:
+        item = {"token": token, "logprob": -0.25, "bytes": list(token.encode())}
+        tops = [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]
+        return {"content": [{**item, "top_logprobs": tops}], "refusal": None}
+    at, offset[0] = offset[0], offset[0] + len(token)
+    return {"tokens": [token], "token_logprobs": [-0.25], "top_logprobs": [dict(top)], "text_offset": [at]}

@@ -4,6 +4,7 @@ and the whole answer, and the policy around them (capabilities, migration, tools
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,3 +171,19 @@ def test_logprobs_with_a_tool_call_parser_is_a_400() -> None:
     assert err.value.param == "logprobs"
     none = {"messages": MSG, "logprobs": True, "tools": tools, "tool_choice": "none"}
     assert _build(ChatCompletionRequest, none).sampling.logprobs == 0  # no parser: served
+
+
+def test_a_providers_logprobs_are_read_off_its_stream() -> None:
+    from cluster.providers import openai_wire
+
+    item = {"token": "hi", "logprob": -0.1, "bytes": [104, 105], "top_logprobs": []}
+    choice = {"index": 0, "delta": {"content": "hi"}, "logprobs": {"content": [item]}}
+    chat = json.dumps({"choices": [choice]}).encode()
+    got = openai_wire.plain_text(chat)
+    assert not isinstance(got, str)  # not the text-only fast path: the logprobs would be lost
+    assert openai_wire.parse_stream_obj(got).logprobs == [item]
+    legacy = {"tokens": ["a", "b"], "token_logprobs": [-0.1, None], "top_logprobs": [{"a": -0.1}, None]}
+    entries = L.from_openai(legacy)
+    assert entries is not None and [e["token"] for e in entries] == ["a", "b"]
+    assert entries[1]["logprob"] == L.FLOOR and entries[0]["top_logprobs"][0]["token"] == "a"
+    assert L.from_openai(None) is None and L.from_openai({"tokens": 1}) is None
