@@ -201,8 +201,9 @@ class EngineStream:
         return self
 
     async def _open(self) -> aiohttp.ClientResponse:
-        """The engine's answer. A replica that refuses the connection, or whose engine is dead,
-        never ran the request: it is skipped (``on_unreachable``) and another one picked."""
+        """The engine's answer. A replica that refuses the connection, resets or closes it before
+        any answer (a pooled connection to a replica that died: a lost node), or whose engine is
+        dead, ran nothing for the client: it is skipped (``on_unreachable``) and another one picked."""
         for _ in range(MAX_REPICKS):
             self.choice = await self._choose()
             data = dumps(self.body)  # after the choice: it sets the request's cache rank there
@@ -210,6 +211,9 @@ class EngineStream:
                 resp = await self.session.post(self.choice.url + "/generate", data=data, headers=self.headers)
             except aiohttp.ClientConnectorError:  # refused: the request never reached the replica
                 self._skip("connect_refused")
+                continue
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError):
+                self._skip("connection_lost")  # reset or closed before any answer
                 continue
             except (aiohttp.ClientError, OSError) as exc:
                 raise BackendUnavailable(

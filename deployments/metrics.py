@@ -138,7 +138,7 @@ NO_CAPACITY = Counter(
 )
 UNREACHABLE = Counter(
     "llmc_replica_unreachable_total",
-    description="Engine replicas skipped after a refused connection or a dead engine (request re-picked).",
+    description="Engine replicas skipped after a refused or lost connection or a dead engine (re-picked).",
     tag_keys=("backend", "why"),
 )
 FAILOVERS = Counter(
