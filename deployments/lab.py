@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STATE = ROOT / "state.json"
 LOCK = Path("/tmp/llmc-lab.lock")  # beside the root, which `down` removes whole
+INTERNAL_TOKEN_FILE = "internal_token"  # under the root, beside Ray's token
 Say = Callable[[str], None]
 
 
@@ -121,9 +122,10 @@ def up(config: str, settings: str, timeout_s: float = 300.0, say: Say = print) -
         found = leftovers()
         if read_state() is not None or any(found.values()):
             raise LabError(f"a lab is up or left over ({_describe(found)}): run `cluster lab down` first")
-        plan = plan_of(config, settings, secrets.token_hex(32))
+        token = secrets.token_hex(32)
+        plan = plan_of(config, settings, token)
         lab_net.check_subnet_free(plan.subnet)
-        _prepare_root(Path(plan.root))
+        _prepare_root(Path(plan.root), token)
         state = state_of(plan, {"config": config, "settings": settings})
         _write_state(state)
         deadline = time.monotonic() + timeout_s
@@ -144,12 +146,15 @@ def _describe(found: Mapping[str, list[Any]]) -> str:
     return ", ".join(f"{len(v)} {k}" for k, v in found.items() if v) or "a state file"
 
 
-def _prepare_root(root: Path) -> None:
+def _prepare_root(root: Path, internal_token: str) -> None:
+    """The lab's folder, Ray's token, and the internal credential (the Secret's: a node that
+    rejoins gets the same one, or the gateway's requests to its replicas would be forbidden)."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     root.chmod(0o700)
-    token = root / "ray_auth_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
+    for name, value in (("ray_auth_token", secrets.token_hex(32)), (INTERNAL_TOKEN_FILE, internal_token)):
+        (root / name).touch(mode=0o600)
+        (root / name).chmod(0o600)
+        (root / name).write_text(value)
 
 
 def _create_net(plan: LabPlan) -> None:
@@ -379,8 +384,10 @@ def running_plan() -> LabPlan:
     state = read_state()
     if state is None:
         raise LabError("no lab is up (no state file): `cluster lab up` first")
-    src = state["source"]
-    return plan_of(src["config"], src["settings"], root=Path(state["root"]))
+    src, root = state["source"], Path(state["root"])
+    with contextlib.suppress(OSError):  # a lab's state without it: reading works, rejoin would not
+        return plan_of(src["config"], src["settings"], (root / INTERNAL_TOKEN_FILE).read_text(), root)
+    return plan_of(src["config"], src["settings"], root=root)
 
 
 def addresses(plan: LabPlan) -> list[str]:
