@@ -16,11 +16,12 @@ at the cost of a look at each header's name.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from starlette.middleware import Middleware
 
-from cluster.wire.errors import InvalidRequest
+from cluster.wire.errors import InvalidRequest, Overloaded
 from deployments import http_api as h
 
 # Longer ids are refused (a 400), not cut or replaced: the client learns at once that its id is
@@ -90,7 +91,31 @@ class HeaderGuard:
             kept = without_serve_controls(scope["headers"])
             if kept is not None:
                 scope = {**scope, "headers": kept}
+            await _answering_any_exit(self.app, scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+async def _answering_any_exit(app: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+    """``app`` on one request; if it exits with no response started (Serve's direct ingress itself
+    raising while the replica is killed or shut down, outside the gateway's own handler), the
+    client gets the gateway's 503 with Retry-After instead of uvicorn's plain-text 500."""
+    started = False
+
+    async def tracking(message: dict[str, Any]) -> None:
+        nonlocal started
+        started = started or message.get("type") == "http.response.start"
+        await send(message)
+
+    try:
+        await app(scope, receive, tracking)
+    except BaseException:
+        if not started:
+            with contextlib.suppress(Exception):
+                err = Overloaded("The gateway replica is shutting down; retry.", retry_after_s=1)
+                ours = {**err.headers(), "x-request-id": h.new_request_id()}
+                await h.send_json(send, err.status_code, err.to_openai(), ours)
+        raise
 
 
 def middlewares() -> list[Middleware]:

@@ -60,18 +60,41 @@ def from_engine(
     and the ``k`` most likely) as chat-shape entries, the top ones by rank. ``text``: what the
     chunk's tokens added to the answer; a chunk of one token names it so (its own decoding would
     not join to the text where a character spans tokens: the engine writes it whole, at its last)."""
+    pairs = list(zip(token_ids, logprobs, strict=False))
+    own = [_own(d.get(tid)) for tid, d in pairs]
     out = []
-    for tid, d in zip(token_ids, logprobs, strict=False):
+    for (tid, d), name in zip(pairs, names(own, text), strict=True):
         chosen = d.get(tid)
         top = sorted((p for p in d.values() if p.rank is not None and p.rank <= k), key=lambda p: p.rank)
-        own = (chosen.decoded_token or "") if chosen is not None else ""
         out.append(
             entry(
-                text if text is not None and len(token_ids) == 1 else own,
+                name,
                 chosen.logprob if chosen is not None else FLOOR,
                 [(p.decoded_token or "", p.logprob) for p in top[:k]],
             )
         )
+    return out
+
+
+def _own(chosen: Any) -> str:
+    return (chosen.decoded_token or "") if chosen is not None else ""
+
+
+def names(own: list[str], text: str | None) -> list[str]:
+    """Each token's string, joining to ``text`` (what the chunk added): its own decoding where the
+    text goes on with it, else ``""``, the last token taking the rest. A replacement character the
+    detokenizer wrote for bytes that never formed one (a random-weight model's output) lands there
+    too, instead of being lost between tokens."""
+    if text is None or not own or "".join(own) == text:
+        return own
+    out, pos = [], 0
+    for tok in own[:-1]:
+        if tok and text.startswith(tok, pos):
+            out.append(tok)
+            pos += len(tok)
+        else:
+            out.append("")
+    out.append(text[pos:])
     return out
 
 

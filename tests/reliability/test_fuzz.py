@@ -27,6 +27,7 @@ ROUTES = {
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
     "POST /v1/responses",
     "GET /v1/models",
     "GET /healthz",
@@ -103,6 +104,7 @@ SERVED = {
     "/v1/chat/completions": {"messages": OK_MSG, "max_tokens": 4},
     "/v1/completions": {"prompt": "hi", "max_tokens": 4},
     "/v1/messages": {"messages": OK_MSG, "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": OK_MSG},
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
 }
 
@@ -168,8 +170,8 @@ def _fuzz(op, mode, examples: int, call, seen: dict[str, set[int]], problems: li
         if r.status_code >= 500:
             problems.append(f"{label}: {r.status_code} {r.text[:300]} for {case.body!r:.300}")
         elif r.status_code >= 400:
-            # /v1/messages answers in Anthropic's error shape, the rest in OpenAI's
-            check = is_anthropic_error if op.path == "/v1/messages" else is_openai_error
+            # /v1/messages (and its count_tokens) answers in Anthropic's error shape, the rest in OpenAI's
+            check = is_anthropic_error if op.path.startswith("/v1/messages") else is_openai_error
             try:
                 ok = check(r.json())
             except ValueError:

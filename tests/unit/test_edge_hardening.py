@@ -215,3 +215,38 @@ def test_the_app_builder_logs_the_warning(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.WARNING, logger="deployments.app"):
         build_graph(_cfg(True, [{"name": "acme", "tpm": 1000}]))
     assert not caplog.records
+
+
+def test_an_exit_before_any_answer_is_the_gateways_503_not_uvicorns_500() -> None:
+    """CI saw uvicorn's plain-text 500 for a request whose gateway was killed while it waited:
+    Serve's direct ingress raised outside the gateway's own handler. The guard, outermost, answers
+    any such exit with the gateway's 503 and Retry-After (and re-raises); after a response started
+    it adds nothing."""
+
+    async def dies(scope: Any, receive: Any, send: Any) -> None:
+        raise asyncio.CancelledError
+
+    async def dies_late(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("mid-stream")
+
+    for app, status in ((dies, 503), (dies_late, 200)):
+        sent: list[dict] = []
+
+        async def send(message: dict, out: list[dict] = sent) -> None:
+            out.append(message)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        guard = header_guard.middlewares()[0].cls(app)
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        with pytest.raises((asyncio.CancelledError, RuntimeError)):
+            asyncio.run(guard(scope, receive, send))
+        starts = [m for m in sent if m["type"] == "http.response.start"]
+        assert [m["status"] for m in starts] == [status]
+        if status == 503:
+            headers = dict(starts[0]["headers"])
+            assert headers[b"retry-after"] == b"1" and b"x-request-id" in headers
+            body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+            assert body["error"]["type"] == "overloaded_error"

@@ -187,3 +187,13 @@ def test_a_providers_logprobs_are_read_off_its_stream() -> None:
     assert entries is not None and [e["token"] for e in entries] == ["a", "b"]
     assert entries[1]["logprob"] == L.FLOOR and entries[0]["top_logprobs"][0]["token"] == "a"
     assert L.from_openai(None) is None and L.from_openai({"tokens": 1}) is None
+
+
+def test_a_chunk_of_several_tokens_names_them_so_that_they_join_to_its_text() -> None:
+    """CI saw a random-weight answer start with a replacement character that no token's own
+    decoding had: the names still join to the text."""
+    assert L.names(["", "field"], "\ufffdfield") == ["", "\ufffdfield"]
+    assert L.names(["a", "b", "c"], "abc") == ["a", "b", "c"]
+    assert L.names(["a", "x", "c"], "abc") == ["a", "", "bc"]
+    assert L.names(["tok"], "other") == ["other"]
+    assert L.names(["a", "b"], None) == ["a", "b"]
