@@ -9,6 +9,7 @@ Linux, as root (network namespaces); the host's own Ray, if one runs, is left al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,24 +106,31 @@ def _chat(plan: LabPlan, node: LabNode) -> tuple[dict[str, str], list[dict[str, 
     return headers, [json.loads(x) for x in lines[:-1]]
 
 
-@pytest.fixture(scope="module")
-def lab_up():
+@contextlib.contextmanager
+def running_lab(label: str) -> Iterator[tuple[LabPlan, str]]:
+    """`cluster lab up` of CONFIG (refused if a lab is up already), its plan and what it printed;
+    `cluster lab down` on the way out, whatever happened. Both times go to stderr under ``label``."""
     from deployments import lab
 
     if any(lab.leftovers().values()) or lab.read_state() is not None:
         pytest.fail(f"a lab is up on this machine already: {lab.leftovers()} (`cluster lab down`)")
     t0 = time.monotonic()
     up = _cluster("up", "--config", CONFIG, timeout=420)
-    took = time.monotonic() - t0
-    print(f"\n[test_lab] `cluster lab up` took {took:.1f} s", file=sys.stderr)
+    print(f"\n[{label}] `cluster lab up` took {time.monotonic() - t0:.1f} s", file=sys.stderr)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         yield lab.running_plan(), up.stdout
     finally:
         t1 = time.monotonic()
         down = _cluster("down", timeout=180)
-        print(f"[test_lab] `cluster lab down` took {time.monotonic() - t1:.1f} s", file=sys.stderr)
+        print(f"[{label}] `cluster lab down` took {time.monotonic() - t1:.1f} s", file=sys.stderr)
         assert down.returncode == 0, down.stdout + down.stderr
+
+
+@pytest.fixture(scope="module")
+def lab_up() -> Iterator[tuple[LabPlan, str]]:
+    with running_lab("test_lab") as up:
+        yield up
 
 
 def test_lab_serves_through_every_node_and_places_by_the_manifest(lab_up) -> None:

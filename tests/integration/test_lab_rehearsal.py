@@ -27,7 +27,7 @@ import yaml
 
 from cluster.config import load_config
 from cluster.k8s.lab_plan import LabPlan
-from tests.integration.test_lab import _can_make_namespaces, _cluster, assert_nothing_left
+from tests.integration.test_lab import _can_make_namespaces, assert_nothing_left, running_lab
 
 pytestmark = [
     pytest.mark.integration,
@@ -107,22 +107,9 @@ def _upgraded(serve_config: str) -> str:
 
 @pytest.fixture(scope="module")
 def lab_up():
-    from deployments import lab
-
-    if any(lab.leftovers().values()) or lab.read_state() is not None:
-        pytest.fail(f"a lab is up on this machine already: {lab.leftovers()} (`cluster lab down`)")
-    t0 = time.monotonic()
-    up = _cluster("up", "--config", CONFIG, timeout=420)
-    print(f"\n[rehearsal] `cluster lab up` took {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    try:
-        assert up.returncode == 0, up.stdout + up.stderr
-        yield lab.running_plan()
-    finally:
-        t1 = time.monotonic()
-        down = _cluster("down", timeout=180)
-        print(f"[rehearsal] `cluster lab down` took {time.monotonic() - t1:.1f} s", file=sys.stderr)
-        assert down.returncode == 0, down.stdout + down.stderr
-        assert_nothing_left()
+    with running_lab("rehearsal") as (plan, _):
+        yield plan
+    assert_nothing_left()
 
 
 def _start_load(plan: LabPlan, folder: Path) -> subprocess.Popen[bytes]:
