@@ -59,6 +59,21 @@ def _scope(scope: h.Scope) -> h.Scope:
     return {**scope, "headers": headers}
 
 
+async def _client_body(
+    inner: h.Scope,
+    authorize: Authorize,
+    scope: h.Scope,
+    receive: h.Receive,
+    limit: int,
+    body_timeout_s: float | None,
+) -> Any:
+    """The caller's key first, as the chat route checks it (nothing of a refused caller's is read),
+    then its JSON body, within the size limit and the body deadline."""
+    authorize(inner)
+    h.check_json_content_type(scope)
+    return h.parse_json(await h.read_body(scope, receive, limit, body_timeout_s))
+
+
 async def serve(
     api: NativeApi,
     chat: Route,
@@ -71,9 +86,7 @@ async def serve(
 ) -> None:
     inner = _scope(scope)
     try:
-        authorize(inner)  # first, as the chat route does: nothing of a refused caller's is read
-        h.check_json_content_type(scope)
-        body = h.parse_json(await h.read_body(scope, receive, limit, body_timeout_s))
+        body = await _client_body(inner, authorize, scope, receive, limit, body_timeout_s)
         translated = json.dumps(api.to_chat(body), ensure_ascii=False).encode()
     except ClusterError as err:
         await h.send_json(send, err.status_code, api.error(err.status_code, err.to_openai()), err.headers())
@@ -107,9 +120,7 @@ async def count_tokens(
     as ``{"input_tokens": N}``; the same key check first, the same errors in Anthropic's shape. No
     admission, no backend."""
     try:
-        authorize(_scope(scope))
-        h.check_json_content_type(scope)
-        body = h.parse_json(await h.read_body(scope, receive, limit, body_timeout_s))
+        body = await _client_body(_scope(scope), authorize, scope, receive, limit, body_timeout_s)
         chat = json.dumps(messages_api.count_tokens_to_chat(body), ensure_ascii=False).encode()
         n = await count(chat)
     except ClusterError as err:
