@@ -166,6 +166,12 @@ def _cluster_env() -> dict[str, str]:
     # fallback proxy that cannot bind never turns healthy.
     env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(free_port()))
     env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(free_port()))
+    # Serve gives a new proxy actor 5 s to start *and* bring HAProxy up, then kills it, and
+    # `serve.start` fails with ActorDiedError (no second try). 1.6 s on a quiet 2-core box, over 5 s
+    # once in CI right after another cluster's group stop (2026-12-05; the same in
+    # test_serve_config on 2026-12-02). A caller's setting wins.
+    ready = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+    env[ready] = os.environ.get(ready, "30")
     return env
 
 
