@@ -1,12 +1,13 @@
-"""BENCHMARKS.md's tables, rendered from the result files (``loadtest/results/*.json``), so that a
-figure on the page is a figure a benchmark script wrote, not one copied by hand.
+"""BENCHMARKS.md's and RESULTS.md's tables, rendered from the result files
+(``loadtest/results/*.json``), so that a figure on the page is a figure a benchmark script wrote,
+not one copied by hand.
 
-    python -m loadtest.bench_tables            # rewrite every marked table in BENCHMARKS.md
+    python -m loadtest.bench_tables            # rewrite every marked table in both pages
     python -m loadtest.bench_tables --check    # exit 1 (and name them) if any table is stale
 
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around the
-markers is hand-written and left alone. ``TABLES`` maps each name to the pure function that renders
-it; the rounding of each column is stated in that function. ``tests/unit/test_benchmarks_md.py``
+markers is hand-written and left alone. ``PAGES`` maps each page's table names to the pure functions
+that render them; the rounding of each column is stated in that function. ``tests/unit/test_benchmarks_md.py``
 checks that every marked region is what its renderer gives and that no table lies outside one.
 """
 
@@ -24,12 +25,14 @@ from loadtest import (
     tables_load,
     tables_prefill,
     tables_reliability,
+    tables_results,
     tables_summary,
     tables_tenants,
 )
 from loadtest.table_format import ROOT, Results
 
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+RESULTS_MD = ROOT / "RESULTS.md"
 
 TABLES: dict[str, Callable[[Results], str]] = {
     "summary": tables_summary.summary,
@@ -73,6 +76,10 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "warmup": tables_engine.warmup,
 }
 
+Renderers = dict[str, Callable[[Results], str]]
+# Each page and its tables: RESULTS.md's one-page answers (loadtest/tables_results.py), and here.
+PAGES: dict[Path, Renderers] = {BENCHMARKS_MD: TABLES, RESULTS_MD: tables_results.TABLES}
+
 REGION = re.compile(r"<!-- table:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
 
 
@@ -86,25 +93,27 @@ def regions(text: str) -> dict[str, str]:
     return found
 
 
-def render(name: str, results: Results) -> str:
-    return TABLES[name](results) + "\n"
+def render(name: str, results: Results, tables: Renderers = TABLES) -> str:
+    return tables[name](results) + "\n"
 
 
-def rewrite(text: str, results: Results, failures: dict[str, str] | None = None) -> str:
+def rewrite(
+    text: str, results: Results, failures: dict[str, str] | None = None, tables: Renderers = TABLES
+) -> str:
     """``text`` with every marked region replaced by its rendering; an unknown name is an error.
 
     With ``failures``, a table whose renderer fails (a result file missing, or rewritten in a shape
     the renderer does not know) keeps its old text and its error is recorded there, so one broken
     file does not hold back every other table after a long run.
     """
-    unknown = set(regions(text)) - set(TABLES)
+    unknown = set(regions(text)) - set(tables)
     if unknown:
         raise KeyError(f"no renderer for marked table(s): {', '.join(sorted(unknown))}")
 
     def one(m: re.Match[str]) -> str:
         name = m["name"]
         try:
-            body = render(name, results)
+            body = render(name, results, tables)
         except Exception as exc:
             if failures is None:
                 raise
@@ -115,31 +124,38 @@ def rewrite(text: str, results: Results, failures: dict[str, str] | None = None)
     return REGION.sub(one, text)
 
 
-def stale(text: str, results: Results) -> list[str]:
+def stale(text: str, results: Results, tables: Renderers = TABLES) -> list[str]:
     """The marked tables whose text is not what their result files render."""
-    return [name for name, body in regions(text).items() if body != render(name, results)]
+    return [name for name, body in regions(text).items() if body != render(name, results, tables)]
+
+
+def _page(path: Path, tables: Renderers, check: bool) -> int:
+    """Check or rewrite one page; 1 where a table is stale (check) or could not be rendered."""
+    text = path.read_text()
+    results = Results()
+    if check:
+        names = stale(text, results, tables)
+        for name in names:
+            print(
+                f"stale: {path.name}'s table '{name}' (run python -m loadtest.bench_tables)", file=sys.stderr
+            )
+        return 1 if names else 0
+    failures: dict[str, str] = {}
+    new = rewrite(text, results, failures, tables)
+    changed = [name for name, body in regions(text).items() if body != regions(new)[name]]
+    path.write_text(new)
+    done = len(regions(new)) - len(failures)
+    print(f"{path.name}: {done} tables rendered; changed: {', '.join(changed) or 'none'}")
+    for name, error in failures.items():
+        print(f"{path.name}'s table '{name}' not rendered (its old text kept): {error}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="only check; exit 1 if a table is stale")
-    ap.add_argument("--path", type=Path, default=BENCHMARKS_MD)
     args = ap.parse_args(argv)
-    text = args.path.read_text()
-    results = Results()
-    if args.check:
-        names = stale(text, results)
-        for name in names:
-            print(f"stale: table '{name}' (run python -m loadtest.bench_tables)", file=sys.stderr)
-        return 1 if names else 0
-    failures: dict[str, str] = {}
-    new = rewrite(text, results, failures)
-    changed = [name for name, body in regions(text).items() if body != regions(new)[name]]
-    args.path.write_text(new)
-    print(f"{len(regions(new)) - len(failures)} tables rendered; changed: {', '.join(changed) or 'none'}")
-    for name, error in failures.items():
-        print(f"table '{name}' not rendered (its old text kept): {error}", file=sys.stderr)
-    return 1 if failures else 0
+    return max(_page(path, tables, args.check) for path, tables in PAGES.items())
 
 
 if __name__ == "__main__":

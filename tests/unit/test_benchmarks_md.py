@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from loadtest.bench_tables import BENCHMARKS_MD, REGION, TABLES, regions, render, rewrite
+from loadtest import tables_results
+from loadtest.bench_tables import BENCHMARKS_MD, REGION, RESULTS_MD, TABLES, regions, render, rewrite
 from loadtest.table_format import CommitMissing, Results
 
 TEXT = BENCHMARKS_MD.read_text()
@@ -132,3 +133,41 @@ def test_the_figure_check_catches_an_invented_figure() -> None:
         "19",
         "30",
     ]
+
+
+RESULTS_TEXT = RESULTS_MD.read_text()
+
+
+@pytest.mark.parametrize("name", sorted(tables_results.TABLES))
+def test_every_results_md_table_is_what_its_result_files_render(name: str) -> None:
+    assert regions(RESULTS_TEXT).get(name) == render(name, RESULTS, tables_results.TABLES), (
+        f"RESULTS.md's table '{name}' differs from its result files: run python -m loadtest.bench_tables"
+    )
+
+
+def test_results_md_has_every_table_no_table_outside_one_and_fits_a_page() -> None:
+    assert set(regions(RESULTS_TEXT)) == set(tables_results.TABLES)
+    outside = [line for line in REGION.sub("", RESULTS_TEXT).splitlines() if line.lstrip().startswith("|")]
+    assert not outside, f"tables outside a <!-- table:NAME --> region: {outside[:3]}"
+    assert len(RESULTS_TEXT.splitlines()) <= 150
+    prose = REGION.sub("", RESULTS_TEXT)
+    assert not re.findall(r"\d+(?:\.\d+)?\s*(?:ms|\u00d7|%|µs|tok/s)", prose), (
+        "a figure typed by hand in RESULTS.md"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(tables_results.TABLES))
+def test_every_ours_and_peer_figure_in_results_md_is_a_number_of_its_result_files(name: str) -> None:
+    reader = Results()
+    body = regions(RESULTS_TEXT)[name]
+    tables_results.TABLES[name](reader)
+    pool = [x for key in reader.read() for x in _numbers(reader.get(*key))]
+    rows = [line.strip("|").split("|") for line in body.splitlines() if line.startswith("|")][2:]
+    cells = [row[i] for row in rows for i in tables_results.FROM_FILES]
+    missing = [
+        (cell.strip(), token)
+        for cell in cells
+        for m in NUMBER.finditer(cell)
+        if not _in_files(token := m.group(), cell[m.end() :].lstrip().startswith("%"), pool)
+    ]
+    assert not missing, f"RESULTS.md table '{name}': figures in no result file it reads: {missing[:5]}"
