@@ -184,6 +184,7 @@ NOT_RERUN = {
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
+    "rehearsal.json": "by hand, as root: python -m loadtest.rehearsal (the multi-node lab, 15 min)",
 }
 
 

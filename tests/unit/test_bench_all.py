@@ -26,6 +26,7 @@ NOT_STEPS = {
     "bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
     "locustfile.py": "Locust's CSVs and summary where its caller says, on no table of the page",
     "calibrate_host.py": "by hand: configs/local.yaml carries its coefficients (bench_all.NOT_RERUN)",
+    "rehearsal.py": "by hand, as root (network namespaces), ~15 min: past the quick plan's 45 (NOT_RERUN)",
 }
 
 

@@ -1,0 +1,80 @@
+"""The rehearsal's per-event accounting (loadtest/rehearsal_stats.py): outcomes, windows and the
+issue's flat keys from hand-made records and events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest import rehearsal_stats as rs
+
+
+def rec(t0: float, t_end: float, surface: str = "chat", **kw: Any) -> dict[str, Any]:
+    base = {"surface": surface, "t0": t0, "t_end": t_end, "ttft_s": 0.05, "error": None, "cancelled": False}
+    return base | kw
+
+
+def test_outcomes() -> None:
+    assert rs.outcome(rec(0, 1)) == "completed"
+    assert rs.outcome(rec(0, 1, cancelled=True, ttft_s=None)) == "cancelled"
+    assert rs.outcome(rec(0, 1, error="http_503:no_capacity", ttft_s=None)) == "failed_before_first_token"
+    assert rs.outcome(rec(0, 1, error="stream:stream_interrupted")) == "mid_stream_error"
+    assert rs.outcome(rec(0, 1, error="ChunkedEncodingError")) == "cut"
+    assert rs.outcome(rec(0, 1, error="timeout", ttft_s=None)) == "hung"
+    assert not rs.failed(rec(0, 1, cancelled=True)) and rs.failed(rec(0, 1, error="timeout"))
+
+
+def test_summary_counts_codes_and_percentiles() -> None:
+    records = [rec(0, 1, ttft_s=t / 1000) for t in range(1, 101)]
+    records += [rec(0, 1, error="http_502:bad_gateway", ttft_s=None)] * 2
+    s = rs.summary(records)
+    assert s["outcomes"] == {"completed": 100, "failed_before_first_token": 2}
+    assert s["failed_before_first_token_by_code"] == {"http_502:bad_gateway": 2}
+    assert s["ttft_ms"]["chat"] == {"n": 100, "p50": 51.0, "p99": 100.0}
+
+
+def test_hit_rate_recovery() -> None:
+    # before: 50 % cached; after the rejoin at t=100 nothing cached until t=130, then 48 %
+    records = [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=50) for t in range(0, 100)]
+    records += [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=0) for t in range(100, 130)]
+    records += [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=48) for t in range(130, 200)]
+    records += [rec(t, t + 1, backend="provider", prompt_tokens=100, cached_tokens=0) for t in range(0, 200)]
+    assert rs.hit_rate(records[:100], "sim") == 0.5
+    # the first 10 s window within 5 points: [130, 140) plus 0 s of the old → ends at t=140
+    assert rs.recovery_s(records, 100.0, 200.0, 0.5, "sim") == 40.0
+    assert rs.recovery_s(records, 100.0, 120.0, 0.5, "sim") is None
+
+
+def test_flat_keys() -> None:
+    records = [
+        rec(0, 5),  # steady
+        rec(12, 14, error="http_503:no_capacity", ttft_s=None),  # during the upgrade
+        rec(28, 40, replica="r-lost"),  # in flight on the lost node at 30: migrated, completed
+        rec(29, 41, replica="r-lost", error="stream:stream_interrupted"),  # cut with one error event
+        rec(29, 41, replica="r-other"),
+        rec(31, 61, error="timeout", ttft_s=None),  # hung during the node loss
+        rec(51, 52, error="ConnectionError", ttft_s=None),  # 1 s after the gateway kill: not counted
+        rec(54, 55, error="http_502:bad_gateway", ttft_s=None),  # 4 s after: counted
+        rec(70, 71, "tab", ttft_s=0.1),
+        rec(81, 82, "tab", ttft_s=0.15),
+    ]
+    events = {
+        "upgrade": {"steady": [0, 10], "during": [10, 20], "after": [20, 25]},
+        "node_loss": {
+            "steady": [25, 30],
+            "during": [30, 45],
+            "after": [45, 48],
+            "kill": 30.0,
+            "rejoined": 38.0,
+            "lost_replicas": ["r-lost"],
+        },
+        "gateway_replica": {"steady": [48, 50], "during": [50, 58], "after": [58, 60], "kill": 50.0},
+        "provider_brownout": {"steady": [65, 80], "during": [80, 90], "after": [90, 95]},
+    }
+    out = rs.flat_keys(records, events, "sim")
+    assert out["upgrade_failed"] == 1
+    assert out["node_loss_streams_in_flight"] == 2 and out["node_loss_streams_completed"] == 1
+    assert out["node_loss_hung"] == 1 and out["node_loss_failed_before_first_token"] == 0
+    assert out["gateway_loss_new_failures_after_2s"] == 1
+    assert out["brownout_tab_p99_ratio"] == 1.5
+    assert out["outage_client_failures"] is None  # not run
+    assert set(out) == set(rs.FLAT_KEYS)
