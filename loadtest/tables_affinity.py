@@ -163,14 +163,6 @@ VLLM_LABELS = {
     "vllm_router_cache_aware": "vllm-router `cache_aware`",
     "vllm_router_round_robin": "vllm-router `round_robin`",
 }
-# Earlier runs of affinity_vllm.json's kv_pressure, as the commits that hold them recorded them.
-VLLM_EARLIER_RUNS = (
-    ("1", "9e2ed2b"),
-    ("2", "f7803f5"),
-    ("3", "66c6a0c"),
-    ("4", "25f54cb"),
-    ("5", "968cfb6"),
-)
 
 
 def _rounds(p: dict[str, Any]) -> str:
@@ -199,14 +191,3 @@ def affinity_vllm(r: Results) -> str:
     """Hit rates to 3 decimals (the mean over rounds, then each round), TTFT in whole wall ms
     (the mean of the rounds' percentiles)."""
     return _vllm_table(r.get("affinity_vllm"))
-
-
-def affinity_vllm_earlier(r: Results) -> str:
-    """kv_pressure of the earlier runs (same rounding as :func:`affinity_vllm`)."""
-    rows = []
-    for run, at in VLLM_EARLIER_RUNS:
-        d = r.get("affinity_vllm", at=at)
-        only = {"scenarios": {"kv_pressure": d["scenarios"]["kv_pressure"]}}
-        rows += [[f"{run} ({at})", *row[1:]] for row in _vllm_rows(only)]
-    heads = ["run (commit)", "policy", "hit rate", "per round", "TTFT p50 / p90 / p99 ms"]
-    return table(heads, "lllll", rows)

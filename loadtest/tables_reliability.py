@@ -3,75 +3,10 @@ files hold them; seconds to 2 decimals below 1 s, 1 decimal above."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from loadtest.faults import markdown as faults_markdown
 from loadtest.table_format import Results, fixed, num, signed, table
-
-# Earlier runs the page keeps beside the current one: faults.json as these commits recorded it.
-FAULTS_ISSUE_10 = "af8c2bd"  # the old three-hop path
-FAULTS_ISSUE_15 = "64d11cf"  # the gateway path, before the final code
-FAULTS_SECOND_KILL = "7a62083"  # the last run before the harness's repeated kill was fixed
-
-
-def _seconds(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return fixed(x, 2) if x < 1 else fixed(x, 1)
-
-
-def _pair(values: Sequence[str]) -> str:
-    """The repeats of one fault as ``a / b``; a single ``0`` where every repeat is 0."""
-    return "0" if all(v == "0" for v in values) else " / ".join(values)
-
-
-def _repeats(faults: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    by_fault: dict[str, list[dict[str, Any]]] = {}
-    for f in faults:
-        by_fault.setdefault(f["fault"], []).append(f)
-    return by_fault
-
-
-def _paired(d: dict[str, Any], columns: Sequence[str]) -> str:
-    rows = []
-    for fault, reps in _repeats(d["faults"]).items():
-        row = [fault]
-        for c in columns:
-            cell = _pair([_seconds(f[c]) if c == "recovery_s" else num(f[c]) for f in reps])
-            row.append(f"**{cell}**" if c == "hung" and cell != "0" else cell)
-        rows.append(row)
-    header = [
-        "fault",
-        *(c.removesuffix("_s").replace("_", " ") + (" s" if c.endswith("_s") else "") for c in columns),
-    ]
-    return table(header, "l" + "r" * len(columns), rows)
-
-
-_COLUMNS_10 = [
-    "in_flight",
-    "completed",
-    "failed_over",
-    "error_event",
-    "error_status",
-    "cancelled",
-    "hung",
-    "recovery_s",
-]
-_COLUMNS_15 = [*_COLUMNS_10[:6], "conn_error", "hung", "recovery_s"]
-
-
-def faults_issue_10(r: Results) -> str:
-    return _paired(r.get("faults", at=FAULTS_ISSUE_10), _COLUMNS_10)
-
-
-def faults_issue_15(r: Results) -> str:
-    return _paired(r.get("faults", at=FAULTS_ISSUE_15), _COLUMNS_15)
-
-
-def faults_second_kill(r: Results) -> str:
-    """faults.json at ``FAULTS_SECOND_KILL``, through the script's own table."""
-    return faults_markdown(r.get("faults", at=FAULTS_SECOND_KILL))
 
 
 def faults_final(r: Results) -> str:

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loadtest.table_format import Results, fixed, num, pct, signed, table
-from loadtest.tables_load import floor_answer_p99, hung_requests, refusal_p99_inside
+from loadtest.table_format import Results, fixed, pct, signed, table
+from loadtest.tables_load import hung_requests, refusal_p99_inside
 from loadtest.tables_prefill import gains
-from loadtest.tables_tenants import RUNS
 
 
 def _pct(ratio: float) -> str:
@@ -60,7 +59,7 @@ def _kv_pressure(r: Results) -> str:
         return f"{'met' if ok else 'not'} ({signed(minus, 3)}, {fixed(over, 2)}×)"
 
     out = (
-        f"virtual clock: fits {_met(fits['hit_rate_vs_oracle'] >= 0.95)}, kv_pressure "
+        f"fits {_met(fits['hit_rate_vs_oracle'] >= 0.95)}; kv_pressure virtual "
         f"{verdict(kv['hit_rate_minus_ray'], kv['ttft_p90_ray_over_ours'])}"
     )
     whatif = s["kv_pressure"]["virtual_clock_whatif"]
@@ -73,7 +72,7 @@ def _kv_pressure(r: Results) -> str:
         m = seeds["mean"]
         minus = m["home"]["hit_rate"] - m["ray_prefix (emulated)"]["hit_rate"]
         over = m["ray_prefix (emulated)"]["ttft_p90_sim_ms"] / m["home"]["ttft_p90_sim_ms"]
-        out += f"; seeds {seeds['seeds'][0]}–{seeds['seeds'][-1]} mean {verdict(minus, over)}"
+        out += f", seeds {seeds['seeds'][0]}–{seeds['seeds'][-1]} {verdict(minus, over).split(' (')[0]}"
     return out + f", 2 gateways {_met(kv['two_gateways_minus_one'] <= 0.02)}"
 
 
@@ -90,13 +89,13 @@ def _affinity_vllm(r: Results) -> str:
                 f"vs {name} hit rate {signed(minus, 3)} {_met(minus >= 0.05)}, TTFT p90 {fixed(over, 2)}× "
                 f"{_met(over >= 1.3)}"
             )
-    return "; ".join(cells) + f" ({ours.get('rounds', 1)} rounds)"
+    rounds = ours.get("rounds", 1)
+    return "; ".join(cells) + f" ({rounds} round{'s' if rounds != 1 else ''})"
 
 
 def _overload_shared(r: Results) -> str:
-    """Each goal against the file: the feature's variant at the highest factor (``on``, against
-    ``off`` for the goodput), and hung requests over every phase of both variants; on vLLM-CPU,
-    Tab's p99 against the lower of the two variants' Tab-alone p99s."""
+    """The sim pool's goals against its file: the feature's variant at the highest factor (``on``,
+    against ``off`` for the goodput), hung requests over every phase of both variants."""
     d = r.get("overload_shared")
     variants = d["variants"]
     hung = sum(hung_requests(v) for v in variants.values())
@@ -106,32 +105,29 @@ def _overload_shared(r: Results) -> str:
     ratio = on["surfaces"]["agent"]["goodput_tok_s"] / off["surfaces"]["agent"]["goodput_tok_s"]
     reject = on["reject_p99_ms"]
     inside = refusal_p99_inside(on)
-    floor = floor_answer_p99(on)  # any answer from a no-logic replica
-    parts = [] if inside is None else [f"inside the gateway {fixed(inside, 1)} ms"]
-    parts += [] if floor is None else [f"a no-logic replica's answer {fixed(floor, 1)} ms"]
-    inside_text = f" ({'; '.join(parts)})" if parts else ""
-    text = (
-        f"Tab p99 {fixed(tab, 0)} ms {_met(tab <= 100)}; goodput {_pct(ratio)} of off {_met(ratio >= 0.8)}; "
-        f"reject p99 {fixed(reject, 0)} ms at the client {_met(reject <= 5)}{inside_text}; "
-        f"{hung} hung {_met(hung == 0)} (sim GPU profile)"
+    where = "" if inside is None else f" ({fixed(inside, 1)} inside the gateway)"
+    return (
+        f"Tab p99 {fixed(tab, 0)} ms {_met(tab <= 100)}; goodput {_pct(ratio)} {_met(ratio >= 0.8)}; "
+        f"reject p99 {fixed(reject, 0)} ms {_met(reject <= 5)}{where}; {hung} hung {_met(hung == 0)}"
     )
+
+
+def _overload_shared_vllm(r: Results) -> str:
+    """Tab's p99 at the highest factor against the lower of the two variants' Tab-alone p99s (the
+    feature has nothing to do alone, so one noisy alone phase cannot make the ratio look met)."""
     if not r.exists("overload_shared_vllm"):
-        return text + "; vLLM-CPU not run"
+        return "not run"
     v = r.get("overload_shared_vllm")
     on = v["variants"]["on"]
     top = f"agent_x{max(v['factors']):g}"
     loaded = on[top]["surfaces"]["tab"]["ttft_p99_wall_ms"]
-    # Tab alone is the same measurement in both variants (the feature has nothing to do): the lower
-    # p99 of the two is the baseline, so one noisy alone phase cannot make the ratio look met.
     alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
     goodput = [x[top]["surfaces"]["agent"]["goodput_tok_s"] for x in (on, v["variants"]["off"])]
     share = goodput[0] / goodput[1]
-    vfloor = floor_answer_p99(on[top])
-    return text + (
-        f"; vLLM-CPU: Tab p99 {fixed(loaded, 0)} ms = {fixed(loaded / alone, 1)}× alone "
-        f"{_met(loaded <= 1.5 * alone)}, goodput {_pct(share)} of off {_met(share >= 0.8)}, "
-        f"reject p99 {fixed(on[top]['reject_p99_ms'], 0)} ms {_met(on[top]['reject_p99_ms'] <= 5)}"
-        + ("" if vfloor is None else f" (a no-logic replica's answer {fixed(vfloor, 1)} ms)")
+    reject = on[top]["reject_p99_ms"]
+    return (
+        f"Tab p99 {fixed(loaded / alone, 1)}× alone {_met(loaded <= 1.5 * alone)}; goodput {_pct(share)} "
+        f"{_met(share >= 0.8)}; reject p99 {fixed(reject, 0)} ms {_met(reject <= 5)}"
     )
 
 
@@ -139,31 +135,17 @@ _VARIANT = {"off": "no budget", "on": "a's budget", "on_short_burst": "a's budge
 
 
 def _noisy_neighbour(r: Results) -> str:
-    """The budgeted variant's figures against the goal; the unbudgeted ratio beside them; how many of
-    the runs with that variant (:data:`loadtest.tables_tenants.RUNS`) met the ratio."""
+    """Each budgeted variant's ratio against the goal, and a's 429s all with Retry-After."""
     if not r.exists("noisy_neighbour"):
         return "not run"
     v = r.get("noisy_neighbour")["variants"]
-    name = "on_short_burst" if "on_short_burst" in v else "on"
-    on = v[name]
-    flood = on["a_flood"]
-    why = flood["a_refusals"]
-    without = sum(x["a_flood"]["a_refusals_without_retry_after"] for x in v.values())
-    ratio = on["b_tab_p99_ratio"]
-    others = [f"{_VARIANT[k]} {fixed(x['b_tab_p99_ratio'], 2)}×" for k, x in v.items() if k != name]
     ratios = [
-        x["b_tab_p99_ratio"]
-        for _, at in RUNS
-        if (x := r.get("noisy_neighbour", at=at)["variants"].get(name)) is not None
+        f"{_VARIANT[k]} {fixed(x['b_tab_p99_ratio'], 2)}× {_met(x['b_tab_p99_ratio'] <= 1.2)}"
+        for k, x in v.items()
+        if k != "off" and x["b_tab_p99_ratio"] is not None
     ]
-    met = sum(1 for x in ratios if x is not None and x <= 1.2)
-    return (
-        f"b's Tab p99 {fixed(ratio, 2)}× alone with {_VARIANT[name]} {_met(ratio <= 1.2)} "
-        f"({', '.join(others)}; with {_VARIANT[name]} met in {met} of {len(ratios)} runs); "
-        f"a: {num(why.get('budget', 0))} budget 429s, "
-        f"{num(without)} without Retry-After {_met(without == 0)}; a admitted {num(flood['a_admitted'])} "
-        f"of the {num(flood['a_admitted_allowance'])} its budget allows across 2 gateways"
-    )
+    without = sum(x["a_flood"]["a_refusals_without_retry_after"] for x in v.values())
+    return f"b's Tab p99 / alone: {', '.join(ratios)}; a's 429s with Retry-After {_met(without == 0)}"
 
 
 def _prefill_avoid(r: Results) -> str:
@@ -175,9 +157,8 @@ def _prefill_avoid(r: Results) -> str:
     for workload in dict.fromkeys(x["workload"] for x in d["runs"]):
         for gw in sorted({x["gateways"] for x in d["runs"]}):
             g = gains(d, workload, gw)
-            parts.append(
-                f"{workload}, {gw} gateway{'s' if gw > 1 else ''}: {fixed(min(g), 2)}–{fixed(max(g), 2)}×"
-            )
+            if workload == "long_context":
+                parts.append(f"{gw} gateway{'s' if gw > 1 else ''} {fixed(min(g), 2)}–{fixed(max(g), 2)}×")
     long1 = gains(d, "long_context", 1) if any(x["workload"] == "long_context" for x in d["runs"]) else []
     agent_same = all(
         x["off"]["agent"]["output_tokens"] == v["agent"]["output_tokens"]
@@ -186,17 +167,19 @@ def _prefill_avoid(r: Results) -> str:
         if k.startswith("on_")
     )
     return (
-        f"Tab p99 off / on: {'; '.join(parts)}; long prefills, one gateway, ≥ 2× in every load "
-        f"{_met(bool(long1) and min(long1) >= 2.0)}; Agent's output tokens the same {_met(agent_same)}"
+        f"long prefills, Tab p99 off / on: {', '.join(parts)}; one gateway ≥ 2× "
+        f"{_met(bool(long1) and min(long1) >= 2.0)}; Agent's output the same {_met(agent_same)}"
     )
 
 
 def _overhead(r: Results) -> str:
     d = r.get("overhead")
     added = d["added_ttft_p50_ms_c1"]
-    out = f"{signed(added, 1)} ms (peer {signed(d['peer_added_ttft_p50_ms_c1'], 1)}): {_met(added <= 1.0)}"
+    peer = f"peer {signed(d['peer_added_ttft_p50_ms_c1'], 1)}"
     floor = d.get("floor_added_ttft_p50_ms_c1")  # a relay with no logic in the same shape (9265544 on)
-    return out if floor is None else out + f"; a relay with no logic served the same way {signed(floor, 2)}"
+    if floor is not None:
+        peer += f", no-logic floor {signed(floor, 2)}"
+    return f"{signed(added, 1)} ms ({peer}) {_met(added <= 1.0)}"
 
 
 def _faults(r: Results) -> str:
@@ -217,15 +200,46 @@ def _migration(r: Results) -> str:
     d = r.get("migration")
     n, ratio = d["killed_replica_streams"], d["completed_after_kill_ratio"]
     # "k of n": k = ratio x n, the streams that completed (the file holds the ratio and n).
-    return f"{ratio} ({round(ratio * n)} of {n}) {_met(ratio == 1.0)}; see below"
+    return f"{ratio} ({round(ratio * n)} of {n}) {_met(ratio == 1.0)}"
 
 
 def _gpu(r: Results) -> str:
     return "see below" if r.exists("gpu_overhead") else "not run yet: no GPU lent"
 
 
-def _see_below(_: Results) -> str:
-    return "see below"
+def _affinity_peers(r: Results) -> str:
+    """Ours' hit rate against the oracle's and its TTFT p90 against Ray's emulation, per scenario."""
+    s = r.get("affinity")["scenarios"]
+    cells = []
+    for name in ("groups", "common-prompt"):
+        g = s[name]["goals"]
+        over = g["virtual_clock"]["ttft_p90_ray_over_ours"]
+        cells.append(
+            f"{name} {_pct(g['hit_rate_vs_oracle'])} of oracle {_met(g['hit_rate_goal_met'])}, "
+            f"{fixed(over, 2)}× {_met(over >= 1.3)}"
+        )
+    return "; ".join(cells)
+
+
+def _overload(r: Results) -> str:
+    d = r.get("overload")["surfaces"]
+    tab = d["tab"]
+    hung = sum(x["hung"] for x in d.values())
+    return f"Tab p99 {fixed(tab['ttft_p99_ms'], 1)} ms {_met(tab['slo_met'])}; {hung} hung"
+
+
+def _hedging(r: Results) -> str:
+    legs = r.get("hedging")["legs"]
+    cells = [
+        f"{k} {fixed(x['hedge_on_p99_over_no_fault_p99'], 2)}× {_met(x['goal_met'])}" for k, x in legs.items()
+    ]
+    return "; ".join(cells)
+
+
+def _soak(r: Results) -> str:
+    runs = [r.get(name) for name in ("soak", "soak_rest", "soak_long") if r.exists(name)]
+    leaked = sum(d["leaked_tasks"] for d in runs)
+    return f"{leaked} leaked tasks in {len(runs)} runs {_met(leaked == 0)}; RSS: see its table"
 
 
 Row = tuple[str, str, str, str, Callable[[Results], str]]
@@ -257,7 +271,7 @@ ROWS: list[Row] = [
         "`python -m loadtest.bench_affinity`",
         "affinity.json",
         "≥ 95 % of oracle hit rate, ≥ 1.3× TTFT p90 vs Ray",
-        _see_below,
+        _affinity_peers,
     ),
     (
         "Affinity under KV pressure",
@@ -278,15 +292,21 @@ ROWS: list[Row] = [
         "`python -m loadtest.bench_overload`",
         "overload.json",
         "Tab p99 TTFT within SLO at 3× capacity",
-        _see_below,
+        _overload,
     ),
     (
-        "Overload, shared pool, wall clock",
-        "`python -m loadtest.bench_overload_shared --factors 1,3`, `... --engine vllm --factors 1,2,3`",
-        "overload_shared.json, overload_shared_vllm.json",
-        "Tab p99 ≤ 100 ms at 3× (sim), ≤ 1.5× Tab alone (vLLM-CPU); Agent goodput on ≥ 80 % of off; "
-        "reject p99 ≤ 5 ms; 0 hung",
+        "Overload, shared pool (sim)",
+        "`python -m loadtest.bench_overload_shared --factors 1,3`",
+        "overload_shared.json",
+        "at 3×: Tab p99 ≤ 100 ms; Agent goodput on ≥ 80 % of off; reject p99 ≤ 5 ms; 0 hung",
         _overload_shared,
+    ),
+    (
+        "Overload, shared pool (vLLM-CPU)",
+        "`python -m loadtest.bench_overload_shared --engine vllm --factors 1,2,3`",
+        "overload_shared_vllm.json",
+        "at 3×: Tab p99 ≤ 1.5× Tab alone; Agent goodput on ≥ 80 % of off; reject p99 ≤ 5 ms",
+        _overload_shared_vllm,
     ),
     (
         "Noisy neighbour, shared pool",
@@ -308,7 +328,7 @@ ROWS: list[Row] = [
         "`python -m loadtest.bench_hedging`",
         "hedging.json",
         "hedge-on p99 ≤ 1.5× no-fault p99 at ≤ 5 % extra requests",
-        _see_below,
+        _hedging,
     ),
     (
         "Gateway overhead",
@@ -321,9 +341,9 @@ ROWS: list[Row] = [
     (
         "Soak",
         "`python -m loadtest.soak --minutes 10`",
-        "soak.json, soak_rest.json",
+        "soak.json, soak_rest.json, soak_long.json",
         "bounded RSS, no leaked tasks",
-        _see_below,
+        _soak,
     ),
     (
         "Mid-stream migration",

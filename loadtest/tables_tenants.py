@@ -7,19 +7,6 @@ from typing import Any
 
 from loadtest.table_format import Results, fixed, num, table
 
-# (run, commit; None: the file as it stands). Runs 1-3: off and on (a minute's burst); from run 4 also
-# on_short_burst (TenantConfig.burst_s); from run 5 the client's connections are opened before each
-# phase (bench_noisy_neighbour.WARM_CONNECTIONS).
-RUNS: tuple[tuple[str, str | None], ...] = (
-    ("1", "993ed5e"),
-    ("2", "4bee8b8"),
-    ("3", "fa5873c"),
-    ("4", "915b74b"),
-    ("5", "cdc91fb"),
-    ("6", "f9b3fcc"),
-    ("7", None),
-)
-
 
 def _p50_p99(s: dict[str, Any]) -> str:
     """A surface's TTFT p50 / p99 in whole wall-clock ms."""
@@ -28,19 +15,15 @@ def _p50_p99(s: dict[str, Any]) -> str:
     return f"{fixed(s['ttft_p50_wall_ms'], 0)} / {fixed(s['ttft_p99_wall_ms'], 0)}"
 
 
-def _row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
+def _row(variant: str, d: dict[str, Any], first: bool) -> list[str]:
     """Whole ms and tok/s; the ratio to 2 decimals; load average (1 min) start → end, 1 decimal."""
     v = d["variants"][variant]
     alone, flood = v["b_alone"], v["a_flood"]
     ba, bf = alone["tenants"]["b"], flood["tenants"]["b"]
     a = flood["tenants"]["a"]["agent"]
-    label = (
-        f"{run} (`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s)"
-        if first
-        else run
-    )
+    label = f"`{d['machine']['git_commit']}`, capacity {d['agent_capacity_per_s']} req/s" if first else ""
     load = f"{fixed(v['load_avg_at_start'][0], 1)} → {fixed(v['load_avg_at_end'][0], 1)}"
-    burst = v.get("a_burst_s") or 60  # runs 1-3 record none: a minute's, the only one then
+    burst = v.get("a_burst_s") or 60  # files before TenantConfig.burst_s record none: a minute's
     budget = "none" if v["a_budget_rpm"] is None else f"{num(v['a_budget_rpm'])} rpm, {num(burst)} s burst"
     ratio = "-" if v["b_tab_p99_ratio"] is None else fixed(v["b_tab_p99_ratio"], 2) + "×"
     allowed = flood["a_admitted_allowance"]
@@ -55,19 +38,18 @@ def _row(run: str, variant: str, d: dict[str, Any], first: bool) -> list[str]:
         "-" if every is None else f"{fixed(at_once, 0) if at_once is not None else '-'} ({fixed(every, 0)})"
     )
     hung = alone["hung"] + flood["hung"]
-    sliced = flood.get("by_slice")  # from run 3
+    sliced = flood.get("by_slice")  # absent in files before 9353631
     slices = "-" if sliced is None else " / ".join(fixed(x, 0) for x in sliced["b_tab_p99_ms"])
     tab = [_p50_p99(ba["tab"]), _p50_p99(bf["tab"]), ratio, slices]
     return [label, variant, load, budget, *tab, agent, goodput, a_cell, refused, reject, str(hung)]
 
 
 def noisy_neighbour(r: Results) -> str:
-    rows = []
-    for run, at in RUNS:
-        d = r.get("noisy_neighbour", at=at)
-        rows += [_row(run, variant, d, first=i == 0) for i, variant in enumerate(d["variants"])]
+    """noisy_neighbour.json as it stands (its history: git log -p on the file)."""
+    d = r.get("noisy_neighbour")
+    rows = [_row(variant, d, first=i == 0) for i, variant in enumerate(d["variants"])]
     header = [
-        "run",
+        "commit, Agent capacity",
         "variant",
         "load avg",
         "a's budget",
