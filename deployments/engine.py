@@ -33,6 +33,7 @@ from cluster.observability.trace import engine_span, new_id, parse_traceparent
 from cluster.policy.migration import DRAINING_CODE
 from cluster.policy.ttft_window import TtftWindow
 from cluster.routing.block_hash import BlockHasher
+from cluster.wire.choices import ChoiceEvents
 from cluster.wire.engine_stream import (
     INTERNAL_TOKEN_HEADER,
     end_frame,
@@ -267,7 +268,12 @@ class EngineReplica:
                 span.first = time.time_ns()
             resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await resp.prepare(request)
-            usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse, span)
+            if req.sampling.n > 1:  # choices by index, no token ids: never migrated
+                usage = await self._relay_choices(
+                    resp, gen, first, ChoiceEvents(meta, req.sampling.n, flags[0]), span
+                )
+            else:
+                usage = await self._relay(resp, gen, first, meta, flags, req.tool_parse, span)
             if span is not None:
                 span.usage = usage
             await resp.write_eof()
@@ -334,6 +340,39 @@ class EngineReplica:
         text = (tools.text() if tools is not None else "".join(parts)) if parts is not None else None
         calls = tools.calls() if tools is not None and collect else None
         await _last(resp, span, end_frame(finish, usage or Usage(), text, self.replica_id, calls, lp.whole()))
+        return usage
+
+    async def _relay_choices(
+        self,
+        resp: web.StreamResponse,
+        gen: Any,
+        first: Chunk,
+        choices: ChoiceEvents,
+        span: _EngineSpan | None,
+    ) -> Usage | None:
+        """``n`` > 1: each chunk's event names its choice; the end frame has each choice's whole
+        answer when the gateway collects. Returns the usage (all choices' tokens)."""
+        usage, aborted = None, False
+        chunk: Chunk | None = first
+        try:
+            while chunk is not None:
+                event = choices.event(chunk)
+                if event:
+                    await resp.write(event)
+                aborted = aborted or chunk.finish_reason == "abort"
+                usage = chunk.usage or usage
+                chunk = await anext(gen, None)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the engine failed mid-stream
+            await _last(resp, span, error_frame(self._mid_stream(exc)))
+            return usage
+        if aborted and self.draining:  # Serve is stopping this replica: say so
+            await _last(resp, span, error_frame(self._mid_stream(None)))
+            return usage
+        whole = choices.whole() if choices.collect else None
+        frame = end_frame(choices.finish_reason, usage or Usage(), replica=self.replica_id, choices=whole)
+        await _last(resp, span, frame)
         return usage
 
     def _mid_stream(self, exc: BaseException | None) -> StreamInterrupted:

@@ -367,7 +367,8 @@ class Gateway:
         req = prepared.req
         surface = req.surface
         n_in, t = len(req.prompt_token_ids), self.cfg.tenant(tenant) if tenant is not None else None
-        out = reserved_output(req.sampling.max_tokens, n_in, t.tpm if t else None, req.max_tokens_asked)
+        tpm, n = t.tpm if t else None, req.sampling.n
+        out = reserved_output(req.sampling.max_tokens, n_in, tpm, req.max_tokens_asked, n)
         budget = await self.tenants.reserve(tenant, n_in, out)
         try:
             if isinstance(budget, ClusterError):  # the tenant is over its budget: at once

@@ -174,7 +174,8 @@ class ProviderBackend:
 
     async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> None:
         """The budget's seat for this request, waiting at most ``wait_s``; a 429 when there is none."""
-        out = reserved_output(req.sampling.max_tokens, input_est, self.cfg.tpm, req.max_tokens_asked)
+        s = req.sampling
+        out = reserved_output(s.max_tokens, input_est, self.cfg.tpm, req.max_tokens_asked, s.n)
         adm = await self.budget.reserve(req.request_id, input_est, out, wait_s)
         if not adm.ok:
             self.counts.budget_denied += 1

@@ -21,6 +21,7 @@ from cluster.policy.attempts import backend_of_slot
 from cluster.policy.race import RaceResult, first_token, follow
 from cluster.policy.tenants import spent_tokens
 from cluster.providers.budget import cost_usd
+from cluster.wire.choices import whole_response
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
@@ -238,6 +239,8 @@ class Relay:
         body = full_response(
             p.meta, text, acct.finish, acct.usage or Usage(), calls, framer.thinking.blocks(), logprobs
         )
+        if end is not None and end.choices:  # n > 1 on an engine: each choice as it collected it
+            body = whole_response(p.meta, end.choices, acct.usage or Usage())
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED
 

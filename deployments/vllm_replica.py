@@ -163,18 +163,15 @@ class VLLMBackend:
             async for out in stream:
                 if out.num_cached_tokens is not None:
                     cached = out.num_cached_tokens
-                o = out.outputs[0]
-                completion_tokens += len(o.token_ids)
-                chunk = Chunk(
-                    text=o.text, token_ids=list(o.token_ids), replica=self.replica, backend=self.backend
-                )
-                if k is not None and o.logprobs:
-                    chunk.logprobs = logprobs.from_engine(o.token_ids, o.logprobs, k, o.text)
+                # n > 1: each output is one choice's delta (vLLM's child requests), indexed
+                chunks = [self._chunk(o, k, req.sampling.n, out.finished) for o in out.outputs]
+                completion_tokens += sum(len(c.token_ids) for c in chunks)
                 if out.finished:
                     finished = True
-                    chunk.finish_reason = o.finish_reason or "stop"
-                    chunk.usage = Usage(len(req.prompt_token_ids), completion_tokens, cached)
-                yield chunk
+                    chunks = chunks or [Chunk(replica=self.replica, backend=self.backend)]
+                    chunks[-1].usage = Usage(len(req.prompt_token_ids), completion_tokens, cached)
+                for chunk in chunks:
+                    yield chunk
         except Exception as exc:
             if completion_tokens:
                 raise StreamInterrupted(f"vLLM replica {self.replica} failed mid-stream: {exc}") from exc
@@ -192,6 +189,17 @@ class VLLMBackend:
                 self._aborted += 1
                 self._recent_aborts.append((req.request_id, completion_tokens))
                 await self.abort(engine_id)
+
+    def _chunk(self, o: Any, k: int | None, n: int, finished: bool) -> Chunk:
+        """One output of vLLM's as a chunk: with ``n`` > 1 its choice's index and its own finish."""
+        chunk = Chunk(text=o.text, token_ids=list(o.token_ids), replica=self.replica, backend=self.backend)
+        if k is not None and o.logprobs:
+            chunk.logprobs = logprobs.from_engine(o.token_ids, o.logprobs, k, o.text)
+        if n > 1:
+            chunk.index, chunk.finish_reason = o.index, o.finish_reason
+        elif finished:
+            chunk.finish_reason = o.finish_reason or "stop"
+        return chunk
 
     @property
     def vocab_size(self) -> int:
@@ -271,6 +279,7 @@ def _sampling_params(req: GenerateRequest) -> Any:
         frequency_penalty=s.frequency_penalty,
         structured_outputs=so,
         logprobs=s.logprobs,
+        n=s.n,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -31,6 +31,7 @@ _ENGINES = frozenset({"vllm", "sim"})
 _OPENAI = frozenset({"openai"})
 _TOOLS = frozenset({"openai", "anthropic"})
 IMAGES = "messages[].content[].image_url"
+_VLLM_ONLY = frozenset({"vllm"})
 
 # field -> the kinds that honour it. Fields every kind honours (model, messages, max_tokens, stop,
 # stream, stream_options, top_p, user, metadata) are not listed.
@@ -44,6 +45,7 @@ SUPPORT: dict[str, frozenset[str]] = {
     "logit_bias": _OPENAI,
     "logprobs": _OPENAI | {"vllm"},
     "top_logprobs": _OPENAI | {"vllm"},
+    "n": _VLLM_ONLY,  # only above 1: choices
     # tools
     "tools": _TOOLS,
     "tool_choice": _TOOLS,
@@ -127,7 +129,7 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name == "modalities" and api.modalities == ["text"]:
             continue
-        if name == "best_of" and api.best_of == 1:
+        if name in ("best_of", "n") and getattr(api, name) == 1:
             continue
         if name == "response_format" and api.response_format.type == "text":  # type: ignore[union-attr]
             continue

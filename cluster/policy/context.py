@@ -109,12 +109,12 @@ def _message(tried: list[_Tried], max_tokens: int | None, param: str) -> str:
     return text
 
 
-def reserved_output(max_tokens: int, input_tokens: int, tpm: int | None, asked: bool) -> int:
+def reserved_output(max_tokens: int, input_tokens: int, tpm: int | None, asked: bool, n: int = 1) -> int:
     """The completion tokens a token budget (a tenant's or a provider's ``tpm``) reserves for a
-    request: its ``max_tokens``, the most it may use, as providers count it too. One the client did
-    not ask for (the rest of the window) may exceed a whole minute's budget, which would refuse it
-    for good for a size nobody asked: then it is trimmed to what the budget holds beside the
-    prompt. Either way the request settles with its usage."""
+    request: its ``max_tokens`` for each of its ``n`` choices, the most it may use, as providers
+    count it too. One the client did not ask for (the rest of the window) may exceed a whole
+    minute's budget, which would refuse it for good for a size nobody asked: then it is trimmed to
+    what the budget holds beside the prompt. Either way the request settles with its usage."""
     if asked or tpm is None:
-        return max_tokens
-    return max(1, min(max_tokens, tpm - input_tokens))
+        return max_tokens * n
+    return max(1, min(max_tokens * n, tpm - input_tokens))

@@ -8,7 +8,7 @@ deterministically (greedy vLLM, the simulator's seeded sampler) produces exactly
 uninterrupted run would have; any engine produces a valid continuation of what the client has.
 Never for a provider backend (its stream cannot be resumed from token ids), never across models,
 never under structured decoding or a tool-call parser (their state is not in the token ids) nor
-with ``logprobs`` (a completion's text offsets would restart), at
+with ``logprobs`` (a completion's text offsets would restart) or ``n`` > 1 (its choices), at
 most ``max_per_request`` times per request and within a budget shared by all requests
 (``ratio`` of the requests in a sliding window, plus ``min_per_s``), like the retry budget. When
 migration is refused the stream ends as before: one clean terminal error event.
@@ -129,6 +129,9 @@ class MigrationPolicy:
         # logprobs: the continuation's completion offsets would restart at its own first token
         if s.logprobs is not None:
             return "logprobs"
+        # n > 1: the choices interleave in one stream; each would need its own continuation
+        if s.n > 1:
+            return "n"
         if req.tool_parse:
             return "tools"
         return None

@@ -8,7 +8,7 @@ client's SSE events must say: id, model, created). The engine answers:
   token or batch of tokens, which the gateway passes through as bytes without parsing them;
 * then exactly one control frame, an SSE comment that ends the stream: ``: llmc end {json}`` with
   the finish reason, usage and (when the gateway asked to collect) the whole text, the tool
-  calls and the logprobs, or
+  calls and the logprobs, or with ``n`` > 1 each choice's, or
   ``: llmc error {json}`` with a typed error after tokens went out.
 
 SSE clients ignore comment lines, and JSON text never holds a raw newline, so a control frame is
@@ -39,7 +39,7 @@ def request_body(
     r = _fields(req)
     r["sampling"] = _fields(req.sampling)
     body = {"req": r, "meta": _fields(meta), "collect": collect}
-    if ids:
+    if ids and req.sampling.n == 1:  # n > 1: choices interleave, never migrated (policy.migration)
         body["ids"] = True
     if continued:
         body["continued"] = True
@@ -122,6 +122,7 @@ def end_frame(
     replica: str = "",
     tool_calls: list[dict[str, Any]] | None = None,
     logprobs: dict[str, Any] | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> bytes:
     payload: dict[str, Any] = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
     if text is not None:
@@ -130,6 +131,8 @@ def end_frame(
         payload["tool_calls"] = tool_calls
     if logprobs is not None:
         payload["logprobs"] = logprobs
+    if choices is not None:
+        payload["choices"] = choices
     return control_frame("end", payload)
 
 
@@ -148,6 +151,7 @@ class StreamEnd:
     error: ClusterError | None = None
     tool_calls: list[dict[str, Any]] | None = None  # the message's, when the gateway collects
     logprobs: dict[str, Any] | None = None  # the choice's, when the gateway collects and they were asked
+    choices: list[dict[str, Any]] | None = None  # n > 1, collecting: each choice (cluster.wire.choices)
 
 
 def parse_control(frame: bytes) -> StreamEnd:
@@ -162,6 +166,7 @@ def parse_control(frame: bytes) -> StreamEnd:
         replica=payload.get("replica", ""),
         tool_calls=payload.get("tool_calls"),
         logprobs=payload.get("logprobs"),
+        choices=payload.get("choices"),
     )
 
 

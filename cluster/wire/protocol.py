@@ -183,7 +183,7 @@ class _SamplingFields(_Wire):
     max_tokens: int | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(None, ge=1, le=1)
+    n: int | None = Field(None, ge=1, le=128)  # choices (OpenAI's limit); capabilities say where
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: StrictBool = False
@@ -276,6 +276,8 @@ class Sampling:
     structured: dict[str, Any] | None = None
     # Each sampled token's logprob and this many top alternatives (vLLM's ``logprobs``; None: none)
     logprobs: int | None = None
+    # Choices to sample from the one prompt (OpenAI's ``n``): vLLM's ``n``, a provider's as sent
+    n: int = 1
 
 
 @dataclass
@@ -362,6 +364,8 @@ class Chunk:
     thinking: list[dict[str, Any]] | None = None
     # an engine's sampled tokens' logprobs, chat-shape entries (cluster.wire.logprobs)
     logprobs: list[dict[str, Any]] | None = None
+    # the choice it belongs to (``n`` > 1; its ``finish_reason`` is that choice's: cluster.wire.choices)
+    index: int = 0
 
 
 @dataclass

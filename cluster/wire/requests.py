@@ -93,6 +93,8 @@ def build_generate_request(
     top = logprobs.asked("chat" if chat else "completion", req.logprobs, getattr(req, "top_logprobs", None))
     if top is not None and tools is not None and tools.parse:  # its tool-call parser frames none
         raise InvalidRequest("'logprobs' with tools is not served on this model", param="logprobs")
+    if (req.n or 1) > 1 and tools is not None and tools.parse:  # one parser per stream, not per choice
+        raise InvalidRequest("'n' above 1 with tools is not served on this model", param="n")
     return GenerateRequest(
         request_id=request_id,
         model=model.name,
@@ -109,6 +111,7 @@ def build_generate_request(
             frequency_penalty=req.frequency_penalty or 0.0,
             structured=(tools.structured if tools and tools.structured else None) or structured(req),
             logprobs=top,
+            n=req.n or 1,
         ),
         options=options(req),
         tool_parse=tools.parse if tools else None,

@@ -29,6 +29,7 @@ SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
     "logit_bias": (ChatCompletionRequest, {"logit_bias": {"42": -100}}),
     "logprobs": (ChatCompletionRequest, {"logprobs": True}),
     "top_logprobs": (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 2}),
+    "n": (CompletionRequest, {"n": 3}),
     "tools": (ChatCompletionRequest, {"tools": [TOOL]}),
     "tool_choice": (ChatCompletionRequest, {"tools": [TOOL], "tool_choice": "required"}),
     "parallel_tool_calls": (ChatCompletionRequest, {"tools": [TOOL], "parallel_tool_calls": True}),

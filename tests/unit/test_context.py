@@ -108,6 +108,9 @@ def test_reservation_of_an_unasked_default_fits_the_budget():
     assert reserved_output(900, 700, 600, asked=False) == 1  # the prompt alone is too large
     # What the client asked for is reserved whole, as a provider counts it.
     assert reserved_output(900, 100, 600, asked=True) == 900
+    assert reserved_output(900, 100, 600, asked=True, n=3) == 2700  # each choice may use all of it
+    assert reserved_output(900, 100, None, asked=False, n=2) == 1800
+    assert reserved_output(900, 100, 1000, asked=False, n=2) == 900  # trimmed to the minute
 
 
 # ---------------------------------------------------------------------------------------------

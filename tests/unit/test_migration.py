@@ -80,6 +80,7 @@ def test_structured_decoding_and_tool_calls_never_migrate() -> None:
     tools = GenerateRequest("r1", "m", "chat", [1], Sampling(max_tokens=9), tool_parse={"mode": "hermes"})
     assert p.decide(tools, brk(), 0.0).why == "tools"
     assert p.decide(req(), brk(), 0.0).allowed  # the same request without either migrates
+    assert p.decide(req(n=2), brk(), 0.0).why == "n"  # its choices interleave in one stream
 
 
 def test_the_budget_is_a_share_of_requests_over_the_window() -> None:
