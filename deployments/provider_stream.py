@@ -109,8 +109,10 @@ class ChunkReader:
         if delta.error is not None:
             return self.fail(delta.error, s.started)
         s.usage = delta.usage or s.usage
-        s.finish = delta.finish_reason or s.finish
-        if delta.text or delta.tool_calls or delta.thinking or delta.logprobs:  # all content
+        if delta.index == 0:  # the first choice's ends the stream's last chunk (providers.py)
+            s.finish = delta.finish_reason or s.finish
+        more = delta.index and delta.finish_reason  # n > 1: another choice's finish is its own chunk
+        if delta.text or delta.tool_calls or delta.thinking or delta.logprobs or more:  # all content
             s.started = True
             s.out_parts.append(delta.text)
             batch.append(
@@ -121,6 +123,8 @@ class ChunkReader:
                     replica=self.replica,
                     backend=self.backend,
                     logprobs=delta.logprobs,
+                    index=delta.index,
+                    finish_reason=delta.finish_reason if delta.index else None,
                 )
             )
         if delta.done:

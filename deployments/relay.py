@@ -21,7 +21,7 @@ from cluster.policy.attempts import backend_of_slot
 from cluster.policy.race import RaceResult, first_token, follow
 from cluster.policy.tenants import spent_tokens
 from cluster.providers.budget import cost_usd
-from cluster.wire.choices import whole_response
+from cluster.wire.choices import ChoiceEvents, whole_response
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
@@ -75,7 +75,7 @@ class _Framer:
     """Frames a provider's chunks as the client's SSE events (engines send them framed); a batch
     (what one network read brought) becomes one write."""
 
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: Prepared, n: int = 1) -> None:
         self.meta = prepared.meta
         self.text_events = TextEvents(prepared.meta)
         self.sent_first = False
@@ -87,6 +87,7 @@ class _Framer:
         self.tool_calls = ToolCallAccumulator()
         self.thinking = ThinkingAccumulator()
         self.logprobs = LogprobsFraming(prepared.meta.kind, collect=True)  # a provider's, if it sent any
+        self.choices = ChoiceEvents(prepared.meta, n, collect=True) if n > 1 else None
 
     def frame(self, batch: list[Chunk]) -> bytes:
         if len(batch) == 1:
@@ -98,6 +99,8 @@ class _Framer:
             self.usage = chunk.usage
         if chunk.finish_reason is not None:
             self.finish = chunk.finish_reason
+        if self.choices is not None:  # n > 1: each chunk's event names its choice
+            return self._choice_event(chunk, self.choices)
         calls, thinking = chunk.tool_calls, chunk.thinking
         self.logprobs.add(chunk.logprobs)  # they ride on the next event, as an engine's do
         if not (chunk.text or calls or thinking or chunk.finish_reason is not None or not self.sent_first):
@@ -117,6 +120,14 @@ class _Framer:
         c = stream_chunk(self.meta, chunk.text, chunk.finish_reason, first, calls, thinking, lp)
         data = sse(c)
         self.sent_first = True
+        return data
+
+    def _choice_event(self, chunk: Chunk, choices: ChoiceEvents) -> bytes:
+        if chunk.text or chunk.tool_calls:
+            self.tokens += 1
+        data = choices.event(chunk)
+        self.finish = choices.finish_reason
+        self.sent_first = self.sent_first or bool(data)
         return data
 
 
@@ -166,7 +177,7 @@ class Relay:
             if getattr(stream, "passed", None) is not None:  # an engine's, with its token ids
                 seam = Seamless(gw, p, result, winner, rest, deadline, acct, trace)
                 stream, rest = seam, seam.items()
-            framer = _Framer(p)
+            framer = _Framer(p, p.req.sampling.n)
             acct.stream, acct.framer = stream, framer
             w = _Winner(stream, first, rest, headers)
             if p.stream:
@@ -241,6 +252,8 @@ class Relay:
         )
         if end is not None and end.choices:  # n > 1 on an engine: each choice as it collected it
             body = whole_response(p.meta, end.choices, acct.usage or Usage())
+        elif framer.choices is not None:  # n > 1 from a provider
+            body = whole_response(p.meta, framer.choices.whole(), acct.usage or Usage())
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED
 

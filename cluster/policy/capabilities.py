@@ -31,7 +31,6 @@ _ENGINES = frozenset({"vllm", "sim"})
 _OPENAI = frozenset({"openai"})
 _TOOLS = frozenset({"openai", "anthropic"})
 IMAGES = "messages[].content[].image_url"
-_VLLM_ONLY = frozenset({"vllm"})
 
 # field -> the kinds that honour it. Fields every kind honours (model, messages, max_tokens, stop,
 # stream, stream_options, top_p, user, metadata) are not listed.
@@ -45,7 +44,7 @@ SUPPORT: dict[str, frozenset[str]] = {
     "logit_bias": _OPENAI,
     "logprobs": _OPENAI | {"vllm"},
     "top_logprobs": _OPENAI | {"vllm"},
-    "n": _VLLM_ONLY,  # only above 1: choices
+    "n": _OPENAI | {"vllm"},  # only above 1: choices
     # tools
     "tools": _TOOLS,
     "tool_choice": _TOOLS,

@@ -27,6 +27,7 @@ class StreamDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False
+    index: int = 0  # the choice (``n`` > 1: an OpenAI-compatible provider's choices interleave)
     error: dict[str, Any] | None = None
 
 

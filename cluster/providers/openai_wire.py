@@ -47,6 +47,8 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
         body["presence_penalty"] = s.presence_penalty
     if s.frequency_penalty:
         body["frequency_penalty"] = s.frequency_penalty
+    if s.n > 1:
+        body["n"] = s.n
     body.update(req.options)  # tools, tool_choice, response_format, suffix, ...: as the client sent them
     if stream:
         body["stream"] = True
@@ -114,9 +116,13 @@ def parse_stream_obj(obj: Any) -> StreamDelta:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         raise ValueError("stream chunk has no 'choices' list")
-    for choice in choices:
-        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+    for choice in choices[:1]:  # one choice an event, as OpenAI streams them (n > 1: by index)
+        if not isinstance(choice, dict):
             continue
+        index = choice.get("index", 0)
+        if type(index) is not int or index < 0:
+            raise ValueError("stream chunk choice index is not a non-negative integer")
+        out.index = index
         delta = choice.get("delta")
         text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         if text is not None and not isinstance(text, str):

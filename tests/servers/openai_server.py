@@ -283,6 +283,14 @@ class OpenAIServer(LoopbackServer):
         ended = await self.stream_tokens(request, resp, rec, fault, tokens, lambda tok: sse(chunk(tok, None)))
         if ended is not None:
             return ended
+        # n: more choices (the tokens reversed), each whole, before the first one's finish
+        for i in range(1, int(body.get("n") or 1)):
+            more = [chunk(None, None, role=True)] if chat else []
+            more += [chunk(t, None) for t in reversed(tokens)] + [chunk(None if chat else "", finish)]
+            for obj in more:
+                obj["choices"][0]["index"] = i
+                await resp.write(sse(obj))
+            rec.completion_tokens += len(tokens)
         for i, call in enumerate(tool_calls):
             for j, part in enumerate(T.pieces(call["function"]["arguments"])):
                 piece: dict[str, Any] = {"index": i, "function": {"arguments": part}}
