@@ -13,6 +13,7 @@ from aiohttp import web
 
 from cluster.engine.kv_events import BlocksQueued, KVEventLog, page_to_wire
 from cluster.routing.block_hash import BlockHasher
+from cluster.routing.event_hashes import RouterHashes
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from cluster.wire.errors import InvalidRequest, to_wire
 from cluster.wire.protocol import GenerateRequest
@@ -23,12 +24,16 @@ MAX_WAIT_S = 30.0
 
 class KVEventEndpoint:
     """``log``'s HTTP face. ``hasher``: the gateways' block hash of this backend (same block size
-    and model), for the ``BlocksQueued`` announcements."""
+    and model), for the ``BlocksQueued`` announcements and the stores and evictions, which the log
+    keeps in the router's hashes (``IndexStored``/``IndexRemoved``): hashed once here, not on every
+    gateway replica (:mod:`cluster.routing.event_hashes`)."""
 
     def __init__(self, log: KVEventLog, token: str, hasher: BlockHasher) -> None:
         self.log, self._token, self.hasher = log, token, hasher
         self._new = asyncio.Event()
         log.on_append = self._new.set  # appended on this loop (vLLM's thread hands over to it)
+        self.router_hashes = RouterHashes(hasher)
+        log.translate = self.router_hashes.translate
 
     def announce(self, req: GenerateRequest) -> None:
         """A request arrived: every gateway learns where its prompt's blocks are going (and its

@@ -185,6 +185,10 @@ NOT_RERUN = {
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
     "rehearsal.json": "by hand, as root: python -m loadtest.rehearsal (the multi-node lab, 15 min)",
+    "control_plane.json": (
+        "by hand: its before_ figures ran on the tree before issue 42's change (BENCHMARKS.md says how); "
+        "python -m loadtest.bench_control_plane --design after re-measures the current one"
+    ),
 }
 
 

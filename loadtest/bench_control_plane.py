@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import heapq
 import json
 import math
@@ -54,6 +55,7 @@ from cluster.engine.kv_events import (
     BlocksQueued,
     BlockStored,
     FeedCursor,
+    KVEventBatch,
     KVEventLog,
     KVEventPage,
     page_from_wire,
@@ -62,11 +64,14 @@ from cluster.engine.kv_events import (
 from cluster.engine.profiles import BatchShape, Profile, get_profile
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
+from deployments.kv_endpoint import KVEventEndpoint
 from deployments.kv_feed import MIN_POLL_S
 from loadtest.provenance import git_state, provenance, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TOKEN = "bench-token"
 BLOCK = 16
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -83,6 +88,16 @@ class Rates:
     stored_blocks_per_s: float
     requests_per_s: float
     prompt_blocks: int
+    reuse: float
+
+    def scaled(self, k: float) -> Rates:
+        """The same engine at ``k`` times the rates (same steps, fewer tokens and requests)."""
+        return dataclasses.replace(
+            self,
+            computed_tokens_per_s=self.computed_tokens_per_s * k,
+            stored_blocks_per_s=self.stored_blocks_per_s * k,
+            requests_per_s=self.requests_per_s * k,
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(float(v), 4) for k, v in self.__dict__.items()}
@@ -106,7 +121,7 @@ def engine_rates(
     step_s = profile.step_time_model().step_time(shape)
     computed = (chunk + decode_seqs) / step_s
     requests = chunk / step_s / (prompt_tokens * (1 - reuse))
-    return Rates(step_s, computed, computed / BLOCK, requests, prompt_tokens // BLOCK)
+    return Rates(step_s, computed, computed / BLOCK, requests, prompt_tokens // BLOCK, reuse)
 
 
 class EngineSource:
@@ -115,6 +130,8 @@ class EngineSource:
     def __init__(self, i: int, rates: Rates, cache_blocks: int, contexts: int, seed: int) -> None:
         self.name = f"engine-{i}"
         self.log = KVEventLog(max_batches=8192, epoch=i + 1)
+        # the replica's server: whatever it makes of the log (today, the router's hashes)
+        self.endpoint = KVEventEndpoint(self.log, TOKEN, BlockHasher(BLOCK, MODEL))
         self.rng = random.Random(seed)
         self.rates = rates
         self.cache_blocks = cache_blocks
@@ -126,15 +143,24 @@ class EngineSource:
         rng = self.rng  # the agent contexts that recur on this engine: their router hashes
         self.contexts = [[rng.getrandbits(63) for _ in range(rates.prompt_blocks)] for _ in range(contexts)]
         self.tokens = [rng.randrange(128_000) for _ in range(BLOCK * 64)]
+        self.keep = int(rates.prompt_blocks * rates.reuse)  # a request's blocks its context holds
 
-    def step(self, now: float) -> None:
-        """One engine step ending at ``now``: its events appended to the log."""
+    def warm(self, view: BackendView) -> None:
+        """A gateway that has seen each of this engine's contexts once (the steady state the
+        simulated seconds are too short to reach): one page announcing them, applied untimed."""
+        queued = tuple(BlocksQueued(c[: self.keep], f"s{i}") for i, c in enumerate(self.contexts))
+        view.apply_kv_page(self.name, KVEventPage(0, [KVEventBatch(1, 0.0, queued)], 0, True), 0.0)
+
+    def step(self, now: float) -> float:
+        """One engine step ending at ``now``: its events appended to the log. Returns the CPU
+        seconds of the append (the replica's server's part: the events are made up here)."""
         r, rng, ev = self.rates, self.rng, []
         self._arrivals += r.requests_per_s * r.step_s
         while self._arrivals >= 1:
             self._arrivals -= 1
-            ctx = rng.randrange(len(self.contexts))
-            ev.append(BlocksQueued(self.contexts[ctx], f"s{ctx}"))
+            ctx = rng.randrange(len(self.contexts))  # an agent's next turn: its context, a new tail
+            tail = [rng.getrandbits(63) for _ in range(r.prompt_blocks - self.keep)]
+            ev.append(BlocksQueued(self.contexts[ctx][: self.keep] + tail, f"s{ctx}"))
         self._debt += r.stored_blocks_per_s * r.step_s
         new = int(self._debt)
         self._debt -= new
@@ -150,7 +176,9 @@ class EngineSource:
         over = len(self._held) - self.cache_blocks
         if over > 0:  # KV pressure: one BlockRemoved for the step's evictions, oldest first
             ev.append(BlockRemoved([self._held.popleft() for _ in range(over)]))
+        c0 = time.thread_time()
         self.log.append(ev, now)
+        return time.thread_time() - c0
 
 
 # -- a gateway's side ----------------------------------------------------------------------------
@@ -213,6 +241,9 @@ def simulate(
     engines = [EngineSource(i, rates, cache_blocks, 32, seed * 1000 + i) for i in range(n)]
     names = [e.name for e in engines]
     gws = [Gateway(gateway_view(names, 1_000_000), {r: FeedCursor() for r in names}) for _ in range(m)]
+    for gw in gws[:applying]:
+        for e in engines:
+            e.warm(gw.view)
     # every (gateway, engine) pair polls every MIN_POLL_S at its own phase
     polls = [(rng.uniform(0, MIN_POLL_S), g, e) for g in range(m) for e in range(n)]
     heapq.heapify(polls)
@@ -239,7 +270,7 @@ def simulate(
             gw.busy_until = max(due, gw.busy_until) + (c2 - c1)
             gw.lags.extend(gw.busy_until - b.ts for b in page.batches)
         for e in engines:
-            e.step(t)
+            engine_cpu += e.step(t)
     return summarise(n, m, t, engines, gws[: min(m, applying)], engine_cpu)
 
 
@@ -301,7 +332,7 @@ def router_bytes(policy: AffinityRouter) -> dict[str, int]:
         "recent": _int_bytes(idx._recent) + sum(sys.getsizeof(x) for x in idx._recent_log),
         "stored_by": _int_bytes(policy._stored_by),
         "homes": _int_bytes(policy.homes._home),
-        "kv_maps": sum(_int_bytes(m) for m in policy._kv_maps.values()),
+        "kv_maps": sum(_int_bytes(getattr(m, "_map", m)) for m in policy._kv_maps.values()),
     }
 
 
@@ -385,8 +416,6 @@ def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -
 
 # -- the real HTTP long poll on loopback (kv_endpoint <-> kv_feed), small N ----------------------
 
-TOKEN = "bench-token"
-
 
 def _proc_cpu() -> float:
     t = os.times()
@@ -398,14 +427,11 @@ async def _serve(n: int, rates: Rates, cache_blocks: int, port: int, seconds: fl
     generated in real time; ``/cpu`` answers this process's CPU seconds and the polls served."""
     from aiohttp import web
 
-    from cluster.routing.block_hash import BlockHasher
-    from deployments.kv_endpoint import KVEventEndpoint
-
     engines = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]
     served = [0]
     app = web.Application()
     for i, e in enumerate(engines):
-        ep = KVEventEndpoint(e.log, TOKEN, BlockHasher(BLOCK, MODEL))
+        ep = e.endpoint
 
         async def handle(request: web.Request, ep: KVEventEndpoint = ep) -> web.Response:
             served[0] += 1
@@ -435,7 +461,9 @@ class _Picker:
         return None
 
 
-async def _consume(n: int, m: int, port: int, seconds: float) -> dict[str, Any]:
+async def _consume(
+    n: int, m: int, rates: Rates, cache_blocks: int, port: int, seconds: float
+) -> dict[str, Any]:
     """M gateways' real ``KVEventFeed`` (one aiohttp session each, as a gateway has) following N
     engines for ``seconds``; CPU of this process and of the engines' server, polls served."""
     import aiohttp
@@ -445,10 +473,13 @@ async def _consume(n: int, m: int, port: int, seconds: float) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     names = [f"engine-{i}" for i in range(n)]
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in range(m)]
+    twins = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]  # the server's contexts
     feeds = []
     for g in range(m):
         view = gateway_view(names, 1_000_000)
         view.sync([ReplicaInfo(r, f"{base}/e{i}", kv_events=True) for i, r in enumerate(names)])
+        for e in twins:
+            e.warm(view)
         feeds.append(KVEventFeed(view, _Picker(), lambda s=sessions[g]: s, TOKEN))
     async with aiohttp.ClientSession() as probe:
         await asyncio.sleep(1.0)  # the server is up and publishing
@@ -483,7 +514,7 @@ def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, po
     cmd += ["--serve-seconds", str(seconds + 3), "--rate-scale", str(RATE_SCALE_HTTP)]
     child = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     try:
-        raw = asyncio.run(_consume(n, m, port, seconds))
+        raw = asyncio.run(_consume(n, m, rates, cache_blocks, port, seconds))
     finally:
         child.wait(timeout=30)
     polls = max(raw["polls"], 1)
@@ -565,13 +596,7 @@ def run_sweep(
 def http_overhead(args: argparse.Namespace, rates: Rates) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Loopback runs at small N; the HTTP layer's CPU per poll on each side is the run's CPU per
     poll less the in-process simulation's (same N, M and scaled rates) for the same work."""
-    scaled = Rates(
-        rates.step_s,
-        rates.computed_tokens_per_s * RATE_SCALE_HTTP,
-        rates.stored_blocks_per_s * RATE_SCALE_HTTP,
-        rates.requests_per_s * RATE_SCALE_HTTP,
-        rates.prompt_blocks,
-    )
+    scaled = rates.scaled(RATE_SCALE_HTTP)
     runs, server, client = [], [], []
     for n, m in args.http:
         h = http_run(n, m, scaled, args.sim_cache_blocks, args.http_seconds, args.port)
@@ -626,6 +651,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--design", default="before", help="the key prefix the N-max, M-max point is written under"
     )
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--code-note", default="", help="what code ran, when not the checkout's (provenance)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (not for the result file)")
     ap.add_argument("--out", default=str(RESULTS / "control_plane.json"))
     ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # the loopback child
@@ -642,15 +668,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = get_profile(args.profile)
     rates = engine_rates(profile, args.utilisation, args.prompt_tokens, args.reuse, args.decode_seqs)
     if args.serve:
-        scaled = Rates(
-            rates.step_s,
-            *(
-                x * args.rate_scale
-                for x in (rates.computed_tokens_per_s, rates.stored_blocks_per_s, rates.requests_per_s)
-            ),
-            rates.prompt_blocks,
+        run = _serve(
+            args.serve, rates.scaled(args.rate_scale), args.sim_cache_blocks, args.port, args.serve_seconds
         )
-        asyncio.run(_serve(args.serve, scaled, args.sim_cache_blocks, args.port, args.serve_seconds))
+        asyncio.run(run)
         return 0
     started, git, load = time.monotonic(), git_state(), os.getloadavg()
     http_runs, http = http_overhead(args, rates) if args.http else ([], {"server_us": 0.0, "client_us": 0.0})
@@ -660,9 +681,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     report.update(flat_keys(args.design, top))
     report[f"{args.design}_sweep"] = sweep
-    report[f"{args.design}_fits"] = fits(sweep, args.n, args.m)
+    if len(args.n) > 1 and len(args.m) > 1:
+        report[f"{args.design}_fits"] = fits(sweep, args.n, args.m)
     report[f"{args.design}_http_loopback"] = {"runs": http_runs, "per_poll_us": http}
     report[f"{args.design}_provenance"] = provenance(argv or sys.argv[1:], git, load, started)
+    if args.code_note:
+        report[f"{args.design}_provenance"]["code"] = args.code_note
     report["workload"] = {
         "profile": args.profile,
         "kv_blocks_per_engine": profile.num_kv_blocks(),

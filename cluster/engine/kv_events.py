@@ -19,6 +19,9 @@ continues from what the log still holds (the index may under-report, never over-
 rather than an engine-side push (vLLM's ZMQ PUB socket straight to the gateways): the engine does
 not need to know the gateways (they scale and restart on their own), a slow gateway cannot make
 the engine drop events for the others, and it reuses the replica's authenticated HTTP server.
+The replica's server publishes stores and evictions in the router's hashes (``IndexStored``,
+``IndexRemoved``: :mod:`cluster.routing.event_hashes`), hashed once there rather than on every
+gateway replica.
 
 Plain Python, no I/O: the engine deployment serves the log, the gateway's feed applies pages.
 """
@@ -75,7 +78,23 @@ class BlocksQueued:
     session_id: str | None = None
 
 
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued
+@dataclass(frozen=True, slots=True)
+class IndexStored:
+    """Ours, not vLLM's: a ``BlockStored`` as the engine replica publishes it to the gateways, in
+    the *router's* hashes (:class:`cluster.routing.event_hashes.RouterHashes`): the gateways index
+    them as they are, with no tokens to hash and no map of the engine's hashes to keep."""
+
+    block_hashes: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRemoved:
+    """Ours: a ``BlockRemoved`` in the router's hashes (see :class:`IndexStored`)."""
+
+    block_hashes: Sequence[int]
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued | IndexStored | IndexRemoved
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +127,12 @@ class KVEventLog:
         self._batches: deque[KVEventBatch] = deque(maxlen=max_batches)
         self.last_seq = 0
         self.on_append: Callable[[], None] | None = None  # the server wakes its long polls
+        # what the log keeps of a step's events (the replica's server: the router's hashes)
+        self.translate: Callable[[Sequence[KVCacheEvent]], Sequence[KVCacheEvent]] | None = None
 
     def append(self, events: Sequence[KVCacheEvent], ts: float) -> None:
+        if self.translate is not None:
+            events = self.translate(events)
         if not events:
             return
         self.last_seq += 1
@@ -156,6 +179,8 @@ def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
         return {"type": "BlockRemoved", "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes]}
     if isinstance(ev, BlocksQueued):
         return {"type": "BlocksQueued", "block_hashes": list(ev.block_hashes), "session_id": ev.session_id}
+    if isinstance(ev, IndexStored | IndexRemoved):
+        return {"type": type(ev).__name__, "block_hashes": list(ev.block_hashes)}
     return {"type": "AllBlocksCleared"}
 
 
@@ -198,10 +223,23 @@ class WireQueued(_Strict):
     session_id: str | None = None
 
 
+class WireIndexStored(_Strict):
+    type: Literal["IndexStored"]
+    block_hashes: list[int]
+
+
+class WireIndexRemoved(_Strict):
+    type: Literal["IndexRemoved"]
+    block_hashes: list[int]
+
+
+WireEvent = WireStored | WireRemoved | WireCleared | WireQueued | WireIndexStored | WireIndexRemoved
+
+
 class WireBatch(_Strict):
     seq: int = Field(ge=1)
     ts: float
-    events: list[Annotated[WireStored | WireRemoved | WireCleared | WireQueued, Field(discriminator="type")]]
+    events: list[Annotated[WireEvent, Field(discriminator="type")]]
 
 
 class WirePage(_Strict):
@@ -228,6 +266,10 @@ def page_from_wire(data: Any) -> KVEventPage:
                 events.append(BlockRemoved(e.block_hashes))
             elif isinstance(e, WireQueued):
                 events.append(BlocksQueued(e.block_hashes, e.session_id))
+            elif isinstance(e, WireIndexStored):
+                events.append(IndexStored(e.block_hashes))
+            elif isinstance(e, WireIndexRemoved):
+                events.append(IndexRemoved(e.block_hashes))
             else:
                 events.append(AllBlocksCleared())
         batches.append(KVEventBatch(b.seq, b.ts, tuple(events)))

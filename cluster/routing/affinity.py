@@ -81,8 +81,16 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cluster.engine.kv_events import BlockRemoved, BlocksQueued, BlockStored, KVEventPage
+from cluster.engine.kv_events import (
+    BlockRemoved,
+    BlocksQueued,
+    BlockStored,
+    IndexRemoved,
+    IndexStored,
+    KVEventPage,
+)
 from cluster.routing.block_hash import BlockHash, BlockHasher, HashAlgo, deepest_held, stable_hash64
+from cluster.routing.event_hashes import RouterHashes
 from cluster.routing.placement import ContextHomes
 from cluster.routing.prefix_index import PrefixIndex, SessionTable
 
@@ -206,7 +214,7 @@ class AffinityRouter:
         self._min_blocks = max(1, math.ceil(p.min_match_tokens / block_size))
         self._home_block = max(1, math.ceil(p.home_key_tokens / block_size))
         self._seeds: dict[str, int] = {}
-        self._kv_maps: dict[str, OrderedDict[Hashable, int]] = {}
+        self._kv_maps: dict[str, RouterHashes] = {}  # raw BlockStored only (IndexStored needs none)
         self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
         self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
         # our block hash -> the replica whose engine stored it last (kept after eviction): a new
@@ -414,20 +422,16 @@ class AffinityRouter:
         the ``cache_salt`` the event carries); returns blocks indexed."""
         kv = self._kv_maps.get(replica)
         if kv is None:
-            kv = self._kv_maps[replica] = OrderedDict()
-        parent = None
-        if parent_block_hash is not None:
-            parent = kv.get(parent_block_hash)
-            if parent is None:
-                self.kv_unmapped += 1
-                return 0
-        ours = self.hasher.hash_blocks(token_ids, parent, cache_salt)
-        for engine_h, our_h in zip(block_hashes, ours, strict=False):
-            kv[engine_h] = our_h
-            kv.move_to_end(engine_h)
-        while len(kv) > self.params.kv_map_capacity:
-            kv.popitem(last=False)
-        stored = ours[: len(block_hashes)]
+            kv = self._kv_maps[replica] = RouterHashes(self.hasher, self.params.kv_map_capacity)
+        stored = kv.stored(block_hashes, parent_block_hash, token_ids, cache_salt)
+        if stored is None:
+            self.kv_unmapped += 1
+            return 0
+        return self.apply_index_stored(replica, stored)
+
+    def apply_index_stored(self, replica: str, stored: Sequence[BlockHash]) -> int:
+        """The engine stored these blocks, named by the router's hashes (``IndexStored``: its replica
+        hashed them); returns blocks indexed."""
         self.index.on_block_stored(replica, stored)
         hist = self._stored_by
         for h in stored:
@@ -439,10 +443,8 @@ class AffinityRouter:
 
     def apply_kv_removed(self, replica: str, block_hashes: Iterable[Hashable]) -> None:
         kv = self._kv_maps.get(replica)
-        if kv is None:
-            return
-        ours = [h for h in (kv.pop(e, None) for e in block_hashes) if h is not None]
-        self.index.on_block_removed(replica, ours)
+        if kv is not None:
+            self.index.on_block_removed(replica, kv.removed(block_hashes))
 
     def replica_lost(self, replica: str) -> None:
         """The replica's process is gone or going (its event feed broke) though Serve still lists
@@ -474,6 +476,10 @@ class AffinityRouter:
                     self.apply_kv_stored(
                         replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.cache_salt
                     )
+                elif isinstance(ev, IndexStored):
+                    self.apply_index_stored(replica, ev.block_hashes)
+                elif isinstance(ev, IndexRemoved):
+                    self.index.on_block_removed(replica, ev.block_hashes)
                 elif isinstance(ev, BlockRemoved):
                     self.apply_kv_removed(replica, ev.block_hashes)
                 elif isinstance(ev, BlocksQueued):

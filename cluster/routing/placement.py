@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -72,13 +72,17 @@ class ContextHomes:
         self._home: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._tokens: dict[str, tuple[str, int]] = {}
         self._generation = itertools.count()
-        self._demand: dict[str, float] = {}  # replica -> decayed blocks it became home to
+        # replica -> (decayed blocks it became home to, as of claim number); decayed when read, so
+        # a claim costs O(1), not O(replicas) (issue 42: every gateway claims every engine's requests)
+        self._demand: dict[str, tuple[float, int]] = {}
+        self._claims = 0
 
     def __len__(self) -> int:
         return len(self._home)
 
     def demand(self, replica: str) -> float:
-        return self._demand.get(replica, 0.0)
+        d = self._demand.get(replica)
+        return 0.0 if d is None else d[0] * self._keep ** (self._claims - d[1])
 
     def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, str | None]:
         """``(blocks, home)``: the deepest homed block of the prompt and its live home; ``(0, None)``
@@ -95,18 +99,22 @@ class ContextHomes:
         token = tokens.get(replica)
         if token is None:
             token = tokens[replica] = (replica, next(self._generation))
+        tail_first = hashes[::-1]
+        olds = list(map(home.get, tail_first))
+        k = len(olds)
+        while k and olds[k - 1] is token:  # the head already homed here (an agent's next turn) ...
+            k -= 1
         new, pop = 0, home.pop
-        for h in reversed(hashes):  # tail first: the head ends most recent, tails are evicted first
+        for h in tail_first[:k]:  # tail first: the head ends most recent, tails are evicted first
             old = pop(h, None)
             if old is not token and (old is None or tokens.get(old[0]) is not old):
                 old, new = token, new + 1
             home[h] = old
+        deque(map(home.move_to_end, tail_first[k:]), maxlen=0)  # ... only moves to the end, in C
         while len(home) > self.capacity:
             home.popitem(last=False)
-        demand, keep = self._demand, self._keep
-        for r in demand:
-            demand[r] *= keep
-        demand[replica] = demand.get(replica, 0.0) + new
+        self._claims += 1  # everyone's demand decays by one request; the claimer's adds its new blocks
+        self._demand[replica] = (self.demand(replica) + new, self._claims)
         return new
 
     def place(self, eligible: Sequence[_Load], rng: random.Random) -> int:
@@ -114,10 +122,7 @@ class ContextHomes:
         block (KV size unknown: per block of the largest known), then the least loaded, then
         ``rng``."""
         size = max((x.kv_blocks for x in eligible), default=0) or 1
-        keys = [
-            (self._demand.get(x.replica, 0.0) / (x.kv_blocks or size), x.in_flight + x.waiting)
-            for x in eligible
-        ]
+        keys = [(self.demand(x.replica) / (x.kv_blocks or size), x.in_flight + x.waiting) for x in eligible]
         best = min(keys)
         ties = [i for i, k in enumerate(keys) if k == best]
         return ties[0] if len(ties) == 1 else rng.choice(ties)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 from cluster.routing.block_hash import BlockHash
 
@@ -139,14 +140,18 @@ class PrefixIndex:
             return
         bit = self.bit(replica)
         rec = self._recent
-        for h in hashes:
-            rec[h] = rec.get(h, 0) | bit
+        olds = list(map(rec.get, hashes, repeat(0)))
+        if olds.count(bit) != len(olds):  # else: a context just sent here again, nothing to add
+            rec.update(zip(hashes, [old | bit for old in olds], strict=True))
         self._recent_log.append((now, bit, hashes))
 
     def expire_recent(self, before: float) -> None:
         log, rec = self._recent_log, self._recent
         while log and log[0][0] < before:
             _, bit, hashes = log.popleft()
+            if list(map(rec.get, hashes, repeat(0))).count(bit) == len(hashes):  # only this replica's
+                deque(map(rec.pop, hashes, repeat(None)), maxlen=0)
+                continue
             for h in hashes:
                 v = rec.get(h, 0) & ~bit
                 if v:

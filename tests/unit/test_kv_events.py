@@ -16,6 +16,8 @@ from cluster.engine.kv_events import (
     BlocksQueued,
     BlockStored,
     FeedCursor,
+    IndexRemoved,
+    IndexStored,
     KVEventLog,
     page_from_wire,
     page_to_wire,
@@ -24,6 +26,8 @@ from cluster.engine.model import EngineModel
 from cluster.engine.profiles import TINY_LLAMA, EngineSpec, FittedCoefficients, Profile
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.block_hash import BlockHasher
+from cluster.routing.event_hashes import RouterHashes
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
 
 BS = 4
@@ -339,3 +343,50 @@ def test_a_new_prefix_returns_to_the_replica_that_last_stored_it():
     for _ in range(3):
         c = gw.view.choose(hashes, 0.0)
         assert (c.replica, c.decision.reason) == ("a", "new_prefix")
+
+
+# The engine replica publishes the router's hashes (issue 42) ------------------------------------
+
+
+def test_router_hashed_events_build_the_same_index_as_the_raw_ones():
+    """The replica's log keeps stores and evictions in the router's hashes (what
+    deployments/kv_endpoint.py sets up): a gateway fed those holds exactly the index, the
+    last-stored-by map and the decisions of one that hashes the raw events itself, with no map
+    of the engine's hashes of its own; tokens no longer cross the wire."""
+    a, b = Replica("a", kv_blocks=16), Replica("b", kv_blocks=16)
+    raw, hashed = Gateway([a, b]), Gateway([a, b])
+    twins = {}
+    for r in (a, b):  # the same events into a second log, as the replica's server keeps them
+        twin = twins[r.name] = KVEventLog(epoch=1)
+        twin.translate = RouterHashes(BlockHasher(BS, "m")).translate
+        r.engine._on_kv_events = lambda ev, end, r=r, twin=twin: (r.log.append(ev, end), twin.append(ev, end))
+    prompts = [prompt(i) for i in range(5)]
+    for i, p in enumerate(prompts + prompts[:2]):  # evictions (16 blocks, 11 a prompt) and hits
+        (a if i % 2 else b).serve(p)
+    twin_events = [e for t in twins.values() for bt in t.since(0).batches for e in bt.events]
+    assert {type(e) for e in twin_events} == {IndexStored, IndexRemoved}
+    assert "token_ids" not in str(page_to_wire(twins["a"].since(0)))
+    raw.poll()
+    for r in (a, b):
+        c = hashed.cursors[r.name]
+        page = page_from_wire(page_to_wire(twins[r.name].since(c.after, c.epoch)))
+        hashed.view.apply_kv_page(r.name, page)
+        c.advance(page)
+    pr, ph = raw.view.policy, hashed.view.policy
+    assert list(ph.index._map.items()) == list(pr.index._map.items()) and len(pr.index) > 0
+    assert list(ph._stored_by.items()) == list(pr._stored_by.items())
+    assert [ph.index.held_blocks(n) for n in "ab"] == [pr.index.held_blocks(n) for n in "ab"]
+    assert not ph._kv_maps and pr._kv_maps
+    for p in prompts:
+        assert hashed.choose(p).decision == raw.choose(p).decision
+
+
+def test_router_hashes_leave_out_what_they_cannot_name():
+    rh = RouterHashes(BlockHasher(BS, "m"), capacity=2)
+    t = prompt(3, 12)
+    out = rh.translate([BlockStored([b"e0", b"e1", b"e2"], None, t, BS), BlockStored([b"x"], None, t[:8], 8)])
+    assert len(out) == 1 and out[0].block_hashes == BlockHasher(BS, "m").hash_blocks(t)
+    assert rh.mismatched == 1 and len(rh) == 2  # bounded: e0 forgotten
+    assert rh.translate([BlockStored([b"e3"], b"e0", t[:4], BS)]) == [] and rh.unmapped == 1
+    assert rh.translate([BlockRemoved([b"e0", b"e2"])]) == [IndexRemoved([out[0].block_hashes[2]])]
+    assert rh.translate([AllBlocksCleared()]) == [AllBlocksCleared()] and len(rh) == 0

@@ -221,3 +221,16 @@ def test_a_lost_replicas_contexts_are_placed_elsewhere_while_serve_still_lists_i
     assert rt.homes.lookup(hs) == (len(hs), None)
     d = rt.decide(hs, loads(R2, r0={"in_flight": 1}), random.Random(0), 1)
     assert (d.replica, d.diverted) == ("r1", False)  # placed as new, not sent back to a dead home
+
+
+def test_a_next_turn_homes_only_its_new_tail_and_keeps_lru_order():
+    """An agent's next turn (its context homed here, a new tail): the head is only moved to the
+    end (the fast path, issue 42), in the order the one-by-one loop left it: head most recent."""
+    homes = ContextHomes(1000, half_life_requests=1e9)
+    assert homes.claim("a", [1, 2, 3]) == 3
+    homes.claim("b", [9])
+    assert homes.claim("a", [1, 2, 3, 4, 5]) == 2
+    assert list(homes._home) == [9, 5, 4, 3, 2, 1]
+    assert homes.claim("b", [1, 2, 7]) == 1  # a's head stays a's; only 7 is new, homed to b
+    assert homes.lookup([1, 2, 7]) == (3, "b") and homes.lookup([1, 2]) == (2, "a")
+    assert homes.demand("a") == pytest.approx(5) and homes.demand("b") == pytest.approx(2)
