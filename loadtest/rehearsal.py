@@ -34,6 +34,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,13 +153,38 @@ def provider_call(plan: LabPlan, method: str, what: str, body: Any = None) -> An
     return lab.from_client(plan, call)
 
 
-def set_endpoints(plan: LabPlan, without: str | None = None) -> None:
-    """The addresses the users spread over: the head and the cpu pods (a Service's endpoints), less
-    a node that is lost."""
-    urls = [
-        f"http://{n.ip}:{plan.serve_port}" for n in plan.nodes if n.group != "engine" and n.name != without
-    ]
-    (WORK / "endpoints").write_text("\n".join(urls) + "\n")
+class Endpoints:
+    """The addresses the users spread over, as KubeRay's Serve Service selects pods: the head and
+    the cpu pods whose Serve proxy Serve reports healthy (a pod without a replica has none), re-read
+    every ``period_s``; a lost pod is dropped at once (its deletion removes it from the Service)."""
+
+    def __init__(self, plan: LabPlan, period_s: float = 2.0) -> None:
+        self.plan, self.period_s, self.lost = plan, period_s, set[str]()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="endpoints", daemon=True)
+        self.changes: list[tuple[float, list[str]]] = []
+
+    def refresh(self) -> None:
+        with contextlib.suppress(LabError, OSError, TimeoutError):
+            ok = {n.name for n in lab.proxied(self.plan)}
+            names = [n.name for n in self.plan.nodes if n.group != "engine" and n.name in ok - self.lost]
+            if not self.changes or self.changes[-1][1] != names:
+                self.changes.append((time.time(), names))
+                urls = [f"http://{n.ip}:{self.plan.serve_port}" for n in self.plan.nodes if n.name in names]
+                (WORK / "endpoints").write_text("\n".join(urls) + "\n")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.refresh()
+
+    def start(self) -> Endpoints:
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 def start_locust(plan: LabPlan, users: int, run_s: float) -> subprocess.Popen[bytes]:
@@ -195,7 +221,9 @@ def _provider_fault(plan: LabPlan, ev: dict[str, Any], spec: str, seconds: float
     ev["end"] = time.time()
 
 
-def apply_event(name: str, plan: LabPlan, t: Timing, ev: dict[str, Any]) -> tuple[float, float]:
+def apply_event(
+    name: str, plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: Endpoints
+) -> tuple[float, float]:
     """Apply one event; returns its ``during`` window: from the fault until the lab is back at full
     strength (or the fault is over)."""
     if name == "upgrade":
@@ -209,11 +237,12 @@ def apply_event(name: str, plan: LabPlan, t: Timing, ev: dict[str, Any]) -> tupl
         return ev["kill"], ev["restored"]
     if name == "cpu_node":
         node = _cpu_node_to_lose(plan)
-        set_endpoints(plan, without=node)  # the Service drops the lost pod's endpoint
+        endpoints.lost.add(node)  # the Service drops the lost pod's endpoint
+        endpoints.refresh()
         lab_events.lose_node(plan, ev, lab_events.GATEWAY, node=node, down_s=t.node_down_s)
         serving = lab.node_health(plan, next(n for n in plan.nodes if n.name == node)) == 200
         ev["rejoined_serving"] = serving  # Serve starts a proxy there only once a replica lands there
-        set_endpoints(plan, without=None if serving else node)
+        endpoints.lost.discard(node)
         return ev["kill"], ev["kill"] + ev["back_to_full_s"]
     if name == "provider_brownout":
         _provider_fault(plan, ev, PROVIDER_BROWNOUT, t.brownout_s)
@@ -231,7 +260,9 @@ def books(plan: LabPlan, token: str, gateways: int) -> dict[str, Any]:
     return {"exact": len(by) == gateways and all(a["balanced"] for a in by.values()), "gateways": by}
 
 
-def run_schedule(plan: LabPlan, events: list[str], t: Timing, token: str, say: Any) -> dict[str, Any]:
+def run_schedule(
+    plan: LabPlan, events: list[str], t: Timing, token: str, endpoints: Endpoints, say: Any
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in events:
         ev: dict[str, Any] = {}
@@ -240,7 +271,7 @@ def run_schedule(plan: LabPlan, events: list[str], t: Timing, token: str, say: A
         ev["steady"] = [t_steady, time.time()]
         say(f"[rehearsal] {name}")
         try:
-            ev["during"] = list(apply_event(name, plan, t, ev))
+            ev["during"] = list(apply_event(name, plan, t, ev, endpoints))
         except LabError as exc:  # a bad event is reported, and the schedule goes on
             ev["error"] = str(exc)
             ev["during"] = [ev["steady"][1], time.time()]
@@ -284,23 +315,26 @@ def load_and_schedule(plan: LabPlan, args: argparse.Namespace, say: Any) -> dict
     t = Timing.of(args.quick)
     token = lab_events.internal_token(plan)
     provider = locust = None
+    endpoints = Endpoints(plan)
     try:
         provider = start_provider(plan)
-        set_endpoints(plan)
+        endpoints.start()
         locust = start_locust(plan, args.users, args.minutes * 60 + 1800)
         load_start = time.time()
         time.sleep(t.warm_s)
         run: dict[str, Any] = {"placement": lab.placement(plan), "load_start": load_start}
-        run["events"] = run_schedule(plan, args.events, t, token, say)
+        run["events"] = run_schedule(plan, args.events, t, token, endpoints, say)
         time.sleep(max(0.0, load_start + args.minutes * 60 - time.time()))
         run["load_end"] = time.time()
         run["locust_rc"] = _stop(locust)
+        run["endpoints"] = endpoints.changes
         run["final_books"] = drain(plan, token)
         run["provider_stats"] = {
             k: v for k, v in (provider_call(plan, "GET", "stats") or {}).items() if k != "records"
         }
         return run
     finally:
+        endpoints.stop()
         _stop(locust)
         _stop(provider, wait_s=10)
 

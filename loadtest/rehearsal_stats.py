@@ -5,7 +5,9 @@ the issue's flat result keys out.
 A record's outcome is one of: ``completed``; ``cancelled`` (the client gave up on purpose: Tab's
 cancels); ``failed_before_first_token`` (an error status or transport error with no token, by its
 ``error`` code); ``mid_stream_error`` (an error event after tokens); ``cut`` (the connection ended
-after tokens without an error event); ``hung`` (the client's read timeout).
+after tokens without an error event); ``hung`` (the client's read timeout); ``refused_400`` (the
+request's own fault, e.g. an Agent conversation grown past the context window: not a failure of
+the cluster, counted apart).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 Record = Mapping[str, Any]
-OK = ("completed", "cancelled")
+OK = ("completed", "cancelled", "refused_400")
 HIT_RATE_POINTS = 0.05  # "back within 5 points of steady state"
 HIT_BIN_S = 10.0  # the window a hit rate is measured over while it recovers
 MIN_BIN_REQUESTS = 3
@@ -27,6 +29,8 @@ def outcome(rec: Record) -> str:
         return "hung"
     if err is None:
         return "cancelled" if rec.get("cancelled") else "completed"
+    if str(err).startswith("http_400:"):
+        return "refused_400"
     if rec.get("ttft_s") is None:
         return "failed_before_first_token"
     return "mid_stream_error" if str(err).startswith("stream:") else "cut"

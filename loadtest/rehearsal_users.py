@@ -1,9 +1,9 @@
 """The rehearsal's Locust users (``loadtest/rehearsal.py`` runs them in the lab's client namespace):
 the project's per-surface users (``loadtest/locustfile.py``: Tab, Chat, Agent, their request shapes,
-think times and Tab's cancels), each request also written as one JSON line to
-``LLMC_REHEARSAL_RECORDS`` (wall-clock start and end, surface, TTFT, the locustfile's error type,
-whether the client cancelled, the answering backend and replica, prompt and cached tokens), so that
-outcomes can be set beside the schedule's events.
+think times and Tab's cancels; without ``ignore_eos``, which only engines honour), each request
+also written as one JSON line to ``LLMC_REHEARSAL_RECORDS`` (wall-clock start and end, surface,
+TTFT, the locustfile's error type, whether the client cancelled, the answering backend and replica,
+prompt and cached tokens), so that outcomes can be set beside the schedule's events.
 
 Requests are spread over the Serve addresses listed in ``LLMC_REHEARSAL_ENDPOINTS`` (a file, one
 base URL a line, re-read when it changes), as a Kubernetes Service spreads them over its ready pods:
@@ -52,6 +52,23 @@ def _usage(raw: bytes) -> dict[str, Any]:
     return {}
 
 
+class _AnyBackend:
+    """A request spec without ``ignore_eos``: only engines honour it, so with it every request
+    would be narrowed to the self-hosted candidates and no provider event could touch the load
+    (the simulated engines run to ``max_tokens`` without it too)."""
+
+    def __init__(self, spec: Any) -> None:
+        self._spec = spec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+    def body(self, model: str, **kw: Any) -> dict[str, Any]:
+        b = self._spec.body(model, **kw)
+        b.pop("ignore_eos", None)
+        return b
+
+
 class _Recorded(lf._SurfaceUser):
     abstract = True
     _turn = 0
@@ -62,7 +79,7 @@ class _Recorded(lf._SurfaceUser):
             self._turn += 1
             self.client.base_url = urls[self._turn % len(urls)]
         self._meta: dict[str, Any] = {"url": self.client.base_url, "t0": time.time()}
-        super().stream(sess, spec)
+        super().stream(sess, _AnyBackend(spec))
 
     def _read(self, resp: Any, obs: Any) -> None:
         self._meta["replica"] = resp.headers.get("x-llmc-replica")

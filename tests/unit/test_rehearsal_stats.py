@@ -20,6 +20,7 @@ def test_outcomes() -> None:
     assert rs.outcome(rec(0, 1, error="stream:stream_interrupted")) == "mid_stream_error"
     assert rs.outcome(rec(0, 1, error="ChunkedEncodingError")) == "cut"
     assert rs.outcome(rec(0, 1, error="timeout", ttft_s=None)) == "hung"
+    assert rs.outcome(rec(0, 1, error="http_400:context_length_exceeded", ttft_s=None)) == "refused_400"
     assert not rs.failed(rec(0, 1, cancelled=True)) and rs.failed(rec(0, 1, error="timeout"))
 
 
