@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from cluster.engine.kv_events import BlocksQueued, KVEventLog, page_to_wire
+from cluster.engine.kv_events import BlocksQueued, KVEventLog, PageEncoder
 from cluster.routing.block_hash import BlockHasher
 from cluster.routing.event_hashes import RouterHashes
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
@@ -34,6 +34,7 @@ class KVEventEndpoint:
         log.on_append = self._new.set  # appended on this loop (vLLM's thread hands over to it)
         self.router_hashes = RouterHashes(hasher)
         log.translate = self.router_hashes.translate
+        self.encoder = PageEncoder()  # each batch's JSON made once, for every gateway that asks
 
     def announce(self, req: GenerateRequest) -> None:
         """A request arrived: every gateway learns where its prompt's blocks are going (and its
@@ -60,7 +61,7 @@ class KVEventEndpoint:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._new.wait(), wait)
             page = self.log.since(after, epoch)
-        return web.json_response(page_to_wire(page))
+        return web.Response(body=self.encoder.encode(page), content_type="application/json")
 
 
 async def no_events(request: web.Request) -> web.Response:

@@ -206,7 +206,8 @@ class Gateway:
 def serve_page(src: EngineSource, cursor: FeedCursor) -> tuple[KVEventPage, bytes]:
     """What ``KVEventEndpoint.handle`` computes for one poll (less aiohttp): the page and its body."""
     page = src.log.since(cursor.after, cursor.epoch)
-    return page, json.dumps(page_to_wire(page)).encode()
+    encoder = getattr(src.endpoint, "encoder", None)  # the tree before issue 42's change has none
+    return page, encoder.encode(page) if encoder is not None else json.dumps(page_to_wire(page)).encode()
 
 
 def apply_page(gw: Gateway, replica: str, body: bytes, now: float) -> KVEventPage:

@@ -28,6 +28,7 @@ Plain Python, no I/O: the engine deployment serves the log, the gateway's feed a
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -184,15 +185,44 @@ def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
+def batch_to_wire(b: KVEventBatch) -> dict[str, Any]:
+    return {"seq": b.seq, "ts": b.ts, "events": [event_to_wire(e) for e in b.events]}
+
+
 def page_to_wire(page: KVEventPage) -> dict[str, Any]:
     return {
         "epoch": page.epoch,
         "last_seq": page.last_seq,
         "reset": page.reset,
-        "batches": [
-            {"seq": b.seq, "ts": b.ts, "events": [event_to_wire(e) for e in b.events]} for b in page.batches
-        ],
+        "batches": [batch_to_wire(b) for b in page.batches],
     }
+
+
+class PageEncoder:
+    """A log's pages as JSON bytes, each batch encoded once however many gateways ask for it
+    (every gateway replica polls every engine replica: issue 42). The bytes are
+    ``json.dumps(page_to_wire(page))``'s. ``keep``: batches remembered (the log's window)."""
+
+    def __init__(self, keep: int = 8192) -> None:
+        self.keep = keep
+        self._done: dict[int, bytes] = {}  # seq -> the batch's JSON (a log's seqs never repeat an epoch's)
+        self._epoch: int | None = None
+
+    def encode(self, page: KVEventPage) -> bytes:
+        if page.epoch != self._epoch:
+            self._done.clear()
+            self._epoch = page.epoch
+        done, parts = self._done, []
+        for b in page.batches:
+            enc = done.get(b.seq)
+            if enc is None:
+                enc = done[b.seq] = json.dumps(batch_to_wire(b)).encode()
+            parts.append(enc)
+        if len(done) > 2 * self.keep:  # forget the batches the log has dropped since
+            for seq in sorted(done)[: len(done) - self.keep]:
+                del done[seq]
+        head = f'{{"epoch": {page.epoch}, "last_seq": {page.last_seq}, "reset": {json.dumps(page.reset)}, '
+        return head.encode() + b'"batches": [' + b", ".join(parts) + b"]}"
 
 
 class _Strict(BaseModel):

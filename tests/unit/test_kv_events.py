@@ -4,6 +4,7 @@ serves them, the routing index applies them; the issue's three acceptance cases 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from cluster.engine.kv_events import (
     IndexRemoved,
     IndexStored,
     KVEventLog,
+    PageEncoder,
     page_from_wire,
     page_to_wire,
 )
@@ -390,3 +392,18 @@ def test_router_hashes_leave_out_what_they_cannot_name():
     assert rh.translate([BlockStored([b"e3"], b"e0", t[:4], BS)]) == [] and rh.unmapped == 1
     assert rh.translate([BlockRemoved([b"e0", b"e2"])]) == [IndexRemoved([out[0].block_hashes[2]])]
     assert rh.translate([AllBlocksCleared()]) == [AllBlocksCleared()] and len(rh) == 0
+
+
+def test_page_encoder_writes_json_dumps_bytes_and_encodes_each_batch_once():
+    log = KVEventLog(epoch=3)
+    enc = PageEncoder(keep=2)
+    for i in range(6):
+        log.append([IndexStored([i, i + 1]), BlocksQueued([7], "s" if i % 2 else None)], float(i))
+        for after in (0, max(0, log.last_seq - 2)):
+            page = log.since(after)
+            assert enc.encode(page) == json.dumps(page_to_wire(page)).encode()
+    assert len(enc._done) <= 4  # bounded: twice the window it keeps
+    assert enc.encode(log.since(99)) == json.dumps(page_to_wire(log.since(99))).encode()  # reset
+    other = KVEventLog(epoch=4)  # a restarted engine: its seqs start over
+    other.append([IndexRemoved([1])], 0.0)
+    assert enc.encode(other.since(0)) == json.dumps(page_to_wire(other.since(0))).encode()
