@@ -688,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report[f"{args.design}_provenance"] = provenance(argv or sys.argv[1:], git, load, started)
     if args.code_note:
         report[f"{args.design}_provenance"]["code"] = args.code_note
+    report["provenance"] = report[f"{args.design}_provenance"]  # the last run's (RESULTS.md's source)
     report["workload"] = {
         "profile": args.profile,
         "kv_blocks_per_engine": profile.num_kv_blocks(),

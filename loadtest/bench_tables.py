@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loadtest import (
     tables_affinity,
+    tables_control,
     tables_engine,
     tables_load,
     tables_prefill,
@@ -41,6 +42,8 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "planner-validation": tables_engine.planner_validation,
     "planner-real": tables_engine.planner_real,
     "affinity-micro": tables_engine.affinity_micro,
+    "control-plane": tables_control.control_plane,
+    "control-plane-fits": tables_control.control_plane_fits,
     "hedging": tables_engine.hedging,
     "hedging-window": tables_engine.hedging_window,
     "affinity-groups": tables_affinity.groups,
