@@ -133,6 +133,8 @@ STEPS: tuple[Step, ...] = (
     # A fresh replica's first requests with and without its warm-up (112 s on 2026-12-05, whole).
     Step("warmup", "loadtest.bench_warmup", (), ("--first", "5", "--steady", "5"), ("warmup.json",), 150, 90),
     Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
+    # Long streams at 64-512 at once through vllm-router and ours (issue 44; ~7 min whole).
+    Step("relay", "loadtest.bench_relay", (), ("--quick",), ("relay.json",), 450, 90),
     Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 150),
     Step(
         "overload-shared",

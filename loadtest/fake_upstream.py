@@ -1,13 +1,15 @@
 """A fake OpenAI-compatible upstream that answers at once: the floor the overhead benchmark measures from.
 
-    python -m loadtest.fake_upstream --port 8101 [--host 127.0.0.1] [--chunks 32]
+    python -m loadtest.fake_upstream --port 8101 [--host 127.0.0.1] [--chunks 32] [--interval-ms 0]
 
 ``POST /v1/chat/completions`` with ``stream: true`` answers with ``--chunks`` ``data:
 {chat.completion.chunk}`` events (one content token each; the first also carries the role, the last
 the ``finish_reason``), then, when ``stream_options.include_usage`` is set, a chunk with empty
 ``choices`` and the usage (every other chunk then carries ``"usage": null``, as the real API does),
 then ``data: [DONE]``. Each event is its own write (the server sets TCP_NODELAY), so a relay sees
-chunks the way a real engine sends them, only without the wait between tokens. Without ``stream``
+chunks the way a real engine sends them, only without the wait between tokens (``--interval-ms``
+paces the content chunks that far apart, on a fixed schedule from the first: a decoding engine's
+per-stream speed, for the relay benchmark :mod:`loadtest.bench_relay`). Without ``stream``
 the same answer comes as one ``chat.completion`` object. The model name is echoed.
 
 So that ``vllm-router`` accepts it as a worker it also answers ``GET /health`` (200), ``/v1/models``,
@@ -93,8 +95,9 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 
 
 class FakeUpstream:
-    def __init__(self, chunks: int = CHUNKS) -> None:
+    def __init__(self, chunks: int = CHUNKS, interval_s: float = 0.0) -> None:
         self.chunks = chunks
+        self.interval_s = interval_s  # between content chunks (0: written at once)
         self._templates: dict[tuple[str, bool], list[bytes]] = {}
 
     def _events(self, model: str, include_usage: bool) -> list[bytes]:
@@ -118,14 +121,17 @@ class FakeUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         rid_b = rid.encode()
-        for event in self._events(model, include_usage):
+        step, t0 = self.interval_s, time.monotonic()
+        for i, event in enumerate(self._events(model, include_usage)):
+            if step and 0 < i < self.chunks:  # on schedule: a late write does not delay the next
+                await asyncio.sleep(max(0.0, t0 + i * step - time.monotonic()))
             await resp.write(event.replace(_ID, rid_b))
         await resp.write_eof()
         return resp
 
 
-def build_app(chunks: int = CHUNKS) -> web.Application:
-    up = FakeUpstream(chunks)
+def build_app(chunks: int = CHUNKS, interval_s: float = 0.0) -> web.Application:
+    up = FakeUpstream(chunks, interval_s)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")
@@ -173,9 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--chunks", type=int, default=CHUNKS, help="content chunks per streamed answer")
+    ap.add_argument("--interval-ms", type=float, default=0.0, help="between content chunks (0: at once)")
     args = ap.parse_args(argv)
     web.run_app(
-        build_app(args.chunks), host=args.host, port=args.port, access_log=None, print=None, loop=_loop()
+        build_app(args.chunks, args.interval_ms / 1000.0),
+        backlog=4096,  # hundreds of streams connect at once: the default 128 drops SYNs (1 s retries)
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=_loop(),
     )
     return 0
 

@@ -144,9 +144,11 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 @contextlib.asynccontextmanager
-async def client_session() -> AsyncIterator[aiohttp.ClientSession]:
-    """The one client: keep-alive connections, no pool limit (concurrency bounds it), no cookies."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+async def client_session(keepalive_s: float = 15.0) -> AsyncIterator[aiohttp.ClientSession]:
+    """The one client: keep-alive connections, no pool limit (concurrency bounds it), no cookies.
+    ``keepalive_s``: how long an idle connection is kept (the relay benchmark's legs idle longer
+    than aiohttp's 15 s between their batches, and hundreds of reconnects at once are not the relay)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=keepalive_s)
     timeout = aiohttp.ClientTimeout(total=120, sock_read=60)
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, headers=HEADERS, cookie_jar=aiohttp.DummyCookieJar()
