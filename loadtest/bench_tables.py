@@ -25,6 +25,7 @@ from loadtest import (
     tables_engine,
     tables_load,
     tables_prefill,
+    tables_rehearsal,
     tables_reliability,
     tables_results,
     tables_summary,
@@ -65,6 +66,8 @@ TABLES: dict[str, Callable[[Results], str]] = {
     "prefill-avoid-shared": tables_prefill.prefill_avoid_shared,
     "migration": tables_reliability.migration,
     "warmup": tables_engine.warmup,
+    "rehearsal": tables_rehearsal.rehearsal,
+    "rehearsal-events": tables_rehearsal.rehearsal_events,
 }
 
 Renderers = dict[str, Callable[[Results], str]]

@@ -416,9 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown events {sorted(bad)}")
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
     run = rehearse(args)
-    out = report(run, args) | provenance(sys.argv[1:] if argv is None else argv, git, load_before, started)
-    out["commit"], out["load_average"] = git["git_commit"], out["load_average_before"]
-    out["date"] = out["timestamp"]
+    prov = provenance(sys.argv[1:] if argv is None else argv, git, load_before, started)
+    out = report(run, args) | {"commit": git["git_commit"], "date": prov["timestamp"]}
+    out |= {"load_average": prov["load_average_before"], "provenance": prov}
     write_report(out, args.out)
     keys = ("nodes", "minutes", "upgrade_failed", "node_loss_failed_before_first_token", "books_exact")
     print(json.dumps({k: out.get(k) for k in keys}))
