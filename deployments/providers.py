@@ -163,6 +163,7 @@ class ProviderBackend:
             self._count_error(err, req)
             raise
         finally:
+            flight.stop()
             flights = self._flights.get(req.request_id, [])
             if flight in flights:
                 flights.remove(flight)
@@ -210,7 +211,7 @@ class ProviderBackend:
                     if s.started
                     else first_deadline
                 )
-                data = await flight.timed(deadline, content.readany())  # all that has arrived
+                data = await flight.read(deadline, content)  # all that has arrived
                 if not data:
                     break
                 s.last = loop.time()
