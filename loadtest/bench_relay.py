@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -445,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_relay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="64 and 256 streams, 50-chunk answers, one round")
     ap.add_argument("--out", type=Path, help="write here instead of relay.json / relay.partial.json")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the children's logs after a clean run")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every child is stopped
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
@@ -472,7 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = args.out or (OUT if complete else PARTIAL)
     write_results(result, path)
     print_summary(result)
-    print(f"wrote {path} ({'complete' if complete else 'partial'} run); children's logs: {logdir}")
+    print(f"wrote {path} ({'complete' if complete else 'partial'} run)")
+    if complete and not args.keep_logs:
+        shutil.rmtree(logdir, ignore_errors=True)
+    else:
+        print(f"children's logs: {logdir}")
     return 0 if complete else 1
 
 
