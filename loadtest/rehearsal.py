@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     run = rehearse(args)
     prov = provenance(sys.argv[1:] if argv is None else argv, git, load_before, started)
     out = report(run, args) | {"commit": git["git_commit"], "date": prov["timestamp"]}
-    out |= {"load_average": prov["load_average_before"], "provenance": prov}
+    out |= {"load_average": prov["load_average_before"], "runtime_s": prov["runtime_s"], "provenance": prov}
     write_report(out, args.out)
     keys = ("nodes", "minutes", "upgrade_failed", "node_loss_failed_before_first_token", "books_exact")
     print(json.dumps({k: out.get(k) for k in keys}))
