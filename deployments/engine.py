@@ -326,12 +326,9 @@ class EngineReplica:
                 if chunk.usage is not None:
                     usage = chunk.usage
                 chunk = await anext(gen, None)
-        except ClusterError as err:
-            await _last(resp, span, error_frame(self._mid_stream(err)))
-            return usage
         except (ConnectionError, asyncio.CancelledError):
             raise
-        except Exception as exc:  # the engine failed mid-stream
+        except Exception as exc:  # the engine failed mid-stream (a ClusterError or anything else)
             await _last(resp, span, error_frame(self._mid_stream(exc)))
             return usage
         if finish == "abort" and self.draining:  # Serve is stopping this replica: say so
@@ -339,7 +336,9 @@ class EngineReplica:
             return usage
         text = (tools.text() if tools is not None else "".join(parts)) if parts is not None else None
         calls = tools.calls() if tools is not None and collect else None
-        await _last(resp, span, end_frame(finish, usage or Usage(), text, self.replica_id, calls, lp.whole()))
+        prompt_lp = first.prompt_logprobs
+        frame = end_frame(finish, usage or Usage(), text, self.replica_id, calls, lp.whole(), None, prompt_lp)
+        await _last(resp, span, frame)
         return usage
 
     async def _relay_choices(
@@ -371,7 +370,10 @@ class EngineReplica:
             await _last(resp, span, error_frame(self._mid_stream(None)))
             return usage
         whole = choices.whole() if choices.collect else None
-        frame = end_frame(choices.finish_reason, usage or Usage(), replica=self.replica_id, choices=whole)
+        frame = end_frame(
+            choices.finish_reason, usage or Usage(), replica=self.replica_id, choices=whole,
+            prompt_logprobs=first.prompt_logprobs,
+        )  # fmt: skip
         await _last(resp, span, frame)
         return usage
 

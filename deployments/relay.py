@@ -23,7 +23,7 @@ from cluster.policy.tenants import spent_tokens
 from cluster.providers.budget import cost_usd
 from cluster.wire.choices import ChoiceEvents, whole_response
 from cluster.wire.errors import ClusterError, StreamInterrupted
-from cluster.wire.logprobs import LogprobsFraming
+from cluster.wire.logprobs import LogprobsFraming, with_prompt
 from cluster.wire.openai_format import SSE_DONE, TextEvents, full_response, sse, stream_chunk, usage_chunk
 from cluster.wire.protocol import Chunk, Usage
 from cluster.wire.thinking import ThinkingAccumulator
@@ -254,6 +254,8 @@ class Relay:
             body = whole_response(p.meta, end.choices, acct.usage or Usage())
         elif framer.choices is not None:  # n > 1 from a provider
             body = whole_response(p.meta, framer.choices.whole(), acct.usage or Usage())
+        if end is not None and end.prompt_logprobs is not None:  # vLLM's, asked for
+            body = with_prompt(body, end.prompt_logprobs)
         await h.send_json(send, 200, body, headers)
         return Outcome.COMPLETED
 

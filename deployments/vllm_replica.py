@@ -165,6 +165,8 @@ class VLLMBackend:
                     cached = out.num_cached_tokens
                 # n > 1: each output is one choice's delta (vLLM's child requests), indexed
                 chunks = [self._chunk(o, k, req.sampling.n, out.finished) for o in out.outputs]
+                if out.prompt_logprobs and chunks:  # the first output's (asked for; later ones: [])
+                    chunks[0].prompt_logprobs = logprobs.prompt_shape(out.prompt_logprobs)
                 completion_tokens += sum(len(c.token_ids) for c in chunks)
                 if out.finished:
                     finished = True
@@ -280,6 +282,7 @@ def _sampling_params(req: GenerateRequest) -> Any:
         structured_outputs=so,
         logprobs=s.logprobs,
         n=s.n,
+        prompt_logprobs=s.prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -45,6 +45,7 @@ SUPPORT: dict[str, frozenset[str]] = {
     "logprobs": _OPENAI | {"vllm"},
     "top_logprobs": _OPENAI | {"vllm"},
     "n": _OPENAI | {"vllm"},  # only above 1: choices
+    "prompt_logprobs": frozenset({"vllm"}),  # vLLM's extension (OpenAI's API has none)
     # tools
     "tools": _TOOLS,
     "tool_choice": _TOOLS,
@@ -114,7 +115,7 @@ def backend_kind(kind: str, api: str | None) -> Kind:
 
 def _asks(name: str, value: Any) -> bool:
     # ``{}`` asks for something in some fields (``web_search_options: {}`` turns search on).
-    if name == "logprobs" and type(value) is int:  # a completion's 0: the sampled tokens' own
+    if name in ("logprobs", "prompt_logprobs") and type(value) is int:  # 0: the tokens' own
         return True
     return value not in (None, False, [], "") and not (value == {} and name == "logit_bias")
 

@@ -123,6 +123,7 @@ def end_frame(
     tool_calls: list[dict[str, Any]] | None = None,
     logprobs: dict[str, Any] | None = None,
     choices: list[dict[str, Any]] | None = None,
+    prompt_logprobs: list[Any] | None = None,
 ) -> bytes:
     payload: dict[str, Any] = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
     if text is not None:
@@ -133,6 +134,8 @@ def end_frame(
         payload["logprobs"] = logprobs
     if choices is not None:
         payload["choices"] = choices
+    if prompt_logprobs is not None:
+        payload["prompt_logprobs"] = prompt_logprobs
     return control_frame("end", payload)
 
 
@@ -152,6 +155,7 @@ class StreamEnd:
     tool_calls: list[dict[str, Any]] | None = None  # the message's, when the gateway collects
     logprobs: dict[str, Any] | None = None  # the choice's, when the gateway collects and they were asked
     choices: list[dict[str, Any]] | None = None  # n > 1, collecting: each choice (cluster.wire.choices)
+    prompt_logprobs: list[Any] | None = None  # asked for (never streamed): vLLM's shape
 
 
 def parse_control(frame: bytes) -> StreamEnd:
@@ -167,6 +171,7 @@ def parse_control(frame: bytes) -> StreamEnd:
         tool_calls=payload.get("tool_calls"),
         logprobs=payload.get("logprobs"),
         choices=payload.get("choices"),
+        prompt_logprobs=payload.get("prompt_logprobs"),
     )
 
 

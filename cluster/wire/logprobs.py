@@ -98,6 +98,32 @@ def names(own: list[str], text: str | None) -> list[str]:
     return out
 
 
+def prompt_shape(positions: Iterable[Any]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` as its own server writes them: per prompt token ``None`` (the
+    first: nothing before it) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the token
+    itself and the top alternatives)."""
+    return [
+        None
+        if d is None
+        else {
+            str(tid): {"logprob": _lp(p.logprob), "rank": p.rank, "decoded_token": p.decoded_token}
+            for tid, p in d.items()
+        }
+        for d in positions
+    ]
+
+
+def with_prompt(body: dict[str, Any], prompt: list[Any]) -> dict[str, Any]:
+    """A whole answer with the prompt's logprobs where vLLM's server puts them: chat at the top,
+    completions on each choice."""
+    if body.get("object") == "chat.completion":
+        body["prompt_logprobs"] = prompt
+    else:
+        for c in body["choices"]:
+            c["prompt_logprobs"] = prompt
+    return body
+
+
 def from_openai(lp: Any) -> list[Entry] | None:
     """An OpenAI-compatible provider's ``choices[].logprobs`` (chat's ``content`` items as they
     are, or the completions shape) as entries; None when it sent none or a shape we do not know."""

@@ -194,6 +194,8 @@ class _SamplingFields(_Wire):
     ignore_eos: StrictBool = False  # vLLM extension: benchmarks need exact output lengths
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None  # chat: a bool; completions: an int
+    # vLLM's extension: each prompt token's logprob and this many alternatives (not streamed)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     _positive = field_validator("max_tokens")(_at_least_one)
 
@@ -278,6 +280,8 @@ class Sampling:
     logprobs: int | None = None
     # Choices to sample from the one prompt (OpenAI's ``n``): vLLM's ``n``, a provider's as sent
     n: int = 1
+    # vLLM's ``prompt_logprobs``: the prompt tokens' logprobs with this many alternatives (None: none)
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -366,6 +370,8 @@ class Chunk:
     logprobs: list[dict[str, Any]] | None = None
     # the choice it belongs to (``n`` > 1; its ``finish_reason`` is that choice's: cluster.wire.choices)
     index: int = 0
+    # an engine's first chunk: the prompt's logprobs, asked with ``prompt_logprobs`` (vLLM's shape)
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass

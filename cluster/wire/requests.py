@@ -91,10 +91,7 @@ def build_generate_request(
     chat = isinstance(req, ChatCompletionRequest)
     tools = tool_plan(req) if chat and model.tool_calls is not None else None  # type: ignore[arg-type]
     top = logprobs.asked("chat" if chat else "completion", req.logprobs, getattr(req, "top_logprobs", None))
-    if top is not None and tools is not None and tools.parse:  # its tool-call parser frames none
-        raise InvalidRequest("'logprobs' with tools is not served on this model", param="logprobs")
-    if (req.n or 1) > 1 and tools is not None and tools.parse:  # one parser per stream, not per choice
-        raise InvalidRequest("'n' above 1 with tools is not served on this model", param="n")
+    _refuse(req, top, bool(tools and tools.parse))
     return GenerateRequest(
         request_id=request_id,
         model=model.name,
@@ -112,6 +109,7 @@ def build_generate_request(
             structured=(tools.structured if tools and tools.structured else None) or structured(req),
             logprobs=top,
             n=req.n or 1,
+            prompt_logprobs=req.prompt_logprobs,
         ),
         options=options(req),
         tool_parse=tools.parse if tools else None,
@@ -123,6 +121,18 @@ def build_generate_request(
         session_id=session_id,
         deadline=time.time() + timeout_s,
     )
+
+
+def _refuse(req: ApiRequest, top: int | None, parsed: bool) -> None:
+    """What an engine cannot serve together (``parsed``: a tool-call parser reads its text)."""
+    if top is not None and parsed:  # its tool-call parser frames none
+        raise InvalidRequest("'logprobs' with tools is not served on this model", param="logprobs")
+    if (req.n or 1) > 1 and parsed:  # one parser per stream, not per choice
+        raise InvalidRequest("'n' above 1 with tools is not served on this model", param="n")
+    if req.prompt_logprobs is not None and req.stream:  # vLLM's own rule and words
+        raise InvalidRequest(
+            "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs"
+        )
 
 
 # Fields every backend reads from Sampling or the prompt; the rest travel in GenerateRequest.options.

@@ -124,3 +124,35 @@ def test_completion_logprobs_out_of_range_is_a_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, logprobs=21)
     assert "logprobs" in err.value.message
+
+
+def _check_prompt(prompt: Any, prompt_tokens: int, top: int) -> None:
+    """vLLM's shape: one position a prompt token, the first None, then the token's own logprob and
+    the ``top`` best (ranked from 1; the token itself may be among them)."""
+    assert isinstance(prompt, list) and len(prompt) == prompt_tokens and prompt[0] is None
+    for pos in prompt[1:]:
+        assert 1 <= len(pos) <= top + 1
+        assert all(
+            v["logprob"] <= 0 and v["rank"] >= 1 and isinstance(v["decoded_token"], str) for v in pos.values()
+        )
+
+
+def test_prompt_logprobs_where_vllms_server_puts_them(client: OpenAI) -> None:
+    r = client.completions.create(
+        model="tiny-llama", prompt="import os\n", max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    assert r.usage is not None
+    _check_prompt(r.choices[0].model_dump()["prompt_logprobs"], r.usage.prompt_tokens, 2)
+    chat = client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
+    assert chat.usage is not None
+    _check_prompt(chat.model_dump()["prompt_logprobs"], chat.usage.prompt_tokens, 0)
+
+
+def test_prompt_logprobs_are_never_streamed(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="tiny-llama", prompt="x", max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert err.value.param == "prompt_logprobs" and "stream=True" in err.value.message

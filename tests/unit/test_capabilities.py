@@ -30,6 +30,7 @@ SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
     "logprobs": (ChatCompletionRequest, {"logprobs": True}),
     "top_logprobs": (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 2}),
     "n": (CompletionRequest, {"n": 3}),
+    "prompt_logprobs": (CompletionRequest, {"prompt_logprobs": 0}),
     "tools": (ChatCompletionRequest, {"tools": [TOOL]}),
     "tool_choice": (ChatCompletionRequest, {"tools": [TOOL], "tool_choice": "required"}),
     "parallel_tool_calls": (ChatCompletionRequest, {"tools": [TOOL], "parallel_tool_calls": True}),

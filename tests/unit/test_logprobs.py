@@ -197,3 +197,38 @@ def test_a_chunk_of_several_tokens_names_them_so_that_they_join_to_its_text() ->
     assert L.names(["a", "x", "c"], "abc") == ["a", "", "bc"]
     assert L.names(["tok"], "other") == ["other"]
     assert L.names(["a", "b"], None) == ["a", "b"]
+
+
+def test_prompt_logprobs_in_vllms_server_shape_where_its_server_puts_them() -> None:
+    prompt = L.prompt_shape([None, {4: Logprob(-1.5, 2, "a"), 8: Logprob(-float("inf"), 1, "b")}])
+    assert prompt == [
+        None,
+        {
+            "4": {"logprob": -1.5, "rank": 2, "decoded_token": "a"},
+            "8": {"logprob": L.FLOOR, "rank": 1, "decoded_token": "b"},
+        },
+    ]
+    json.dumps(prompt, allow_nan=False)  # -inf clamped: valid JSON
+    frame = parse_control(end_frame("stop", Usage(2, 1), "x", prompt_logprobs=prompt).rstrip(b"\n"))
+    assert frame.prompt_logprobs == prompt
+    chat = L.with_prompt(full_response(ResponseMeta("chat", "r", "m"), "x", "stop", Usage(2, 1)), prompt)
+    assert chat["prompt_logprobs"] == prompt and "prompt_logprobs" not in chat["choices"][0]
+    text = L.with_prompt(
+        full_response(ResponseMeta("completion", "r", "m"), "x", "stop", Usage(2, 1)), prompt
+    )
+    assert text["choices"][0]["prompt_logprobs"] == prompt and "prompt_logprobs" not in text
+
+
+def test_prompt_logprobs_is_vllms_only_and_never_streamed() -> None:
+    asked = CompletionRequest(model="m", prompt="p", prompt_logprobs=0)  # 0: the prompt tokens' own
+    assert C.used_fields(asked) == ["prompt_logprobs"]
+    assert C.unsupported(["prompt_logprobs"], "vllm") == []
+    assert all(C.unsupported(["prompt_logprobs"], k) for k in ("sim", "openai", "anthropic"))
+    model = load_config("configs/local.yaml").models[0]
+    kw = {"request_id": "r", "surface": "chat", "session_id": None, "timeout_s": 5.0, "max_tokens": 4}
+    built = build_generate_request(asked, model, [1, 2], None, "p", **kw)
+    assert built.sampling.prompt_logprobs == 0
+    streamed = CompletionRequest(model="m", prompt="p", prompt_logprobs=2, stream=True)
+    with pytest.raises(InvalidRequest) as err:
+        build_generate_request(streamed, model, [1, 2], None, "p", **kw)
+    assert err.value.param == "prompt_logprobs" and "stream=True" in err.value.message
