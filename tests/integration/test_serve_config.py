@@ -111,6 +111,29 @@ def _kill_tagged(tag: str) -> None:
 
 
 def _kill_haproxy(folder: Path) -> None:
+    for pid in _haproxy_pids(folder):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _serve_down(env: dict[str, str]) -> None:
+    """``serve shutdown``, then wait for its HAProxy to exit: the next test's ``serve run`` starts one
+    on the same stats and metrics ports (this Ray's env), and CI saw it fail to bind them ("Some
+    protocols failed to start their listeners") while the last one was still going. One still
+    there after 30 s is killed: this module tests Serve's deploy path, not its shutdown."""
+    down = subprocess.run(
+        [str(BIN / "serve"), "shutdown", "-a", env["LLMC_DASHBOARD"], "-y"], env=env, timeout=120
+    )
+    assert down.returncode == 0
+    folder = Path(env["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent
+    deadline = time.monotonic() + 30
+    while _haproxy_pids(folder) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    _kill_haproxy(folder)
+
+
+def _haproxy_pids(folder: Path) -> list[int]:
+    out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
@@ -118,7 +141,8 @@ def _kill_haproxy(folder: Path) -> None:
             except OSError:
                 continue
             if "haproxy" in cmd.split(" ", 1)[0] and str(folder) in cmd:
-                os.kill(int(d.name), signal.SIGKILL)
+                out.append(int(d.name))
+    return out
 
 
 def _stream_one(port: int, model: str, timeout_s: float = 120) -> list[dict[str, Any]]:
@@ -168,8 +192,7 @@ def test_cpu_dev_serve_config_deploys_with_serve_deploy(ray_head: dict[str, str]
     app = yaml.safe_load(status.stdout)["applications"]["llm-cluster"]
     assert app["status"] == "RUNNING", status.stdout
     assert set(app["deployments"]) == {"Gateway", "backend-sim-llama-8b", "backend-sim-fallback"}
-    down = subprocess.run([str(BIN / "serve"), "shutdown", "-a", dash, "-y"], env=ray_head, timeout=120)
-    assert down.returncode == 0
+    _serve_down(ray_head)
 
 
 def test_serve_run_with_a_config_path(ray_head: dict[str, str], tmp_path: Path) -> None:
@@ -198,8 +221,7 @@ def test_serve_run_with_a_config_path(ray_head: dict[str, str], tmp_path: Path) 
     assert run.returncode == 0, run.stdout + run.stderr
     chunks = _stream_one(port, "sim-llama-8b")
     assert chunks and chunks[0]["model"] == "sim-llama-8b"
-    dash = ray_head["LLMC_DASHBOARD"]
-    subprocess.run([str(BIN / "serve"), "shutdown", "-a", dash, "-y"], env=ray_head, timeout=120)
+    _serve_down(ray_head)
 
 
 def test_gpu_base_args_build_the_graph_without_gpus() -> None:
