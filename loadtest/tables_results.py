@@ -274,7 +274,10 @@ def _failure_rows(r: Results) -> list[Row]:
 
 
 def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
+    sim = str(d.get("engines", "")).startswith("sim")
+
     def row(measure: str, key: str, goal: str, ok: Callable[[Any], bool]) -> Row:
+        measure += " (simulator engines)" if sim else ""
         v = d.get(key)
         if v is None:
             return Row(measure, "not measured", "", "", goal, None, "rehearsal")
