@@ -104,9 +104,24 @@ def _gateway_deployment(replicas: int, num_cpus: float, s: K8sSettings) -> dict[
     if s.serve.graceful_shutdown_timeout_s is not None:
         d["graceful_shutdown_timeout_s"] = s.serve.graceful_shutdown_timeout_s  # streams pass here too
     d["ray_actor_options"] = _cpu_side({"num_cpus": num_cpus})
+    spread = gateway_spread(replicas, s)
+    if spread is not None:
+        d["max_replicas_per_node"] = spread
     # the app builder's logging for it, which the global logging section would otherwise override
     d["logging_config"] = {**GATEWAY_LOGGING, "encoding": s.serve.log_encoding}
     return d
+
+
+def gateway_spread(replicas: int, s: K8sSettings) -> int | None:
+    """At most this many gateway replicas on one pod: spread over the cpu group's fewest pods, so
+    that losing one pod leaves gateways serving (the lab rehearsal of 2026-12-05 found Serve had put
+    both on one cpu pod, and losing it stalled every request for 12 s). None where one pod is all
+    the group is sure to have. Serve enforces it per node; a replica it cannot place waits for a pod
+    (KubeRay's autoscaler adds one up to ``cpu.max_replicas``)."""
+    pods = s.cpu.min_replicas
+    if pods < 2 or replicas < 2:
+        return None
+    return -(-replicas // pods)
 
 
 def _budget_deployment(name: str, s: K8sSettings) -> dict[str, Any]:

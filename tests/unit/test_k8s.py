@@ -26,6 +26,7 @@ from cluster.k8s.rayservice import (
     CPU_NODE_RESOURCE,
     INITIALIZING_TIMEOUT_ANNOTATION,
     backend_deployment,
+    gateway_spread,
     render_rayservice,
     serve_config,
 )
@@ -207,6 +208,21 @@ def test_cpu_worker_group_hosts_the_cpu_side() -> None:
     for b in cfg.backends:
         if b.kind == "vllm":
             assert "resources" not in deps[f"backend-{b.name}"]["ray_actor_options"]
+
+
+def test_gateways_spread_over_the_cpu_groups_fewest_pods() -> None:
+    """Two gateways on a group of at least two cpu pods: one per pod, so losing a pod leaves one
+    serving; on a one-pod group (cpu-dev) nothing Serve could not place."""
+    cfg, s = gpu()
+    assert cfg.server.gateway_replicas == 2 and s.cpu.min_replicas == 2
+    assert deployments_of(base_manifest())["Gateway"]["max_replicas_per_node"] == 1
+    assert gateway_spread(5, s) == 3  # 5 over 2 pods: 3 and 2
+    assert (
+        gateway_spread(2, s.model_copy(update={"cpu": s.cpu.model_copy(update={"min_replicas": 1})})) is None
+    )
+    assert gateway_spread(1, s) is None
+    dev = {d["name"]: d for d in serve_config(*cpu_dev())["applications"][0]["deployments"]}
+    assert "max_replicas_per_node" not in dev["Gateway"]
 
 
 def test_vllm_autoscaling_config() -> None:
