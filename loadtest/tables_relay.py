@@ -8,8 +8,6 @@ from typing import Any
 
 from loadtest.table_format import Results, fixed, signed, table
 
-RELAY_BEFORE = "6556023"  # the commit whose relay.json is the run before the per-chunk cut (issue 44)
-
 
 def _three(f: dict[str, Any], key: str, digits: int) -> str:
     """vllm-router / floor / ours of one added figure (``key`` with ``{p}`` for the leg's prefix)."""
@@ -59,10 +57,6 @@ def relay(r: Results, at: str | None = None) -> str:
     return table(HEADER, "r" * len(HEADER), _rows(r.get("relay", at=at)))
 
 
-def relay_before(r: Results) -> str:
-    return relay(r, at=RELAY_BEFORE)
-
-
 def _cpu_rows(d: dict[str, Any]) -> list[list[str]]:
     keys = ("peer_cpu_ms_per_1k_chunks", "floor_cpu_ms_per_1k_chunks")
     keys += ("cpu_ms_per_1k_chunks_provider", "cpu_ms_per_1k_chunks_engine")
@@ -78,23 +72,3 @@ CPU_HEADER = ["streams", "vllm-router", "floor (no logic, our shape)", "ours, pr
 def relay_cpu_summary(r: Results, at: str | None = None) -> str:
     """relay.json: each relay's CPU per 1,000 chunks (ms, 1 decimal) at each concurrency."""
     return table(CPU_HEADER, "rrrrr", _cpu_rows(r.get("relay", at=at)))
-
-
-def relay_cpu_summary_before(r: Results) -> str:
-    return relay_cpu_summary(r, at=RELAY_BEFORE)
-
-
-def relay_cpu(r: Results) -> str:
-    """relay.json: where each leg's CPU went per 1,000 chunks at each concurrency (ms, 1 decimal):
-    the relay's processes, the engine replica (not counted as relay), the upstream, the whole box."""
-    legs = r.get("relay")["legs"]
-    groups = ("vllm_router", "floor", "gateway", "haproxy", "engine_replica", "upstream", "box")
-    rows = []
-    for leg in ("peer", "floor", "ours", "engine"):
-        for level, f in legs.get(leg, {}).items():
-            cpu = f["cpu_ms_per_1k_chunks"]
-            rows.append(
-                [f"{leg}, {level[1:]} streams"] + [fixed(cpu[g], 1) if g in cpu else "" for g in groups]
-            )
-    header = ["leg", "vllm-router", "floor relay", "gateway replicas", "HAProxy", "engine replica"]
-    return table([*header, "upstream", "whole box"], "lrrrrrrr", rows)

@@ -171,3 +171,8 @@ def test_every_ours_and_peer_figure_in_results_md_is_a_number_of_its_result_file
         if not _in_files(token := m.group(), cell[m.end() :].lstrip().startswith("%"), pool)
     ]
     assert not missing, f"RESULTS.md table '{name}': figures in no result file it reads: {missing[:5]}"
+
+
+def test_benchmarks_md_is_a_reference_not_a_diary() -> None:
+    """Issue 46: the reference page stays readable (history lives in git, not on the page)."""
+    assert len(TEXT.encode()) <= 60_000, f"BENCHMARKS.md is {len(TEXT.encode()):,} bytes: keep it ≤ 60,000"
