@@ -363,5 +363,6 @@ ROWS: list[Row] = [
 
 
 def summary(r: Results) -> str:
-    rows = [[name, cmd, files, goal, status(r)] for name, cmd, files, goal, status in ROWS]
-    return table(["benchmark", "command", "result file", "goal", "status"], "lllll", rows)
+    """One row per benchmark: its result file, goal and status (its command is in its section)."""
+    rows = [[name, files, goal, status(r)] for name, _cmd, files, goal, status in ROWS]
+    return table(["benchmark", "result file", "goal", "status"], "llll", rows)
