@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from loadtest.table_format import Results, fixed, num, signed, table
@@ -263,3 +264,32 @@ def overload_shared_vllm(r: Results) -> str:
     header += ["reject p99 3× (in gateway; floor)", "Tab at 3× inside the engines p50 / p99"]
     header += ["refused after waiting at 3× (deadline + guard cut) of all", "hung"]
     return table(header, "llrrrrrrrrrr", rows)
+
+
+@dataclass(frozen=True)
+class TabBesideAgent:
+    """A shared-pool run's headline at its highest Agent factor: Tab's p99 with the feature on
+    against Tab alone (the lower of the two variants' alone p99s: the feature has nothing to do
+    alone, so one noisy alone phase cannot make the ratio look met), and Agent's goodput on / off."""
+
+    factor: float
+    top: dict[str, Any]  # the feature's variant at that factor (its phase record)
+    tab_p99_ms: float
+    alone_p99_ms: float
+    goodput_on: float
+    goodput_off: float
+
+
+def tab_beside_agent(v: dict[str, Any]) -> TabBesideAgent:
+    factor = max(v["factors"])
+    top = f"agent_x{factor:g}"
+    on, off = v["variants"]["on"], v["variants"]["off"]
+    alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
+    return TabBesideAgent(
+        factor=factor,
+        top=on[top],
+        tab_p99_ms=on[top]["surfaces"]["tab"]["ttft_p99_wall_ms"],
+        alone_p99_ms=alone,
+        goodput_on=on[top]["surfaces"]["agent"]["goodput_tok_s"],
+        goodput_off=off[top]["surfaces"]["agent"]["goodput_tok_s"],
+    )

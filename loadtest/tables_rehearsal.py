@@ -6,22 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadtest.rehearsal_stats import FLAT_KEYS
 from loadtest.table_format import Results, fixed, num, table
 
-FLAT = (
-    "nodes",
-    "minutes",
-    "upgrade_failed",
-    "node_loss_failed_before_first_token",
-    "node_loss_streams_in_flight",
-    "node_loss_streams_completed",
-    "node_loss_hung",
-    "gateway_loss_new_failures_after_2s",
-    "brownout_tab_p99_ratio",
-    "outage_client_failures",
-    "hit_rate_recovery_s",
-    "books_exact",
-)
+FLAT = ("nodes", "minutes", *FLAT_KEYS, "books_exact")  # the flat keys, in its order
 OUTCOMES = (
     "completed",
     "cancelled",

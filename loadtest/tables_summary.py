@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loadtest.table_format import Results, fixed, pct, signed, table
-from loadtest.tables_load import hung_requests, refusal_p99_inside
+from loadtest.tables_load import hung_requests, refusal_p99_inside, tab_beside_agent
 from loadtest.tables_prefill import gains
 
 
@@ -113,18 +113,13 @@ def _overload_shared(r: Results) -> str:
 
 
 def _overload_shared_vllm(r: Results) -> str:
-    """Tab's p99 at the highest factor against the lower of the two variants' Tab-alone p99s (the
-    feature has nothing to do alone, so one noisy alone phase cannot make the ratio look met)."""
+    """Tab's p99 at the highest factor against Tab alone (:func:`tab_beside_agent`)."""
     if not r.exists("overload_shared_vllm"):
         return "not run"
-    v = r.get("overload_shared_vllm")
-    on = v["variants"]["on"]
-    top = f"agent_x{max(v['factors']):g}"
-    loaded = on[top]["surfaces"]["tab"]["ttft_p99_wall_ms"]
-    alone = min(x["tab_alone"]["surfaces"]["tab"]["ttft_p99_wall_ms"] for x in v["variants"].values())
-    goodput = [x[top]["surfaces"]["agent"]["goodput_tok_s"] for x in (on, v["variants"]["off"])]
-    share = goodput[0] / goodput[1]
-    reject = on[top]["reject_p99_ms"]
+    t = tab_beside_agent(r.get("overload_shared_vllm"))
+    loaded, alone = t.tab_p99_ms, t.alone_p99_ms
+    share = t.goodput_on / t.goodput_off
+    reject = t.top["reject_p99_ms"]
     return (
         f"Tab p99 {fixed(loaded / alone, 1)}× alone {_met(loaded <= 1.5 * alone)}; goodput {_pct(share)} "
         f"{_met(share >= 0.8)}; reject p99 {fixed(reject, 0)} ms {_met(reject <= 5)}"
