@@ -158,8 +158,11 @@ def flat_keys(
         out["node_loss_hung"] = _count(during, "hung")
         if "kill" in ev:
             on_lost = in_flight_on(records, ev["kill"], ev.get("lost_replicas", ()))
-            out["node_loss_streams_in_flight"] = len(on_lost)
-            out["node_loss_streams_completed"] = _count(on_lost, "completed")
+            own = ev.get("long_streams") or {}  # the event's own long streams (rehearsal_streams)
+            out["node_loss_streams_in_flight"] = len(on_lost) + own.get("in_flight_on_lost", 0)
+            out["node_loss_streams_completed"] = _count(on_lost, "completed") + own.get("completed", 0)
+            out["node_loss_streams_identical"] = own.get("identical_to_reference")
+            out["node_loss_hung"] += own.get("hung", 0)
         if "rejoined" in ev:
             steady = hit_rate(started(records, *_window(ev, "steady")), backend)
             out["hit_rate_recovery_s"] = recovery_s(
@@ -174,6 +177,13 @@ def flat_keys(
         out["brownout_tab_p99_ratio"] = ratio(
             _tab_p99(during), _tab_p99(started(records, *_window(ev, "steady")))
         )
+    if ev := events.get("kv_feed_cut"):
+        out["kv_feed_cut_failed"] = sum(failed(r) for r in overlapping(records, *_window(ev, "during")))
+        steady = hit_rate(started(records, *_window(ev, "steady")), backend)
+        during = hit_rate(started(records, *_window(ev, "during")), backend)
+        dip = None if steady is None or during is None else round(100 * (during - steady), 1)
+        out["kv_feed_cut_hit_rate_points"] = dip
+        out["kv_feed_cut_catch_up_s"] = None if ev.get("catch_up_s") is None else round(ev["catch_up_s"], 1)
     if ev := events.get("provider_outage"):
         out["outage_client_failures"] = sum(failed(r) for r in overlapping(records, *_window(ev, "during")))
     return out
@@ -184,9 +194,13 @@ FLAT_KEYS = (
     "node_loss_failed_before_first_token",
     "node_loss_streams_in_flight",
     "node_loss_streams_completed",
+    "node_loss_streams_identical",
     "node_loss_hung",
     "gateway_loss_new_failures_after_2s",
     "brownout_tab_p99_ratio",
     "outage_client_failures",
     "hit_rate_recovery_s",
+    "kv_feed_cut_failed",
+    "kv_feed_cut_hit_rate_points",
+    "kv_feed_cut_catch_up_s",
 )

@@ -79,3 +79,13 @@ def test_flat_keys() -> None:
     assert out["brownout_tab_p99_ratio"] == 1.5
     assert out["outage_client_failures"] is None  # not run
     assert set(out) == set(rs.FLAT_KEYS)
+
+
+def test_kv_feed_cut_keys() -> None:
+    ev = {"steady": [0, 10], "during": [10, 40], "after": [40, 50], "catch_up_s": 0.46}
+    records = [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=60) for t in range(0, 10)]
+    records += [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=50) for t in range(10, 40)]
+    records += [rec(20, 21, error="http_502:bad_gateway", ttft_s=None)]
+    out = rs.flat_keys(records, {"kv_feed_cut": ev}, "sim")
+    assert out["kv_feed_cut_failed"] == 1 and out["kv_feed_cut_catch_up_s"] == 0.5
+    assert out["kv_feed_cut_hit_rate_points"] == -10.0  # 60 % before, 50 % during
