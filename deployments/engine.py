@@ -133,6 +133,8 @@ class EngineReplica:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/kv_events", self.kv_events.handle if self.kv_events is not None else no_events)
+        if self.kv_events is not None:  # a rehearsed feed cut, behind the internal credential
+            app.router.add_post("/kv_events/fault", self.kv_events.fault)
         # handler_cancellation: the gateway closing the connection cancels the handler (abort).
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()

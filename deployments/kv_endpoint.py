@@ -20,6 +20,7 @@ from cluster.wire.protocol import GenerateRequest
 from deployments.internal import token_ok
 
 MAX_WAIT_S = 30.0
+MAX_CUT_S = 300.0  # the longest rehearsed feed cut
 
 
 class KVEventEndpoint:
@@ -35,6 +36,7 @@ class KVEventEndpoint:
         self.router_hashes = RouterHashes(hasher)
         log.translate = self.router_hashes.translate
         self.encoder = PageEncoder()  # each batch's JSON made once, for every gateway that asks
+        self.cut_until = 0.0  # a rehearsed feed cut (``fault``): polls stall until then
 
     def announce(self, req: GenerateRequest) -> None:
         """A request arrived: every gateway learns where its prompt's blocks are going (and its
@@ -55,6 +57,8 @@ class KVEventEndpoint:
         except ValueError:
             err = InvalidRequest("after, epoch and wait must be numbers", param="after")
             return web.json_response({"error": to_wire(err)}, status=400)
+        if (left := self.cut_until - time.monotonic()) > 0:
+            await asyncio.sleep(left)  # unreachable: the poller times out, as behind a dropped route
         page = self.log.since(after, epoch)
         if not page.batches and not page.reset and wait > 0:
             self._new.clear()  # no await since the since() above: no batch can slip between
@@ -62,6 +66,23 @@ class KVEventEndpoint:
                 await asyncio.wait_for(self._new.wait(), wait)
             page = self.log.since(after, epoch)
         return web.Response(body=self.encoder.encode(page), content_type="application/json")
+
+    async def fault(self, request: web.Request) -> web.Response:
+        """``POST /kv_events/fault {"cut_s": S}`` (the internal credential required): for ``S``
+        seconds every poll of this log stalls, unanswered, as if the event endpoint were
+        unreachable, while the engine keeps serving (the production rehearsal's KV-event feed cut;
+        ``S`` = 0 ends a cut). Answers the log's head, for a reader to see the gateways catch up."""
+        if not token_ok(request.headers.get(INTERNAL_TOKEN_HEADER), self._token):
+            return web.json_response({"error": to_wire(InvalidRequest("forbidden"))}, status=403)
+        try:
+            cut_s = float((await request.json())["cut_s"])
+            if not 0 <= cut_s <= MAX_CUT_S:
+                raise ValueError(cut_s)
+        except (ValueError, KeyError, TypeError):
+            err = InvalidRequest(f"cut_s must be a number of seconds in [0, {MAX_CUT_S:g}]", param="cut_s")
+            return web.json_response({"error": to_wire(err)}, status=400)
+        self.cut_until = time.monotonic() + cut_s
+        return web.json_response({"cut_s": cut_s, "epoch": self.log.epoch, "last_seq": self.log.last_seq})
 
 
 async def no_events(request: web.Request) -> web.Response:

@@ -184,3 +184,59 @@ def kill_replica(plan: LabPlan, events: dict[str, Any], deployment: str = GATEWA
 
     events["back_to_full_s"] = wait_for(full, 180, f"{deployment} back to {len(pids)} replicas")
     events["restored"] = time.time()
+
+
+def kv_fault(plan: LabPlan, token: str, url: str, cut_s: float) -> dict[str, Any]:
+    """``POST /kv_events/fault`` of one engine replica (its data-plane address, with the internal
+    credential, from the client namespace): its event endpoint stalls every poll for ``cut_s``
+    (0: the cut ends). Returns the replica's log head."""
+    import httpx
+
+    def call() -> dict[str, Any]:
+        headers = {"x-llmc-internal": token}
+        r = httpx.post(url + "/kv_events/fault", json={"cut_s": cut_s}, headers=headers, timeout=10)
+        if r.status_code != 200:
+            raise LabError(f"/kv_events/fault: {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    return lab.from_client(plan, call)
+
+
+def feed_cursors(plan: LabPlan, token: str, backend: str, replica: str, gateways: int) -> dict[str, Any]:
+    """Per gateway replica: how far its KV-event feed has read ``replica``'s log, and the blocks
+    its index holds there."""
+    out: dict[str, Any] = {}
+    for rid, st in every_gateway_status(plan, token, plan.head.name, gateways).items():
+        routing = st["routing"][backend]["kv_index"]
+        cursor = ((routing.get("feed") or {}).get("replicas") or {}).get(replica) or {}
+        blocks = (routing.get("replicas") or {}).get(replica, {}).get("blocks")
+        out[rid] = {"after": cursor.get("after"), "blocks": blocks}
+    return out
+
+
+def cut_kv_feed(
+    plan: LabPlan, events: dict[str, Any], token: str, backend: str, cut_s: float = 30.0, gateways: int = 2
+) -> None:
+    """One engine replica's KV-event endpoint unreachable for ``cut_s`` while it serves (its fault
+    hook), the gateways' feed of it sampled during the cut; back once every gateway's feed has read
+    the replica's log up to its head at the cut's end (``catch_up_s``, from the end)."""
+    urls = gateway_status(plan, token)["routing"][backend]["replicas"]
+    if not urls:
+        raise LabError(f"no replica of {backend} in the gateway's view")
+    replica = events["cut_replica"] = sorted(urls)[0]
+    events["start"] = time.time()
+    events["head_at_start"] = kv_fault(plan, token, urls[replica], cut_s)["last_seq"]
+    samples = events["cursors_during"] = []
+    while (left := events["start"] + cut_s - time.time()) > 0:
+        time.sleep(min(left, 10.0))
+        with contextlib.suppress(LabError, OSError):
+            samples.append([time.time(), feed_cursors(plan, token, backend, replica, gateways)])
+    head = events["head_at_end"] = kv_fault(plan, token, urls[replica], 0.0)["last_seq"]
+    events["end"] = time.time()
+
+    def caught_up() -> bool:
+        now = feed_cursors(plan, token, backend, replica, gateways)
+        events["cursors_after"] = now
+        return len(now) >= gateways and all((c["after"] or 0) >= head for c in now.values())
+
+    events["catch_up_s"] = wait_for(caught_up, 60, f"the gateways' feeds of {replica} to catch up")

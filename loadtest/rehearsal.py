@@ -5,16 +5,16 @@ event after another, each after a steady state:
 
 * ``upgrade``: ``serve deploy`` of the config with an engine argument changed (every engine and
   gateway replica restarts);
-* ``node_loss``: SIGKILL of every process of the engine node with the most engine replicas, then
-  a replacement pod rejoins;
+* ``node_loss``: SIGKILL of every process of the engine node that holds most of the event's own
+  long self-hosted streams (``loadtest/rehearsal_streams.py``: each then followed to its end and
+  compared token for token with a reference run), then a replacement pod rejoins;
+* ``kv_feed_cut``: one engine replica's KV-event endpoint unreachable for 30 s while it serves
+  (its fault hook, ``POST /kv_events/fault`` with the internal credential: this machine has no
+  packet filter to cut that one path), until every gateway's feed has caught up again;
 * ``gateway_replica``: SIGKILL of one gateway replica's process;
 * ``cpu_node``: SIGKILL of every process of a cpu pod (a gateway, its Serve proxy), then it rejoins;
 * ``provider_brownout``: the loopback provider's TTFT x10 for 60 s; ``provider_outage``: its 503s
   for 30 s.
-
-Left out: the KV-event feed cut (an engine's ``/kv_events`` unreachable while it serves): the feed
-is served on the engine's data-plane port, and this machine has no packet filter (no iptables or
-nft) to cut one path of it; it needs a fault hook in the engine's endpoint.
 
     sudo .venv/bin/python -m loadtest.rehearsal [--minutes 10] [--quick] [--events upgrade,node_loss]
 
@@ -43,25 +43,32 @@ from typing import Any
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
-from deployments import lab, lab_events
+from deployments import lab, lab_events, lab_net
 from loadtest import rehearsal_stats as rs
 from loadtest.provenance import git_state, provenance, write_report
+from loadtest.rehearsal_streams import LongStreams, busiest_node, tally
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/llmc-rehearsal")
 ENGINES = "backend-sim-h100"
 SIM, PROVIDER = "sim-h100", "loop-openai"
+MODEL = "sim-llama-8b"  # configs/sim-local.yaml's model
+LONG_STREAMS, LONG_TOKENS = 8, 1200  # the node loss's own streams: ~8 s each on the H100 profile
 KEY_ENV = "LLMC_REHEARSAL_PROVIDER_KEY"
 PROVIDER_PORT = 18101
 PROVIDER_STEADY = "slow_first:0.1"  # a provider's first token 100 ms after the request
 PROVIDER_BROWNOUT = "slow_first:1.0"  # x10
 PROVIDER_OUTAGE = "503"
-EVENTS = ("upgrade", "node_loss", "gateway_replica", "cpu_node", "provider_brownout", "provider_outage")
-LEFT_OUT = {
-    "kv_feed_cut": "not built: the KV-event feed is served on the engine's data-plane port and this "
-    "machine has no packet filter (iptables/nft) to cut that path alone; it needs a fault hook in "
-    "the engine's /kv_events endpoint"
-}
+EVENTS = (
+    "upgrade",
+    "node_loss",
+    "kv_feed_cut",
+    "gateway_replica",
+    "cpu_node",
+    "provider_brownout",
+    "provider_outage",
+)
+LEFT_OUT: dict[str, str] = {}
 ENGINES_NOTE = (
     "sim (llama-3.1-8b-h100 profile) on both engine nodes: vLLM-CPU engines were not run in the lab "
     "(a 2-core machine shared with other work, and the run's time)"
@@ -76,10 +83,11 @@ class Timing:
     brownout_s: float
     outage_s: float
     node_down_s: float
+    kv_cut_s: float
 
     @staticmethod
     def of(quick: bool) -> Timing:
-        return Timing(15, 15, 10, 20, 10, 5) if quick else Timing(40, 40, 30, 60, 30, 8)
+        return Timing(15, 15, 10, 20, 10, 5, 10) if quick else Timing(40, 40, 30, 60, 30, 8, 30)
 
 
 # The lab's config -----------------------------------------------------------------------------
@@ -213,6 +221,32 @@ def _cpu_node_to_lose(plan: LabPlan) -> str:
     return cpu[-1]
 
 
+def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: Endpoints) -> None:
+    """The node loss with long self-hosted streams in flight (:mod:`loadtest.rehearsal_streams`):
+    the streams run once as the reference, then again; once every one has tokens, the engine node
+    holding most of them is killed, and each stream is followed to its end."""
+    names = endpoints.changes[-1][1] if endpoints.changes else [plan.head.name]
+    urls = [f"http://{n.ip}:{plan.serve_port}" for n in plan.nodes if n.name in names]
+    token = lab_events.internal_token(plan)
+
+    def runner(fn: Any, timeout_s: float) -> Any:
+        return lab_net.in_netns(plan.client.netns, fn, timeout_s)
+
+    def streams() -> LongStreams:
+        return LongStreams(runner, urls, token, MODEL, n=LONG_STREAMS, max_tokens=LONG_TOKENS)
+
+    t0 = time.monotonic()
+    reference = streams().run(180)
+    ev["long_stream_reference_s"] = round(time.monotonic() - t0, 1)
+    live = streams().start()
+    ev["long_streams_had_tokens"] = live.wait_tokens(16, 30)
+    node = busiest_node(live.seen, lab_events.replicas(plan).get(ENGINES, {}))
+    ev["long_stream_tokens_before_kill"] = sorted(len(s.ids) for s in live.seen)
+    lab_events.lose_node(plan, ev, ENGINES, node=node, down_s=t.node_down_s)
+    seen = live.join(180)
+    ev["long_streams"] = tally(seen, reference, ev["lost_replicas"], ev["kill"], LONG_TOKENS)
+
+
 def _provider_fault(plan: LabPlan, ev: dict[str, Any], spec: str, seconds: float) -> None:
     ev["fault"], ev["start"] = spec, time.time()
     provider_call(plan, "POST", "faults", {"default": spec})
@@ -230,8 +264,11 @@ def apply_event(
         lab_events.upgrade(plan, ev, ENGINES, lab_events.upgraded(plan.serve_config))
         return ev["upgrade_start"], ev["upgrade_end"]
     if name == "node_loss":
-        lab_events.lose_node(plan, ev, ENGINES, down_s=t.node_down_s)
+        lose_engine_node(plan, t, ev, endpoints)
         return ev["kill"], ev["kill"] + ev["back_to_full_s"]
+    if name == "kv_feed_cut":
+        lab_events.cut_kv_feed(plan, ev, lab_events.internal_token(plan), SIM, t.kv_cut_s)
+        return ev["start"], ev["end"]
     if name == "gateway_replica":
         lab_events.kill_replica(plan, ev, lab_events.GATEWAY)
         return ev["kill"], ev["restored"]
