@@ -30,7 +30,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
 )
 
 
-def add_check_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_check_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("check", help="validate a config file")
     p.add_argument("--config", required=True)
     p.set_defaults(func=_check)

@@ -290,6 +290,7 @@ def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
             lambda v: v == 0,
         ),
         _in_flight(d),
+        _identical(d),
         row("rehearsal: node loss, hung", "node_loss_hung", "0", lambda v: v == 0),
         row(
             "rehearsal: gateway loss, new requests failing after 2 s",
@@ -306,8 +307,26 @@ def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
         row(
             "rehearsal: client failures in a provider outage", "outage_client_failures", "0", lambda v: v == 0
         ),
+        row(
+            "rehearsal: failed requests during a KV-event feed cut",
+            "kv_feed_cut_failed",
+            "0",
+            lambda v: v == 0,
+        ),
         row("rehearsal: books exact", "books_exact", "true", lambda v: v is True),
     ]
+
+
+def _identical(d: dict[str, Any]) -> Row:
+    """The node loss's own long streams on the lost node: token for token the reference's."""
+    same, own = d.get("node_loss_streams_identical"), ((d.get("per_event") or {}).get("node_loss") or {})
+    n = ((own.get("event") or {}).get("long_streams") or {}).get("in_flight_on_lost")
+    measure = "rehearsal: node loss, migrated streams identical to a run without the kill"
+    if same is None or not n:
+        return Row(
+            measure, "not measured" if same is None else "none in flight", "", "", "all", None, "rehearsal"
+        )
+    return Row(measure, f"{same:,} of {n:,}", "", "", "all", same == n, "rehearsal")
 
 
 def _in_flight(d: dict[str, Any]) -> Row:

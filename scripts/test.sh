@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check cluster deployments tests loadtest
 .venv/bin/ruff format --check cluster deployments tests loadtest
+.venv/bin/mypy  # strict on cluster/ (pyproject.toml's [tool.mypy])
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from cluster.routing.block_hash import EngineBlockHash as BlockHash
+from cluster.routing.block_hash import EngineBlockHash
+
+BlockHash = EngineBlockHash  # this module's name for it (cluster.engine.model imports it from here)
 
 ROOT_HASH = BlockHash(hashlib.sha256(b"cluster.engine.kv root").digest())
 SALT_TAG = "cache_salt"  # an extra key ``(SALT_TAG, salt)``: vLLM's cache_salt (first block only)

@@ -37,6 +37,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.routing.block_hash import BlockHash
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -75,7 +77,7 @@ class BlocksQueued:
     ``session_id``: the request's session, which every gateway then pins to this replica, as the
     gateway that routed it did."""
 
-    block_hashes: Sequence[int]
+    block_hashes: Sequence[BlockHash]
     session_id: str | None = None
 
 
@@ -85,14 +87,14 @@ class IndexStored:
     the *router's* hashes (:class:`cluster.routing.event_hashes.RouterHashes`): the gateways index
     them as they are, with no tokens to hash and no map of the engine's hashes to keep."""
 
-    block_hashes: Sequence[int]
+    block_hashes: Sequence[BlockHash]
 
 
 @dataclass(frozen=True, slots=True)
 class IndexRemoved:
     """Ours: a ``BlockRemoved`` in the router's hashes (see :class:`IndexStored`)."""
 
-    block_hashes: Sequence[int]
+    block_hashes: Sequence[BlockHash]
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued | IndexStored | IndexRemoved
@@ -249,18 +251,18 @@ class WireCleared(_Strict):
 
 class WireQueued(_Strict):
     type: Literal["BlocksQueued"]
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
     session_id: str | None = None
 
 
 class WireIndexStored(_Strict):
     type: Literal["IndexStored"]
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
 
 
 class WireIndexRemoved(_Strict):
     type: Literal["IndexRemoved"]
-    block_hashes: list[int]
+    block_hashes: list[BlockHash]
 
 
 WireEvent = WireStored | WireRemoved | WireCleared | WireQueued | WireIndexStored | WireIndexRemoved

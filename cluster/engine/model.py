@@ -362,7 +362,7 @@ class EngineModel:
         c = self.counters
         c.steps += 1
         c.busy_time += end - start
-        c.prefill_tokens += batch.prefill_tokens
+        c.prefill_tokens += int(batch.prefill_tokens)  # whole here (fractional only in the planner)
         c.generated_tokens += len(outputs)
         if self._on_kv_events is not None:
             events = self.kv.take_events()

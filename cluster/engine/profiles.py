@@ -40,15 +40,17 @@ class _Frozen(Strict):
 
 @dataclass(frozen=True, slots=True)
 class BatchShape:
-    """What one engine step computes, summed over the scheduled sequences."""
+    """What one engine step computes, summed over the scheduled sequences. Counts are whole in the
+    simulated engine; the planner's mean-field steps (cluster/planner/replica_model.py) carry
+    fractional ones, hence ``float``."""
 
-    prefill_tokens: int = 0  # prompt (or recomputed) tokens run through the model this step
-    decode_tokens: int = 0  # sequences producing their next token (one token each)
-    kv_read_tokens: int = 0  # KV entries attention reads: each sequence's context after the step
-    attn_pairs: int = 0  # query * key pairs attention computes (causal: a chunk sees its past + itself)
+    prefill_tokens: float = 0  # prompt (or recomputed) tokens run through the model this step
+    decode_tokens: float = 0  # sequences producing their next token (one token each)
+    kv_read_tokens: float = 0  # KV entries attention reads: each sequence's context after the step
+    attn_pairs: float = 0  # query * key pairs attention computes (causal: a chunk sees its past + itself)
 
     @property
-    def num_tokens(self) -> int:
+    def num_tokens(self) -> float:
         return self.prefill_tokens + self.decode_tokens
 
 

@@ -39,8 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv import salt_keys
 from cluster.engine.kv_events import KVEventLog
-from cluster.engine.model import EngineModel, SchedulingPolicy, SimRequest, TokenEvent, fake_token_id
+from cluster.engine.model import EngineModel, SimRequest, TokenEvent, fake_token_id
 from cluster.engine.profiles import Profile, get_profile
+from cluster.engine.request_queue import SchedulingPolicy
 from cluster.wire.errors import (
     BackendUnavailable,
     ContextLengthExceeded,

@@ -107,7 +107,9 @@ def _sync(args: argparse.Namespace) -> int:
     return sync(Path(args.targets), args.check)
 
 
-def add_k8s_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_k8s_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     k8s = subparsers.add_parser("k8s", help="KubeRay manifests: render, check for drift")
     sub = k8s.add_subparsers(dest="k8s_command", required=True)
 
@@ -137,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_k8s_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -95,7 +95,8 @@ class LabPlan:
 
 # KubeRay's reading of a group --------------------------------------------------------------
 def _container(group: Mapping[str, Any]) -> Mapping[str, Any]:
-    return group["template"]["spec"]["containers"][0]
+    container: Mapping[str, Any] = group["template"]["spec"]["containers"][0]
+    return container
 
 
 def ray_params(group: Mapping[str, Any], head: bool) -> dict[str, str]:

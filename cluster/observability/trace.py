@@ -21,6 +21,7 @@ from cluster.wire.protocol import GenerateRequest, Usage
 
 OPERATION = {"chat": "chat", "completion": "text_completion"}
 Attrs = dict[str, Any]
+SpanEvents = tuple[tuple[str, int, Attrs], ...]  # (name, time in ns, attributes)
 
 
 def new_id(rng: random.Random, bits: int) -> int:
@@ -130,7 +131,7 @@ class SpanData:
     start_ns: int
     end_ns: int
     attributes: Attrs
-    events: tuple[tuple[str, int, Attrs], ...] = ()
+    events: SpanEvents = ()
     error: str | None = None
 
 
@@ -152,7 +153,7 @@ def engine_span(
         attrs["gen_ai.usage.input_tokens"] = usage.prompt_tokens
         attrs["gen_ai.usage.output_tokens"] = usage.completion_tokens
         attrs["llmc.usage.cached_tokens"] = usage.cached_tokens
-    events = () if first is None else (("gen_ai.first_token", first, {}),)
+    events: SpanEvents = () if first is None else (("gen_ai.first_token", first, {}),)
     name = f"{OPERATION[req.kind]} {req.model}"
     return SpanData(name, parent[0], span_id, parent[1], "server", start, end, attrs, events, error)
 
@@ -191,7 +192,8 @@ def spans(t: RequestTrace, now_ns: int) -> list[SpanData]:
     """The request's span (server), its admission wait, and one client span per attempt."""
     end = t.end_ns or now_ns
     op, model = OPERATION[t.req.kind], t.req.model
-    events = () if t.first_token_ns is None else (("gen_ai.first_token", t.first_token_ns, {}),)
+    first = t.first_token_ns
+    events: SpanEvents = () if first is None else (("gen_ai.first_token", first, {}),)
     error = t.outcome if t.outcome in ("errored", "rejected") else None
     out = [
         SpanData(f"{op} {model}", t.trace_id, t.span_id, t.parent_span_id, "server", t.start_ns, end,

@@ -144,7 +144,8 @@ class Plan:
     assumptions: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return _clean(asdict(self))
+        out: dict[str, Any] = _clean(asdict(self))
+        return out
 
 
 def _clean(x: Any) -> Any:

@@ -172,7 +172,7 @@ class ReplicaModel:
         """A step that decodes ``d`` sequences and computes ``prefill`` prompt tokens."""
         dec_read = d * self.ctx_decode
         prompts = prefill / self.pu  # prompts' worth of prefill in this step
-        return BatchShape(  # type: ignore[arg-type]  # mean field: fractional tokens
+        return BatchShape(  # mean field: fractional tokens
             prefill_tokens=prefill,
             decode_tokens=d,
             kv_read_tokens=dec_read + prompts * self.w.input_mean,
@@ -270,7 +270,7 @@ class ReplicaModel:
         t = 0.0
         while prompt > 0:
             n = min(prompt, room)
-            shape = BatchShape(  # type: ignore[arg-type]
+            shape = BatchShape(
                 prefill_tokens=n,
                 decode_tokens=d,
                 kv_read_tokens=d * self.ctx_decode + past + n,

@@ -128,7 +128,7 @@ class AdmissionController:
             tenant_weights=weights,
             guard_floor=cfg.policies.slo_guard.min_cap,
             queue_while_capped=cfg.policies.slo_guard.queue_while_capped,
-            **kwargs,  # type: ignore[arg-type]
+            **kwargs,
         )
 
     # Admission ---------------------------------------------------------------------------------
@@ -439,7 +439,7 @@ class AdmissionController:
     def _drain(self, now: float) -> list[Ticket]:
         """Admit waiters while any fits: lowest priority number first, then (with tenants) the
         lowest fair-queuing tag, then the oldest."""
-        admitted = []
+        admitted: list[Ticket] = []
         fair = bool(self._weights)
         while True:
             best: tuple[tuple[int, float, int], SurfaceState, Waiter, str | None] | None = None

@@ -7,7 +7,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
-from cluster.policy.admission import AdmissionController, Outcome, Rejection, Ticket
+from cluster.policy.admission import AdmissionController
+from cluster.policy.admission_types import Outcome, Rejection, Ticket
 
 
 class AsyncAdmission:

@@ -127,7 +127,7 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name == "temperature" and (api.temperature or 0) <= 1:
             continue
-        if name == "modalities" and api.modalities == ["text"]:
+        if name == "modalities" and isinstance(api, ChatCompletionRequest) and api.modalities == ["text"]:
             continue
         if name in ("best_of", "n") and getattr(api, name) == 1:
             continue

@@ -473,7 +473,7 @@ class FailoverPlan:
             return self._stop("exhausted")
         chosen = next((c for c in untried if c not in breakers or breakers[c].available(now)), None)
         forced = chosen is None
-        if forced:
+        if chosen is None:
             if not self.config.try_open_when_all_open:
                 return self._stop("exhausted")
             chosen = min(untried, key=lambda c: _opened_at(breakers[c]))
@@ -485,7 +485,8 @@ class FailoverPlan:
         self.tried.append(chosen)
         return PlannedAttempt(chosen, attempt, forced)
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str) -> PlannedAttempt | None:
+        """Ends the plan: records why; no attempt (None) for ``next`` to return."""
         self.stop_reason = reason
         return None
 

@@ -56,7 +56,7 @@ def classify(fault: str | None, err: BaseException) -> Reason:
     """Why a stream broke: what its engine stream saw (``fault``: death, drain, error), else a
     watchdog's timeout (a stall, or the deadline: the policy tells them apart by the time left)."""
     if fault in REASONS:
-        return fault  # type: ignore[return-value]
+        return fault
     if isinstance(err.__cause__, UpstreamTimeout) or isinstance(err, UpstreamTimeout):
         return "stall"
     return "error"

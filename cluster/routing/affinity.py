@@ -219,7 +219,7 @@ class AffinityRouter:
         self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
         # our block hash -> the replica whose engine stored it last (kept after eviction): a new
         # prefix's last home, the same on every gateway replica since only events write it
-        self._stored_by: OrderedDict[int, str] = OrderedDict()
+        self._stored_by: OrderedDict[BlockHash, str] = OrderedDict()
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests)
         self._homing = p.new_prefix == "home"

@@ -69,7 +69,7 @@ class ContextHomes:
         self._keep = 0.5 ** (1.0 / half_life_requests)
         # block hash -> its home's token; a replica's token is one shared (name, generation) tuple,
         # replaced when the replica is removed, so its homes go void at once without a scan
-        self._home: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._home: OrderedDict[BlockHash, tuple[str, int]] = OrderedDict()
         self._tokens: dict[str, tuple[str, int]] = {}
         self._generation = itertools.count()
         # replica -> (decayed blocks it became home to, as of claim number); decayed when read, so

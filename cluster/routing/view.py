@@ -184,8 +184,8 @@ class BackendView:
             replica = min(up, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
         url = self.live[replica].url
         assert url is not None  # sync keeps only replicas with an endpoint
-        ranked = self.policy is not None and self.mode == "cache_aware"
-        return Choice(replica, url, decision, self.policy.cache_rank(decision) if ranked else 0)
+        ranked = self.policy if self.mode == "cache_aware" else None
+        return Choice(replica, url, decision, ranked.cache_rank(decision) if ranked is not None else 0)
 
     def started(
         self,

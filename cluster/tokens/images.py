@@ -85,9 +85,9 @@ def openai_tokens(size: tuple[int, int] | None, detail: str | None = None) -> in
         return OPENAI_MAX
     w, h = size
     fit = min(1.0, 2048 / max(w, h, 1))
-    w, h = w * fit, h * fit
-    short = min(1.0, 768 / max(min(w, h), 1))
-    tiles = math.ceil(w * short / 512) * math.ceil(h * short / 512)
+    fw, fh = w * fit, h * fit
+    short = min(1.0, 768 / max(min(fw, fh), 1))
+    tiles = math.ceil(fw * short / 512) * math.ceil(fh * short / 512)
     return 170 * tiles + 85
 
 

@@ -229,7 +229,7 @@ def _joined(parts: list[dict[str, Any]]) -> Any:
 
 
 def _image_url(b: dict[str, Any], where: str) -> str:
-    src = b.get("source") if isinstance(b.get("source"), dict) else {}
+    src = b["source"] if isinstance(b.get("source"), dict) else {}
     if src.get("type") == "base64":
         return f"data:{src.get('media_type')};base64,{src.get('data')}"
     if src.get("type") == "url":

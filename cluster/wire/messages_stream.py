@@ -61,7 +61,7 @@ class MessagesStream:
 
     def _start(self, obj: dict[str, Any]) -> bytes:
         self.started = True
-        message = {
+        message: dict[str, object] = {
             "id": "msg_" + str(obj.get("id", "")).removeprefix("chatcmpl-"),
             "type": "message",
             "role": "assistant",
@@ -111,7 +111,12 @@ class MessagesStream:
         i = int(call.get("index", 0))
         fn = call.get("function") or {}
         if i not in self.tool_blocks:
-            block = {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": {}}
+            block: dict[str, object] = {
+                "type": "tool_use",
+                "id": call.get("id"),
+                "name": fn.get("name"),
+                "input": {},
+            }
             out = self._open("tool", block)
             self.tool_blocks[i] = self.blocks - 1
         if fn.get("arguments"):

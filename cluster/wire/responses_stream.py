@@ -82,12 +82,14 @@ class ResponsesStream:
                 content_index=0,
                 part=part,
             )
-            self.open["text"] = ""  # type: ignore[index]
-        self.open["text"] += text  # type: ignore[index]
+            item["text"] = ""
+        msg = self.open
+        assert msg is not None  # _open made it the open item
+        msg["text"] += text
         return out + self._ev(
             "response.output_text.delta",
-            item_id=self.open["id"],
-            output_index=len(self.output),  # type: ignore[index]
+            item_id=msg["id"],
+            output_index=len(self.output),
             content_index=0,
             delta=text,
             logprobs=[],
