@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
 from cluster.engine.args import EngineArgs as EngineArgs
+from cluster.policy.brownout import BrownoutConfig
 from cluster.policy.failover import FailoverConfig
 from cluster.policy.hedging import HedgeConfig
 from cluster.policy.migration import MigrationConfig
@@ -344,6 +345,10 @@ class PolicyConfig(Strict):
     slo_guard: SloGuardConfig = Field(
         default_factory=SloGuardConfig,
         description="Cap lower-priority work on a backend while the top surface's TTFT nears its SLO.",
+    )
+    brownout: BrownoutConfig = Field(
+        default_factory=BrownoutConfig,
+        description="Put a backend whose recent TTFT is far above its own usual behind the other candidates.",
     )
     migration: MigrationConfig = Field(
         default_factory=MigrationConfig,

@@ -19,6 +19,7 @@ from typing import Any
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
 from cluster.policy.attempts import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
+from cluster.policy.brownout import Brownout
 from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, RetryBudget
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
@@ -73,6 +74,7 @@ class AttemptRunner:
         self.migration = MigrationPolicy(cfg.policies.migration)
         self.ids = self.migration.config.enabled  # engines name their tokens: a break can migrate
         self.hedge = HedgePolicy(cfg.policies.hedging)
+        self.brownout = Brownout(cfg.policies.brownout)  # a backend far slower than its usual goes last
         self.failovers: Counter[str] = Counter()  # by backend: attempts abandoned before a token
         self.broken: Counter[str] = Counter()  # by backend: streams that broke after a token
         self.migrated: Counter[str] = Counter()  # by "reason:outcome": what became of those breaks
@@ -233,6 +235,7 @@ class AttemptRunner:
             self.board.record(backend, getattr(att.stream, "replica", None), fx.breaker, now)
         if fx.observe_ttft and observe:
             self.hedge.observe_ttft(req.surface, backend, dt, now)
+            self.brownout.observe(req.surface, backend, dt, now, complete=v == "won")
         if fx.broken:
             self.broken[backend] += 1
         if fx.failover:
@@ -255,6 +258,7 @@ class AttemptRunner:
             "hedges_refused": s.hedges_refused,
             "hedges_unplaced": s.hedges_unplaced,
             "hedge_delay_s": self.hedge.delays(now),
+            "brownout": self.brownout.status(now),
             "requests": s.requests,
             "extra_load_ratio": s.extra_load_ratio,
             "failovers": dict(self.failovers),

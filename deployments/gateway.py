@@ -373,7 +373,9 @@ class Gateway:
         try:
             if isinstance(budget, ClusterError):  # the tenant is over its budget: at once
                 raise budget
-            ticket = await self.admission.acquire(surface, prepared.candidates, tenant)
+            # a backend far slower than its usual goes behind the others (cluster/policy/brownout.py)
+            ordered = self.attempts.brownout.order(prepared.candidates, time.monotonic())
+            ticket = await self.admission.acquire(surface, ordered, tenant)
         except BaseException as err:
             if isinstance(budget, TenantReservation):  # never served: the budget gets it back
                 self.tenants.cancel(budget)
@@ -386,7 +388,7 @@ class Gateway:
             return
         if trace is not None:
             trace.admitted_ns = time.time_ns()
-        candidates = prepared.candidates
+        candidates = ordered
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         candidates = by_capacity(candidates, self._serving)  # a provider at once, not a dead backend

@@ -1,0 +1,162 @@
+"""Brownout demotion: a backend whose recent time to first token is far above its own steady state
+goes behind a request's other candidates, so that new requests prefer them (the self-hosted
+candidate behind a provider that slowed down) until it is fast again.
+
+Hedging races a second backend for a slow first token, but within its budget (5 % of requests):
+when every answer of a backend is slow (a brownout), the budget is gone within a few requests and
+the rest wait the slow backend out; failover acts on errors only. The rehearsal's brownout (a
+provider's TTFT x10 for 60 s) put Tab's p99 TTFT at 9x its steady state that way.
+
+Per (surface, backend) a baseline: the median of the last ``baseline_samples`` first tokens that
+were not slow. A first token is *slow* when its TTFT is at least ``slow_factor`` x the baseline and
+``min_excess_s`` above it; an attempt given up before its first token (it lost a hedge race, the
+client left) counts as slow when it had waited ``given_up_factor`` x the baseline (a hedge wins
+against the backend's own tail only: while every answer is slow, each hedge that wins is such
+evidence, and the hedged requests, not the unhedged ones, show the brownout). At least ``slow_samples``
+slow ones among its last ``recent_samples`` first tokens judged within ``window_s``, and at least
+``slow_share`` of them (a brownout slows every answer; a tail of slow ones is the hedge's to
+race), demote the backend for ``hold_s``, doubled for each demotion that follows
+within ``forget_s`` of the last (up to ``max_hold_s``). When the hold is over the backend is on
+probation: one request at a time keeps it in its place (a probe); the probe's fast first token
+restores it, a slow one demotes it again.
+
+Demoted backends go after the others, each list in its own order; when every candidate is demoted
+the order stands. Pure: the clock (``now``, monotonic seconds) is passed in.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from cluster.base import Strict
+
+
+class BrownoutConfig(Strict):
+    enabled: bool = Field(True, description="Demote a backend whose recent TTFT is far above its own usual.")
+    slow_factor: float = Field(3.0, gt=1, description="A first token this many times the baseline is slow.")
+    min_excess_s: float = Field(
+        0.2, ge=0, description="...and at least this much above it (a fast backend's jitter is no brownout)."
+    )
+    baseline_samples: int = Field(
+        64, gt=0, description="Recent first tokens, not slow, whose median is the baseline."
+    )
+    min_baseline: int = Field(
+        10, gt=0, description="Samples needed before a backend's TTFT is judged at all."
+    )
+    given_up_factor: float = Field(
+        1.3,
+        gt=1,
+        description="An attempt given up before its first token after this x the baseline was slow.",
+    )
+    slow_samples: int = Field(
+        2, gt=0, description="Fewest slow first tokens among the recent ones that demote."
+    )
+    slow_share: float = Field(
+        0.5, gt=0, le=1, description="...when at least this share of its recent first tokens was slow."
+    )
+    recent_samples: int = Field(6, gt=0, description="The last first tokens judged for a demotion.")
+    window_s: float = Field(10.0, gt=0, description="Judged first tokens older than this are forgotten.")
+    hold_s: float = Field(5.0, gt=0, description="How long a first demotion lasts.")
+    max_hold_s: float = Field(
+        60.0, gt=0, description="Longest demotion (it doubles while the brownout lasts)."
+    )
+    forget_s: float = Field(
+        120.0, gt=0, description="A demotion this long after the last one starts at hold_s again."
+    )
+    probe_timeout_s: float = Field(
+        10.0, gt=0, description="A probe with no verdict by then lets the next one go."
+    )
+
+
+@dataclass(slots=True)
+class _State:
+    recent: deque[tuple[float, bool]] = field(default_factory=deque)  # (time, slow), the last judged
+    until: float | None = None  # demoted until then; on probation after it; None: in good standing
+    hold_s: float = 0.0
+    demoted_at: float = float("-inf")
+    probe_at: float | None = None  # a probe request is out since then
+    demotions: int = 0
+
+
+class Brownout:
+    def __init__(self, cfg: BrownoutConfig | None = None) -> None:
+        self.cfg = cfg or BrownoutConfig()
+        self._baseline: dict[tuple[str, str], deque[float]] = {}
+        self._states: dict[str, _State] = {}
+
+    def baseline(self, surface: str, backend: str) -> float | None:
+        """The median of the recent first tokens that were not slow (None: too few yet)."""
+        b = self._baseline.get((surface, backend))
+        return statistics.median(b) if b is not None and len(b) >= self.cfg.min_baseline else None
+
+    def observe(self, surface: str, backend: str, ttft_s: float, now: float, complete: bool = True) -> None:
+        """An attempt's first token after ``ttft_s``; ``complete`` False: it was given up after
+        waiting ``ttft_s`` (a lower bound, evidence only when already slow)."""
+        base = self.baseline(surface, backend)
+        cfg = self.cfg
+        if base is None:
+            slow = False
+        elif complete:
+            slow = ttft_s >= max(cfg.slow_factor * base, base + cfg.min_excess_s)
+        else:
+            slow = ttft_s >= cfg.given_up_factor * base
+        st = self._states.setdefault(backend, _State(deque(maxlen=cfg.recent_samples)))
+        if slow or (complete and base is not None):
+            st.recent.append((now, slow))
+        if slow:
+            self._slow(st, now)
+        elif complete:
+            b = self._baseline.setdefault((surface, backend), deque(maxlen=cfg.baseline_samples))
+            b.append(ttft_s)
+            if st.until is not None and now >= st.until:  # on probation: a fast answer restores it
+                st.until, st.probe_at = None, None
+
+    def _slow(self, st: _State, now: float) -> None:
+        cfg = self.cfg
+        while st.recent and st.recent[0][0] <= now - cfg.window_s:
+            st.recent.popleft()
+        slow = sum(s for _, s in st.recent)
+        probation = st.until is not None and now >= st.until
+        if st.until is not None and not probation:
+            return  # demoted already
+        if probation or (slow >= cfg.slow_samples and slow >= cfg.slow_share * len(st.recent)):
+            again = now - st.demoted_at < cfg.forget_s
+            st.hold_s = min(2 * st.hold_s, cfg.max_hold_s) if again else cfg.hold_s
+            st.until, st.demoted_at, st.probe_at = now + st.hold_s, now, None
+            st.demotions += 1
+            st.recent.clear()
+
+    def demoted(self, backend: str, now: float) -> bool:
+        """Whether ``backend`` goes behind the others now (on probation: unless a probe may go)."""
+        st = self._states.get(backend)
+        if not self.cfg.enabled or st is None or st.until is None:
+            return False
+        if now < st.until:
+            return True
+        return st.probe_at is not None and now - st.probe_at < self.cfg.probe_timeout_s
+
+    def order(self, candidates: list[str], now: float) -> list[str]:
+        """``candidates`` with the demoted ones last; a backend on probation with no probe out
+        keeps its place for this request (its probe)."""
+        demoted = [c for c in candidates if self.demoted(c, now)]
+        if len(demoted) < len(candidates):
+            candidates = [c for c in candidates if c not in demoted] + demoted
+        first = self._states.get(candidates[0]) if candidates and self.cfg.enabled else None
+        if first is not None and first.until is not None and now >= first.until:
+            first.probe_at = now  # on probation, and this request is its probe
+        return candidates
+
+    def status(self, now: float) -> dict[str, dict[str, float | int | bool | None]]:
+        """Per backend seen: demoted now, seconds left, demotions so far (operators' status)."""
+        return {
+            name: {
+                "demoted": self.demoted(name, now),
+                "left_s": None if st.until is None else round(max(0.0, st.until - now), 2),
+                "demotions": st.demotions,
+            }
+            for name, st in self._states.items()
+        }
