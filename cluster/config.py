@@ -199,6 +199,23 @@ class AffinityConfig(Strict):
             "queued request's context is otherwise evicted before it runs (BENCHMARKS.md, issue 17)."
         ),
     )
+    decision_candidates: int = Field(
+        8,
+        ge=0,
+        description=(
+            "A decision over more replicas than this scores only the session's, the prompt's deepest "
+            "cached-prefix holders, its home and this many drawn at random (exact at or below it; "
+            "cluster/routing/candidates.py); 0: every replica."
+        ),
+    )
+    index_capacity_blocks: int = Field(
+        1_000_000,
+        ge=1,
+        description=(
+            "Blocks the prefix index, its last-stored-by map and the homes each hold per gateway replica: "
+            "bounds the index's memory whatever the fleet (control_plane.json's index_bytes_per_block)."
+        ),
+    )
 
     def params(self) -> dict[str, Any]:
         """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""

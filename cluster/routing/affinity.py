@@ -90,6 +90,7 @@ from cluster.engine.kv_events import (
     KVEventPage,
 )
 from cluster.routing.block_hash import BlockHash, BlockHasher, HashAlgo, deepest_held, stable_hash64
+from cluster.routing.candidates import Probe, match, roomiest
 from cluster.routing.event_hashes import RouterHashes
 from cluster.routing.placement import ContextHomes
 from cluster.routing.prefix_index import PrefixIndex, SessionTable
@@ -146,10 +147,13 @@ class AffinityParams:
     session_ttl_s: float = 1800.0
     kv_map_capacity: int = 262_144  # engine hash -> our hash, per replica (KV events)
     cache_priority: bool = True  # rank expected hits before misses in the engine's queue (docstring)
+    decision_candidates: int = 0  # 0: score every replica; else a bounded set (candidates.py)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
+        if self.decision_candidates < 0:
+            raise ValueError("decision_candidates must be >= 0 (0: every replica)")
         if self.load_slack < 0:
             raise ValueError("load_slack must be >= 0")
         if self.new_prefix not in ("rendezvous", "least_loaded", "home"):
@@ -177,21 +181,6 @@ def _least_loaded(loads: Sequence[tuple[ReplicaLoad, int]], rng: random.Random) 
     if len(ties) > 1:
         low_kv = min([xb[0].kv_usage for xb in ties])
         ties = [xb for xb in ties if xb[0].kv_usage == low_kv]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
-
-
-def _roomiest(
-    loads: Sequence[tuple[ReplicaLoad, int]], held: dict[int, int], rng: random.Random
-) -> tuple[ReplicaLoad, int]:
-    """A new prefix's replica under ``new_prefix="least_loaded"``: the least loaded, then the one
-    whose cache the index fills least (its share of the engine's KV, or blocks when the size is
-    unknown), so a new context displaces the fewest others; then ``rng``."""
-    best = min([x.in_flight + x.waiting for x, _ in loads])
-    ties = [xb for xb in loads if xb[0].in_flight + xb[0].waiting == best]
-    if len(ties) > 1:
-        fill = [held.get(b, 0) / x.kv_blocks if x.kv_blocks else float(held.get(b, 0)) for x, b in ties]
-        low = min(fill)
-        ties = [xb for xb, f in zip(ties, fill, strict=True) if f == low]
     return ties[0] if len(ties) == 1 else rng.choice(ties)
 
 
@@ -236,8 +225,13 @@ class AffinityRouter:
         rng: random.Random,
         now: float,
         session_id: str | None = None,
+        fleet: tuple[int, int] | None = None,
+        probe: Probe | None = None,
     ) -> RouteDecision:
-        """Pick a replica for a request with these block hashes (see the module docstring)."""
+        """Pick a replica for a request with these block hashes (see the module docstring).
+        ``fleet``: ``(replicas, their in-flight total)`` when ``loads`` is a bounded candidate set
+        (:mod:`cluster.routing.candidates`), so the load bound is the fleet's average, not the candidates';
+        ``probe``: what ``candidates.must_consider`` found for these hashes just before (no search twice)."""
         if not loads:
             raise ValueError("decide() needs at least one candidate replica")
         p, index, n_blocks = self.params, self.index, len(hashes)
@@ -246,8 +240,9 @@ class AffinityRouter:
         avail, healthy_mask = self._available(loads)
         if not avail:
             return RouteDecision(None, "saturated", 0, 0, n_blocks)
-        eligible, avail_mask, elig_mask = self._eligible(avail, loads)
-        best_all = index.longest_match(hashes, avail_mask)[0] if n_blocks else 0
+        eligible, avail_mask, elig_mask = self._eligible(avail, loads, fleet)
+        best = match(index, hashes, avail_mask, (probe.blocks, probe.holders) if probe else None)
+        best_all = best[0]
 
         diverted = False
         if session_id is not None:
@@ -255,14 +250,17 @@ class AffinityRouter:
             if r is not None:
                 rbit = index.bit_of(r)
                 if rbit & elig_mask:
-                    return RouteDecision(r, "session", self._matched(hashes, rbit), best_all, n_blocks)
+                    return RouteDecision(
+                        r, "session", match(index, hashes, rbit, best)[0], best_all, n_blocks
+                    )
                 diverted = bool(rbit & healthy_mask)  # overloaded, not gone: the bound moved it
         if not eligible:
             chosen, b = _least_loaded(avail, rng)
-            return RouteDecision(chosen.replica, "load", self._matched(hashes, b), best_all, n_blocks, True)
+            matched = match(index, hashes, b, best)[0]
+            return RouteDecision(chosen.replica, "load", matched, best_all, n_blocks, True)
 
         if n_blocks:
-            matched, holders = index.longest_match(hashes, elig_mask)
+            matched, holders = match(index, hashes, elig_mask, best)
             if matched >= max(self._min_blocks, math.ceil(p.min_match_ratio * n_blocks)):
                 chosen, _ = _least_loaded([xb for xb in eligible if xb[1] & holders], rng)
                 diverted = diverted or best_all > matched
@@ -270,8 +268,9 @@ class AffinityRouter:
         if session_id is None and not n_blocks:
             chosen, _ = _least_loaded(eligible, rng)
             return RouteDecision(chosen.replica, "load", 0, 0, 0, diverted)
-        chosen, b, moved = self._new_prefix(hashes, session_id, avail, eligible, elig_mask, rng)
-        matched = self._matched(hashes, b)
+        home = probe.home if probe is not None else None
+        chosen, b, moved = self._new_prefix(hashes, session_id, avail, eligible, elig_mask, rng, home)
+        matched = match(index, hashes, b, best)[0]
         return RouteDecision(chosen.replica, "new_prefix", matched, best_all, n_blocks, diverted or moved)
 
     def _available(self, loads: Sequence[ReplicaLoad]) -> tuple[list[tuple[ReplicaLoad, int]], int]:
@@ -288,12 +287,16 @@ class AffinityRouter:
         return avail, healthy_mask
 
     def _eligible(
-        self, avail: Sequence[tuple[ReplicaLoad, int]], loads: Sequence[ReplicaLoad]
+        self,
+        avail: Sequence[tuple[ReplicaLoad, int]],
+        loads: Sequence[ReplicaLoad],
+        fleet: tuple[int, int] | None = None,
     ) -> tuple[list[tuple[ReplicaLoad, int]], int, int]:
         """(the available replicas within the bound, the available mask, the eligible mask)."""
         p = self.params
         healthy = [x.in_flight for x in loads if x.healthy]
-        bound = max(math.ceil(p.load_factor * (sum(healthy) + 1) / len(healthy)), min(healthy) + p.load_slack)
+        count, total = fleet if fleet is not None else (len(healthy), sum(healthy))
+        bound = max(math.ceil(p.load_factor * (total + 1) / max(count, 1)), min(healthy) + p.load_slack)
         min_wait = min(x.waiting for x, _ in avail)
         wait_cap = max(min_wait + p.waiting_abs_threshold, p.waiting_rel_threshold * min_wait)
         kv_max = p.kv_usage_max
@@ -314,12 +317,14 @@ class AffinityRouter:
         eligible: Sequence[tuple[ReplicaLoad, int]],
         elig_mask: int,
         rng: random.Random,
+        looked_up: tuple[int, str | None] | None = None,
     ) -> tuple[ReplicaLoad, int, bool]:
         """(replica, its bit, diverted) for a prompt no eligible replica holds enough of, by the
-        ``new_prefix`` placement; diverted: the load bound kept it from its home."""
+        ``new_prefix`` placement; diverted: the load bound kept it from its home. ``looked_up``:
+        ``homes.lookup(hashes)``, when the caller has it."""
         p = self.params
         if p.new_prefix == "home":
-            blocks, home = self.homes.lookup(hashes)
+            blocks, home = looked_up if looked_up is not None else self.homes.lookup(hashes)
             if blocks < max(self._min_blocks, math.ceil(p.min_match_ratio * len(hashes))):
                 home = None  # a shared preamble, not this prompt's context: placed as new
             at_home = next((xb for xb in eligible if xb[0].replica == home), None)
@@ -328,7 +333,7 @@ class AffinityRouter:
             x, b = eligible[self.homes.place([x for x, _ in eligible], rng)]
             return x, b, home is not None  # a home, but the load bound (or its health) kept it away
         if p.new_prefix == "least_loaded":
-            return (*(self._last_home(hashes, eligible) or _roomiest(eligible, self.index._held, rng)), False)
+            return (*(self._last_home(hashes, eligible) or roomiest(eligible, self.index._held, rng)), False)
         if session_id is not None:
             key = stable_hash64("session", session_id)
         else:
@@ -358,9 +363,6 @@ class AffinityRouter:
             return 0
         need = max(self._min_blocks, math.ceil(self.params.min_match_ratio * d.total_blocks))
         return 0 if d.total_blocks and d.matched_blocks >= need else 1
-
-    def _matched(self, hashes: Sequence[BlockHash], replica_bit: int) -> int:
-        return self.index.longest_match(hashes, replica_bit)[0] if hashes else 0
 
     def _rendezvous(
         self, key: int, avail: Sequence[tuple[ReplicaLoad, int]], elig_mask: int

@@ -30,6 +30,7 @@ from cluster.engine.kv_events import KVEventPage
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityRouter, ReplicaLoad, RouteDecision
 from cluster.routing.block_hash import BlockHash
+from cluster.routing.candidates import bounded_pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +107,14 @@ class BackendView:
     unreachable: dict[str, float] = field(default_factory=dict)
     outage: Outage = field(default_factory=lambda: Outage())
     synced: bool = False  # a replica with a published endpoint has reached it at least once
+    # serving()'s answer until the next change (sync, a refusal) or an unreachable hold's end
+    _up: tuple[list[str], frozenset[str], float, float] | None = None  # (up, as a set, since, until)
 
     def sync(self, replicas: Sequence[ReplicaInfo]) -> None:
         """Serve's current replica list: replicas not in it are forgotten everywhere."""
         now_live = {r.replica: r for r in replicas if r.url}
         self.synced = self.synced or bool(now_live)
+        self._up = None
         for gone in set(self.live) - set(now_live):
             self.in_flight.pop(gone, None)
             self.prefilling.pop(gone, None)
@@ -126,13 +130,23 @@ class BackendView:
         by each new refusal; Serve drops a dead replica meanwhile)."""
         if replica in self.live:
             self.unreachable[replica] = now + hold_s
+            self._up = None
 
     def serving(self, now: float) -> list[str]:
         """The live replicas that can take a request: healthy by their own report and not
-        unreachable. Notes the backend's outage (none of them) for :meth:`Outage.retry_after`."""
-        up = [r for r, info in self.live.items() if info.healthy and self.unreachable.get(r, 0.0) <= now]
-        self.outage.note(bool(up), now)
-        return up
+        unreachable. Notes the backend's outage (none of them) for :meth:`Outage.retry_after`.
+        Kept until the list, a refusal or the next end of a hold changes it (read, not copied)."""
+        return self._serving(now)[0]
+
+    def _serving(self, now: float) -> tuple[list[str], frozenset[str], float, float]:
+        cached = self._up
+        if cached is None or not cached[2] <= now < cached[3]:
+            held = self.unreachable
+            up = [r for r, info in self.live.items() if info.healthy and held.get(r, 0.0) <= now]
+            until = min((t for t in held.values() if t > now), default=float("inf"))
+            cached = self._up = (up, frozenset(up), now, until)
+        self.outage.note(bool(cached[0]), now)
+        return cached
 
     def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
         """A page of ``replica``'s KV events (the gateway's feed, off the token path). A replica
@@ -160,13 +174,27 @@ class BackendView:
         """Pick a live replica for one attempt (None: no live replica). A hedge or a retry avoids
         the replicas its earlier attempts went to, unless nothing else is left. With
         ``busy_prefill_tokens``, the replicas prefilling at least that many tokens are skipped
-        while a routable one below it is left (the module docstring)."""
-        up = self.serving(now)
+        while a routable one below it is left (the module docstring). A cache-aware decision over
+        more replicas than ``decision_candidates`` scores a bounded set (:mod:`.candidates`)."""
+        up, up_set, _, _ = self._serving(now)
         if not up:  # none can take it: the caller waits for a replacement or refuses (503)
             return None
-        routable = set(self.ejector.routable(now))
-        skip = set(avoid) if set(up) - set(avoid) else set()
-        loads = [self._load(r, r in routable and r not in skip) for r in up]
+        skip = set(avoid)
+        if skip and all(r in skip for r in up):
+            skip = set()
+        session_id = None if skip else session_id
+        pool: list[str] = up
+        fleet, probe = None, None
+        if self.policy is not None and self.mode == "cache_aware":
+            total = sum(self.in_flight.values())
+            pool, fleet, probe = bounded_pool(
+                self.policy, up, up_set, total, hashes, now, session_id, self.rng
+            )
+        breakers = self.ejector.breakers
+        loads = [
+            self._load(r, r not in skip and (b := breakers.get(r)) is not None and b.available(now))
+            for r in pool
+        ]
         if busy_prefill_tokens is not None:
             loads = self._off_prefill(loads, busy_prefill_tokens)
         if self.mode == "round_robin":
@@ -178,7 +206,7 @@ class BackendView:
         elif self.mode == "least_loaded" or self.policy is None:
             decision = self._least_loaded(loads, len(hashes))
         else:
-            decision = self.policy.decide(hashes, loads, self.rng, now, None if skip else session_id)
+            decision = self.policy.decide(hashes, loads, self.rng, now, session_id, fleet, probe)
         replica = decision.replica
         if replica is None:  # every replica at its cap: queue on the least loaded one
             replica = min(up, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
