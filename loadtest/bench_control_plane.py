@@ -375,7 +375,34 @@ def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendVie
 
 def decision_times(view: BackendView, chains: Sequence[list[int]], n: int, seed: int) -> dict[str, float]:
     """``BackendView.choose`` for 4k-token prompts, half of them a held context plus a new turn,
-    half new: microseconds p50/p99 over ``n`` decisions (after a warm-up)."""
+    half new: microseconds p50/p99 over ``n`` decisions (after a warm-up). Timed as configured
+    (``decision_candidates``: a bounded set over more replicas, cluster/routing/candidates.py)
+    and, where the config has the knob, scoring every replica (``decision_full_``) on the same
+    index, with the bounded decisions' matched blocks over the full ones' (the hits kept)."""
+    policy = view.policy
+    assert policy is not None
+    configured = policy.params
+    runs = [("", configured)]
+    if getattr(configured, "decision_candidates", 0):  # the tree before issue 42's change has none
+        runs.append(("full_", dataclasses.replace(configured, decision_candidates=0)))
+    out: dict[str, float] = {}
+    matched: dict[str, int] = {}
+    for name, params in runs:
+        policy.params = params
+        view.rng = random.Random(seed)
+        samples, matched[name] = _time_choices(view, chains, n, seed)
+        out[f"decision_{name}p50_us"] = round(pct(samples, 0.5), 2)
+        out[f"decision_{name}p99_us"] = round(pct(samples, 0.99), 2)
+    policy.params = configured
+    if "full_" in matched:
+        out["decision_matched_ratio"] = round(matched[""] / max(1, matched["full_"]), 4)
+    return out
+
+
+def _time_choices(
+    view: BackendView, chains: Sequence[list[int]], n: int, seed: int
+) -> tuple[list[float], int]:
+    """Microseconds per ``choose`` after 200 warm-up decisions, and the blocks matched in all."""
     rng = random.Random(seed)
     reqs = []
     for i in range(n + 200):
@@ -383,13 +410,15 @@ def decision_times(view: BackendView, chains: Sequence[list[int]], n: int, seed:
         reqs.append(
             (base + [rng.getrandbits(63) for _ in range(256 - len(base))], f"s{rng.randrange(10_000)}")
         )
-    samples, clock = [], time.perf_counter_ns
+    samples, clock, hits = [], time.perf_counter_ns, 0
     for i, (hashes, session) in enumerate(reqs):
         t0 = clock()
-        view.choose(hashes, 1.0 + i * 1e-3, session)
+        choice = view.choose(hashes, 1.0 + i * 1e-3, session)
+        t1 = clock()
         if i >= 200:
-            samples.append((clock() - t0) / 1000)
-    return {"decision_p50_us": round(pct(samples, 0.5), 2), "decision_p99_us": round(pct(samples, 0.99), 2)}
+            samples.append((t1 - t0) / 1000)
+            hits += choice.decision.matched_blocks if choice is not None else 0
+    return samples, hits
 
 
 def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -> dict[str, Any]:
@@ -405,8 +434,10 @@ def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -
     out = {
         "n": n,
         "index_entries": entries,
+        "index_capacity_blocks": cap,
         "kv_map_entries": kv_entries,
         "index_mb": round(total / 2**20, 1),
+        "index_bytes_per_block": round(total / max(1, entries)),
         "index_mb_parts": {k: round(v / 2**20, 1) for k, v in sizes.items()}
         | {"kv_maps": round(kv_bytes * kv_entries / 2**20, 1)},
         **decision_times(view, chains, 2000, seed),
@@ -562,6 +593,7 @@ def fits(sweep: Sequence[dict[str, Any]], ns: Sequence[int], ms: Sequence[int]) 
         "engine_cpu_share_exponent_in_m": round(slope(ms, [r["engine_cpu_share"] for r in en]), 3),
         "engine_cpu_share_exponent_in_n": round(slope(ns, [r["engine_cpu_share"] for r in gw]), 3),
         "index_mb_exponent_in_n": round(slope(ns, [r["index_mb"] for r in gw]), 3),
+        "decision_p99_us_exponent_in_n": round(slope(ns, [r["decision_p99_us"] for r in gw]), 3),
         "gateway_n_at_5pct_core": round((0.05 / a) ** (1 / b), 1),
         "gateway_n_at_one_core": round((1.0 / a) ** (1 / b), 1),
         "gateway_replicas_per_32_core_node_at_max_n": round(32 / gw[-1]["gateway_cpu_share"], 1),
@@ -642,7 +674,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--m", type=int, nargs="+", default=[2, 8, 16])
     ap.add_argument("--seconds", type=float, default=1.5, help="virtual seconds per sweep point")
     ap.add_argument("--sim-cache-blocks", type=int, default=1024, help="an engine's cache in the simulation")
-    ap.add_argument("--index-capacity", type=int, default=1_000_000)
+    ap.add_argument(
+        "--index-capacity",
+        type=int,
+        default=getattr(AffinityConfig(), "index_capacity_blocks", 1_000_000),
+        help="the index's bound in blocks (default: the config's index_capacity_blocks)",
+    )
     ap.add_argument(
         "--http", type=lambda s: tuple(map(int, s.split("x"))), nargs="*", default=[(16, 2), (64, 2)]
     )
