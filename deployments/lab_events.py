@@ -220,10 +220,12 @@ def cut_kv_feed(
     """One engine replica's KV-event endpoint unreachable for ``cut_s`` while it serves (its fault
     hook), the gateways' feed of it sampled during the cut; back once every gateway's feed has read
     the replica's log up to its head at the cut's end (``catch_up_s``, from the end)."""
-    urls = gateway_status(plan, token)["routing"][backend]["replicas"]
+    routing = gateway_status(plan, token)["routing"][backend]
+    urls, feed = routing["replicas"], (routing["kv_index"].get("feed") or {}).get("replicas") or {}
     if not urls:
         raise LabError(f"no replica of {backend} in the gateway's view")
-    replica = events["cut_replica"] = sorted(urls)[0]
+    # the replica with the most events so far (where sessions live): events to miss during the cut
+    replica = events["cut_replica"] = max(sorted(urls), key=lambda r: (feed.get(r) or {}).get("events", 0))
     events["start"] = time.time()
     events["head_at_start"] = kv_fault(plan, token, urls[replica], cut_s)["last_seq"]
     samples = events["cursors_during"] = []

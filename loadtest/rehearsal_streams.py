@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+RETRIES_429 = 8  # a client's retries of a deferred request, each after its Retry-After (at most 5 s)
 Runner = Callable[[Callable[[], Any], float], Any]  # fn run where the clients are, with a timeout
 
 
@@ -74,16 +75,21 @@ def read(url: str, payload: dict[str, Any], token: str, seen: Seen, read_s: floa
     import httpx
 
     headers = {"x-surface": "agent", "x-llmc-internal": token, "x-llmc-debug-ids": "1"}
-    seen.t0 = time.time()
     try:
-        timeout = httpx.Timeout(read_s, connect=5.0)
-        with httpx.Client(timeout=timeout) as c, c.stream("POST", url, json=payload, headers=headers) as r:
-            seen.replica = r.headers.get("x-llmc-replica")
-            if r.status_code != 200:
-                seen.error = f"http_{r.status_code}: {r.read()[:200]!r}"
-                return
-            for line in r.iter_lines():
-                _line(seen, line)
+        with httpx.Client(timeout=httpx.Timeout(read_s, connect=5.0)) as c:
+            for _ in range(RETRIES_429):  # Agent is deferred (429) while Tab nears its objective
+                seen.t0, seen.error = time.time(), None
+                with c.stream("POST", url, json=payload, headers=headers) as r:
+                    seen.replica = r.headers.get("x-llmc-replica")
+                    if r.status_code != 200:
+                        seen.error = f"http_{r.status_code}: {r.read()[:200]!r}"
+                        if r.status_code != 429:
+                            return
+                        time.sleep(min(float(r.headers.get("retry-after") or 1), 5.0))
+                        continue
+                    for line in r.iter_lines():
+                        _line(seen, line)
+                    return
     except httpx.TimeoutException as exc:
         seen.error = f"hung: {type(exc).__name__}"
     except httpx.HTTPError as exc:
