@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 import ray
@@ -51,10 +51,11 @@ from deployments import cpu_sched, haproxy_errors, metrics, native_api
 from deployments import http_api as h
 from deployments.attempts import AttemptRunner
 from deployments.callers import Callers
+from deployments.context import RequestContext
 from deployments.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.internal import internal_token, token_ok
 from deployments.kv_feed import kv_index_status, start_feeds
-from deployments.prepare import INLINE_PREPARE_BYTES, count_prompt, prepare_off_loop
+from deployments.prepare import INLINE_PREPARE_BYTES, Prepared, count_prompt, prepare_off_loop
 from deployments.relay import Relay
 from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
 
@@ -102,7 +103,7 @@ class Gateway:
             self.views, pickers, self._client_session, self._token, kv_wanted
         )
         self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
-        self.relay = Relay(self)
+        self.relay = Relay.build(cfg, self.attempts, self.guard, self.prices, self.views, replica)
         self.tracer: Any = None  # deployments.tracing.Tracer when an OTLP endpoint is configured
         if cfg.tracing.otlp_endpoint:
             from deployments.tracing import Tracer
@@ -311,7 +312,7 @@ class Gateway:
             prepared = await prepare_off_loop(
                 self.cfg, raw, schema, kind, rid, surface, session, self.views, salt
             )
-            prepared.prep_s = time.perf_counter() - t0
+            prepared = replace(prepared, prep_s=time.perf_counter() - t0)
             prepared.meta.show_ids = self.callers.shows_ids(scope)
         except ClusterError as err:
             await h.send_error(send, err)
@@ -325,7 +326,7 @@ class Gateway:
             trace = self._trace(prepared, t0, h.header(scope, b"traceparent"))
         await self._run(prepared, send, t0, tenant, trace)
 
-    def _trace(self, prepared: Any, t0: float, parent: str | None) -> RequestTrace:
+    def _trace(self, prepared: Prepared, t0: float, parent: str | None) -> RequestTrace:
         """A request's trace, joined to the client's (its ``traceparent``) when it sent one."""
         rng = self.attempts.rng
         start_ns = time.time_ns() - int((time.perf_counter() - t0) * 1e9)
@@ -358,7 +359,7 @@ class Gateway:
 
     async def _run(
         self,
-        prepared: Any,
+        prepared: Prepared,
         send: h.Send,
         t0: float,
         tenant: str | None = None,
@@ -392,16 +393,17 @@ class Gateway:
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         candidates = by_capacity(candidates, self._serving)  # a provider at once, not a dead backend
+        reserved = isinstance(budget, TenantReservation)  # the relay settles it, however it ends
+        settle = functools.partial(self.tenants.settle, budget) if reserved else None
+        ctx = RequestContext(prepared, candidates, t0, ticket.waited_s, trace, settle)
         outcome = Outcome.CANCELLED
         try:
-            outcome = await self.relay.serve(prepared, candidates, send, t0, ticket.waited_s, trace)
+            outcome = (await self.relay.serve(ctx, send)).outcome
         except Exception:
             outcome = Outcome.ERRORED
             raise
         finally:
             self.admission.release(ticket, outcome)
-            if isinstance(budget, TenantReservation):
-                self.tenants.settle(budget, prepared.spent_tokens)  # usage, or what was spent
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()

@@ -18,20 +18,35 @@ a stream breaks.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from cluster.observability.trace import RequestTrace
+from cluster.config import BackendConfig
 from cluster.policy.attempts import backend_of_slot
 from cluster.policy.migration import Break, classify, client_usage, continuation
 from cluster.policy.race import Attempt, RaceResult, first_token, follow
+from cluster.routing.view import BackendView
 from cluster.wire.engine_stream import Emitted, StreamEnd, parse_emitted
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.protocol import GenerateRequest, Usage
 from deployments import metrics
-from deployments.attempts import Continuing
+from deployments.attempts import AttemptRunner, Continuing
+from deployments.context import RequestContext
 
 _DONE = object()  # the broken stream had already sent its last token: nothing to continue
+
+
+@dataclass(frozen=True)
+class Migrations:
+    """What every migration in a gateway uses, given explicitly: the attempt runner (the
+    continuation's race, the migration policy and its counters), the routing views (the
+    continuation's prefix hashes), the backends' configs, and the stream idle timeout."""
+
+    attempts: AttemptRunner
+    views: Mapping[str, BackendView]
+    backend: Callable[[str], BackendConfig]
+    idle_timeout_s: float | None
 
 
 class Seamless:
@@ -40,16 +55,16 @@ class Seamless:
 
     def __init__(
         self,
-        gw: Any,
-        prepared: Any,
+        parts: Migrations,
+        ctx: RequestContext,
         result: RaceResult,
         winner: Attempt,
         rest: AsyncIterator[Any],
         deadline: float | None,
-        acct: Any,  # the relay's account: its last_at stamps the last token before a break
-        trace: RequestTrace | None = None,
+        last_token_at: Callable[[], float],  # the relay's stamp of the last token it relayed
     ) -> None:
-        self.gw, self.p, self.deadline, self.acct, self.trace = gw, prepared, deadline, acct, trace
+        self.parts, self.ctx, self.p, self.deadline = parts, ctx, ctx.prepared, deadline
+        self.last_token_at = last_token_at
         self.stream: Any = winner.stream
         self.backend = backend_of_slot(winner.planned.backend)
         self.rest = rest
@@ -112,12 +127,12 @@ class Seamless:
         now = time.monotonic()
         brk = Break(
             reason,
-            self.gw.cfg.backend(self.backend).kind,
+            self.parts.backend(self.backend).kind,
             self.migrations,
             passed is not None and (bool(emitted.ids) or emitted.events == 0),
             None if self.deadline is None else self.deadline - now,
         )
-        decision = self.gw.attempts.migration.decide(req, brk, now)
+        decision = self.parts.attempts.migration.decide(req, brk, now)
         if not decision.allowed:
             self._count(reason, decision.why)
             return None
@@ -128,35 +143,34 @@ class Seamless:
             return None
         winner, first = started
         metrics.MIGRATION_SEAM.observe(
-            time.perf_counter() - self.acct.last_at, tags={"backend": self.backend}
+            time.perf_counter() - self.last_token_at(), tags={"backend": self.backend}
         )
         self._count(reason, "migrated")
         self._moved(winner, emitted, sent, len(cont.prompt_token_ids))
-        idle = self.gw.cfg.policies.stream_idle_timeout_s
-        return first, follow(self._hooks, winner, self.deadline, idle)
+        return first, follow(self._hooks, winner, self.deadline, self.parts.idle_timeout_s)
 
     async def _race(self, cont: GenerateRequest, broken: Any) -> tuple[Attempt, Any] | None:
         """The continuation's first-token race on the same model's self-hosted candidates."""
-        gw = self.gw
+        parts = self.parts
         if broken.replica:
             self.broken.append(broken.replica)
         hashed: dict[str, list[int]] = {}
 
         def hashes(backend: str) -> list[int]:  # affinity sees the continuation's whole prefix
-            view = gw.views.get(backend)
+            view = parts.views.get(backend)
             if view is None or view.policy is None:
                 return []
             if backend not in hashed:
                 hashed[backend] = view.policy.hash(cont.prompt_token_ids, cont.cache_salt)
             return hashed[backend]
 
-        hooks, _ = gw.attempts.hooks(
+        hooks, _ = parts.attempts.hooks(
             cont,
             self._candidates(),
             self.p.meta,
             not self.p.stream,
             hashes,
-            self.trace,
+            self.ctx.trace,
             Continuing(self.attempts, tuple(self.broken)),
         )
         self._hooks = hooks
@@ -171,12 +185,12 @@ class Seamless:
 
     def _candidates(self) -> list[str]:
         """The request's candidates that serve the broken backend's model on our own engines."""
-        cfg = self.gw.cfg
-        model = cfg.backend(self.backend).model
+        config = self.parts.backend
+        model = config(self.backend).model
         rest = [
             c
             for c in self.p.candidates
-            if c != self.backend and cfg.backend(c).kind != "provider" and cfg.backend(c).model == model
+            if c != self.backend and config(c).kind != "provider" and config(c).model == model
         ]
         return [self.backend, *rest]
 
@@ -198,5 +212,5 @@ class Seamless:
         )
 
     def _count(self, reason: str, outcome: str) -> None:
-        self.gw.attempts.migrated[f"{reason}:{outcome}"] += 1
+        self.parts.attempts.migrated[f"{reason}:{outcome}"] += 1
         metrics.MIGRATIONS.inc(tags={"backend": self.backend, "reason": reason, "outcome": outcome})

@@ -22,21 +22,21 @@ from cluster.routing.view import BackendView
 from cluster.tokens.images import image_parts, image_tokens
 from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from cluster.wire.openai_format import ResponseMeta
-from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Usage
+from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import http_api as h
 from deployments import metrics
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
+    """One request as :func:`prepare` made it: read, never written, by everything after it."""
+
     api: ChatCompletionRequest | CompletionRequest
     req: GenerateRequest
     meta: ResponseMeta
     candidates: list[str]
     hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
-    usage: Usage | None = None  # set by the relay when the request ends
-    spent_tokens: int = 0  # set by the relay: what the tenant's budget settles with (usage or spend)
     prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
     max_tokens_capped: int | None = None  # a configured limit shortened max_tokens to this (a header)
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.config import ClusterConfig
 from cluster.observability.server_timing import server_timing
-from cluster.observability.trace import RequestTrace
 from cluster.policy.admission import Outcome
 from cluster.policy.attempts import backend_of_slot
-from cluster.policy.race import RaceResult, first_token, follow
+from cluster.policy.race import Attempt, RaceResult, first_token, follow
+from cluster.policy.slo_guard import SloGuard
 from cluster.policy.tenants import spent_tokens
-from cluster.providers.budget import cost_usd
+from cluster.providers.budget import Prices, cost_usd
+from cluster.routing.view import BackendView
 from cluster.wire.choices import ChoiceEvents, whole_response
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.logprobs import LogprobsFraming, with_prompt
@@ -30,7 +33,9 @@ from cluster.wire.thinking import ThinkingAccumulator
 from cluster.wire.tool_calls import ToolCallAccumulator
 from deployments import http_api as h
 from deployments import metrics
-from deployments.migration import Seamless
+from deployments.attempts import AttemptRunner
+from deployments.context import RequestContext, Served
+from deployments.migration import Migrations, Seamless
 from deployments.prepare import Prepared
 
 BODY = "http.response.body"
@@ -131,70 +136,132 @@ class _Framer:
         return data
 
 
-class Relay:
-    def __init__(self, gateway: Any) -> None:
-        self.gw = gateway
+@dataclass(frozen=True)
+class RelaySettings:
+    """The server settings the relay reads."""
 
-    async def serve(
+    replica_id: str  # this gateway replica (the ``x-llmc-gateway`` header)
+    timing_header: bool  # send ``server-timing`` (ClusterConfig.server.timing_header)
+    idle_timeout_s: float | None  # a stream silent this long breaks (policies.stream_idle_timeout_s)
+
+
+class Relay:
+    """One per gateway replica. Its collaborators, given explicitly: the attempt runner (the race's
+    hooks, and the routing views' end of each attempt), the SLO guard (each first token's time),
+    the providers' prices (a request's cost), the migrations (a broken engine stream continued)."""
+
+    def __init__(
         self,
-        p: Prepared,
-        candidates: list[str],
-        send: h.Send,
-        t0: float,
-        waited_s: float,
-        trace: RequestTrace | None = None,
-    ) -> Outcome:
-        gw = self.gw
-        hooks, deadline = gw.attempts.hooks(p.req, candidates, p.meta, not p.stream, p.hashes, trace)
-        result = RaceResult()
-        acct = _Account(t0)
-        seam: Seamless | None = None
+        attempts: AttemptRunner,
+        guard: SloGuard,
+        prices: Mapping[str, Prices],
+        migrations: Migrations,
+        settings: RelaySettings,
+    ) -> None:
+        self.attempts, self.guard, self.prices = attempts, guard, prices
+        self.migrations, self.settings = migrations, settings
+
+    @classmethod
+    def build(
+        cls,
+        cfg: ClusterConfig,
+        attempts: AttemptRunner,
+        guard: SloGuard,
+        prices: Mapping[str, Prices],
+        views: Mapping[str, BackendView],
+        replica_id: str,
+    ) -> Relay:
+        """A gateway's relay: the settings it reads from the cluster's config, and its parts."""
+        idle = cfg.policies.stream_idle_timeout_s
+        migrations = Migrations(attempts, views, cfg.backend, idle)
+        settings = RelaySettings(replica_id, cfg.server.timing_header, idle)
+        return cls(attempts, guard, prices, migrations, settings)
+
+    async def serve(self, ctx: RequestContext, send: h.Send) -> Served:
+        """Race to the first token, relay the winner's stream, then account for it once; the
+        tenant's reservation settles (``ctx.settle``) however the request ends."""
+        result, acct, seams = RaceResult(), _Account(ctx.t0), []
+        outcome = Outcome.CANCELLED
         try:
-            try:
-                winner, first = await first_token(hooks, result, deadline)
-            except ClusterError as err:
-                await h.send_error(send, err)
-                return Outcome.ERRORED
-            acct.first_at = acct.last_at = time.perf_counter()
-            acct.backend = backend_of_slot(winner.planned.backend)
-            if trace is not None:
-                trace.first_token_ns, trace.backend = time.time_ns(), acct.backend
-            gw.guard.observe(p.req.surface, acct.backend, acct.first_at - t0, time.monotonic())
-            headers = {
-                "x-llmc-gateway": gw.replica_id,
-                "x-llmc-backend": acct.backend,
-                "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
-                # the race to the first token: attempts started, and whether a hedge won it
-                "x-llmc-attempts": str(len(result.attempts)),
-                "x-llmc-hedge-won": "1" if winner.hedge else "0",
-            }
-            headers.update(p.length_headers())  # a configured limit, not the client, set the length
-            if gw.cfg.server.timing_header:
-                upstream_s = hooks.clock() - winner.started_at
-                headers["server-timing"] = server_timing(p.prep_s, waited_s, upstream_s, acct.first_at - t0)
-            rest = follow(hooks, winner, deadline, gw.cfg.policies.stream_idle_timeout_s)
-            stream = winner.stream
-            if getattr(stream, "passed", None) is not None:  # an engine's, with its token ids
-                seam = Seamless(gw, p, result, winner, rest, deadline, acct, trace)
-                stream, rest = seam, seam.items()
-            framer = _Framer(p, p.req.sampling.n)
-            acct.stream, acct.framer = stream, framer
-            w = _Winner(stream, first, rest, headers)
-            if p.stream:
-                return await self._stream(send, p, w, framer, acct)
-            return await self._collect(send, p, w, framer, acct)
+            outcome = await self._relay(ctx, send, result, acct, seams)
         except asyncio.CancelledError:
             acct.cancelled = True
             raise
         finally:
-            gw.attempts.finished(result)
-            for more in seam.results if seam is not None else ():
-                gw.attempts.finished(more)
-            self._record(p, acct, waited_s)
-            sent = acct.first_at is not None or (acct.cancelled and bool(result.attempts))
-            p.spent_tokens = spent_tokens(acct.usage, len(p.req.prompt_token_ids), acct.relayed(), sent)
-            if trace is not None:
-                trace.usage, trace.finish = acct.usage, acct.finish if acct.first_at is not None else None
+            served = self._end(ctx, result, seams, acct, outcome)
+        return served
+
+    async def _relay(
+        self, ctx: RequestContext, send: h.Send, result: RaceResult, acct: _Account, seams: list[Seamless]
+    ) -> Outcome:
+        p, trace = ctx.prepared, ctx.trace
+        hooks, deadline = self.attempts.hooks(p.req, ctx.candidates, p.meta, not p.stream, p.hashes, trace)
+        try:
+            winner, first = await first_token(hooks, result, deadline)
+        except ClusterError as err:
+            await h.send_error(send, err)
+            return Outcome.ERRORED
+        acct.first_at = acct.last_at = time.perf_counter()
+        acct.backend = backend_of_slot(winner.planned.backend)
+        if trace is not None:
+            trace.first_token_ns, trace.backend = time.time_ns(), acct.backend
+        self.guard.observe(p.req.surface, acct.backend, acct.first_at - ctx.t0, time.monotonic())
+        headers = self._headers(ctx, result, winner, acct, hooks.clock() - winner.started_at)
+        rest = follow(hooks, winner, deadline, self.settings.idle_timeout_s)
+        stream = winner.stream
+        if getattr(stream, "passed", None) is not None:  # an engine's, with its token ids
+            seam = Seamless(self.migrations, ctx, result, winner, rest, deadline, lambda: acct.last_at)
+            seams.append(seam)
+            stream, rest = seam, seam.items()
+        framer = _Framer(p, p.req.sampling.n)
+        acct.stream, acct.framer = stream, framer
+        w = _Winner(stream, first, rest, headers)
+        if p.stream:
+            return await self._stream(send, p, w, framer, acct)
+        return await self._collect(send, p, w, framer, acct)
+
+    def _headers(
+        self, ctx: RequestContext, result: RaceResult, winner: Attempt, acct: _Account, upstream_s: float
+    ) -> dict[str, str]:
+        """Our response headers: who served it, the race to its first token, and its timing."""
+        headers = {
+            "x-llmc-gateway": self.settings.replica_id,
+            "x-llmc-backend": acct.backend,
+            "x-llmc-replica": getattr(winner.stream, "replica", None) or "",
+            # the race to the first token: attempts started, and whether a hedge won it
+            "x-llmc-attempts": str(len(result.attempts)),
+            "x-llmc-hedge-won": "1" if winner.hedge else "0",
+        }
+        headers.update(ctx.prepared.length_headers())  # a configured limit, not the client, set the length
+        if self.settings.timing_header:
+            assert acct.first_at is not None
+            ttft = acct.first_at - ctx.t0
+            headers["server-timing"] = server_timing(ctx.prepared.prep_s, ctx.waited_s, upstream_s, ttft)
+        return headers
+
+    def _end(
+        self,
+        ctx: RequestContext,
+        result: RaceResult,
+        seams: list[Seamless],
+        acct: _Account,
+        outcome: Outcome,
+    ) -> Served:
+        """Every attempt is over: the routing views stop counting them, the metrics are recorded,
+        the tenant's reservation settles."""
+        self.attempts.finished(result)
+        for seam in seams:
+            for more in seam.results:
+                self.attempts.finished(more)
+        cost = self._record(ctx, acct)
+        sent = acct.first_at is not None or (acct.cancelled and bool(result.attempts))
+        spent = spent_tokens(acct.usage, len(ctx.prepared.req.prompt_token_ids), acct.relayed(), sent)
+        if ctx.settle is not None:
+            ctx.settle(spent)
+        finish = acct.finish if acct.first_at is not None else None
+        if ctx.trace is not None:
+            ctx.trace.usage, ctx.trace.finish = acct.usage, finish
+        return Served(outcome, acct.usage, cost, finish, spent)
 
     async def _stream(
         self, send: h.Send, p: Prepared, w: _Winner, framer: _Framer, acct: _Account
@@ -268,21 +335,23 @@ class Relay:
         else:
             acct.usage, acct.finish, acct.events = framer.usage, framer.finish, framer.tokens
 
-    def _record(self, p: Prepared, acct: _Account, waited_s: float) -> None:
-        surface = p.req.surface
-        p.usage = acct.usage
+    def _record(self, ctx: RequestContext, acct: _Account) -> float:
+        """The request's metrics, once; its cost (a provider's price of its usage, else 0)."""
+        surface = ctx.prepared.req.surface
         metrics.ADMISSIONS.inc(tags={"surface": surface})
-        metrics.QUEUE_WAIT.observe(waited_s, tags={"surface": surface})
+        metrics.QUEUE_WAIT.observe(ctx.waited_s, tags={"surface": surface})
         now = time.perf_counter()
         if acct.first_at is None:
-            return
+            return 0.0
         metrics.TTFT.observe(acct.first_at - acct.t0, tags={"surface": surface, "backend": acct.backend})
         if acct.events > 1:  # the mean gap between this request's chunks
             metrics.ITL.observe((acct.last_at - acct.first_at) / (acct.events - 1), tags={"surface": surface})
+        cost = 0.0
         if acct.usage is not None:
             metrics.record_usage(surface, acct.backend, acct.usage)
-            prices = self.gw.prices.get(acct.backend)
+            prices = self.prices.get(acct.backend)
             if prices is not None and (cost := cost_usd(acct.usage, prices)) > 0:
                 tags = {"surface": surface, "backend": acct.backend, "outcome": "completed"}
                 metrics.COST.inc(cost, tags=tags)
             metrics.LATENCY.observe(now - acct.t0, tags={"surface": surface, "outcome": "completed"})
+        return cost

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +19,10 @@ from cluster.policy.race import Attempt, RaceHooks, RaceResult, follow
 from cluster.wire.engine_stream import StreamEnd, event_with_ids, parse_control, parse_emitted
 from cluster.wire.errors import BackendUnavailable, StreamInterrupted
 from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
-from cluster.wire.protocol import Chunk, GenerateRequest, Sampling, Usage
-from deployments.migration import Seamless
+from cluster.wire.protocol import ChatCompletionRequest, Chunk, GenerateRequest, Sampling, Usage
+from deployments.context import RequestContext
+from deployments.migration import Migrations, Seamless
+from deployments.prepare import Prepared
 
 META = ResponseMeta(kind="chat", request_id="r", model="m", created=1)
 CFG = parse_config(
@@ -100,14 +101,15 @@ def _seam(
     first: FakeStream, more: list[FakeStream], stream: bool = True, idle: float | None = None, **cfg: Any
 ) -> Seamless:
     req = GenerateRequest("r", "m", "chat", [1, 2, 3], Sampling(max_tokens=4))
-    prepared = SimpleNamespace(req=req, meta=META, stream=stream, candidates=["a"])
-    attempts = FakeAttempts(more, MigrationConfig(**cfg) if cfg else None)
-    gw = SimpleNamespace(cfg=CFG, views={}, attempts=attempts)
+    api = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], stream=stream)
+    prepared = Prepared(api, req, META, ["a"], lambda _backend: [])
+    ctx = RequestContext(prepared, ["a"], 0.0, 0.0)
+    attempts: Any = FakeAttempts(more, MigrationConfig(**cfg) if cfg else None)
+    parts = Migrations(attempts, {}, CFG.backend, idle)
     hooks = RaceHooks(next_attempt=lambda hedge: None, start=lambda *a: first, cancel=_noop)
     winner = Attempt(PlannedAttempt("a", 0), False, first, 0.0)
     result = RaceResult(winner, [winner])
-    acct = SimpleNamespace(last_at=0.0)
-    return Seamless(gw, prepared, result, winner, follow(hooks, winner, None, idle), None, acct)
+    return Seamless(parts, ctx, result, winner, follow(hooks, winner, None, idle), None, lambda: 0.0)
 
 
 async def _drain(seam: Seamless) -> list[bytes]:
@@ -121,13 +123,13 @@ async def test_a_break_continues_on_another_replica_and_the_client_gets_one_answ
     seam = _seam(broken, [cont], stream=False)
     items = await _drain(seam)
     assert len(items) == 4 and seam.migrations == 1 and seam.replica == "r2"
-    req, continuing = seam.gw.attempts.continuations[0]
+    req, continuing = seam.parts.attempts.continuations[0]
     assert req.prompt_token_ids == [1, 2, 3, 7, 8] and req.sampling.max_tokens == 2 and req.attempt == 1
     assert continuing.attempt_base == 1 and continuing.avoid == ("r1",)
     final = seam.end
     assert final is not None and final.text == "abcd" and final.finish_reason == "length"
     assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens) == (3, 4, 3)
-    assert seam.events == 4 and seam.gw.attempts.migrated == {"death:migrated": 1}
+    assert seam.events == 4 and seam.parts.attempts.migrated == {"death:migrated": 1}
 
 
 async def test_a_break_after_the_last_token_ends_the_answer_without_a_continuation() -> None:
@@ -137,7 +139,7 @@ async def test_a_break_after_the_last_token_ends_the_answer_without_a_continuati
     final = seam.end
     assert final is not None and final.finish_reason == "stop" and final.text == "ab"
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 2)
-    assert seam.gw.attempts.continuations == [] and seam.migrations == 0
+    assert seam.parts.attempts.continuations == [] and seam.migrations == 0
 
 
 @pytest.mark.parametrize(("cfg", "outcome"), [({"enabled": False}, "disabled"), ({}, "failed")])
@@ -148,7 +150,7 @@ async def test_refused_or_unplaced_the_break_stays_a_clean_error(cfg: dict[str, 
     with pytest.raises(StreamInterrupted, match="connection lost"):
         async for item in seam.items():
             got.append(item)
-    assert len(got) == 1 and seam.gw.attempts.migrated == {f"death:{outcome}": 1}
+    assert len(got) == 1 and seam.parts.attempts.migrated == {f"death:{outcome}": 1}
 
 
 async def test_a_stream_silent_past_the_idle_timeout_migrates_as_a_stall() -> None:
@@ -156,7 +158,7 @@ async def test_a_stream_silent_past_the_idle_timeout_migrates_as_a_stall() -> No
     cont = FakeStream([ev("b", [8], "length")], "r2", StreamEnd("length", Usage(4, 1), None, "r2"))
     seam = _seam(stalled, [cont], idle=0.05)
     assert len(await _drain(seam)) == 2
-    assert seam.gw.attempts.migrated == {"stall:migrated": 1} and stalled.fault is None
+    assert seam.parts.attempts.migrated == {"stall:migrated": 1} and stalled.fault is None
 
 
 async def test_at_most_max_per_request_migrations() -> None:
@@ -164,11 +166,11 @@ async def test_at_most_max_per_request_migrations() -> None:
     seam = _seam(FakeStream([ev("a", [7], first=True)], "r1"), streams, max_per_request=2)
     with pytest.raises(StreamInterrupted):
         await _drain(seam)
-    assert seam.migrations == 2 and seam.gw.attempts.migrated == {
+    assert seam.migrations == 2 and seam.parts.attempts.migrated == {
         "death:migrated": 2,
         "death:max_per_request": 1,
     }
-    _, (req2, c2) = seam.gw.attempts.continuations
+    _, (req2, c2) = seam.parts.attempts.continuations
     assert req2.prompt_token_ids == [1, 2, 3, 7, 20] and c2.avoid == ("r1", "r2")
 
 
