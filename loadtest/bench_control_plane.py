@@ -514,7 +514,13 @@ async def _consume(
             e.warm(view)
         feeds.append(KVEventFeed(view, _Picker(), lambda s=sessions[g]: s, TOKEN))
     async with aiohttp.ClientSession() as probe:
-        await asyncio.sleep(1.0)  # the server is up and publishing
+        for _ in range(120):  # the server's child is up (slow to start on a busy box) ...
+            try:
+                async with probe.get(base + "/cpu") as r:
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # ... and publishing
         async with probe.get(base + "/cpu") as r:
             before = await r.json()
         c0 = _proc_cpu()
