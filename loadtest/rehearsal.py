@@ -54,6 +54,7 @@ ENGINES = "backend-sim-h100"
 SIM, PROVIDER = "sim-h100", "loop-openai"
 MODEL = "sim-llama-8b"  # configs/sim-local.yaml's model
 LONG_STREAMS, LONG_TOKENS = 8, 1200  # the node loss's own streams: ~8 s each on the H100 profile
+LONG_STREAMS_ON_NODE = 3  # the kill waits until one engine node has this many of them in flight
 KEY_ENV = "LLMC_REHEARSAL_PROVIDER_KEY"
 PROVIDER_PORT = 18101
 PROVIDER_STEADY = "slow_first:0.1"  # a provider's first token 100 ms after the request
@@ -223,8 +224,9 @@ def _cpu_node_to_lose(plan: LabPlan) -> str:
 
 def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: Endpoints) -> None:
     """The node loss with long self-hosted streams in flight (:mod:`loadtest.rehearsal_streams`):
-    the streams run once as the reference, then again; once every one has tokens, the engine node
-    holding most of them is killed, and each stream is followed to its end."""
+    the streams run once as the reference, then again; once one engine node has
+    ``LONG_STREAMS_ON_NODE`` of them in flight with tokens, it is killed, and each stream is
+    followed to its end."""
     names = endpoints.changes[-1][1] if endpoints.changes else [plan.head.name]
     urls = [f"http://{n.ip}:{plan.serve_port}" for n in plan.nodes if n.name in names]
     token = lab_events.internal_token(plan)
@@ -239,8 +241,10 @@ def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: En
     reference = streams().run(180)
     ev["long_stream_reference_s"] = round(time.monotonic() - t0, 1)
     live = streams().start()
-    ev["long_streams_had_tokens"] = live.wait_tokens(16, 30)
-    node = busiest_node(live.seen, lab_events.replicas(plan).get(ENGINES, {}))
+    node_of = lab_events.replicas(plan).get(ENGINES, {})
+    node = live.wait_on_node(node_of, LONG_STREAMS_ON_NODE, 16, 60)
+    ev["long_streams_waited_for"] = node is not None
+    node = node or busiest_node(live.seen, node_of)
     ev["long_stream_tokens_before_kill"] = sorted(len(s.ids) for s in live.seen)
     lab_events.lose_node(plan, ev, ENGINES, node=node, down_s=t.node_down_s)
     seen = live.join(180)

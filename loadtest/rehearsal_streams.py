@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-RETRIES_429 = 8  # a client's retries of a deferred request, each after its Retry-After (at most 5 s)
+RETRIES_429 = 20  # a client's retries of a deferred request, each after its Retry-After (at most 5 s)
 Runner = Callable[[Callable[[], Any], float], Any]  # fn run where the clients are, with a timeout
 
 
@@ -124,14 +124,18 @@ class LongStreams:
             self._threads.append(t)
         return self
 
-    def wait_tokens(self, tokens: int, timeout_s: float) -> bool:
-        """Whether every stream has ``tokens`` token ids within ``timeout_s``."""
+    def wait_on_node(self, node_of: dict[str, str], k: int, tokens: int, timeout_s: float) -> str | None:
+        """The first node with ``k`` streams in flight there, each with ``tokens`` token ids (the
+        SLO guard lets Agent streams in a few at a time while Tab is near its objective); None
+        after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(len(s.ids) >= tokens or s.t_end is not None for s in self.seen):
-                return all(len(s.ids) >= tokens for s in self.seen)
+            live = [s for s in self.seen if s.t_end is None and not s.done and len(s.ids) >= tokens]
+            node = busiest_node(live, node_of)
+            if node is not None and sum(node_of.get(s.replica or "") == node for s in live) >= k:
+                return node
             time.sleep(0.05)
-        return False
+        return None
 
     def join(self, timeout_s: float) -> list[Seen]:
         deadline = time.monotonic() + timeout_s

@@ -10,9 +10,10 @@ provider's TTFT x10 for 60 s) put Tab's p99 TTFT at 9x its steady state that way
 Per (surface, backend) a baseline: the median of the last ``baseline_samples`` first tokens that
 were not slow. A first token is *slow* when its TTFT is at least ``slow_factor`` x the baseline and
 ``min_excess_s`` above it; an attempt given up before its first token (it lost a hedge race, the
-client left) counts as slow when it had waited ``given_up_factor`` x the baseline (a hedge wins
-against the backend's own tail only: while every answer is slow, each hedge that wins is such
-evidence, and the hedged requests, not the unhedged ones, show the brownout). At least ``slow_samples``
+client left) counts as slow when it had waited ``given_up_factor`` x the baseline, and so does a
+hedge that won against it (a hedge starts past the primary's own high TTFT quantile: in steady
+state a rare tail, in a brownout every hedged request, so the hedged requests, not the unhedged
+ones, reveal it). At least ``slow_samples``
 slow ones among its last ``recent_samples`` first tokens judged within ``window_s``, and at least
 ``slow_share`` of them (a brownout slows every answer; a tail of slow ones is the hedge's to
 race), demote the backend for ``hold_s``, doubled for each demotion that follows
@@ -114,6 +115,14 @@ class Brownout:
             b.append(ttft_s)
             if st.until is not None and now >= st.until:  # on probation: a fast answer restores it
                 st.until, st.probe_at = None, None
+
+    def hedge_won(self, surface: str, backend: str, now: float) -> None:
+        """A hedge answered first while ``backend``, the request's primary, was still waiting past
+        its hedge delay (its own high TTFT quantile): slow evidence, once it has a baseline."""
+        if self.baseline(surface, backend) is not None:
+            st = self._states.setdefault(backend, _State(deque(maxlen=self.cfg.recent_samples)))
+            st.recent.append((now, True))
+            self._slow(st, now)
 
     def _slow(self, st: _State, now: float) -> None:
         cfg = self.cfg

@@ -72,3 +72,15 @@ def test_a_lost_probe_lets_the_next_one_go_and_disabled_never_demotes() -> None:
     steady(off)
     slow(off, 1.0, 1.1, 1.2, 1.3, ttft=2.0)
     assert off.order(CANDS, 6.0) == CANDS
+
+
+def test_hedges_that_won_demote_the_primary() -> None:
+    b = Brownout()
+    b.hedge_won("tab", "provider", 0.0)  # no baseline yet: nothing to judge against
+    assert b.status(0.0) == {}
+    steady(b)
+    for t in (1.0, 1.1):
+        b.hedge_won("tab", "provider", t)
+    assert b.order(CANDS, 1.15) == CANDS  # two of the last six
+    b.hedge_won("tab", "provider", 1.2)
+    assert b.order(CANDS, 1.3) == ["engine", "provider"]

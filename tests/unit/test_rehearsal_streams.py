@@ -64,3 +64,14 @@ def test_flat_keys_add_the_events_streams() -> None:
     out = rs.flat_keys(records, {"node_loss": ev}, "sim")
     assert out["node_loss_streams_in_flight"] == 5 and out["node_loss_streams_completed"] == 4
     assert out["node_loss_streams_identical"] == 3 and out["node_loss_hung"] == 1
+
+
+def test_the_kill_waits_for_streams_in_flight_on_one_node() -> None:
+    from loadtest.rehearsal_streams import LongStreams
+
+    ls = LongStreams(lambda fn, t: fn(), ["http://x"], "t", "m", n=4)
+    node_of = {"a": "engine-0", "b": "engine-1"}
+    ls.seen[:] = [Seen("a", [1] * 20), Seen("a", [1] * 5), Seen("b", [1] * 20), done("a", [1] * 20)]
+    assert ls.wait_on_node(node_of, 2, 16, timeout_s=0.1) is None  # one on each node with tokens
+    ls.seen[1].ids += [1] * 11
+    assert ls.wait_on_node(node_of, 2, 16, timeout_s=0.1) == "engine-0"
