@@ -12,11 +12,9 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import aiohttp
+from typing import Any
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
@@ -26,23 +24,19 @@ from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, 
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
-from cluster.routing.view import Choice
 from cluster.wire.engine_stream import request_body
-from cluster.wire.framing import ChunkFramer, FramedStream
 from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import GenerateRequest
-from cluster.wire.stream import AttemptStream
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 
-if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
-    from deployments.providers import ProviderBackend
 
-
-async def close_stream(stream: AttemptStream) -> None:
+async def close_stream(stream: Any) -> None:
     """Stop an attempt's stream: closing it aborts the work upstream (engine or provider)."""
-    with contextlib.suppress(Exception):
-        await stream.aclose()
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 @dataclass(frozen=True)
@@ -69,8 +63,8 @@ class AttemptRunner:
         self,
         cfg: ClusterConfig,
         pickers: dict[str, ReplicaPicker],
-        providers: Mapping[str, ProviderBackend],
-        session: Callable[[], aiohttp.ClientSession],
+        providers: dict[str, Any],
+        session: Callable[[], Any],
         token: str,
         board: BreakerBoard,
     ) -> None:
@@ -97,7 +91,7 @@ class AttemptRunner:
         candidates: list[str],
         meta: ResponseMeta,
         collect: bool,
-        hashes: Callable[[str], list[int]],
+        hashes: Any,
         trace: RequestTrace | None = None,
         cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
@@ -115,14 +109,14 @@ class AttemptRunner:
         spans = AttemptSpans(trace, self.rng)
         wait_until = _capacity_wait_until(surface, any(c in self.providers for c in candidates))
 
-        def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> AttemptStream:
+        def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=base + planned.attempt)
             kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
             at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
-                return self._provider_stream(backend, attempt_req, meta)
+                return self.providers[backend].generate_batches(attempt_req)
             body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
             return self._engine_stream(
                 backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until
@@ -162,17 +156,12 @@ class AttemptRunner:
         self.hedge.on_request()
         self.migration.on_request(time.monotonic())
 
-    def _provider_stream(self, backend: str, req: GenerateRequest, meta: ResponseMeta) -> FramedStream:
-        """An attempt on a provider adapter: its typed chunks, framed as the client's events."""
-        batches = self.providers[backend].generate_batches(req)
-        return FramedStream(batches, ChunkFramer(meta, req.sampling.n))
-
     def _engine_stream(
         self,
         backend: str,
         req: GenerateRequest,
         body: dict[str, Any],
-        block_hashes: list[int],
+        block_hashes: Any,
         prior: list[Attempt],
         spans: AttemptSpans,
         at: AttemptTrace | None,
@@ -180,12 +169,14 @@ class AttemptRunner:
         wait_until: float | None = None,
     ) -> EngineStream:
         """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
-        avoid = avoid_replicas(backend, [(a.planned.backend, a.stream.replica) for a in prior]) + list(broken)
+        avoid = avoid_replicas(
+            backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
+        ) + list(broken)
         picker = self.pickers[backend]
         surface = self.cfg.surface(req.surface)
         busy = surface.avoid_prefill_tokens if surface is not None else None
 
-        async def choose() -> Choice:
+        async def choose() -> Any:
             choice = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until)
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             prompt = len(req.prompt_token_ids)
@@ -195,12 +186,12 @@ class AttemptRunner:
             spans.routed(at, choice.replica, reason)
             return choice
 
-        def unreachable(choice: Choice) -> None:  # refused or dead: not counted there, skipped a while
+        def unreachable(choice: Any) -> None:  # refused or dead: not counted there, skipped a while
             picker.view.ended(choice.replica, choice)
             picker.view.mark_unreachable(choice.replica, time.monotonic())
 
         return EngineStream(
-            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable, picker.view
+            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable
         )
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
@@ -214,7 +205,17 @@ class AttemptRunner:
     def finished(self, result: RaceResult) -> None:
         """Every attempt of a request is over: the routing views stop counting them."""
         for att in result.attempts:
-            att.stream.finished()
+            replica = getattr(att.stream, "replica", None)
+            picker = self.pickers.get(backend_of_slot(att.planned.backend))
+            if replica is not None and picker is not None:
+                picker.view.ended(replica, getattr(att.stream, "choice", None))
+
+    def _prefilled(self, att: Attempt) -> None:
+        """An engine attempt's first token: its replica's view stops counting its prompt."""
+        choice = getattr(att.stream, "choice", None)
+        picker = self.pickers.get(backend_of_slot(att.planned.backend))
+        if choice is not None and picker is not None:
+            picker.view.prefilled(choice)
 
     def _verdict(
         self,
@@ -226,14 +227,14 @@ class AttemptRunner:
         observe: bool = True,
     ) -> None:
         if v == "won":  # its prefill is done: the replica no longer counts it as prefilling
-            att.stream.won()
+            self._prefilled(att)
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
         fx = effects(v, err, att.hedge)
         if fx.breaker is None:
             self.board.backend(backend).release(now)
         else:
-            self.board.record(backend, att.stream.replica, fx.breaker, now)
+            self.board.record(backend, getattr(att.stream, "replica", None), fx.breaker, now)
         if fx.observe_ttft and observe:
             self.hedge.observe_ttft(req.surface, backend, dt, now)
             self.brownout.observe(req.surface, backend, dt, now, complete=v == "won")
