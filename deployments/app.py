@@ -30,10 +30,9 @@ from cluster.dataplane import (
     deployment_options,
     tenant_budget_deployment,
 )
-from deployments.budget_deployment import ProviderBudgetDeployment
+from deployments.budget_deployment import BudgetDeployment
 from deployments.engine import EngineReplica
 from deployments.gateway import Gateway
-from deployments.tenant_budget import TenantBudgetDeployment
 
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 log = logging.getLogger(__name__)
@@ -69,8 +68,8 @@ def build_graph(cfg: ClusterConfig) -> Application:
             name = budget_deployment(b)
             if name is not None:  # a limited provider: one budget for every gateway replica
                 assert b.provider is not None
-                budgets[b.name] = ProviderBudgetDeployment.options(name=name).bind(
-                    b.provider.model_dump(mode="json")
+                budgets[b.name] = BudgetDeployment.options(name=name).bind(
+                    provider=b.provider.model_dump(mode="json")
                 )
             continue
         model = cfg.model(b.model)
@@ -102,7 +101,7 @@ def _tenant_budgets(cfg: ClusterConfig) -> Application | None:
     name = tenant_budget_deployment(cfg)
     if name is None:
         return None
-    return TenantBudgetDeployment.options(name=name).bind([t.model_dump(mode="json") for t in cfg.tenants])
+    return BudgetDeployment.options(name=name).bind(tenants=[t.model_dump(mode="json") for t in cfg.tenants])
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:

@@ -31,7 +31,7 @@ from cluster.config import BackendConfig, ModelConfig
 from cluster.policy.context import reserved_output
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
-from cluster.providers.budget import Prices, cost_usd
+from cluster.providers.budget import Prices, Refusal, Reservation, cost_usd
 from cluster.providers.sse import SSEEvent
 from cluster.tokens.images import image_tokens
 from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
@@ -149,11 +149,12 @@ class ProviderBackend:
         self._flights.setdefault(req.request_id, []).append(flight)
         self.counts.started += 1
         s = StreamState(await self._estimate_input(req))
+        res: Reservation | None = None
         try:
             wait = max(0.0, min(self.admission_wait_s, total_deadline - loop.time()))
-            await self._reserve(req, s.input_est, wait)
+            res = await self._reserve(req, s.input_est, wait)
             s.reserved = True
-            relay = self._relay(req, flight, s, total_deadline)
+            relay = self._relay(req, flight, s, total_deadline, res)
             try:
                 async for batch in relay:
                     yield batch
@@ -171,23 +172,25 @@ class ProviderBackend:
                 self._flights.pop(req.request_id, None)
             # One shielded task for both steps: a second cancellation while the connection closes
             # must not skip the release (the slot would be held until the reservation expires).
-            await asyncio.shield(self._close(req.request_id, s.response, self._unsettled_release(req, s)))
+            await asyncio.shield(self._close(res, s.response, self._unsettled_release(req, s)))
 
-    async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> None:
+    async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> Reservation:
         """The budget's seat for this request, waiting at most ``wait_s``; a 429 when there is none."""
         s = req.sampling
         out = reserved_output(s.max_tokens, input_est, self.cfg.tpm, req.max_tokens_asked, s.n)
-        adm = await self.budget.reserve(req.request_id, input_est, out, wait_s)
-        if not adm.ok:
+        got = await self.budget.reserve(req.request_id, input_est, out, wait_s)
+        if isinstance(got, Refusal):
             self.counts.budget_denied += 1
             raise RateLimited(
-                f"provider backend '{self.backend_name}' is over its {adm.reason} budget",
-                retry_after_s=adm.retry_after_s,
+                f"provider backend '{self.backend_name}' is over its {got.reason} budget",
+                retry_after_s=got.retry_after_s,
                 backend=self.backend_name,
             )
+        assert got is not None  # None is a tenant without a budget; a provider's budget limits every request
+        return got
 
     async def _relay(
-        self, req: GenerateRequest, flight: Flight, s: StreamState, total_deadline: float
+        self, req: GenerateRequest, flight: Flight, s: StreamState, total_deadline: float, res: Reservation
     ) -> AsyncIterator[list[Chunk]]:
         """Send the request and pass its content on as it arrives, then its usage (settled)."""
         loop = asyncio.get_running_loop()
@@ -238,7 +241,7 @@ class ProviderBackend:
                 waited_s=waited,
                 connect_failed=ph.is_connect_failure(exc),
             ) from exc
-        yield [await self._settle(req, s)]
+        yield [await self._settle(s, res)]
 
     def _stream_error(self, error: dict[str, Any], started: bool) -> Exception:
         """A mid-stream error object from the provider, as the exception to raise."""
@@ -247,7 +250,7 @@ class ProviderBackend:
             error, provider=self.api, backend=self.backend_name, started=started, secret=secret
         )
 
-    async def _settle(self, req: GenerateRequest, s: StreamState) -> Chunk:
+    async def _settle(self, s: StreamState, res: Reservation) -> Chunk:
         """Settle the budget with the provider's usage (ours where it reported none): the last chunk."""
         usage = s.usage
         if usage is None:
@@ -255,7 +258,8 @@ class ProviderBackend:
             usage = Usage(prompt_tokens=s.input_est, completion_tokens=self._count_out(s.out_parts))
         else:
             self.counts.observe_estimate(s.input_est, usage.prompt_tokens)
-        cost = await self.budget.settle(req.request_id, usage)
+        await self.budget.settle(res, usage.total_tokens)
+        cost = cost_usd(usage, self.prices)
         s.settled = True
         self.counts.settled(usage, cost)
         return Chunk(
@@ -275,14 +279,14 @@ class ProviderBackend:
         return s.charged + out
 
     async def _close(
-        self, request_id: str, response: aiohttp.ClientResponse | None, release: int | None
+        self, res: Reservation | None, response: aiohttp.ClientResponse | None, release: int | None
     ) -> None:
         try:
             if response is not None:
                 ph.close_response(response)
         finally:
-            if release is not None:
-                await self.budget.release(request_id, release)
+            if release is not None and res is not None:
+                await self.budget.settle(res, release)  # no usage came: charge what it spent
 
     def _count_unsettled(self, req: GenerateRequest, usage: Usage) -> None:
         """A stream that reached the provider and ended without its usage (cancelled by the client,

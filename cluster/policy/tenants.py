@@ -1,7 +1,8 @@
 """Tenants: who pays for a request. API keys carry a tenant (config); each tenant may have request
 and token budgets per minute and a fair-queuing weight (used by admission, :mod:`cluster.policy.admission`).
 
-Budgets are token buckets (:class:`cluster.policy.token_bucket.BucketBudget`) holding a minute's worth
+Budgets are token buckets (:class:`cluster.policy.token_bucket.BucketBudget`, one of the two
+limiters behind :class:`cluster.policy.rate_budget.RateLimiter`) holding a minute's worth
 (the request bucket ``burst_s`` seconds' worth, ``TenantConfig.burst_s``, 60 by default):
 a request reserves one request and ``prompt tokens + max_tokens`` before admission and settles with
 its actual usage at the end (the unused part given back), or, when it ends without usage (the
@@ -10,8 +11,9 @@ refused by admission gives its reservation back. Over budget: 429 with ``Retry-A
 bucket has room again, so a runaway agent loop of one tenant is refused at once while other
 tenants keep their share.
 
-Several gateway replicas: in a Serve app these budgets are one object in one deployment of the app,
-which every gateway replica asks (:mod:`deployments.tenant_budget`), so a tenant's budget is counted
+Several gateway replicas: in a Serve app these budgets are one object in one deployment of the app
+(the shared-budget deployment, ``deployments/budget_deployment.py``), which every gateway replica
+asks (:mod:`deployments.tenant_budget`), so a tenant's budget is counted
 once however HAProxy spreads its requests. ``router_replicas`` (a share per replica) remains for a
 caller that keeps budgets per process. Pure: ``now`` is passed in.
 """
@@ -19,10 +21,10 @@ caller that keeps budgets per process. Pure: ``now`` is passed in.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from cluster.config import TenantConfig
-from cluster.policy.token_bucket import BucketBudget, Reservation
+from cluster.policy.rate_budget import Refusal, Reservation, Snapshot
+from cluster.policy.token_bucket import BucketBudget
 from cluster.wire.errors import RateLimited, _rebuild
 from cluster.wire.protocol import Usage
 
@@ -82,13 +84,22 @@ def spent_tokens(usage: Usage | None, prompt_tokens: int, relayed: int, sent: bo
     return prompt_tokens + max(relayed, 0) if sent else 0
 
 
-@dataclass(frozen=True, slots=True)
-class TenantReservation:
-    tenant: str
-    reservation: Reservation
+TenantReservation = Reservation  # a tenant's reservation: ``key`` is the tenant
+
+
+def over_budget(tenant: str, refusal: Refusal) -> OverBudget:
+    """The 429 a tenant's refusal becomes (Retry-After: when this request would fit)."""
+    return OverBudget(
+        f"tenant '{tenant}' is over its budget: {refusal.message}",
+        retry_after_s=refusal.retry_after_s,
+        all_refused_s=refusal.all_refused_s,
+    )
 
 
 class TenantBudgets:
+    """Every tenant's :class:`BucketBudget`, as one :class:`cluster.policy.rate_budget.RateLimiter`
+    keyed by the tenant (None from ``reserve``: the tenant has no budget)."""
+
     def __init__(self, tenants: Iterable[TenantConfig], now: float, *, router_replicas: int = 1) -> None:
         self._budgets = {
             t.name: BucketBudget(
@@ -98,26 +109,24 @@ class TenantBudgets:
             if t.rpm is not None or t.tpm is not None
         }
 
+    def budgeted(self) -> set[str]:
+        """The tenants with a budget (the others never ask)."""
+        return set(self._budgets)
+
     def reserve(
-        self, tenant: str | None, input_tokens: int, max_tokens: int, now: float
-    ) -> TenantReservation | RateLimited | None:
-        """A reservation, a 429 to send, or None when no budget applies (no tenant, or no limit)."""
-        budget = self._budgets.get(tenant) if tenant is not None else None
-        if budget is None or tenant is None:
-            return None
-        got = budget.try_reserve(input_tokens, max_tokens, now)
-        if isinstance(got, RateLimited):
-            every = budget.rpm.time_until(1, now) if budget.rpm is not None else 0.0
-            return OverBudget(
-                f"tenant '{tenant}' is over its budget: {got.message}",
-                retry_after_s=got.retry_after_s,
-                all_refused_s=every,
-            )
-        return TenantReservation(tenant, got)
+        self, tenant: str, input_tokens: int, max_tokens: int, now: float
+    ) -> Reservation | Refusal | None:
+        """A reservation, a refusal, or None when the tenant has no budget."""
+        budget = self._budgets.get(tenant)
+        return None if budget is None else budget.reserve(tenant, input_tokens, max_tokens, now)
 
-    def settle(self, res: TenantReservation, actual_tokens: int, now: float) -> None:
-        self._budgets[res.tenant].settle(res.reservation, actual_tokens, now)
+    def settle(self, res: Reservation, tokens: int, now: float) -> None:
+        self._budgets[res.key].settle(res, tokens, now)
 
-    def cancel(self, res: TenantReservation, now: float) -> None:
+    def cancel(self, res: Reservation, now: float) -> None:
         """Never served (refused by admission): the request and its tokens go back."""
-        self._budgets[res.tenant].cancel(res.reservation, now)
+        self._budgets[res.key].cancel(res, now)
+
+    def snapshot(self, now: float) -> Snapshot:
+        """Each budgeted tenant's bucket levels, as ``<tenant>.<level>``."""
+        return {f"{t}.{k}": v for t, b in self._budgets.items() for k, v in b.snapshot(now).items()}

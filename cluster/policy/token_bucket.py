@@ -1,19 +1,19 @@
 """Token buckets for the tenants' request and token budgets (:mod:`cluster.policy.tenants`; pure: every
 call passes ``now``).
 
-:class:`TokenBucket` is the refill-per-second bucket; :class:`BucketBudget` reserves one request
-and ``input estimate + max_tokens`` tokens up front and settles with the actual usage afterwards
-(giving back the unused part, or taking the overrun as debt). A provider's budget is another
-thing: one sliding-window count per backend for the whole app, as the provider keeps it
+:class:`TokenBucket` is the refill-per-second bucket; :class:`BucketBudget` is a
+:class:`cluster.policy.rate_budget.RateLimiter`: it reserves one request and
+``input estimate + max_tokens`` tokens up front and settles with the actual usage afterwards
+(giving back the unused part, or taking the overrun as debt). A provider's budget is the other
+limiter behind the same interface: sliding windows, as the provider counts
 (:class:`cluster.providers.budget.ProviderBudget`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from cluster.wire.errors import RateLimited
+from cluster.policy.rate_budget import Refusal, Reservation, Snapshot
 
 
 class TokenBucket:
@@ -63,11 +63,6 @@ class TokenBucket:
         return (n - self._level) / self.refill_per_s
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    tokens: int  # input estimate + max_tokens, taken from the TPM bucket
-
-
 class BucketBudget:
     """A tenant's RPM and TPM budgets (this gateway replica's share). ``burst_s`` sizes the
     buckets: 60 s holds a minute's worth; lower it for a smoother limit on shorter windows.
@@ -94,29 +89,29 @@ class BucketBudget:
         rate = per_min / routers / 60.0
         return TokenBucket(max(1.0, rate * burst_s), rate, now)
 
-    def try_reserve(self, input_tokens: int, max_tokens: int, now: float) -> Reservation | RateLimited:
+    def reserve(self, key: str, input_tokens: int, max_tokens: int, now: float) -> Reservation | Refusal:
         """Both budgets or neither: one request and ``input_tokens + max_tokens`` tokens."""
         tokens = input_tokens + max_tokens
-        waits = [b.time_until(n, now) for b, n in ((self.rpm, 1), (self.tpm, tokens)) if b is not None]
-        wait = max(waits, default=0.0)
+        rpm_wait = self.rpm.time_until(1, now) if self.rpm is not None else 0.0
+        tpm_wait = self.tpm.time_until(tokens, now) if self.tpm is not None else 0.0
+        wait = max(rpm_wait, tpm_wait)
         if wait == math.inf:
-            return RateLimited(
-                f"request of {tokens} tokens exceeds the provider's token budget per window",
-                retry_after_s=None,
-            )
+            msg = f"request of {tokens} tokens exceeds the provider's token budget per window"
+            return Refusal("too_large", None, msg, all_refused_s=rpm_wait)
         if wait > 0:
-            return RateLimited("provider rate budget exhausted", retry_after_s=wait)
+            reason = "rpm" if rpm_wait >= tpm_wait else "tpm"
+            return Refusal(reason, wait, "provider rate budget exhausted", all_refused_s=rpm_wait)
         if self.rpm is not None:
             self.rpm.take(1, now)
         if self.tpm is not None:
             self.tpm.take(tokens, now)
-        return Reservation(tokens)
+        return Reservation(key, tokens)
 
-    def settle(self, reservation: Reservation, actual_tokens: int, now: float) -> None:
+    def settle(self, reservation: Reservation, tokens: int, now: float) -> None:
         """The request ended: give back what it did not use, or take its overrun as debt."""
         if self.tpm is None:
             return
-        diff = reservation.tokens - actual_tokens
+        diff = reservation.tokens - tokens
         if diff > 0:
             self.tpm.give_back(diff, now)
         elif diff < 0:
@@ -128,3 +123,10 @@ class BucketBudget:
             self.rpm.give_back(1, now)
         if self.tpm is not None:
             self.tpm.give_back(reservation.tokens, now)
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The buckets' levels (None: no such budget)."""
+        return {
+            "rpm_level": self.rpm.level(now) if self.rpm is not None else None,
+            "tpm_level": self.tpm.level(now) if self.tpm is not None else None,
+        }

@@ -1,10 +1,15 @@
-"""A provider's RPM / TPM / in-flight budget, and what a request cost. Pure: the clock is passed in.
+"""A provider's RPM / TPM / in-flight budget: the sliding-window limiter behind
+:class:`cluster.policy.rate_budget.RateLimiter` (the tenants' is the token bucket). Pure: the clock
+is passed in.
 
 Admission reserves the input estimate plus ``max_tokens`` (the most the request can use, which is
-how providers count TPM too); settling swaps the reservation for the usage the provider reported,
-which is authoritative. Both limits are sliding windows over the admissions of the last
-``window_s`` seconds. A reservation that is never settled or released (a crashed caller) expires
-after ``reservation_ttl_s`` so that a leak cannot close the budget for good.
+how providers count TPM too), keyed by the request id (reserving an id twice is one reservation);
+settling swaps the reservation for the tokens the provider reported, which are authoritative.
+Both limits are sliding windows over the admissions of the last ``window_s`` seconds: an
+admission stays counted in the request window until it leaves it, whatever became of the request
+(cancelling gives back its tokens only). A reservation that is never settled or cancelled (a
+crashed caller) expires after ``reservation_ttl_s`` so that a leak cannot close the budget for good.
+What a request cost is not the budget's business: :func:`cluster.cost.cost_usd`.
 """
 
 from __future__ import annotations
@@ -14,17 +19,17 @@ from dataclasses import dataclass
 
 from cluster.config import ProviderConfig
 from cluster.cost import Prices, cost_usd
-from cluster.wire.protocol import Usage
+from cluster.policy.rate_budget import Refusal, Reservation, Snapshot
+
+__all__ = ["IN_FLIGHT_RETRY_S", "Prices", "ProviderBudget", "Refusal", "Reservation", "cost_usd"]
 
 IN_FLIGHT_RETRY_S = 1.0  # a slot frees when some request ends; we cannot know when
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    ok: bool
-    reason: str = ""  # "", "rpm", "tpm", "in_flight", "too_large"
-    retry_after_s: float | None = None
-    reserved_tokens: int = 0
+_MESSAGES = {
+    "in_flight": "too many requests in flight",
+    "rpm": "requests per minute spent",
+    "tpm": "tokens per minute spent",
+    "too_large": "the request is larger than the token budget",
+}
 
 
 @dataclass(slots=True)
@@ -42,12 +47,10 @@ class ProviderBudget:
         rpm: int | None = None,
         tpm: int | None = None,
         max_in_flight: int | None = None,
-        prices: Prices | None = None,
         window_s: float = 60.0,
         reservation_ttl_s: float = 900.0,
     ) -> None:
         self.rpm, self.tpm, self.max_in_flight = rpm, tpm, max_in_flight
-        self.prices = prices or Prices()
         self.window_s = window_s
         self.reservation_ttl_s = reservation_ttl_s
         self._window: deque[_Entry] = deque()
@@ -56,7 +59,6 @@ class ProviderBudget:
         self.admitted = 0
         self.denied: dict[str, int] = {}
         self.expired = 0
-        self.cost_usd_total = 0.0
 
     @classmethod
     def from_config(cls, cfg: ProviderConfig, *, window_s: float = 60.0) -> ProviderBudget:
@@ -64,45 +66,46 @@ class ProviderBudget:
             rpm=cfg.rpm,
             tpm=cfg.tpm,
             max_in_flight=cfg.max_in_flight,
-            prices=Prices.from_config(cfg),
             window_s=window_s,
             reservation_ttl_s=cfg.total_timeout_s + 60.0,
         )
+
+    def configure(self, cfg: ProviderConfig) -> None:
+        """New limits from a changed config; the windows keep what they counted."""
+        self.rpm, self.tpm, self.max_in_flight = cfg.rpm, cfg.tpm, cfg.max_in_flight
 
     @property
     def in_flight(self) -> int:
         return len(self._active)
 
-    def try_reserve(self, request_id: str, input_tokens: int, max_tokens: int, now: float) -> Admission:
+    def reserve(self, key: str, input_tokens: int, max_tokens: int, now: float) -> Reservation | Refusal:
+        """``key``: the request id."""
         self._expire(now)
         tokens = max(0, input_tokens) + max(0, max_tokens)
-        if request_id in self._active:
-            return Admission(True, reserved_tokens=self._active[request_id].tokens)
+        if key in self._active:
+            return Reservation(key, self._active[key].tokens)
         denial = self._check(tokens, now)
         if denial is not None:
             self.denied[denial.reason] = self.denied.get(denial.reason, 0) + 1
             return denial
-        entry = _Entry(request_id, now, tokens)
+        entry = _Entry(key, now, tokens)
         self._window.append(entry)
         self._window_tokens += tokens
-        self._active[request_id] = entry
+        self._active[key] = entry
         self.admitted += 1
-        return Admission(True, reserved_tokens=tokens)
+        return Reservation(key, tokens)
 
-    def settle(self, request_id: str, usage: Usage, now: float) -> float:
-        """The request ended with the provider's usage: charge that instead of the reservation."""
-        self._finish(request_id, usage.total_tokens)
-        cost = cost_usd(usage, self.prices)
-        self.cost_usd_total += cost
-        self._expire(now)
-        return cost
-
-    def release(self, request_id: str, now: float, tokens_used: int = 0) -> None:
-        """The request ended without usage (failed, cancelled): charge ``tokens_used`` (an estimate)."""
-        self._finish(request_id, tokens_used)
+    def settle(self, reservation: Reservation, tokens: int, now: float) -> None:
+        """The request ended having used ``tokens`` (the provider's usage, else an estimate of what
+        it read and wrote): the window counts those instead of the reservation."""
+        self._finish(reservation.key, tokens)
         self._expire(now)
 
-    def snapshot(self, now: float) -> dict[str, float | int | None]:
+    def cancel(self, reservation: Reservation, now: float) -> None:
+        """Never served: its tokens go back; its admission stays in the request window."""
+        self.settle(reservation, 0, now)
+
+    def snapshot(self, now: float) -> Snapshot:
         self._expire(now)
         return {
             "in_flight": len(self._active),
@@ -114,24 +117,23 @@ class ProviderBudget:
             "admitted": self.admitted,
             "denied": sum(self.denied.values()),
             "expired_reservations": self.expired,
-            "cost_usd_total": self.cost_usd_total,
         }
 
     # ------------------------------------------------------------------------------------------
-    def _check(self, tokens: int, now: float) -> Admission | None:
+    def _check(self, tokens: int, now: float) -> Refusal | None:
         if self.max_in_flight is not None and len(self._active) >= self.max_in_flight:
-            return Admission(False, "in_flight", IN_FLIGHT_RETRY_S)
+            return _refusal("in_flight", IN_FLIGHT_RETRY_S)
         if self.rpm is not None and len(self._window) >= self.rpm:
             oldest_needed = self._window[len(self._window) - self.rpm]
-            return Admission(False, "rpm", max(0.0, oldest_needed.t + self.window_s - now))
+            return _refusal("rpm", max(0.0, oldest_needed.t + self.window_s - now))
         if self.tpm is not None and self._window_tokens + tokens > self.tpm:
             if tokens > self.tpm:
-                return Admission(False, "too_large", None)
+                return _refusal("too_large", None)
             freed, need = 0, self._window_tokens + tokens - self.tpm
             for e in self._window:
                 freed += e.tokens
                 if freed >= need:
-                    return Admission(False, "tpm", max(0.0, e.t + self.window_s - now))
+                    return _refusal("tpm", max(0.0, e.t + self.window_s - now))
         return None
 
     def _finish(self, request_id: str, tokens: int) -> None:
@@ -153,3 +155,7 @@ class ProviderBudget:
             for rid in [rid for rid, e in self._active.items() if e.t <= stale]:
                 del self._active[rid]
                 self.expired += 1
+
+
+def _refusal(reason: str, retry_after_s: float | None) -> Refusal:
+    return Refusal(reason, retry_after_s, _MESSAGES[reason])

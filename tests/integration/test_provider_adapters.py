@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from cluster.config import BackendConfig, ModelConfig
-from cluster.providers.budget import ProviderBudget
+from cluster.providers.budget import ProviderBudget, Reservation
 from cluster.wire import errors as E
 from cluster.wire.protocol import Chunk, GenerateRequest, Sampling
 from deployments.provider_budget import LocalBudget
@@ -443,7 +443,7 @@ class _RecordingBudget(LocalBudget):
 
     async def reserve(self, request_id: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0) -> Any:
         adm = await super().reserve(request_id, input_tokens, max_tokens, wait_s)
-        if adm.ok:
+        if isinstance(adm, Reservation):
             self.admitted_at[request_id] = time.monotonic()
         return adm
 

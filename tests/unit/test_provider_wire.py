@@ -19,7 +19,7 @@ from cluster.config import ModelConfig, ProviderConfig
 from cluster.cost import Prices, cost_usd
 from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
-from cluster.providers.budget import ProviderBudget
+from cluster.providers.budget import ProviderBudget, Refusal, Reservation
 from cluster.providers.sse import SSEDecoder, SSEError, SSEEvent
 from cluster.tokens import load as load_tokens
 from cluster.tokens.counters import (
@@ -486,46 +486,56 @@ def test_errors_pickle(cls: type[E.ClusterError]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _ok(got: object) -> bool:
+    return isinstance(got, Reservation)
+
+
 def test_budget_in_flight_cap() -> None:
     b = ProviderBudget(max_in_flight=2)
-    assert b.try_reserve("a", 10, 10, 0.0).ok and b.try_reserve("b", 10, 10, 0.0).ok
-    denied = b.try_reserve("c", 10, 10, 0.0)
-    assert not denied.ok and denied.reason == "in_flight" and denied.retry_after_s
-    b.release("a", 0.1)
-    assert b.try_reserve("c", 10, 10, 0.1).ok
-    assert b.try_reserve("c", 10, 10, 0.1).ok  # idempotent for one request id
+    a = b.reserve("a", 10, 10, 0.0)
+    assert _ok(a) and _ok(b.reserve("b", 10, 10, 0.0))
+    denied = b.reserve("c", 10, 10, 0.0)
+    assert isinstance(denied, Refusal) and denied.reason == "in_flight" and denied.retry_after_s
+    b.cancel(a, 0.1)  # type: ignore[arg-type]
+    assert _ok(b.reserve("c", 10, 10, 0.1))
+    assert _ok(b.reserve("c", 10, 10, 0.1))  # idempotent for one request id
 
 
 def test_budget_rpm_window_and_retry_after() -> None:
     b = ProviderBudget(rpm=3, window_s=60.0)
     for i, t in enumerate((0.0, 10.0, 20.0)):
-        assert b.try_reserve(f"r{i}", 1, 1, t).ok
-        b.settle(f"r{i}", Usage(1, 1), t + 1)
-    denied = b.try_reserve("r3", 1, 1, 30.0)
-    assert not denied.ok and denied.reason == "rpm" and denied.retry_after_s == pytest.approx(30.0)
-    assert b.try_reserve("r3", 1, 1, 60.0 + 1e-9).ok  # the first admission left the window
+        r = b.reserve(f"r{i}", 1, 1, t)
+        assert isinstance(r, Reservation)
+        b.settle(r, Usage(1, 1).total_tokens, t + 1)
+    denied = b.reserve("r3", 1, 1, 30.0)
+    assert isinstance(denied, Refusal) and denied.reason == "rpm"
+    assert denied.retry_after_s == pytest.approx(30.0)
+    assert _ok(b.reserve("r3", 1, 1, 60.0 + 1e-9))  # the first admission left the window
 
 
 def test_budget_tpm_reserves_then_settles() -> None:
     b = ProviderBudget(tpm=1000, window_s=60.0)
-    assert b.try_reserve("a", 100, 500, 0.0).reserved_tokens == 600
-    denied = b.try_reserve("b", 100, 500, 1.0)
-    assert not denied.ok and denied.reason == "tpm" and denied.retry_after_s == pytest.approx(59.0)
-    b.settle("a", Usage(prompt_tokens=100, completion_tokens=50), 2.0)  # used 150 of the 600 reserved
-    assert b.try_reserve("b", 100, 500, 2.0).ok
+    a = b.reserve("a", 100, 500, 0.0)
+    assert isinstance(a, Reservation) and a.tokens == 600
+    denied = b.reserve("b", 100, 500, 1.0)
+    assert isinstance(denied, Refusal) and denied.reason == "tpm"
+    assert denied.retry_after_s == pytest.approx(59.0)
+    b.settle(a, Usage(prompt_tokens=100, completion_tokens=50).total_tokens, 2.0)  # used 150 of 600
+    assert _ok(b.reserve("b", 100, 500, 2.0))
     assert b.snapshot(2.0)["window_tokens"] == 750
-    too_big = b.try_reserve("c", 900, 200, 3.0)
-    assert not too_big.ok and too_big.reason == "too_large" and too_big.retry_after_s is None
+    too_big = b.reserve("c", 900, 200, 3.0)
+    assert isinstance(too_big, Refusal) and too_big.reason == "too_large" and too_big.retry_after_s is None
 
 
 def test_budget_release_charges_what_was_used_and_leaks_expire() -> None:
     b = ProviderBudget(tpm=100, max_in_flight=1, window_s=10.0, reservation_ttl_s=30.0)
-    assert b.try_reserve("a", 10, 40, 0.0).ok
-    b.release("a", 1.0, tokens_used=20)
+    a = b.reserve("a", 10, 40, 0.0)
+    assert isinstance(a, Reservation)
+    b.settle(a, 20, 1.0)  # ended without usage: what it spent, by the adapter's count
     assert b.snapshot(1.0)["window_tokens"] == 20 and b.in_flight == 0
-    assert b.try_reserve("leaked", 10, 10, 2.0).ok
-    assert not b.try_reserve("x", 1, 1, 3.0).ok
-    assert b.try_reserve("x", 1, 1, 40.0).ok and b.expired == 1  # the leak could not hold the slot forever
+    assert _ok(b.reserve("leaked", 10, 10, 2.0))
+    assert not _ok(b.reserve("x", 1, 1, 3.0))
+    assert _ok(b.reserve("x", 1, 1, 40.0)) and b.expired == 1  # the leak could not hold the slot forever
 
 
 def test_cost() -> None:
@@ -534,9 +544,7 @@ def test_cost() -> None:
         Usage(prompt_tokens=1_000_000, completion_tokens=500_000, cached_tokens=200_000), prices
     ) == pytest.approx(0.8 * 2.0 + 0.2 * 0.5 + 0.5 * 8.0)
     cfg = ProviderConfig(api="openai", base_url="http://x", cost_per_mtok_input=1.0, cost_per_mtok_output=2.0)
-    b = ProviderBudget.from_config(cfg)
-    b.try_reserve("a", 1, 1, 0.0)
-    assert b.settle("a", Usage(1_000_000, 1_000_000), 1.0) == pytest.approx(3.0)
+    assert cost_usd(Usage(1_000_000, 1_000_000), Prices.from_config(cfg)) == pytest.approx(3.0)
 
 
 def test_cache_writes_cost_the_write_price_or_else_the_input_price() -> None:
@@ -573,15 +581,16 @@ def test_anthropic_cache_reads_and_writes_reach_the_openai_usage() -> None:
 
 async def test_local_budget_waits_for_room_and_gives_up_in_time() -> None:
     lb = LocalBudget(ProviderBudget(max_in_flight=1))
-    assert (await lb.reserve("a", 1, 1)).ok
+    a = await lb.reserve("a", 1, 1)
+    assert isinstance(a, Reservation)
     t0 = time.monotonic()
     denied = await lb.reserve("b", 1, 1, wait_s=0.05)
-    assert not denied.ok and 0.04 <= time.monotonic() - t0 < 1.0
+    assert isinstance(denied, Refusal) and 0.04 <= time.monotonic() - t0 < 1.0
     waiter = asyncio.ensure_future(lb.reserve("c", 1, 1, wait_s=5.0))
     await asyncio.sleep(0.01)
     assert not waiter.done() and lb.snapshot()["waiting"] == 1
-    await lb.settle("a", Usage(1, 1))
-    assert (await asyncio.wait_for(waiter, 1.0)).ok
+    await lb.settle(a, Usage(1, 1).total_tokens)
+    assert _ok(await asyncio.wait_for(waiter, 1.0))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,23 +4,31 @@ weight inside a surface, so a heavy tenant cannot take every freed slot from a l
 from __future__ import annotations
 
 import pickle
-import time
 
 import pytest
 
 from cluster.config import ConfigError, SurfaceConfig, TenantConfig, parse_config
 from cluster.policy.admission import AdmissionController, Queued, Ticket
-from cluster.policy.tenants import KnownOut, OverBudget, TenantBudgets, TenantReservation, spent_tokens
+from cluster.policy.rate_budget import Refusal
+from cluster.policy.tenants import (
+    KnownOut,
+    OverBudget,
+    TenantBudgets,
+    TenantReservation,
+    over_budget,
+    spent_tokens,
+)
 from cluster.wire.errors import RateLimited
 from cluster.wire.protocol import Usage
-from deployments.tenant_budget import LocalTenants
+from deployments.tenant_budget import tenant_budgets
 
 
 def test_a_tenant_over_its_request_budget_gets_a_429_with_retry_after() -> None:
     b = TenantBudgets([TenantConfig(name="a", rpm=60), TenantConfig(name="b")], 0.0)
     got = [b.reserve("a", 10, 10, 0.0) for _ in range(61)]
     assert all(isinstance(r, TenantReservation) for r in got[:60])
-    refused = got[60]
+    assert isinstance(got[60], Refusal) and got[60].reason == "rpm"
+    refused = over_budget("a", got[60])  # the 429 the gateway sends
     assert isinstance(refused, RateLimited) and refused.status_code == 429
     assert refused.retry_after_s == pytest.approx(1.0)  # one request a second comes back
     assert "tenant 'a'" in refused.message
@@ -31,11 +39,11 @@ def test_token_budget_is_reserved_then_settled_with_usage() -> None:
     b = TenantBudgets([TenantConfig(name="a", tpm=1000)], 0.0)
     r1 = b.reserve("a", 300, 500, 0.0)  # 800 reserved
     assert isinstance(r1, TenantReservation)
-    assert isinstance(b.reserve("a", 100, 200, 0.0), RateLimited)  # 300 more: over
+    assert isinstance(b.reserve("a", 100, 200, 0.0), Refusal)  # 300 more: over
     b.settle(r1, 350, 0.0)  # used 350: 450 back, 650 left
     assert isinstance(b.reserve("a", 100, 200, 0.0), TenantReservation)  # 350 left
     assert isinstance(b.reserve("a", 100, 200, 0.0), TenantReservation)  # 50 left
-    assert isinstance(b.reserve("a", 100, 200, 0.0), RateLimited)
+    assert isinstance(b.reserve("a", 100, 200, 0.0), Refusal)
     b2 = TenantBudgets([TenantConfig(name="a", rpm=1)], 0.0)
     r = b2.reserve("a", 1, 1, 0.0)
     assert isinstance(r, TenantReservation)
@@ -97,14 +105,16 @@ def test_a_spent_request_budget_says_how_long_every_request_is_refused() -> None
     b = TenantBudgets([TenantConfig(name="a", rpm=60, tpm=100_000), TenantConfig(name="t", tpm=100)], 0.0)
     for _ in range(60):
         assert isinstance(b.reserve("a", 1, 1, 0.0), TenantReservation)
-    spent = b.reserve("a", 1, 1, 0.5)
+    refusal = b.reserve("a", 1, 1, 0.5)
+    assert isinstance(refusal, Refusal)
+    spent = over_budget("a", refusal)
     assert isinstance(spent, OverBudget) and spent.status_code == 429
     assert spent.all_refused_s == pytest.approx(0.5)  # one request a second: the next at t = 1
     back = pickle.loads(pickle.dumps(spent))  # it crosses the budget deployment's Ray call
     assert isinstance(back, OverBudget) and back.all_refused_s == spent.all_refused_s
     assert back.retry_after_s == spent.retry_after_s and back.message == spent.message
     tokens = b.reserve("t", 90, 20, 0.0)  # over the token budget only: a smaller one may pass
-    assert isinstance(tokens, OverBudget) and tokens.all_refused_s == 0.0
+    assert isinstance(tokens, Refusal) and tokens.all_refused_s == 0.0
 
 
 def test_a_replica_refuses_a_spent_tenant_before_asking_until_its_bucket_refills() -> None:
@@ -120,7 +130,7 @@ def test_a_replica_refuses_a_spent_tenant_before_asking_until_its_bucket_refills
 
 
 async def test_the_local_budgets_remember_a_spent_tenant() -> None:
-    local = LocalTenants(TenantBudgets([TenantConfig(name="a", rpm=1)], time.monotonic()))
+    local = tenant_budgets([TenantConfig(name="a", rpm=1)], None)
     assert local.refusal("a") is None
     assert isinstance(await local.reserve("a", 1, 1), TenantReservation)
     assert isinstance(await local.reserve("a", 1, 1), OverBudget)  # the minute's one is spent
@@ -132,7 +142,7 @@ def test_a_short_burst_spreads_a_tenants_requests_and_keeps_a_minutes_tokens() -
     b = TenantBudgets([TenantConfig(name="a", rpm=120, tpm=6_000, burst_s=5)], 0.0)
     got = [b.reserve("a", 10, 10, 0.0) for _ in range(11)]
     assert [isinstance(r, TenantReservation) for r in got] == [True] * 10 + [False]  # 5 s of 2 a second
-    assert isinstance(got[10], OverBudget) and got[10].all_refused_s == pytest.approx(0.5)
+    assert isinstance(got[10], Refusal) and got[10].all_refused_s == pytest.approx(0.5)
     assert isinstance(b.reserve("a", 10, 10, 0.5), TenantReservation)  # refilled at 2 a second
     # the token bucket still holds the minute's 6,000: one request of 5,000 fits
     assert isinstance(b.reserve("a", 4_000, 1_000, 1.0), TenantReservation)
@@ -154,4 +164,4 @@ def test_a_request_that_ends_without_usage_settles_with_what_it_spent() -> None:
         b.settle(r, spent_tokens(None, 100, 3, sent=True), 0.0)  # the client leaves each time
         served += 1
     # 103 each: the 600 a request reserves no longer fits after four of them (1000 - 4 * 103)
-    assert served == 4 and isinstance(r, OverBudget)
+    assert served == 4 and isinstance(r, Refusal)
