@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
 from cluster.engine.args import EngineArgs as EngineArgs
+from cluster.engine.sim_options import SimOptions
 from cluster.policy.brownout import BrownoutConfig
 from cluster.policy.failover import FailoverConfig
 from cluster.policy.hedging import HedgeConfig
@@ -267,8 +268,8 @@ class BackendConfig(Strict):
     )
     engine: EngineArgs = Field(default_factory=EngineArgs, description="vLLM engine arguments (kind vllm).")
     sim_profile: str | None = Field(None, description="Engine-model profile name (kind sim).")
-    sim_options: dict[str, Any] = Field(
-        default_factory=dict, description="Sim knobs: speedup, faults (kind sim)."
+    sim_options: SimOptions = Field(
+        default_factory=SimOptions, description="Sim knobs: speedup, injected faults and latency (kind sim)."
     )
     provider: ProviderConfig | None = Field(None, description="Provider endpoint (kind provider).")
     host_cpu: HostCpuConfig | None = Field(

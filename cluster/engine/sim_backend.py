@@ -34,14 +34,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv import salt_keys
 from cluster.engine.kv_events import KVEventLog
 from cluster.engine.model import EngineModel, SimRequest, TokenEvent, fake_token_id
 from cluster.engine.profiles import Profile, get_profile
 from cluster.engine.request_queue import SchedulingPolicy
+from cluster.engine.sim_options import SimOptions
 from cluster.wire.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -51,31 +50,6 @@ from cluster.wire.errors import (
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 
 DEFAULT_PROFILE = "cpu-tiny"
-
-
-class SimOptions(BaseModel):
-    """``BackendConfig.sim_options``, validated."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    speedup: float = Field(1.0, gt=0, description="Simulated seconds per real second (1: real time).")
-    extra_latency_s: float = Field(0.0, ge=0, description="Delay added before the first token (sim seconds).")
-    extra_latency_fraction: float = Field(
-        0.0, ge=0, le=1, description="Share of requests that get extra_latency_s."
-    )
-    error_rate: float = Field(
-        0.0, ge=0, le=1, description="Share of requests failing before the first token."
-    )
-    stall_after_tokens: int | None = Field(
-        None, ge=0, description="Every stream goes silent after this many tokens (None: never)."
-    )
-    dead: bool = Field(False, description="Every call raises BackendUnavailable.")
-    eos_probability: float = Field(
-        0.0, ge=0, lt=1, description="Chance each token is EOS (geometric lengths); 0: always max_tokens."
-    )
-    seed: int | None = Field(
-        None, description="Seed of the fault draws, mixed with the replica's id (None: random)."
-    )
 
 
 _ABORT = object()  # stream sentinel: aborted through abort()
@@ -182,7 +156,7 @@ class SimBackend:
         profile = profile.with_engine(**{k: v for k, v in changes.items() if v is not None})
         return cls(
             profile,
-            options=SimOptions.model_validate(backend.sim_options),
+            options=backend.sim_options,
             replica=replica or f"{backend.name}-0",
             backend=backend.name,
             enable_prefix_caching=e.enable_prefix_caching,
