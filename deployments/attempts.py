@@ -12,9 +12,11 @@ import dataclasses
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
 
 from cluster.config import ClusterConfig, SurfaceConfig
 from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
@@ -24,19 +26,23 @@ from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, 
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.routing.view import Choice
 from cluster.wire.engine_stream import request_body
+from cluster.wire.framing import ChunkFramer, FramedStream
 from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import GenerateRequest
+from cluster.wire.stream import AttemptStream
 from deployments import metrics
 from deployments.engine_client import EngineStream, ReplicaPicker
 
+if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
+    from deployments.providers import ProviderBackend
 
-async def close_stream(stream: Any) -> None:
+
+async def close_stream(stream: AttemptStream) -> None:
     """Stop an attempt's stream: closing it aborts the work upstream (engine or provider)."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()
+    with contextlib.suppress(Exception):
+        await stream.aclose()
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,8 @@ class AttemptRunner:
         self,
         cfg: ClusterConfig,
         pickers: dict[str, ReplicaPicker],
-        providers: dict[str, Any],
-        session: Callable[[], Any],
+        providers: Mapping[str, ProviderBackend],
+        session: Callable[[], aiohttp.ClientSession],
         token: str,
         board: BreakerBoard,
     ) -> None:
@@ -91,7 +97,7 @@ class AttemptRunner:
         candidates: list[str],
         meta: ResponseMeta,
         collect: bool,
-        hashes: Any,
+        hashes: Callable[[str], list[int]],
         trace: RequestTrace | None = None,
         cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
@@ -109,14 +115,14 @@ class AttemptRunner:
         spans = AttemptSpans(trace, self.rng)
         wait_until = _capacity_wait_until(surface, any(c in self.providers for c in candidates))
 
-        def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> Any:
+        def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> AttemptStream:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=base + planned.attempt)
             kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
             at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
-                return self.providers[backend].generate_batches(attempt_req)
+                return self._provider_stream(backend, attempt_req, meta)
             body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
             return self._engine_stream(
                 backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until
@@ -131,7 +137,7 @@ class AttemptRunner:
             return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
-            self._verdict(req, att, v, err, dt, cont is None, slots[0])  # a re-prefill is no TTFT
+            self._verdict(req, att, v, err, dt, observe=cont is None)  # a re-prefill is no TTFT
             code = None if err is None else error_code(err) or type(err).__name__
             spans.ended(id(att.planned), v, code, time.time_ns())
 
@@ -154,12 +160,17 @@ class AttemptRunner:
         self.hedge.on_request()
         self.migration.on_request(time.monotonic())
 
+    def _provider_stream(self, backend: str, req: GenerateRequest, meta: ResponseMeta) -> FramedStream:
+        """An attempt on a provider adapter: its typed chunks, framed as the client's events."""
+        batches = self.providers[backend].generate_batches(req)
+        return FramedStream(batches, ChunkFramer(meta, req.sampling.n))
+
     def _engine_stream(
         self,
         backend: str,
         req: GenerateRequest,
         body: dict[str, Any],
-        block_hashes: Any,
+        block_hashes: list[int],
         prior: list[Attempt],
         spans: AttemptSpans,
         at: AttemptTrace | None,
@@ -167,14 +178,12 @@ class AttemptRunner:
         wait_until: float | None = None,
     ) -> EngineStream:
         """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
-        avoid = avoid_replicas(
-            backend, [(a.planned.backend, getattr(a.stream, "replica", None)) for a in prior]
-        ) + list(broken)
+        avoid = avoid_replicas(backend, [(a.planned.backend, a.stream.replica) for a in prior]) + list(broken)
         picker = self.pickers[backend]
         surface = self.cfg.surface(req.surface)
         busy = surface.avoid_prefill_tokens if surface is not None else None
 
-        async def choose() -> Any:
+        async def choose() -> Choice:
             choice = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until)
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             prompt = len(req.prompt_token_ids)
@@ -184,12 +193,12 @@ class AttemptRunner:
             spans.routed(at, choice.replica, reason)
             return choice
 
-        def unreachable(choice: Any) -> None:  # refused or dead: not counted there, skipped a while
+        def unreachable(choice: Choice) -> None:  # refused or dead: not counted there, skipped a while
             picker.view.ended(choice.replica, choice)
             picker.view.mark_unreachable(choice.replica, time.monotonic())
 
         return EngineStream(
-            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable
+            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable, picker.view
         )
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
@@ -203,17 +212,7 @@ class AttemptRunner:
     def finished(self, result: RaceResult) -> None:
         """Every attempt of a request is over: the routing views stop counting them."""
         for att in result.attempts:
-            replica = getattr(att.stream, "replica", None)
-            picker = self.pickers.get(backend_of_slot(att.planned.backend))
-            if replica is not None and picker is not None:
-                picker.view.ended(replica, getattr(att.stream, "choice", None))
-
-    def _prefilled(self, att: Attempt) -> None:
-        """An engine attempt's first token: its replica's view stops counting its prompt."""
-        choice = getattr(att.stream, "choice", None)
-        picker = self.pickers.get(backend_of_slot(att.planned.backend))
-        if choice is not None and picker is not None:
-            picker.view.prefilled(choice)
+            att.stream.finished()
 
     def _verdict(
         self,
@@ -223,17 +222,16 @@ class AttemptRunner:
         err: BaseException | None,
         dt: float,
         observe: bool = True,
-        primary: str | None = None,  # the request's first slot
     ) -> None:
         if v == "won":  # its prefill is done: the replica no longer counts it as prefilling
-            self._prefilled(att)
+            att.stream.won()
         now = time.monotonic()
         backend = backend_of_slot(att.planned.backend)
         fx = effects(v, err, att.hedge)
         if fx.breaker is None:
             self.board.backend(backend).release(now)
         else:
-            self.board.record(backend, getattr(att.stream, "replica", None), fx.breaker, now)
+            self.board.record(backend, att.stream.replica, fx.breaker, now)
         if fx.observe_ttft and observe:
             self.hedge.observe_ttft(req.surface, backend, dt, now)
             self.brownout.observe(req.surface, backend, dt, now, complete=v == "won")
@@ -242,8 +240,6 @@ class AttemptRunner:
         if fx.failover:
             self.failovers[backend] += 1
             metrics.FAILOVERS.inc(tags={"backend": backend, "code": error_code(err)})
-        if fx.hedge_won and primary is not None:  # the primary was still waiting: a brownout's evidence
-            self.brownout.hedge_won(req.surface, backend_of_slot(primary), now)
         if fx.hedge_won is not None:
             self.hedge.stats.on_hedge_result(fx.hedge_won)
             outcome = "won" if fx.hedge_won else "cancelled"

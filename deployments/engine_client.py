@@ -18,14 +18,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
 
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
-from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, FrameSplitter, StreamEnd, strip_ids
+from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, Emitted, FrameSplitter, parse_emitted, strip_ids
 from cluster.wire.errors import (
     ENGINE_DEAD_CODE,
     BackendUnavailable,
@@ -35,6 +35,7 @@ from cluster.wire.errors import (
     from_wire,
 )
 from cluster.wire.openai_format import dumps
+from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
 
 log = logging.getLogger("ray.serve")
@@ -154,7 +155,8 @@ class ReplicaPicker:
 
 
 class EngineStream:
-    """One attempt on an engine replica: an async iterator of pass-through SSE bytes."""
+    """One attempt on an engine replica (vLLM or the simulator): pass-through SSE bytes, a
+    :class:`cluster.wire.stream.AttemptStream`."""
 
     def __init__(
         self,
@@ -162,11 +164,12 @@ class EngineStream:
         token: str,
         body: dict[str, Any],
         backend: str,
-        choose: Any,  # an awaitable factory: () -> Choice
+        choose: Callable[[], Awaitable[Choice]],
         traceparent: str | None = None,  # the attempt's span, when the request is traced
         on_unreachable: Callable[[Choice], None] | None = None,  # a replica to skip (see _open)
+        view: BackendView | None = None,  # the backend's routing view: it counts the attempt
     ) -> None:
-        self._on_unreachable = on_unreachable
+        self._on_unreachable, self._view = on_unreachable, view
         self.session, self.token, self.body, self.backend, self._choose = (
             session,
             token,
@@ -185,17 +188,31 @@ class EngineStream:
         self.passed: list[bytes] | None = [] if body.get("ids") else None
         # ids never reach a client, unless an operator asked for them (ResponseMeta.show_ids)
         self._strip = self.passed is not None and not body.get("collect") and not body["meta"].get("show_ids")
-        self.fault: str | None = None
+        self.fault: Fault | None = None
+        self.finish_held = False  # its finish event leaves as read, like every other
         self._resp: aiohttp.ClientResponse | None = None
         self._closed = False
 
     @property
-    def end(self) -> StreamEnd | None:
-        return self.splitter.end
-
-    @property
     def replica(self) -> str | None:
         return self.choice.replica if self.choice is not None else None
+
+    def ending(self) -> Ending | None:
+        """Its end frame's (None: the stream broke before it came)."""
+        end = self.splitter.end
+        return ending_of(end) if end is not None else None
+
+    def emitted(self) -> Emitted | None:
+        """What it passed on, read back (when it was asked for token ids)."""
+        return parse_emitted(self.passed) if self.passed is not None else None
+
+    def won(self) -> None:
+        if self.choice is not None and self._view is not None:
+            self._view.prefilled(self.choice)
+
+    def finished(self) -> None:
+        if self.choice is not None and self._view is not None:
+            self._view.ended(self.choice.replica, self.choice)
 
     def __aiter__(self) -> EngineStream:
         return self

@@ -20,21 +20,24 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 from cluster.config import BackendConfig
 from cluster.policy.attempts import backend_of_slot
 from cluster.policy.migration import Break, classify, client_usage, continuation
 from cluster.policy.race import Attempt, RaceResult, first_token, follow
 from cluster.routing.view import BackendView
-from cluster.wire.engine_stream import Emitted, StreamEnd, parse_emitted
+from cluster.wire.engine_stream import Emitted
 from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.protocol import GenerateRequest, Usage
+from cluster.wire.stream import AttemptStream, Ending
 from deployments import metrics
 from deployments.attempts import AttemptRunner, Continuing
 from deployments.context import RequestContext
 
-_DONE = object()  # the broken stream had already sent its last token: nothing to continue
+# The stream goes on elsewhere (its first item, the rest); "done": the broken stream had already
+# sent its last token, nothing to continue; None: the break stands
+_Next = tuple[bytes, AsyncIterator[bytes]] | Literal["done"] | None
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Migrations:
 
 class Seamless:
     """One request's token stream across its migrations; stands in for the winner's stream in the
-    relay (``end``, ``events``, ``replica``)."""
+    relay (a :class:`cluster.wire.stream.TokenStream`: its ending, events, replica)."""
 
     def __init__(
         self,
@@ -59,13 +62,13 @@ class Seamless:
         ctx: RequestContext,
         result: RaceResult,
         winner: Attempt,
-        rest: AsyncIterator[Any],
+        rest: AsyncIterator[bytes],
         deadline: float | None,
         last_token_at: Callable[[], float],  # the relay's stamp of the last token it relayed
     ) -> None:
         self.parts, self.ctx, self.p, self.deadline = parts, ctx, ctx.prepared, deadline
         self.last_token_at = last_token_at
-        self.stream: Any = winner.stream
+        self.stream: AttemptStream = winner.stream
         self.backend = backend_of_slot(winner.planned.backend)
         self.rest = rest
         self.results: list[RaceResult] = []  # the continuations' races (the relay ends them)
@@ -75,29 +78,31 @@ class Seamless:
         self.events_before = 0
         self.migrations = 0
         self.broken: list[str] = []  # replicas whose streams broke
-        self._end: StreamEnd | None = None
+        self._end: Ending | None = None
 
     # -- the stream, as the relay sees it -------------------------------------------------------
     @property
     def replica(self) -> str | None:
-        return getattr(self.stream, "replica", None)
+        return self.stream.replica
 
     @property
     def events(self) -> int:
         return self.events_before + self.stream.events
 
     @property
-    def end(self) -> StreamEnd | None:
+    def finish_held(self) -> bool:
+        return self.stream.finish_held
+
+    def ending(self) -> Ending | None:
         if self._end is not None:
             return self._end
-        last = self.stream.end
+        last = self.stream.ending()
         if last is None or self.migrations == 0:
             return last
-        usage = client_usage(len(self.p.req.prompt_token_ids), len(self.ids), last.usage)
-        text = None if last.text is None else "".join(self.text) + last.text
-        return StreamEnd(last.finish_reason, usage, text, last.replica, last.error)
+        usage = client_usage(len(self.p.req.prompt_token_ids), len(self.ids), last.usage or Usage())
+        return Ending(last.finish_reason, usage, "".join(self.text) + last.text)
 
-    async def items(self) -> AsyncIterator[Any]:
+    async def items(self) -> AsyncIterator[bytes]:
         rest = self.rest
         while True:
             try:
@@ -108,28 +113,28 @@ class Seamless:
                 nxt = await self._migrate(err)
                 if nxt is None:
                     raise
-                if nxt is _DONE:
+                if nxt == "done":
                     return
                 first, rest = nxt
                 yield first
 
     # -- a break ------------------------------------------------------------------------------
-    async def _migrate(self, err: StreamInterrupted) -> Any:
-        """Continue elsewhere: (first item, the rest), ``_DONE``, or None (the error stands)."""
+    async def _migrate(self, err: StreamInterrupted) -> _Next:
+        """Continue elsewhere: (first item, the rest), "done", or None (the error stands)."""
         stream, req = self.stream, self.p.req
-        passed = getattr(stream, "passed", None)
-        emitted = parse_emitted(passed) if passed is not None else Emitted()
+        named = stream.emitted()  # None: it did not name its tokens
+        emitted = named if named is not None else Emitted()
         sent = self.ids + emitted.ids
         if emitted.finish_reason is not None or len(sent) >= req.sampling.max_tokens:
             self._finished(emitted, sent)  # only the end frame was lost
-            return _DONE
-        reason = classify(getattr(stream, "fault", None), err)
+            return "done"
+        reason = classify(stream.fault, err)
         now = time.monotonic()
         brk = Break(
             reason,
             self.parts.backend(self.backend).kind,
             self.migrations,
-            passed is not None and (bool(emitted.ids) or emitted.events == 0),
+            named is not None and (bool(emitted.ids) or emitted.events == 0),
             None if self.deadline is None else self.deadline - now,
         )
         decision = self.parts.attempts.migration.decide(req, brk, now)
@@ -149,7 +154,7 @@ class Seamless:
         self._moved(winner, emitted, sent, len(cont.prompt_token_ids))
         return first, follow(self._hooks, winner, self.deadline, self.parts.idle_timeout_s)
 
-    async def _race(self, cont: GenerateRequest, broken: Any) -> tuple[Attempt, Any] | None:
+    async def _race(self, cont: GenerateRequest, broken: AttemptStream) -> tuple[Attempt, bytes] | None:
         """The continuation's first-token race on the same model's self-hosted candidates."""
         parts = self.parts
         if broken.replica:
@@ -207,9 +212,7 @@ class Seamless:
         self.events_before += self.stream.events
         self.text += emitted.text
         usage = Usage(len(self.p.req.prompt_token_ids), len(sent), 0)
-        self._end = StreamEnd(
-            emitted.finish_reason or "length", usage, "".join(self.text), self.replica or ""
-        )
+        self._end = Ending(emitted.finish_reason or "length", usage, "".join(self.text))
 
     def _count(self, reason: str, outcome: str) -> None:
         self.parts.attempts.migrated[f"{reason}:{outcome}"] += 1

@@ -41,7 +41,7 @@ Verdict = Literal["won", "failed", "cancelled", "broken"]  # broken: failed afte
 class Attempt:
     planned: PlannedAttempt
     hedge: bool
-    stream: Any  # an async iterator of Chunk (a Serve response generator in production)
+    stream: Any  # the gateway's: a cluster.wire.stream.AttemptStream (any async iterator in tests)
     started_at: float
     task: asyncio.Task[Chunk] | None = None
 
@@ -51,7 +51,7 @@ class RaceHooks:
     """What the race needs from its caller."""
 
     next_attempt: Callable[[bool], PlannedAttempt | None]  # hedge? -> the next candidate, or None
-    start: Callable[[PlannedAttempt, bool, list[Attempt]], Any]  # -> an async iterator of Chunk
+    start: Callable[[PlannedAttempt, bool, list[Attempt]], Any]  # -> the attempt's stream
     cancel: Callable[[Any], Awaitable[None]]  # stop an attempt's stream (aborts it upstream)
     hedge_delay: Callable[[PlannedAttempt], float | None] = lambda _: None  # None: no hedging
     may_hedge: Callable[[float, int], bool] = lambda _elapsed, _sent: False  # spends the hedge budget

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from cluster.wire.framing import ChunkFramer
 from cluster.wire.openai_format import ResponseMeta, loads
-from deployments.relay import _Framer
 from tests.integration.test_provider_adapters import KEY, _close_pool, _key_env, collect, make, req  # noqa: F401
 from tests.servers import OpenAIServer
 
@@ -30,11 +29,11 @@ def _events(data: bytes) -> list[dict[str, Any]]:
     return [loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")]
 
 
-async def _through(srv: OpenAIServer, kind: str, options: dict[str, Any]) -> tuple[list[Any], _Framer]:
+async def _through(srv: OpenAIServer, kind: str, options: dict[str, Any]) -> tuple[list[Any], ChunkFramer]:
     r = dataclasses.replace(req(max_tokens=N, kind=kind), options=options)
     chunks, err = await collect(make(srv), r)
     assert err is None
-    framer = _Framer(SimpleNamespace(meta=ResponseMeta(kind=kind, request_id="r", model="m")))  # type: ignore[arg-type]
+    framer = ChunkFramer(ResponseMeta(kind=kind, request_id="r", model="m"))
     return _events(b"".join(framer.frame([c]) for c in chunks)), framer
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from cluster.wire.choices import whole_response
+from cluster.wire.framing import ChunkFramer
 from cluster.wire.openai_format import ResponseMeta, loads
 from cluster.wire.protocol import Usage
-from deployments.relay import _Framer
 from tests.integration.test_provider_adapters import KEY, _close_pool, _key_env, collect, make, req  # noqa: F401
 from tests.servers import OpenAIServer
 
@@ -28,14 +27,14 @@ def openai_srv() -> Iterator[OpenAIServer]:
         yield srv
 
 
-async def _through(srv: OpenAIServer, kind: str, n: int) -> tuple[list[dict[str, Any]], _Framer]:
+async def _through(srv: OpenAIServer, kind: str, n: int) -> tuple[list[dict[str, Any]], ChunkFramer]:
     srv.reset()
     r = req(max_tokens=N, kind=kind, n=n)
     chunks, err = await collect(make(srv), r)
     assert err is None
     assert srv.stats().records[-1].body["n"] == n  # sent upstream as asked
     meta = ResponseMeta(kind=kind, request_id="r", model="m")
-    framer = _Framer(SimpleNamespace(meta=meta), n)  # type: ignore[arg-type]
+    framer = ChunkFramer(meta, n)
     data = b"".join(framer.frame([c]) for c in chunks)
     return [loads(e[6:]) for e in data.split(b"\n\n") if e.startswith(b"data: {")], framer
 

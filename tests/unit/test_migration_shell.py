@@ -16,10 +16,11 @@ from cluster.config import parse_config
 from cluster.policy.failover import PlannedAttempt
 from cluster.policy.migration import DRAINING_CODE, MigrationConfig, MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, follow
-from cluster.wire.engine_stream import StreamEnd, event_with_ids, parse_control, parse_emitted
+from cluster.wire.engine_stream import Emitted, StreamEnd, event_with_ids, parse_control, parse_emitted
 from cluster.wire.errors import BackendUnavailable, StreamInterrupted
 from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.wire.protocol import ChatCompletionRequest, Chunk, GenerateRequest, Sampling, Usage
+from cluster.wire.stream import Ending, Fault, ending_of
 from deployments.context import RequestContext
 from deployments.migration import Migrations, Seamless
 from deployments.prepare import Prepared
@@ -39,14 +40,28 @@ def ev(text: str, ids: list[int], finish: str | None = None, first: bool = False
 
 
 class FakeStream:
-    """An engine attempt: its events, then a break (``fail``) or an end frame (``end``)."""
+    """An engine attempt (a cluster.wire.stream.AttemptStream): its events, then a break
+    (``fail``) or an end frame (``end``)."""
 
     def __init__(self, items: list[bytes], replica: str, end: StreamEnd | None = None) -> None:
         self.items, self.replica, self._final = list(items), replica, end
         self.passed: list[bytes] = []
-        self.fault: str | None = None
+        self.fault: Fault | None = None
         self.events = 0
+        self.finish_held = False
         self.end: StreamEnd | None = None
+
+    def ending(self) -> Ending | None:
+        return ending_of(self.end) if self.end is not None else None
+
+    def emitted(self) -> Emitted:
+        return parse_emitted(self.passed)
+
+    def won(self) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -126,7 +141,7 @@ async def test_a_break_continues_on_another_replica_and_the_client_gets_one_answ
     req, continuing = seam.parts.attempts.continuations[0]
     assert req.prompt_token_ids == [1, 2, 3, 7, 8] and req.sampling.max_tokens == 2 and req.attempt == 1
     assert continuing.attempt_base == 1 and continuing.avoid == ("r1",)
-    final = seam.end
+    final = seam.ending()
     assert final is not None and final.text == "abcd" and final.finish_reason == "length"
     assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_tokens) == (3, 4, 3)
     assert seam.events == 4 and seam.parts.attempts.migrated == {"death:migrated": 1}
@@ -136,7 +151,7 @@ async def test_a_break_after_the_last_token_ends_the_answer_without_a_continuati
     broken = FakeStream([ev("a", [7], first=True), ev("b", [8], "stop")], "r1")  # the end frame lost
     seam = _seam(broken, [])
     assert len(await _drain(seam)) == 2
-    final = seam.end
+    final = seam.ending()
     assert final is not None and final.finish_reason == "stop" and final.text == "ab"
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 2)
     assert seam.parts.attempts.continuations == [] and seam.migrations == 0
