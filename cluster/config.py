@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from cluster.backend_kind import BackendKind
 from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
 from cluster.engine.args import EngineArgs as EngineArgs
@@ -250,7 +251,7 @@ class HostCpuConfig(Strict):
 
 class BackendConfig(Strict):
     name: str = Field(min_length=1, description="Backend id, used in routes and metrics.")
-    kind: Literal["vllm", "sim", "provider"] = Field(description="What serves the requests.")
+    kind: BackendKind = Field(description="What serves the requests: vllm, sim or provider.")
     model: str = Field(description="The model (from `models`) this backend serves.")
     replicas: int = Field(1, ge=1, description="Replicas when not autoscaling.")
     autoscaling: Autoscaling | None = Field(None, description="Serve autoscaling instead of fixed replicas.")
@@ -285,9 +286,9 @@ class BackendConfig(Strict):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> BackendConfig:
-        if self.kind == "provider" and self.provider is None:
+        if not self.kind.caps.engine_replicas and self.provider is None:
             raise ValueError("a backend of kind 'provider' needs a 'provider' section")
-        if self.kind != "provider" and self.provider is not None:
+        if self.kind.caps.engine_replicas and self.provider is not None:
             raise ValueError(f"'provider' is only for kind 'provider', not '{self.kind}'")
         return self
 

@@ -64,7 +64,7 @@ def build_graph(cfg: ClusterConfig) -> Application:
         log.warning("config %s: %s", cfg.name, warning)
     engines, budgets = {}, {}
     for b in cfg.backends:
-        if b.kind == "provider":
+        if not b.kind.caps.engine_replicas:
             name = budget_deployment(b)
             if name is not None:  # a limited provider: one budget for every gateway replica
                 assert b.provider is not None

@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 from ray import serve
 
+from cluster.backend_kind import BackendKind
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine.kv_events import KVEventLog
 from cluster.engine.warmup import plan as warmup_plan
@@ -57,11 +58,11 @@ HOST_ENV = "LLMC_ENGINE_HOST"  # the address engine servers bind and publish (de
 
 
 def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> WarmableBackend:
-    if backend.kind == "vllm":
+    if backend.kind is BackendKind.VLLM:
         from deployments.vllm_replica import VLLMBackend
 
         return VLLMBackend(backend, model, replica)
-    if backend.kind == "sim":
+    if backend.kind is BackendKind.SIM:
         from cluster.engine.sim_backend import SimBackend
 
         return SimBackend.from_config(backend, model, replica)
@@ -122,7 +123,7 @@ class EngineReplica:
 
     async def _warm_up(self, model: ModelConfig) -> WarmupReport | None:
         w = self.cfg.engine.warmup
-        if not (w.enabled if w.enabled is not None else self.cfg.kind == "vllm"):
+        if not (w.enabled if w.enabled is not None else self.cfg.kind.caps.warm_up_by_default):
             return None
         window = self.cfg.engine.max_model_len or model.context_window
         plan = warmup_plan(w, window, self.backend.vocab_size)

@@ -66,7 +66,7 @@ def block_size(b: BackendConfig) -> int:
     """The engine's KV block size: routing hashes prompts in the same blocks the engine caches."""
     if b.engine.block_size:
         return b.engine.block_size
-    if b.kind == "sim":
+    if b.kind.caps.profiled:
         from cluster.engine.profiles import get_profile
         from cluster.engine.sim_backend import DEFAULT_PROFILE
 
@@ -156,7 +156,7 @@ class Gateway:
         for b in cfg.backends:
             model = cfg.model(b.model)
             assert model is not None  # validated
-            if b.kind == "provider":
+            if not b.kind.caps.engine_replicas:
                 from deployments.provider_budget import get_budget
                 from deployments.providers import build_provider_backend
 

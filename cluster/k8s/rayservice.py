@@ -65,7 +65,7 @@ GENERATED_HEADER = (
 
 # Serve ---------------------------------------------------------------------------------------
 def uses_gpu(b: BackendConfig) -> bool:
-    return b.kind == "vllm" and b.resources.num_gpus > 0
+    return b.kind.caps.gpus and b.resources.num_gpus > 0
 
 
 def _cpu_side(options: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
     """``serveConfigV2`` as a mapping (Ray's ServeDeploySchema)."""
     deployments = [
         _gateway_deployment(cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
-        *(backend_deployment(b, s) for b in cfg.backends if b.kind != "provider"),
+        *(backend_deployment(b, s) for b in cfg.backends if b.kind.caps.engine_replicas),
         *(_budget_deployment(name, s) for b in cfg.backends if (name := budget_deployment(b)) is not None),
         *([_budget_deployment(name, s)] if (name := tenant_budget_deployment(cfg)) is not None else []),
     ]
@@ -352,7 +352,7 @@ def _group_of(b: BackendConfig, s: K8sSettings) -> tuple[str, PodSettings]:
     """The pod group a backend's replicas run on (a provider's: none of their own; say cpu)."""
     if uses_gpu(b):
         return "gpu", s.gpu
-    if s.engine is not None and b.kind != "provider":
+    if s.engine is not None and b.kind.caps.engine_replicas:
         return "engine", s.engine
     return "cpu", s.cpu
 

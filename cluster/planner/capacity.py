@@ -209,7 +209,7 @@ def _check_references(cfg: ClusterConfig, demand: Demand) -> None:
                 raise DemandError(f"routes[{i}].backend: no backend '{d.backend}' serves '{d.model}'")
     names = {b.name: b for b in cfg.backends}
     for backend in demand.profiles:
-        if backend not in names or names[backend].kind == "provider":
+        if backend not in names or not names[backend].kind.caps.engine_replicas:
             raise DemandError(f"profiles.{backend}: no self-hosted backend '{backend}' in the config")
 
 
@@ -259,7 +259,7 @@ def _plan_route(
         surface=d.surface,
         peak_qps=d.peak_qps,
         primary=primary,
-        primary_kind="provider" if kinds[primary] == "provider" else "self-hosted",
+        primary_kind="self-hosted" if kinds[primary].caps.engine_replicas else "provider",
         ttft_slo_ms=ttft,
         itl_slo_ms=d.itl_slo_ms,
         cached_fraction=frac,

@@ -418,7 +418,7 @@ def backend_profile(cfg: ClusterConfig, backend: BackendConfig, demand: Demand) 
     model = cfg.model(backend.model)
     assert model is not None  # the config checked its references
     name = demand.profiles.get(backend.name)
-    if name is None and backend.kind == "sim":
+    if name is None and backend.kind.caps.profiled:
         name = backend.sim_profile or DEFAULT_SIM_PROFILE
     if name is None:
         name = _matching_profile(backend, model)

@@ -115,7 +115,7 @@ class AdmissionController:
         x ``max_in_flight_per_replica``; providers: ``provider.max_in_flight`` (None: uncapped)."""
         caps: dict[str, int | None] = {}
         for b in cfg.backends:
-            if b.kind == "provider":
+            if not b.kind.caps.engine_replicas:
                 caps[b.name] = b.provider.max_in_flight if b.provider else None
             else:
                 replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas

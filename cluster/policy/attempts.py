@@ -30,7 +30,7 @@ def expand_slots(candidates: list[str], backend: Callable[[str], BackendConfig])
         b = backend(name)
         out.append(name)
         replicas = b.autoscaling.max_replicas if b.autoscaling else b.replicas
-        if b.kind != "provider" and replicas > 1:
+        if b.kind.caps.engine_replicas and replicas > 1:
             out.append(f"{name}#2")
     return out
 

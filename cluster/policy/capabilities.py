@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from cluster.backend_kind import BackendKind
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 Kind = Literal["vllm", "sim", "openai", "anthropic"]
@@ -104,13 +105,17 @@ WITH_TOOLS: dict[str, frozenset[str]] = {
 }
 
 
+_ENGINE_KINDS: dict[BackendKind, Kind] = {BackendKind.VLLM: "vllm", BackendKind.SIM: "sim"}
+
+
 def backend_kind(kind: str, api: str | None) -> Kind:
-    """A backend config's kind as this table knows it (``provider`` splits by its API)."""
-    if kind == "provider":
-        return "anthropic" if api == "anthropic" else "openai"
-    if kind not in ("vllm", "sim"):
+    """A backend config's kind (a :class:`BackendKind` or its name) as this table knows it (a
+    provider splits by its API)."""
+    if kind not in BackendKind.__members__.values():
         raise ValueError(f"unknown backend kind {kind!r}")
-    return kind  # type: ignore[return-value]
+    if not BackendKind(kind).caps.engine_replicas:
+        return "anthropic" if api == "anthropic" else "openai"
+    return _ENGINE_KINDS[BackendKind(kind)]
 
 
 def _asks(name: str, value: Any) -> bool:

@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from cluster.backend_kind import BackendKind
 from cluster.base import Strict
 from cluster.policy.failover import RetryBudget
 from cluster.wire.errors import UpstreamTimeout
@@ -105,7 +106,7 @@ class MigrationPolicy:
         c, s = self.config, req.sampling
         if not c.enabled:
             return "disabled"
-        if brk.backend_kind == "provider":
+        if not BackendKind(brk.backend_kind).caps.migratable:
             return "provider"
         if brk.reason not in c.reasons:
             return "reason"
