@@ -11,13 +11,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from cluster.engine.warmup import WarmupPlan, WarmupPrompt
-from cluster.wire.backend import Backend
+from cluster.wire.backend import EngineBackend
 from cluster.wire.protocol import GenerateRequest, Sampling
 
 log = logging.getLogger("ray.serve")
 
 
-class WarmableBackend(Backend, Protocol):
+class WarmableBackend(EngineBackend, Protocol):
     """An engine backend that can be warmed up: its vocabulary, and what it resets afterwards
     (the warm-up's requests leave no counts and, where the engine can drop it, no cache)."""
 
@@ -44,7 +44,7 @@ class WarmupReport:
 
 
 async def _one(
-    backend: Backend, model: str, p: WarmupPrompt, first: asyncio.Event | None = None
+    backend: EngineBackend, model: str, p: WarmupPrompt, first: asyncio.Event | None = None
 ) -> list[float]:
     """Runs one warm-up prompt to its end; returns [first token ms, whole ms]."""
     req = GenerateRequest(

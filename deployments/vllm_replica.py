@@ -95,7 +95,7 @@ def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, Any]:
 
 
 class VLLMBackend:
-    """Implements :class:`cluster.wire.backend.Backend` over an in-process vLLM ``AsyncLLM``."""
+    """Implements :class:`cluster.wire.backend.EngineBackend` over an in-process vLLM ``AsyncLLM``."""
 
     def __init__(self, backend: BackendConfig, model: ModelConfig, replica: str) -> None:
         for k, v in backend.env.items():

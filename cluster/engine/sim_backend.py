@@ -1,5 +1,6 @@
-"""A simulated replica in real time: :class:`SimBackend` speaks the Backend protocol
-(:mod:`cluster.wire.backend`) on top of the virtual-clock :class:`cluster.engine.model.EngineModel`.
+"""A simulated replica in real time: :class:`SimBackend` is an engine backend
+(:class:`cluster.wire.backend.EngineBackend`) on top of the virtual-clock
+:class:`cluster.engine.model.EngineModel`.
 
 One asyncio task drives the engine: it runs a step, sleeps the step's duration (divided by
 ``speedup``), then hands the step's tokens to the waiting streams. It starts with the first
@@ -90,7 +91,7 @@ _EOS_SALT = 0x5EED_E05
 
 
 class SimBackend:
-    """A simulated engine replica behind the Backend protocol."""
+    """A simulated engine replica behind the EngineBackend protocol."""
 
     def __init__(
         self,
@@ -163,7 +164,7 @@ class SimBackend:
             scheduling_policy=e.scheduling_policy,
         )
 
-    # --- Backend protocol -----------------------------------------------------------------
+    # --- EngineBackend protocol -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         opts = self.options
         self._check_alive()

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from cluster.config import BackendConfig, EngineArgs, ModelConfig
 from cluster.engine.profiles import FittedCoefficients, Profile
 from cluster.engine.sim_backend import SimBackend, SimOptions, fake_word
-from cluster.wire.backend import Backend
+from cluster.wire.backend import EngineBackend
 from cluster.wire.errors import BackendUnavailable, ContextLengthExceeded, InvalidRequest
 from cluster.wire.protocol import Chunk, GenerateRequest, Sampling, Usage
 from tests.unit.engine_profiles import linear_profile
@@ -62,7 +62,7 @@ def toks(start: int, n: int) -> list[int]:
 
 async def test_streams_one_chunk_per_token_with_usage_on_the_last() -> None:
     b = make()
-    assert isinstance(b, Backend)
+    assert isinstance(b, EngineBackend)
     chunks = await collect(b, greq("a", toks(0, 8), 5))
     assert len(chunks) == 5
     for c in chunks:
