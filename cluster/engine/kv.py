@@ -32,9 +32,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeGuard
 
 from cluster.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from cluster.routing.block_hash import EngineBlockHash
@@ -43,10 +43,11 @@ BlockHash = EngineBlockHash  # this module's name for it (cluster.engine.model i
 
 ROOT_HASH = BlockHash(hashlib.sha256(b"cluster.engine.kv root").digest())
 SALT_TAG = "cache_salt"  # an extra key ``(SALT_TAG, salt)``: vLLM's cache_salt (first block only)
+ExtraKeys = tuple[Hashable, ...]  # what a block hash folds in besides its tokens (vLLM's extra_keys)
 
 
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
 ) -> BlockHash:
     """The chained hash of one full block: (parent hash, token ids, extra keys)."""
     h = hashlib.sha256(parent if parent is not None else ROOT_HASH)
@@ -56,16 +57,16 @@ def hash_block_tokens(
     return BlockHash(h.digest())
 
 
-def salt_keys(cache_salt: str | None) -> tuple[Any, ...] | None:
+def salt_keys(cache_salt: str | None) -> ExtraKeys | None:
     """A request's extra keys for its cache salt (None: none), tagged as vLLM tags its own."""
     return ((SALT_TAG, cache_salt),) if cache_salt else None
 
 
-def _is_salt(key: Any) -> bool:
+def _is_salt(key: object) -> TypeGuard[tuple[str, str]]:
     return isinstance(key, tuple) and key[:1] == (SALT_TAG,)
 
 
-def salt_of(extra_keys: tuple[Any, ...] | None) -> str | None:
+def salt_of(extra_keys: ExtraKeys | None) -> str | None:
     """The cache salt among a request's extra keys (:func:`salt_keys`), if any."""
     return next((k[1] for k in extra_keys or () if _is_salt(k)), None)
 
@@ -73,7 +74,7 @@ def salt_of(extra_keys: tuple[Any, ...] | None) -> str | None:
 def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: tuple[Any, ...] | None = None,
+    extra_keys: ExtraKeys | None = None,
     hashes: list[BlockHash] | None = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids``; extends ``hashes`` (already-hashed leading blocks).
@@ -93,7 +94,7 @@ class _Seq(Protocol):
 
     request_id: str
     token_ids: list[int]
-    extra_keys: tuple[Any, ...] | None
+    extra_keys: ExtraKeys | None
     num_computed_tokens: int
     block_hashes: list[BlockHash]
 

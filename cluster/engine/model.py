@@ -54,9 +54,8 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
-from cluster.engine.kv import BlockHash, KVCacheManager, hash_request_tokens
+from cluster.engine.kv import BlockHash, ExtraKeys, KVCacheManager, hash_request_tokens
 from cluster.engine.kv_events import KVCacheEvent
 from cluster.engine.profiles import BatchShape, Profile, StepTimeModel
 from cluster.engine.request_queue import SchedulingPolicy, WaitQueue
@@ -108,7 +107,7 @@ class SimRequest:
     arrival_time: float
     seed: int
     stop_after: int | None = None  # a sampled output length that ends with finish_reason "stop"
-    extra_keys: tuple[Any, ...] | None = None
+    extra_keys: ExtraKeys | None = None
     priority: int = 0  # lower is scheduled first under the priority policy
     digest: int = 0  # prefix_digest of token_ids: the sampler's view of the sequence so far
     status: Status = Status.WAITING
@@ -241,7 +240,7 @@ class EngineModel:
         *,
         arrival_time: float | None = None,
         stop_after: int | None = None,
-        extra_keys: tuple[Any, ...] | None = None,
+        extra_keys: ExtraKeys | None = None,
         seed: int | None = None,
         priority: int = 0,
     ) -> SimRequest:

@@ -95,7 +95,7 @@ class LabPlan:
 
 # KubeRay's reading of a group --------------------------------------------------------------
 def _container(group: Mapping[str, Any]) -> Mapping[str, Any]:
-    container: Mapping[str, Any] = group["template"]["spec"]["containers"][0]
+    container: Mapping[str, Any] = group["template"]["spec"]["containers"][0]  # Any: a YAML manifest
     return container
 
 

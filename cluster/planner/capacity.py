@@ -144,7 +144,7 @@ class Plan:
     assumptions: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = _clean(asdict(self))
+        out: dict[str, Any] = _clean(asdict(self))  # Any: asdict gives any field's value
         return out
 
 
