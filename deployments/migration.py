@@ -195,7 +195,7 @@ class Seamless:
         rest = [
             c
             for c in self.p.candidates
-            if c != self.backend and config(c).kind != "provider" and config(c).model == model
+            if c != self.backend and config(c).kind.caps.migratable and config(c).model == model
         ]
         return [self.backend, *rest]
 

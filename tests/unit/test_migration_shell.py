@@ -6,6 +6,7 @@ the continuation, the non-streaming client's text."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 from typing import Any
@@ -257,3 +258,27 @@ async def test_the_engine_turns_a_tool_parsers_text_into_tool_calls_with_their_i
         "name": "f",
         "arguments": '{"unit":"c"}',
     }
+
+
+def test_a_continuation_races_over_the_models_own_engines_only() -> None:
+    cfg = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": "@tiny", "context_window": 4096}],
+            "backends": [
+                {"name": "a", "kind": "sim", "model": "m"},
+                {
+                    "name": "p",
+                    "kind": "provider",
+                    "model": "m",
+                    "provider": {"api": "openai", "base_url": "http://x"},
+                },
+                {"name": "b", "kind": "sim", "model": "m"},
+            ],
+            "surfaces": [{"name": "chat"}],
+            "routes": [{"model": "m", "candidates": ["a", "p", "b"]}],
+        }
+    )
+    seam = _seam(FakeStream([ev("a", [7], first=True)], "r1"), [])
+    seam.parts = Migrations(seam.parts.attempts, {}, cfg.backend, None)
+    seam.p = dataclasses.replace(seam.p, candidates=["p", "b", "a"])
+    assert seam._candidates() == ["a", "b"]  # the broken backend first; never a provider
