@@ -26,14 +26,13 @@ from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, 
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
-from cluster.routing.view import Choice
 from cluster.wire.engine_stream import request_body
 from cluster.wire.framing import ChunkFramer, FramedStream
 from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import GenerateRequest
 from cluster.wire.stream import AttemptStream
 from deployments import metrics
-from deployments.engine_client import EngineStream, ReplicaPicker
+from deployments.engine_client import EngineStream, ReplicaLease, ReplicaPicker
 
 if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
     from deployments.providers import ProviderBackend
@@ -183,23 +182,17 @@ class AttemptRunner:
         surface = self.cfg.surface(req.surface)
         busy = surface.avoid_prefill_tokens if surface is not None else None
 
-        async def choose() -> Choice:
-            choice = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until)
-            body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
+        async def choose() -> ReplicaLease:
             prompt = len(req.prompt_token_ids)
-            picker.view.started(choice, block_hashes, time.monotonic(), req.session_id, prompt)
+            lease = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until, prompt)
+            choice = lease.choice
+            body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
             metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})
             spans.routed(at, choice.replica, reason)
-            return choice
+            return lease
 
-        def unreachable(choice: Choice) -> None:  # refused or dead: not counted there, skipped a while
-            picker.view.ended(choice.replica, choice)
-            picker.view.mark_unreachable(choice.replica, time.monotonic())
-
-        return EngineStream(
-            self.session(), self.token, body, backend, choose, spans.traceparent(at), unreachable, picker.view
-        )
+        return EngineStream(self.session(), self.token, body, backend, choose, spans.traceparent(at))
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
         if attempt > 0 and not hedge:  # hedges are counted when the budget allows them

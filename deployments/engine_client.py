@@ -91,6 +91,47 @@ class _Pick:
         return [[by_id[self.choice.replica]]]
 
 
+class ReplicaLease:
+    """One attempt's hold on the replica chosen for it (a context manager). While it is open the
+    backend's routing view counts the attempt in flight there and its uncached prompt as
+    prefilling; the gateway's attempts change those counts only through it: taken by
+    :meth:`ReplicaPicker.pick` (the view's ``started``), :meth:`first_token` (``prefilled``) and
+    :meth:`close` (``ended``, once however often it is called)."""
+
+    __slots__ = ("_closed", "_first", "choice", "view")
+
+    def __init__(self, view: BackendView, choice: Choice) -> None:
+        self.view, self.choice = view, choice
+        self._first = self._closed = False
+
+    @property
+    def replica(self) -> str:
+        return self.choice.replica
+
+    def first_token(self) -> None:
+        """The attempt's first token came: its prompt no longer counts as prefilling there."""
+        if not (self._first or self._closed):
+            self._first = True
+            self.view.prefilled(self.choice)
+
+    def close(self) -> None:
+        """The attempt is over: the replica stops counting it."""
+        if not self._closed:
+            self._closed = True
+            self.view.ended(self.choice.replica, self.choice)
+
+    def unreachable(self, now: float) -> None:
+        """The replica refused it or its engine is dead: it ran nothing; skipped a while."""
+        self.close()
+        self.view.mark_unreachable(self.choice.replica, now)
+
+    def __enter__(self) -> ReplicaLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ReplicaPicker:
     def __init__(self, handle: Any, view: BackendView, typical_start_s: float = 30.0) -> None:
         self.handle = handle
@@ -110,8 +151,11 @@ class ReplicaPicker:
         avoid: Sequence[str],
         busy_prefill: int | None = None,
         wait_until: float | None = None,
-    ) -> Choice:
-        """The replica for one attempt (``busy_prefill``: :meth:`BackendView.choose`'s
+        prompt_tokens: int = 0,
+    ) -> ReplicaLease:
+        """The replica for one attempt, leased: the view counts the attempt (and its
+        ``prompt_tokens`` not expected cached, as prefilling) until the lease closes
+        (``busy_prefill``: :meth:`BackendView.choose`'s
         ``busy_prefill_tokens``, the surface's ``avoid_prefill_tokens``). While no replica can
         take it (all dead, unhealthy or unreachable, or none published yet) the attempt waits
         for one until ``wait_until`` (monotonic: the request's queue deadline, or now when
@@ -126,7 +170,8 @@ class ReplicaPicker:
             async with self.handle.choose_replica(pick, _reserve=False):
                 pass
             if pick.choice is not None:
-                return pick.choice
+                self.view.started(pick.choice, hashes, time.monotonic(), session_id, prompt_tokens)
+                return ReplicaLease(self.view, pick.choice)
             now = time.monotonic()
             if not waited:
                 waited = True
@@ -164,12 +209,9 @@ class EngineStream:
         token: str,
         body: dict[str, Any],
         backend: str,
-        choose: Callable[[], Awaitable[Choice]],
+        choose: Callable[[], Awaitable[ReplicaLease]],
         traceparent: str | None = None,  # the attempt's span, when the request is traced
-        on_unreachable: Callable[[Choice], None] | None = None,  # a replica to skip (see _open)
-        view: BackendView | None = None,  # the backend's routing view: it counts the attempt
     ) -> None:
-        self._on_unreachable, self._view = on_unreachable, view
         self.session, self.token, self.body, self.backend, self._choose = (
             session,
             token,
@@ -180,7 +222,7 @@ class EngineStream:
         self.headers = {INTERNAL_TOKEN_HEADER: token, "content-type": "application/json"}
         if traceparent is not None:
             self.headers["traceparent"] = traceparent
-        self.choice: Choice | None = None
+        self.lease: ReplicaLease | None = None  # the replica it runs on, once chosen
         self.splitter = FrameSplitter()
         self.events = 0
         # With token ids asked for: every piece passed on (read back only if the stream breaks,
@@ -195,7 +237,7 @@ class EngineStream:
 
     @property
     def replica(self) -> str | None:
-        return self.choice.replica if self.choice is not None else None
+        return self.lease.replica if self.lease is not None else None
 
     def ending(self) -> Ending | None:
         """Its end frame's (None: the stream broke before it came)."""
@@ -207,12 +249,12 @@ class EngineStream:
         return parse_emitted(self.passed) if self.passed is not None else None
 
     def won(self) -> None:
-        if self.choice is not None and self._view is not None:
-            self._view.prefilled(self.choice)
+        if self.lease is not None:
+            self.lease.first_token()
 
     def finished(self) -> None:
-        if self.choice is not None and self._view is not None:
-            self._view.ended(self.choice.replica, self.choice)
+        if self.lease is not None:
+            self.lease.close()
 
     def __aiter__(self) -> EngineStream:
         return self
@@ -220,12 +262,14 @@ class EngineStream:
     async def _open(self) -> aiohttp.ClientResponse:
         """The engine's answer. A replica that refuses the connection, resets or closes it before
         any answer (a pooled connection to a replica that died: a lost node), or whose engine is
-        dead, ran nothing for the client: it is skipped (``on_unreachable``) and another one picked."""
+        dead, ran nothing for the client: it is skipped (its lease says so) and another one picked."""
         for _ in range(MAX_REPICKS):
-            self.choice = await self._choose()
+            self.lease = lease = await self._choose()
             data = dumps(self.body)  # after the choice: it sets the request's cache rank there
             try:
-                resp = await self.session.post(self.choice.url + "/generate", data=data, headers=self.headers)
+                resp = await self.session.post(
+                    lease.choice.url + "/generate", data=data, headers=self.headers
+                )
             except aiohttp.ClientConnectorError:  # refused: the request never reached the replica
                 self._skip("connect_refused")
                 continue
@@ -234,7 +278,7 @@ class EngineStream:
                 continue
             except (aiohttp.ClientError, OSError) as exc:
                 raise BackendUnavailable(
-                    f"engine replica {self.choice.replica} of {self.backend} is unreachable: {exc}",
+                    f"engine replica {lease.replica} of {self.backend} is unreachable: {exc}",
                     backend=self.backend,
                 ) from exc
             if resp.status == 200:
@@ -251,8 +295,8 @@ class EngineStream:
         raise BackendUnavailable(f"{MAX_REPICKS} replicas of {self.backend} in a row were unreachable")
 
     def _skip(self, why: str) -> None:
-        if self.choice is not None and self._on_unreachable is not None:
-            self._on_unreachable(self.choice)
+        if self.lease is not None:
+            self.lease.unreachable(time.monotonic())
         metrics.UNREACHABLE.inc(tags={"backend": self.backend, "why": why})
 
     async def __anext__(self) -> bytes:

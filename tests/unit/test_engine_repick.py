@@ -17,7 +17,7 @@ from cluster.routing.view import Choice
 from cluster.wire.engine_stream import end_frame
 from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, to_wire
 from cluster.wire.protocol import Usage
-from deployments.engine_client import EngineStream
+from deployments.engine_client import EngineStream, ReplicaLease
 
 EVENT = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
 
@@ -56,20 +56,37 @@ async def _streams(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+class _View:
+    """What a lease tells the routing view (a BackendView's counting methods, recorded)."""
+
+    def __init__(self, skipped: list[str]) -> None:
+        self.skipped, self.ends = skipped, 0
+
+    def prefilled(self, choice: Choice) -> None:
+        pass
+
+    def ended(self, replica: str, choice: Choice | None = None) -> None:
+        self.ends += 1
+
+    def mark_unreachable(self, replica: str, now: float) -> None:
+        self.skipped.append(f"http://127.0.0.1:{replica}")
+
+
 def _choices(*urls: str) -> Any:
     it = iter(urls)
 
-    async def choose() -> Choice:
+    async def choose(view: Any) -> ReplicaLease:
         url = next(it)
-        return Choice(url.rsplit(":", 1)[-1], url, RouteDecision(None, "load", 0, 0, 0))
+        return ReplicaLease(view, Choice(url.rsplit(":", 1)[-1], url, RouteDecision(None, "load", 0, 0, 0)))
 
     return choose
 
 
 async def _run(choose: Any, skipped: list[str]) -> list[bytes]:
     body = {"req": {}, "meta": {}, "collect": False}
+    view = _View(skipped)
     async with aiohttp.ClientSession() as session:
-        stream = EngineStream(session, "t", body, "b", choose, on_unreachable=lambda c: skipped.append(c.url))
+        stream = EngineStream(session, "t", body, "b", lambda: choose(view))
         try:
             return [chunk async for chunk in stream]
         finally:
@@ -109,3 +126,27 @@ def test_any_other_refusal_is_the_attempts_answer_and_nothing_is_skipped() -> No
             await bad.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_lease_alone_changes_the_views_counts_and_ends_once() -> None:
+    from cluster.policy.failover import ReplicaEjector
+    from cluster.routing.affinity import AffinityParams, AffinityRouter
+    from cluster.routing.view import BackendView, ReplicaInfo
+
+    view = BackendView("b", AffinityRouter(4, "m", AffinityParams()), ReplicaEjector(), 64)
+    view.sync([ReplicaInfo("r0", "http://r0")])
+    hashes = [1, 2, 3]
+    choice = view.choose(hashes, 0.0, None)
+    assert choice is not None
+    view.started(choice, hashes, 0.0, None, 40)  # what ReplicaPicker.pick does before leasing
+    with ReplicaLease(view, choice) as lease:
+        assert view.in_flight["r0"] == 1 and view.prefilling.get("r0", 0) > 0
+        lease.first_token()
+        assert view.prefilling.get("r0", 0) == 0 and view.in_flight["r0"] == 1
+        lease.close()
+        other = view.choose(hashes, 1.0, None)
+        assert other is not None
+        view.started(other, hashes, 1.0, None)  # another attempt there meanwhile
+    assert view.in_flight.get("r0", 0) == 1  # the lease ended once: the other's count stands
+    ReplicaLease(view, other).unreachable(1.0)
+    assert view.in_flight.get("r0", 0) == 0 and view.choose(hashes, 1.5, None) is None  # skipped a while
