@@ -218,6 +218,15 @@ class AffinityConfig(Strict):
             "bounds the index's memory whatever the fleet (control_plane.json's index_bytes_per_block)."
         ),
     )
+    claim_stride_blocks: int = Field(
+        8,
+        ge=1,
+        description=(
+            "The homes and the recent sends keep every k-th block of a request's prompt and its last "
+            "(k times less work per announced request on every gateway, depths known to within k "
+            "blocks; cluster/routing/block_hash.py strided); 1: every block."
+        ),
+    )
 
     def params(self) -> dict[str, Any]:
         """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""

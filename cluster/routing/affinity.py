@@ -148,12 +148,15 @@ class AffinityParams:
     kv_map_capacity: int = 262_144  # engine hash -> our hash, per replica (KV events)
     cache_priority: bool = True  # rank expected hits before misses in the engine's queue (docstring)
     decision_candidates: int = 0  # 0: score every replica; else a bounded set (candidates.py)
+    claim_stride_blocks: int = 1  # homes and recent sends keyed by every k-th block (block_hash.strided)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError("load_factor must be >= 1 (1 is perfectly balanced)")
         if self.decision_candidates < 0:
             raise ValueError("decision_candidates must be >= 0 (0: every replica)")
+        if self.claim_stride_blocks < 1:
+            raise ValueError("claim_stride_blocks must be >= 1 (1: every block)")
         if self.load_slack < 0:
             raise ValueError("load_slack must be >= 0")
         if self.new_prefix not in ("rendezvous", "least_loaded", "home"):
@@ -198,7 +201,7 @@ class AffinityRouter:
     ) -> None:
         self.params = p = params or AffinityParams()
         self.hasher = BlockHasher(block_size, model, salt, algo)
-        self.index = PrefixIndex(p.index_capacity_blocks)
+        self.index = PrefixIndex(p.index_capacity_blocks, recent_stride=p.claim_stride_blocks)
         self.sessions = SessionTable(p.session_capacity, p.session_ttl_s)
         self._min_blocks = max(1, math.ceil(p.min_match_tokens / block_size))
         self._home_block = max(1, math.ceil(p.home_key_tokens / block_size))
@@ -210,7 +213,7 @@ class AffinityRouter:
         # prefix's last home, the same on every gateway replica since only events write it
         self._stored_by: OrderedDict[BlockHash, str] = OrderedDict()
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
-        self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests)
+        self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests, p.claim_stride_blocks)
         self._homing = p.new_prefix == "home"
 
     def hash(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:

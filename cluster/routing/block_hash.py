@@ -53,6 +53,30 @@ def deepest_held(held: Mapping[BlockHash, T], hashes: Sequence[BlockHash]) -> tu
     return lo, value
 
 
+def strided(hashes: Sequence[BlockHash], stride: int) -> Sequence[BlockHash]:
+    """A chain's anchors: every ``stride``-th block (positions ``stride``, ``2 stride``, ... counted
+    from 1) and its last block. A block's position in any chain that holds it is fixed (the hashes
+    chain from the root), so two prompts agree on their shared prefix's anchors, and a structure
+    keyed by anchors only stays prefix-closed. ``stride`` 1: the chain itself."""
+    if stride <= 1:
+        return hashes
+    out = list(hashes[stride - 1 :: stride])
+    if len(hashes) % stride:
+        out.append(hashes[-1])
+    return out
+
+
+def deepest_strided(
+    held: Mapping[BlockHash, T], hashes: Sequence[BlockHash], stride: int
+) -> tuple[int, T | None]:
+    """:func:`deepest_held` over a map keyed by :func:`strided` anchors: the blocks covered by
+    the deepest anchor held (a multiple of ``stride``, or the whole chain when its last is held)."""
+    if stride <= 1:
+        return deepest_held(held, hashes)
+    j, value = deepest_held(held, strided(hashes, stride))
+    return min(j * stride, len(hashes)), value
+
+
 def stable_hash64(*parts: str) -> int:
     """A 64-bit hash of strings that is the same in every process (``hash(str)`` is seeded)."""
     digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()

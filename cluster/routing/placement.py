@@ -16,6 +16,9 @@ bound does not move its context; its own new blocks, a session's turns, are home
 until that replica leaves or its event feed is lost (its homes go void at once). Blocks are
 inserted tail first, so eviction takes tails first and the homed set stays prefix-closed: the
 deepest homed block of a prompt is found by binary search, and its home is the context's home.
+With ``stride`` k > 1 only a chain's anchors are homed (every k-th block and its last,
+:func:`cluster.routing.block_hash.strided`): k times fewer entries to claim on every gateway for
+every request to every engine (issue 42), a context's depth known to within k blocks.
 
 The demand. Each replica's hot working set: the blocks it became home to, decayed (half of it
 fades every ``half_life_requests`` requests the backend receives, so a context homed long ago and
@@ -45,7 +48,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from cluster.routing.block_hash import BlockHash, deepest_held
+from cluster.routing.block_hash import BlockHash, deepest_strided, strided
 
 
 class _Load(Protocol):
@@ -60,12 +63,13 @@ class _Load(Protocol):
 class ContextHomes:
     """Sticky homes of prompt blocks and each replica's decayed demand (module docstring)."""
 
-    def __init__(self, capacity_blocks: int, half_life_requests: float) -> None:
+    def __init__(self, capacity_blocks: int, half_life_requests: float, stride: int = 1) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         if half_life_requests <= 0:
             raise ValueError("half_life_requests must be positive")
         self.capacity = capacity_blocks
+        self.stride = max(1, stride)  # homes keyed by a chain's anchors (module docstring)
         self._keep = 0.5 ** (1.0 / half_life_requests)
         # block hash -> its home's token; a replica's token is one shared (name, generation) tuple,
         # replaced when the replica is removed, so its homes go void at once without a scan
@@ -87,19 +91,20 @@ class ContextHomes:
     def lookup(self, hashes: Sequence[BlockHash]) -> tuple[int, str | None]:
         """``(blocks, home)``: the deepest homed block of the prompt and its live home; ``(0, None)``
         when no block is homed, ``(blocks, None)`` when the home is gone."""
-        lo, who = deepest_held(self._home, hashes)
+        lo, who = deepest_strided(self._home, hashes, self.stride)
         if who is None or self._tokens.get(who[0]) is not who:
             return lo, None
         return lo, who[0]
 
     def claim(self, replica: str, hashes: Sequence[BlockHash]) -> int:
         """A request with these blocks went to ``replica``: blocks without a live home are homed
-        there and add to its demand (everyone's decays by one request); returns those blocks."""
+        there and add to its demand (everyone's decays by one request); returns those blocks
+        (anchors, with a ``stride``)."""
         home, tokens = self._home, self._tokens
         token = tokens.get(replica)
         if token is None:
             token = tokens[replica] = (replica, next(self._generation))
-        tail_first = hashes[::-1]
+        tail_first = strided(hashes, self.stride)[::-1]
         olds = list(map(home.get, tail_first))
         k = len(olds)
         while k and olds[k - 1] is token:  # the head already homed here (an agent's next turn) ...

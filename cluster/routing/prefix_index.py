@@ -12,7 +12,10 @@ Entries come from the engines' KV events (``on_block_stored`` / ``on_block_remov
 for an engine that publishes none, from the requests routed to it (``record``, a guess that
 forgets in LRU order). A request just sent to an event-fed replica is noted apart
 (``note_recent``): its blocks count for a short time, so concurrent sharers follow it before the
-engine's ``BlockStored`` arrives, and go if it never does. ``held_blocks`` counts each replica's
+engine's ``BlockStored`` arrives, and go if it never does. With ``recent_stride`` k > 1 only its
+anchors are noted (every k-th block and the last, :func:`cluster.routing.block_hash.strided`):
+k times less work on every gateway for every request to every engine (issue 42), a recent send
+then matching to within k blocks. ``held_blocks`` counts each replica's
 entries (its cache's fill, when its events feed it).
 """
 
@@ -22,16 +25,17 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
-from cluster.routing.block_hash import BlockHash
+from cluster.routing.block_hash import BlockHash, strided
 
 
 class PrefixIndex:
     """Bounded LRU map ``block hash -> replicas believed to hold it`` (a bitmask of replica slots)."""
 
-    def __init__(self, capacity_blocks: int, purge_after: int = 64) -> None:
+    def __init__(self, capacity_blocks: int, purge_after: int = 64, recent_stride: int = 1) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
+        self.recent_stride = max(1, recent_stride)  # recent sends noted by their anchors only
         self._purge_after = purge_after
         self._map: OrderedDict[int, int] = OrderedDict()
         self._bits: dict[str, int] = {}  # live replica -> its bit
@@ -138,6 +142,7 @@ class PrefixIndex:
         ``BlockStored`` events have put them in the index, if it kept them."""
         if not hashes:
             return
+        hashes = strided(hashes, self.recent_stride)
         bit = self.bit(replica)
         rec = self._recent
         olds = list(map(rec.get, hashes, repeat(0)))
@@ -192,13 +197,16 @@ class PrefixIndex:
 
     def longest_match(self, hashes: Sequence[BlockHash], mask: int) -> tuple[int, int]:
         """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
-        the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries."""
-        get, recent = self._map.get, self._recent.get
+        the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries.
+        A recent send counts block ``mid`` by its anchor: the first one at or after it."""
+        get, recent, k = self._map.get, self._recent.get, self.recent_stride
         lo, hi, best = 0, len(hashes), 0
+        n = hi
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             h = hashes[mid - 1]
-            held = (get(h, 0) | recent(h, 0)) & mask
+            a = h if k == 1 else hashes[min(-(-mid // k) * k, n) - 1]
+            held = (get(h, 0) | recent(a, 0)) & mask
             if held:
                 lo, best = mid, held
             else:

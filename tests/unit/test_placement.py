@@ -9,7 +9,9 @@ import pytest
 
 from cluster.engine.kv_events import BlocksQueued, KVEventLog
 from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
+from cluster.routing.block_hash import deepest_strided, strided
 from cluster.routing.placement import ContextHomes
+from cluster.routing.prefix_index import PrefixIndex
 from tests.unit.affinity_helpers import loads, toks
 
 BS = 16
@@ -234,3 +236,52 @@ def test_a_next_turn_homes_only_its_new_tail_and_keeps_lru_order():
     assert homes.claim("b", [1, 2, 7]) == 1  # a's head stays a's; only 7 is new, homed to b
     assert homes.lookup([1, 2, 7]) == (3, "b") and homes.lookup([1, 2]) == (2, "a")
     assert homes.demand("a") == pytest.approx(5) and homes.demand("b") == pytest.approx(2)
+
+
+# Anchors: the homes and the recent sends keyed by every k-th block (issue 42) -----------------
+
+
+def test_strided_keeps_every_kth_block_and_the_last():
+    chain = list(range(10, 30))  # 20 blocks
+    assert strided(chain, 8) == [17, 25, 29] and strided(chain[:16], 8) == [17, 25]
+    assert strided(chain, 1) is chain and strided(chain[:3], 8) == [12]
+    held = dict.fromkeys(strided(chain, 8), "a")
+    assert deepest_strided(held, chain, 8) == (20, "a")
+    assert deepest_strided(held, chain[:19], 8) == (16, "a")  # its last is no anchor: within 8
+    assert deepest_strided(held, chain[:7], 8) == (0, None)
+
+
+def test_strided_homes_find_a_context_to_within_the_stride_at_an_eighth_of_the_entries():
+    homes, exact = ContextHomes(1000, 64, stride=8), ContextHomes(1000, 64)
+    context = list(range(100, 164))  # 64 blocks
+    assert homes.claim("a", context) == 8 and exact.claim("a", context) == 64
+    assert len(homes) == 8
+    assert homes.lookup(context) == exact.lookup(context) == (64, "a")
+    turn = [*context, *range(500, 520)]  # the next turn, diverted: its 20 new blocks are b's
+    homes.claim("b", turn)
+    exact.claim("b", turn)
+    assert homes.lookup(turn) == exact.lookup(turn) == (84, "b")
+    assert homes.lookup([*context, 500, 501]) == (64, "a")  # exact says (66, "b"): within the stride
+    assert exact.lookup([*context, 500, 501]) == (66, "b")
+
+
+def test_strided_recent_sends_match_to_within_the_stride_and_expire():
+    idx = PrefixIndex(1000, recent_stride=8)
+    sent = list(range(1, 21))  # 20 blocks: anchors 8, 16 and the last
+    idx.note_recent("a", sent, now=0.0)
+    a = idx.mask(["a"])
+    assert len(idx._recent) == 3
+    assert idx.longest_match(sent, a) == (20, a)
+    assert idx.longest_match([*sent[:18], 99], a)[0] == 16  # shares 18 blocks: counted to 16
+    assert idx.longest_match(sent[:5], a)[0] == 0  # within one stride of the root: not counted
+    idx.record("b", sent[:5])  # the index itself stays exact, next to the recent anchors
+    assert idx.longest_match(sent[:12], idx.mask(["a", "b"])) == (8, a)
+    idx.expire_recent(before=1.0)
+    assert not idx._recent and idx.longest_match(sent, a) == (0, 0)
+
+
+def test_the_configured_stride_reaches_the_homes_and_the_recent_sends():
+    rt = router(claim_stride_blocks=4)
+    assert rt.homes.stride == 4 and rt.index.recent_stride == 4
+    with pytest.raises(ValueError):
+        AffinityParams(claim_stride_blocks=0)
