@@ -136,7 +136,7 @@ class AttemptRunner:
             return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
-            self._verdict(req, att, v, err, dt, observe=cont is None)  # a re-prefill is no TTFT
+            self._verdict(req, att, v, err, dt, cont is None, slots[0])  # a re-prefill is no TTFT
             code = None if err is None else error_code(err) or type(err).__name__
             spans.ended(id(att.planned), v, code, time.time_ns())
 
@@ -215,6 +215,7 @@ class AttemptRunner:
         err: BaseException | None,
         dt: float,
         observe: bool = True,
+        primary: str | None = None,  # the request's first slot
     ) -> None:
         if v == "won":  # its prefill is done: the replica no longer counts it as prefilling
             att.stream.won()
@@ -233,6 +234,8 @@ class AttemptRunner:
         if fx.failover:
             self.failovers[backend] += 1
             metrics.FAILOVERS.inc(tags={"backend": backend, "code": error_code(err)})
+        if fx.hedge_won and primary is not None:  # the primary was still waiting: a brownout's evidence
+            self.brownout.hedge_won(req.surface, backend_of_slot(primary), now)
         if fx.hedge_won is not None:
             self.hedge.stats.on_hedge_result(fx.hedge_won)
             outcome = "won" if fx.hedge_won else "cancelled"
