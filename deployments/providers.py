@@ -1,5 +1,6 @@
-"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints as
-:class:`cluster.wire.backend.Backend`.
+"""Provider adapters: OpenAI-compatible and Anthropic Messages endpoints, in the gateway's process;
+the gateway reads their batches of chunks through the stream seam (:mod:`cluster.wire.stream`,
+framed by :class:`cluster.wire.framing.FramedStream`).
 
 One pooled aiohttp session per process (per event loop) carries every request; each is
 streamed, parsed event by event and never buffered whole. Four clocks bound a request, from the
@@ -126,7 +127,7 @@ class ProviderBackend:
     def _map_status(self, status: int, body: bytes, headers: Mapping[str, str]) -> ClusterError:
         raise NotImplementedError
 
-    # -- Backend ----------------------------------------------------------------------------------
+    # -- the stream ------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """The stream as single chunks (see :meth:`generate_batches`)."""
         gen = self.generate_batches(req)
