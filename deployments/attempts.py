@@ -186,6 +186,7 @@ class AttemptRunner:
             prompt = len(req.prompt_token_ids)
             lease = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until, prompt)
             choice = lease.choice
+            self.board.admit(backend, choice.replica, time.monotonic())  # a half-open probe, if one
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
             reason = picker.view.mode if picker.view.mode != "cache_aware" else choice.decision.reason
             metrics.ROUTING.inc(tags={"backend": backend, "reason": reason})

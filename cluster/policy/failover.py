@@ -333,7 +333,7 @@ class ReplicaEjector:
 
     def routable(self, now: float) -> list[str]:
         """Replicas an attempt may go to (closed, or half-open with a free probe slot), in order.
-        Call ``breaker(r).allow(now)`` on the one picked so that a probe slot is taken."""
+        The router's :meth:`BreakerBoard.admit` takes a probe slot on the one picked."""
         return [r for r, b in self.breakers.items() if b.available(now)]
 
     def states(self, now: float) -> dict[str, BreakerState]:
@@ -361,6 +361,13 @@ class BreakerBoard:
         if backend not in self._replicas:
             self._replicas[backend] = ReplicaEjector(self.config)
         return self._replicas[backend]
+
+    def admit(self, backend: str, replica: str, now: float) -> None:
+        """An attempt went to ``replica``: take a half-open probe slot on its breaker, if that is
+        what this is (a routing view only reads breakers; the board alone takes probes)."""
+        breaker = self.replicas(backend).breakers.get(replica)
+        if breaker is not None:
+            breaker.allow(now)
 
     def record(self, backend: str, replica: str | None, ok: bool, now: float) -> None:
         """Record one attempt's verdict on the backend breaker and, if known, the replica's."""

@@ -236,9 +236,6 @@ class BackendView:
         self.decision_counts[reason] += 1
         if self.policy is not None:
             self.policy.record(choice.replica, hashes, now, session_id)
-        breaker = self.ejector.breakers.get(choice.replica)
-        if breaker is not None:
-            breaker.allow(now)  # takes a half-open probe slot, if that is what this is
 
     def prefilled(self, choice: Choice) -> None:
         """The attempt's first token came (or it ended): its prompt no longer counts as prefilling."""

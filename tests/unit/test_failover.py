@@ -405,6 +405,21 @@ def test_board_records_backend_and_replica():
     assert ("prov", "", 1) in board.metrics(1.0)
 
 
+def test_board_admit_takes_the_half_open_probe():
+    """The board alone takes a replica's half-open probe when an attempt goes there."""
+    board = BreakerBoard()
+    board.replicas("vllm").sync(["v0", "v1"])
+    for _ in range(5):
+        board.record("vllm", "v0", ok=False, now=0.0)
+    b = board.replicas("vllm").breakers["v0"]
+    assert b.state(5.0) is BreakerState.HALF_OPEN and b.available(5.0)
+    board.admit("vllm", "v1", 5.0)  # closed: nothing taken
+    board.admit("vllm", "gone", 5.0)  # unknown replica: ignored
+    assert b.available(5.0)
+    board.admit("vllm", "v0", 5.0)
+    assert not b.available(5.0)  # its one probe slot is taken
+
+
 # ---------------------------------------------------------------------------------------------
 # Retry budget
 # ---------------------------------------------------------------------------------------------
