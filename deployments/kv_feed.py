@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from cluster.engine.kv_events import FeedCursor, page_from_wire
+from cluster.engine.kv_events import FeedCursor, page_from_json
 from cluster.routing.view import BackendView
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 
@@ -95,7 +95,7 @@ class KVEventFeed:
                         self.no_events.add(replica)
                         return
                     resp.raise_for_status()
-                    page = page_from_wire(await resp.json())
+                    page = page_from_json(await resp.read())
             except asyncio.CancelledError:
                 raise
             except aiohttp.ClientConnectionError as exc:

@@ -14,9 +14,9 @@ Transport: in-process, on a virtual clock. Each engine appends to a real ``KVEve
 the M gateways asks each engine for its page every ``MIN_POLL_S`` as ``deployments/kv_feed.py``
 does (under load an engine has new events at every step, so the long poll answers at once): the
 engine side runs ``KVEventLog.since`` + ``page_to_wire`` + ``json.dumps`` (what
-``kv_endpoint``'s ``web.json_response`` does), the gateway side ``json.loads`` + ``page_from_wire``
+``kv_endpoint``'s ``web.json_response`` does), the gateway side ``page_from_json``
 + ``BackendView.apply_kv_page`` + ``FeedCursor.advance`` (what ``kv_feed`` does after
-``resp.json()``) on the gateway's own ``BackendView``/``AffinityRouter`` (the classes and config
+``resp.read()``) on the gateway's own ``BackendView``/``AffinityRouter`` (the classes and config
 defaults the gateway builds). Both sides' CPU is ``time.thread_time`` of that work, divided by the
 virtual seconds simulated: CPU seconds per wall second at the real rates. A gateway is one event
 loop: a single-server queue whose service times are the measured CPU times, which gives the event
@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.config import AffinityConfig
+from cluster.engine import kv_events
 from cluster.engine.kv_events import (
     BlockRemoved,
     BlocksQueued,
@@ -212,7 +213,8 @@ def serve_page(src: EngineSource, cursor: FeedCursor) -> tuple[KVEventPage, byte
 
 def apply_page(gw: Gateway, replica: str, body: bytes, now: float) -> KVEventPage:
     """What ``KVEventFeed._follow`` does with one answer (less aiohttp)."""
-    page = page_from_wire(json.loads(body))
+    from_json = getattr(kv_events, "page_from_json", None)  # the tree before it parsed in two passes
+    page = from_json(body) if from_json is not None else page_from_wire(json.loads(body))
     gw.view.apply_kv_page(replica, page, now)
     gw.cursors[replica].advance(page)
     return page
@@ -366,8 +368,9 @@ def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendVie
         policy.event_fed.add(r)
         policy.index.on_block_stored(r, chain)
         policy.homes.claim(r, chain)
-        for h in chain:
-            policy._stored_by[h] = r
+        if getattr(policy, "_last_homes", True):  # kept only for new_prefix least_loaded (issue 42)
+            for h in chain:
+                policy._stored_by[h] = r
         if len(chains) < 4096:
             chains.append(chain)
     return view, chains, target

@@ -285,22 +285,32 @@ class WirePage(_Strict):
 
 def page_from_wire(data: Any) -> KVEventPage:
     """Parse and validate a page (pydantic's ValidationError on a malformed one)."""
-    p = WirePage.model_validate(data)
+    return _page(WirePage.model_validate(data))
+
+
+def page_from_json(body: bytes | str) -> KVEventPage:
+    """:func:`page_from_wire` of an answer's JSON body, parsed and validated in one pass by
+    pydantic's own JSON parser: about half the CPU of ``json.loads`` and then validating its
+    objects (issue 42: every gateway parses every engine's pages)."""
+    return _page(WirePage.model_validate_json(body))
+
+
+def _page(p: WirePage) -> KVEventPage:
     batches = []
     for b in p.batches:
         events: list[KVCacheEvent] = []
-        for e in b.events:
-            if isinstance(e, WireStored):
+        for e in b.events:  # type() is: pydantic's isinstance goes through ABCMeta (issue 42: a hot loop)
+            if type(e) is WireStored:
                 events.append(
                     BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.cache_salt)
                 )
-            elif isinstance(e, WireRemoved):
+            elif type(e) is WireRemoved:
                 events.append(BlockRemoved(e.block_hashes))
-            elif isinstance(e, WireQueued):
+            elif type(e) is WireQueued:
                 events.append(BlocksQueued(e.block_hashes, e.session_id))
-            elif isinstance(e, WireIndexStored):
+            elif type(e) is WireIndexStored:
                 events.append(IndexStored(e.block_hashes))
-            elif isinstance(e, WireIndexRemoved):
+            elif type(e) is WireIndexRemoved:
                 events.append(IndexRemoved(e.block_hashes))
             else:
                 events.append(AllBlocksCleared())

@@ -215,6 +215,7 @@ class AffinityRouter:
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests, p.claim_stride_blocks)
         self._homing = p.new_prefix == "home"
+        self._last_homes = p.new_prefix == "least_loaded"  # _stored_by's only reader (_last_home)
 
     def hash(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
         """The prompt's block hashes under its cache salt (:mod:`cluster.routing.cache_salt`)."""
@@ -436,8 +437,11 @@ class AffinityRouter:
 
     def apply_index_stored(self, replica: str, stored: Sequence[BlockHash]) -> int:
         """The engine stored these blocks, named by the router's hashes (``IndexStored``: its replica
-        hashed them); returns blocks indexed."""
+        hashed them); returns blocks indexed. Who stored each block last is kept only for
+        ``new_prefix="least_loaded"``, its one reader (issue 42: every gateway, every engine's stores)."""
         self.index.on_block_stored(replica, stored)
+        if not self._last_homes:
+            return len(stored)
         hist = self._stored_by
         for h in stored:
             hist[h] = replica

@@ -21,6 +21,7 @@ from cluster.engine.kv_events import (
     IndexStored,
     KVEventLog,
     PageEncoder,
+    page_from_json,
     page_from_wire,
     page_to_wire,
 )
@@ -131,6 +132,20 @@ def test_wire_round_trip_and_validation():
     bad["batches"][0]["events"][0]["block_size"] = 0
     with pytest.raises(ValidationError, match="block_size"):
         page_from_wire(bad)
+    with pytest.raises(ValidationError, match="block_size"):
+        page_from_json(json.dumps(bad).encode())
+
+
+def test_a_pages_json_body_parses_as_its_wire_objects_do():
+    """page_from_json (the feed's one-pass parse, issue 42) gives what page_from_wire gives."""
+    log = KVEventLog(epoch=3)
+    log.append([BlockStored([7, 8], 6, list(range(8)), 4, "t1"), BlockRemoved(["ab"])], 1.0)
+    log.append([BlocksQueued([11, 12, 13], "s1"), IndexStored([21]), IndexRemoved([22])], 2.0)
+    body = PageEncoder().encode(log.since(0))
+    assert page_from_json(body) == page_from_wire(json.loads(body))
+    assert page_from_json(body).batches[1].events[0] == BlocksQueued([11, 12, 13], "s1")
+    with pytest.raises(ValidationError):
+        page_from_json(body[:-1])  # cut short
 
 
 # The sim engine publishes --------------------------------------------------------------------------
@@ -356,7 +371,8 @@ def test_router_hashed_events_build_the_same_index_as_the_raw_ones():
     last-stored-by map and the decisions of one that hashes the raw events itself, with no map
     of the engine's hashes of its own; tokens no longer cross the wire."""
     a, b = Replica("a", kv_blocks=16), Replica("b", kv_blocks=16)
-    raw, hashed = Gateway([a, b]), Gateway([a, b])
+    # least_loaded: the placement that reads the last-stored-by map (the others keep none)
+    raw, hashed = Gateway([a, b], new_prefix="least_loaded"), Gateway([a, b], new_prefix="least_loaded")
     twins = {}
     for r in (a, b):  # the same events into a second log, as the replica's server keeps them
         twin = twins[r.name] = KVEventLog(epoch=1)
@@ -376,7 +392,7 @@ def test_router_hashed_events_build_the_same_index_as_the_raw_ones():
         c.advance(page)
     pr, ph = raw.view.policy, hashed.view.policy
     assert list(ph.index._map.items()) == list(pr.index._map.items()) and len(pr.index) > 0
-    assert list(ph._stored_by.items()) == list(pr._stored_by.items())
+    assert list(ph._stored_by.items()) == list(pr._stored_by.items()) and pr._stored_by
     assert [ph.index.held_blocks(n) for n in "ab"] == [pr.index.held_blocks(n) for n in "ab"]
     assert not ph._kv_maps and pr._kv_maps
     for p in prompts:

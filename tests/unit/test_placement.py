@@ -285,3 +285,13 @@ def test_the_configured_stride_reaches_the_homes_and_the_recent_sends():
     assert rt.homes.stride == 4 and rt.index.recent_stride == 4
     with pytest.raises(ValueError):
         AffinityParams(claim_stride_blocks=0)
+
+
+def test_only_the_least_loaded_placement_keeps_who_stored_each_block():
+    """The last-stored-by map is read by new_prefix least_loaded alone: the others skip it (every
+    gateway applies every engine's stores, issue 42)."""
+    home, last = router(), AffinityRouter(BS, "m", AffinityParams(new_prefix="least_loaded"))
+    for rt in (home, last):
+        assert rt.apply_index_stored("r0", [1, 2, 3]) == 3
+        assert rt.index.longest_match([1, 2, 3], rt.index.mask(["r0"]))[0] == 3
+    assert not home._stored_by and list(last._stored_by.items()) == [(1, "r0"), (2, "r0"), (3, "r0")]
