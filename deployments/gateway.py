@@ -239,9 +239,9 @@ class Gateway:
         the routing stats the last replica choice saw (Serve pushes them every half second)."""
         now = time.monotonic()
         for name, view in self.views.items():
-            for r in view.live.values():
+            for r in (live := view.snapshot().replicas).values():
                 self.guard.absorb(name, r.replica, r.ttft, now)
-            self.guard.forget_replicas(name, view.live)
+            self.guard.forget_replicas(name, live)
 
     def __serve_build_asgi_app__(self) -> Any:
         return _Asgi(self._asgi)
@@ -465,14 +465,15 @@ class Gateway:
             },
             "routing": {
                 name: {
-                    "replicas": {r: i.url for r, i in v.live.items()},
-                    "in_flight": dict(v.in_flight),
-                    "decisions": dict(v.decision_counts),
-                    "prefilling_tokens": dict(v.prefilling),
-                    "avoided_prefill": v.avoided_prefill,
+                    "replicas": {r: i.url for r, i in s.replicas.items()},
+                    "in_flight": dict(s.in_flight),
+                    "decisions": dict(s.decisions),
+                    "prefilling_tokens": dict(s.prefilling),
+                    "avoided_prefill": s.avoided_prefill,
                     "kv_index": kv_index_status(v, self.kv_feeds.get(name)),
                 }
                 for name, v in self.views.items()
+                for s in (v.snapshot(),)
             },
             "providers": {name: _stats_dict(p.stats()) for name, p in self.providers.items()},
         }

@@ -85,11 +85,12 @@ def _make_gateway_probe() -> Any:
         c = gw.admission.controller.counters()
         views: dict[str, dict[str, int]] = {}
         for name, v in getattr(gw, "views", {}).items():
+            s = v.snapshot()
             t = {
-                "in_flight": len(v.in_flight),
-                "in_flight_total": sum(v.in_flight.values()),
-                "live": len(v.live),
-                "decision_counts": len(v.decision_counts),
+                "in_flight": len(s.in_flight),
+                "in_flight_total": sum(s.in_flight.values()),
+                "live": len(s.replicas),
+                "decision_counts": len(s.decisions),
             }
             if v.policy is not None:
                 t["index_blocks"] = len(v.policy.index)

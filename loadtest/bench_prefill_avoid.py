@@ -42,7 +42,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,14 +113,10 @@ class _InformedView(BackendView):
 
     shared: dict[str, int] = field(default_factory=dict)
 
-    def _off_prefill(self, loads: list[Any], busy_tokens: int) -> list[Any]:
-        own = self.prefilling
+    def _busy_prefill(self) -> Mapping[str, int]:
+        own = super()._busy_prefill()
         both = set(own) | set(self.shared)
-        self.prefilling = Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
-        try:
-            return super()._off_prefill(loads, busy_tokens)
-        finally:
-            self.prefilling = own
+        return Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
 
 
 def replay(
@@ -183,7 +179,7 @@ def replay(
         done.append((spec.surface or "chat", req))
     for e in engines:
         e.run()
-    return summarize(done, engines, sum(v.avoided_prefill for v in views))
+    return summarize(done, engines, sum(v.snapshot().avoided_prefill for v in views))
 
 
 def summarize(done: Sequence[tuple[str, Any]], engines: Sequence[Any], avoided: int) -> dict[str, Any]:

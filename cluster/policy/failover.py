@@ -363,10 +363,8 @@ class BreakerBoard:
         return self._replicas[backend]
 
     def admit(self, backend: str, replica: str, now: float) -> None:
-        """An attempt went to ``replica``: take a half-open probe slot on its breaker, if that is
-        what this is (a routing view only reads breakers; the board alone takes probes)."""
-        breaker = self.replicas(backend).breakers.get(replica)
-        if breaker is not None:
+        """An attempt went to ``replica``: the board alone takes its breaker's half-open probe slot."""
+        if (breaker := self.replicas(backend).breakers.get(replica)) is not None:
             breaker.allow(now)
 
     def record(self, backend: str, replica: str | None, ok: bool, now: float) -> None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from cluster.engine.kv_events import KVEventPage
 from cluster.policy.failover import ReplicaEjector
@@ -62,6 +63,21 @@ class Choice:
     prefill_tokens: int = 0  # counted in the view's ``prefilling`` until its first token or its end
 
 
+@dataclass(frozen=True, slots=True)
+class ViewSnapshot:
+    """One backend's routing view at one moment, as readers see it (:meth:`BackendView.snapshot`):
+    its live replicas, this gateway's attempts in flight and uncached prompt tokens prefilling per
+    replica (only non-zero entries), its decisions by reason, and how many decisions skipped a
+    replica for its prefill."""
+
+    backend: str
+    replicas: Mapping[str, ReplicaInfo]
+    in_flight: Mapping[str, int]
+    prefilling: Mapping[str, int]
+    decisions: Mapping[str, int]
+    avoided_prefill: int
+
+
 UNREACHABLE_HOLD_S = 5.0
 
 
@@ -95,11 +111,14 @@ class BackendView:
     ejector: ReplicaEjector
     max_in_flight_per_replica: int
     mode: str = "cache_aware"  # or the baselines: least_loaded, round_robin, power_of_two
-    in_flight: Counter[str] = field(default_factory=Counter)
+    # The counters: changed only by started() / prefilled() / ended() (one attempt's lease) and
+    # sync() (a replica gone); read through snapshot().
+    _in_flight: Counter[str] = field(default_factory=Counter, init=False)
     live: dict[str, ReplicaInfo] = field(default_factory=dict)
-    decision_counts: Counter[str] = field(default_factory=Counter)
-    prefilling: Counter[str] = field(default_factory=Counter)  # uncached prompt tokens before a first token
-    avoided_prefill: int = 0  # decisions that skipped a replica for its prefill
+    _decisions: Counter[str] = field(default_factory=Counter, init=False)
+    # uncached prompt tokens before a first token
+    _prefilling: Counter[str] = field(default_factory=Counter, init=False)
+    _avoided_prefill: int = field(default=0, init=False)  # decisions that skipped a replica for its prefill
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     _rr: int = 0
     # Replicas whose token endpoint refused a connection or whose engine said it is dead, until
@@ -110,14 +129,26 @@ class BackendView:
     # serving()'s answer until the next change (sync, a refusal) or an unreachable hold's end
     _up: tuple[list[str], frozenset[str], float, float] | None = None  # (up, as a set, since, until)
 
+    def snapshot(self) -> ViewSnapshot:
+        """A copy of the view's replicas and counters for readers (status, the SLO guard, load
+        tools, tests): later changes do not show in it."""
+        return ViewSnapshot(
+            self.backend,
+            MappingProxyType(dict(self.live)),
+            MappingProxyType(dict(self._in_flight)),
+            MappingProxyType(dict(self._prefilling)),
+            MappingProxyType(dict(self._decisions)),
+            self._avoided_prefill,
+        )
+
     def sync(self, replicas: Sequence[ReplicaInfo]) -> None:
         """Serve's current replica list: replicas not in it are forgotten everywhere."""
         now_live = {r.replica: r for r in replicas if r.url}
         self.synced = self.synced or bool(now_live)
         self._up = None
         for gone in set(self.live) - set(now_live):
-            self.in_flight.pop(gone, None)
-            self.prefilling.pop(gone, None)
+            self._in_flight.pop(gone, None)
+            self._prefilling.pop(gone, None)
             if self.policy is not None:
                 self.policy.remove_replica(gone)
         self.live = now_live
@@ -186,7 +217,7 @@ class BackendView:
         pool: list[str] = up
         fleet, probe = None, None
         if self.policy is not None and self.mode == "cache_aware":
-            total = sum(self.in_flight.values())
+            total = sum(self._in_flight.values())
             pool, fleet, probe = bounded_pool(
                 self.policy, up, up_set, total, hashes, now, session_id, self.rng
             )
@@ -209,7 +240,7 @@ class BackendView:
             decision = self.policy.decide(hashes, loads, self.rng, now, session_id, fleet, probe)
         replica = decision.replica
         if replica is None:  # every replica at its cap: queue on the least loaded one
-            replica = min(up, key=lambda r: (self.in_flight[r] + self.live[r].waiting, r))
+            replica = min(up, key=lambda r: (self._in_flight[r] + self.live[r].waiting, r))
         url = self.live[replica].url
         assert url is not None  # sync keeps only replicas with an endpoint
         ranked = self.policy if self.mode == "cache_aware" else None
@@ -226,45 +257,50 @@ class BackendView:
         """The attempt went out: count it, remember where its blocks now live, and count its
         prompt's tokens the decision did not expect cached as prefilling there until its first
         token (:meth:`prefilled`) or its end."""
-        self.in_flight[choice.replica] += 1
+        self._in_flight[choice.replica] += 1
         n, matched = len(hashes), choice.decision.matched_blocks
         uncached = prompt_tokens if not n else prompt_tokens * max(0, n - matched) // n
         if uncached > 0:
             choice.prefill_tokens = uncached
-            self.prefilling[choice.replica] += uncached
+            self._prefilling[choice.replica] += uncached
         reason = self.mode if self.mode != "cache_aware" else choice.decision.reason
-        self.decision_counts[reason] += 1
+        self._decisions[reason] += 1
         if self.policy is not None:
             self.policy.record(choice.replica, hashes, now, session_id)
 
     def prefilled(self, choice: Choice) -> None:
         """The attempt's first token came (or it ended): its prompt no longer counts as prefilling."""
         n, choice.prefill_tokens = choice.prefill_tokens, 0
-        if n > 0 and choice.replica in self.prefilling:
-            _take(self.prefilling, choice.replica, n)
+        if n > 0 and choice.replica in self._prefilling:
+            _take(self._prefilling, choice.replica, n)
 
     def ended(self, replica: str, choice: Choice | None = None) -> None:
         if choice is not None:
             self.prefilled(choice)
-        _take(self.in_flight, replica, 1)
+        _take(self._in_flight, replica, 1)
 
     # -- internals ---------------------------------------------------------------------------
     def _off_prefill(self, loads: list[ReplicaLoad], busy_tokens: int) -> list[ReplicaLoad]:
         """``loads`` with the replicas prefilling ``busy_tokens`` or more marked unroutable for this
         decision, when a routable one below that (and below its cap) is left; else unchanged."""
-        busy = {x.replica for x in loads if self.prefilling.get(x.replica, 0) >= busy_tokens}
+        prefilling = self._busy_prefill()
+        busy = {x.replica for x in loads if prefilling.get(x.replica, 0) >= busy_tokens}
         if not busy or not any(
             x.healthy and x.in_flight < x.max_in_flight and x.replica not in busy for x in loads
         ):
             return loads
-        self.avoided_prefill += 1
+        self._avoided_prefill += 1
         return [replace(x, healthy=False) if x.replica in busy else x for x in loads]
+
+    def _busy_prefill(self) -> Mapping[str, int]:
+        """The prefilling counts a prefill-aware decision reads (a what-if view may add to them)."""
+        return self._prefilling
 
     def _load(self, replica: str, healthy: bool) -> ReplicaLoad:
         info = self.live[replica]
         return ReplicaLoad(
             replica,
-            self.in_flight[replica],
+            self._in_flight[replica],
             info.waiting,
             info.kv_usage,
             healthy and info.healthy,

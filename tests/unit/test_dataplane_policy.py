@@ -73,9 +73,9 @@ def test_the_view_follows_serves_replica_list() -> None:
     c = v.choose([1, 2], 0.0)
     assert c is not None
     v.started(c, [1, 2], 0.0, None)
-    assert v.in_flight[c.replica] == 1
+    assert v.snapshot().in_flight[c.replica] == 1
     v.sync([ReplicaInfo("r2", "http://b")] if c.replica == "r1" else [ReplicaInfo("r1", "http://a")])
-    assert c.replica not in v.live and c.replica not in v.in_flight  # gone everywhere at once
+    assert c.replica not in v.live and c.replica not in v.snapshot().in_flight  # gone everywhere at once
 
 
 def test_the_view_prefers_the_prefix_holder_and_avoids_earlier_replicas() -> None:
@@ -104,20 +104,21 @@ def test_a_latency_bound_request_skips_a_replica_prefilling_a_long_prompt() -> N
     long = v.choose(agent, 0.0, avoid=[r for r in v.live if r != home.replica])  # on Tab's replica
     assert long is not None and long.replica == home.replica and long.decision.matched_blocks == 0
     v.started(long, agent, 0.0, None, prompt_tokens=1200)
-    assert v.prefilling[home.replica] == 1200 and long.prefill_tokens == 1200
+    assert v.snapshot().prefilling[home.replica] == 1200 and long.prefill_tokens == 1200
     # The session's replica is prefilling 1,200 uncached tokens: Tab goes to the other one ...
     moved = v.choose(tab, 0.0, session_id="tab-1", busy_prefill_tokens=512)
-    assert moved is not None and moved.replica != home.replica and v.avoided_prefill == 1
+    assert moved is not None and moved.replica != home.replica and v.snapshot().avoided_prefill == 1
     # ... without the threshold, or above what is prefilling, it stays with its session and cache
     for busy in (None, 2000):
         stay = v.choose(tab, 0.0, session_id="tab-1", busy_prefill_tokens=busy)
         assert stay is not None and stay.replica == home.replica
     v.prefilled(long)  # Agent's first token: its prefill is over
-    assert home.replica not in v.prefilling and long.prefill_tokens == 0
+    assert home.replica not in v.snapshot().prefilling and long.prefill_tokens == 0
     back = v.choose(tab, 0.0, session_id="tab-1", busy_prefill_tokens=512)
-    assert back is not None and back.replica == home.replica and v.avoided_prefill == 1
+    assert back is not None and back.replica == home.replica and v.snapshot().avoided_prefill == 1
     v.ended(long.replica, long)  # counted once, whatever comes after the first token
-    assert home.replica not in v.prefilling and v.in_flight[home.replica] == 0
+    s = v.snapshot()
+    assert home.replica not in s.prefilling and s.in_flight.get(home.replica, 0) == 0
 
 
 def test_prefill_avoidance_never_leaves_a_request_without_a_replica() -> None:
@@ -128,15 +129,15 @@ def test_prefill_avoidance_never_leaves_a_request_without_a_replica() -> None:
         c = v.choose(hashes, 0.0, avoid=[["r2"], ["r1"]][i])
         assert c is not None
         v.started(c, hashes, 0.0, None, prompt_tokens=1200)
-    assert v.prefilling == {"r1": 1200, "r2": 1200}
+    assert v.snapshot().prefilling == {"r1": 1200, "r2": 1200}
     tab = v.choose(v.policy.hash(list(range(16))), 0.0, busy_prefill_tokens=512)  # type: ignore[union-attr]
-    assert tab is not None and v.avoided_prefill == 0  # both busy: chosen as without the threshold
+    assert tab is not None and v.snapshot().avoided_prefill == 0  # both busy: chosen as without the threshold
     cached = v.choose(agent[0], 0.0)
     assert cached is not None and cached.decision.matched_blocks > 0
     v.started(cached, agent[0], 0.0, None, prompt_tokens=1200)
     assert cached.prefill_tokens < 1200  # what the decision expects cached does not count
     v.sync([ReplicaInfo("r2", "http://b")])
-    assert "r1" not in v.prefilling  # a replica gone is forgotten here too
+    assert "r1" not in v.snapshot().prefilling  # a replica gone is forgotten here too
 
 
 def test_the_views_choice_carries_the_attempts_cache_rank() -> None:

@@ -140,13 +140,16 @@ def test_a_lease_alone_changes_the_views_counts_and_ends_once() -> None:
     assert choice is not None
     view.started(choice, hashes, 0.0, None, 40)  # what ReplicaPicker.pick does before leasing
     with ReplicaLease(view, choice) as lease:
-        assert view.in_flight["r0"] == 1 and view.prefilling.get("r0", 0) > 0
+        s = view.snapshot()
+        assert s.in_flight["r0"] == 1 and s.prefilling.get("r0", 0) > 0
         lease.first_token()
-        assert view.prefilling.get("r0", 0) == 0 and view.in_flight["r0"] == 1
+        s = view.snapshot()
+        assert s.prefilling.get("r0", 0) == 0 and s.in_flight["r0"] == 1
         lease.close()
         other = view.choose(hashes, 1.0, None)
         assert other is not None
         view.started(other, hashes, 1.0, None)  # another attempt there meanwhile
-    assert view.in_flight.get("r0", 0) == 1  # the lease ended once: the other's count stands
+    assert view.snapshot().in_flight.get("r0", 0) == 1  # the lease ended once: the other's count stands
     ReplicaLease(view, other).unreachable(1.0)
-    assert view.in_flight.get("r0", 0) == 0 and view.choose(hashes, 1.5, None) is None  # skipped a while
+    after = view.snapshot()
+    assert after.in_flight.get("r0", 0) == 0 and view.choose(hashes, 1.5, None) is None  # skipped a while
