@@ -214,8 +214,7 @@ class AffinityRouter:
         self._stored_by: OrderedDict[BlockHash, str] = OrderedDict()
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests, p.claim_stride_blocks)
-        self._homing = p.new_prefix == "home"
-        self._last_homes = p.new_prefix == "least_loaded"  # _stored_by's only reader (_last_home)
+        self._homing, self._last_homes = p.new_prefix == "home", p.new_prefix == "least_loaded"  # readers
 
     def hash(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
         """The prompt's block hashes under its cache salt (:mod:`cluster.routing.cache_salt`)."""
@@ -437,13 +436,10 @@ class AffinityRouter:
 
     def apply_index_stored(self, replica: str, stored: Sequence[BlockHash]) -> int:
         """The engine stored these blocks, named by the router's hashes (``IndexStored``: its replica
-        hashed them); returns blocks indexed. Who stored each block last is kept only for
-        ``new_prefix="least_loaded"``, its one reader (issue 42: every gateway, every engine's stores)."""
+        hashed them); returns blocks indexed. Who stored each last: kept for its reader alone."""
         self.index.on_block_stored(replica, stored)
-        if not self._last_homes:
-            return len(stored)
         hist = self._stored_by
-        for h in stored:
+        for h in stored if self._last_homes else ():  # issue 42: every gateway, every engine's stores
             hist[h] = replica
             hist.move_to_end(h)
         while len(hist) > self.params.index_capacity_blocks:
