@@ -119,6 +119,20 @@ def _error_code(raw: bytes) -> str:
     return str(err.get("code") or err.get("type") or "error")
 
 
+def _error_detail(err: Any) -> dict[str, Any]:
+    """An error object's code, type and message (what a client is told about why)."""
+    if not isinstance(err, dict):
+        return {"message": str(err)[:300]}
+    return {k: err.get(k) for k in ("code", "type", "message") if err.get(k) is not None}
+
+
+def _body_error(raw: bytes) -> dict[str, Any]:
+    try:
+        return _error_detail(json.loads(raw).get("error") or {})
+    except (ValueError, AttributeError):
+        return {"message": raw[:300].decode("utf-8", "replace")}
+
+
 class _SurfaceUser(HttpUser):
     abstract = True
     surface = "chat"
@@ -173,8 +187,10 @@ class _SurfaceUser(HttpUser):
                 if resp.status_code == 0:  # no response: Locust caught the transport error
                     if not obs.cancel_due():
                         obs.error = type(resp.error).__name__ if resp.error is not None else "no_response"
+                        obs.detail = _error_detail(resp.error)
                 elif resp.status_code != 200:
                     obs.error = f"http_{resp.status_code}:{_error_code(resp.content or b'')}"
+                    obs.detail = _body_error(resp.content or b"")
                 else:
                     self._read(resp, obs)
                 if obs.cancelled:
@@ -187,7 +203,8 @@ class _SurfaceUser(HttpUser):
                 else:
                     resp.success()
         except requests.exceptions.RequestException as exc:
-            obs.error = obs.error or type(exc).__name__
+            if obs.error is None:
+                obs.error, obs.detail = type(exc).__name__, _error_detail(exc)
         self._report(sess, obs)
 
     def _read(self, resp: Any, obs: _Observed) -> None:
@@ -200,6 +217,7 @@ class _SurfaceUser(HttpUser):
                 obj = json.loads(data)
                 if "error" in obj:
                     obs.error = f"stream:{obj['error'].get('code') or obj['error'].get('type')}"
+                    obs.detail = _error_detail(obj["error"])
                     return
                 now = time.perf_counter()
                 for ch in obj.get("choices") or ():
@@ -224,6 +242,7 @@ class _SurfaceUser(HttpUser):
             if not obs.cancel_due():  # a silent server: the read timeout was the cancel
                 timed_out = isinstance(exc, requests.exceptions.Timeout) or "timed out" in str(exc)
                 obs.error = "timeout" if timed_out else type(exc).__name__
+                obs.detail = _error_detail(exc)
 
     def _report(self, sess: Session, obs: _Observed) -> None:
         env = self.environment
@@ -269,6 +288,7 @@ class _Observed:
     gaps: list[float] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
     error: str | None = None
+    detail: dict[str, Any] | None = None  # the error object's code, type and message (or the exception)
     cancelled: bool = False
 
     def cancel_due(self) -> bool:

@@ -21,6 +21,7 @@ OK = ("completed", "cancelled", "refused_400")
 HIT_RATE_POINTS = 0.05  # "back within 5 points of steady state"
 HIT_BIN_S = 10.0  # the window a hit rate is measured over while it recovers
 MIN_BIN_REQUESTS = 3
+MAX_LISTED = 50  # failed requests listed one by one per summary (all are counted)
 
 
 def outcome(rec: Record) -> str:
@@ -38,6 +39,22 @@ def outcome(rec: Record) -> str:
 
 def failed(rec: Record) -> bool:
     return outcome(rec) not in OK
+
+
+def why(rec: Record) -> dict[str, Any]:
+    """A failed request as the result lists it: when, where, and what the client was told (the
+    error object's code, type and message, or the transport exception)."""
+    return {
+        "t0": round(float(rec["t0"]), 3),
+        "ms": round(1000 * (float(rec["t_end"]) - float(rec["t0"])), 1),
+        "surface": rec.get("surface"),
+        "outcome": outcome(rec),
+        "error": rec.get("error"),
+        **(rec.get("error_detail") or {}),
+        "url": rec.get("url"),
+        "backend": rec.get("backend"),
+        "replica": rec.get("replica"),
+    }
 
 
 def overlapping(records: Iterable[Record], t0: float, t1: float) -> list[Record]:
@@ -83,6 +100,7 @@ def summary(records: Sequence[Record], backend: str | None = None) -> dict[str, 
             for s, v in sorted(ttft.items())
         },
         "hit_rate": hit_rate(records, backend),
+        "failures": [why(r) for r in records if failed(r)][:MAX_LISTED],
     }
 
 

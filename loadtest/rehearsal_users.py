@@ -2,8 +2,9 @@
 the project's per-surface users (``loadtest/locustfile.py``: Tab, Chat, Agent, their request shapes,
 think times and Tab's cancels; without ``ignore_eos``, which only engines honour), each request
 also written as one JSON line to ``LLMC_REHEARSAL_RECORDS`` (wall-clock start and end, surface,
-TTFT, the locustfile's error type, whether the client cancelled, the answering backend and replica,
-prompt and cached tokens), so that outcomes can be set beside the schedule's events.
+TTFT, the locustfile's error type and the error's code, type and message, whether the client
+cancelled, the answering backend and replica, prompt and cached tokens), so that outcomes can be
+set beside the schedule's events.
 
 Requests are spread over the Serve addresses listed in ``LLMC_REHEARSAL_ENDPOINTS`` (a file, one
 base URL a line, re-read when it changes), as a Kubernetes Service spreads them over its ready pods:
@@ -107,6 +108,7 @@ class _Recorded(lf._SurfaceUser):
             "t_end": time.time(),
             "ttft_s": obs.ttft,
             "error": obs.error,
+            "error_detail": obs.detail,
             "cancelled": obs.cancelled,
             "tokens": obs.tokens,
             **self._meta,

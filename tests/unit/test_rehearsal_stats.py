@@ -33,6 +33,23 @@ def test_summary_counts_codes_and_percentiles() -> None:
     assert s["ttft_ms"]["chat"] == {"n": 100, "p50": 51.0, "p99": 100.0}
 
 
+def test_every_failure_says_why() -> None:
+    refusal = {"code": "rate_limit_exceeded", "type": "rate_limit_error", "message": "surface 'chat': ..."}
+    records = [
+        rec(0, 1),
+        rec(2, 2.005, error="http_429:rate_limit_exceeded", ttft_s=None, error_detail=refusal, url="u1"),
+        rec(3, 4, error="ConnectionError", ttft_s=None, error_detail={"message": "reset by peer"}),
+        rec(5, 6, error="http_400:context_length_exceeded", ttft_s=None),  # the request's own fault
+    ]
+    listed = rs.summary(records)["failures"]
+    assert [f["error"] for f in listed] == ["http_429:rate_limit_exceeded", "ConnectionError"]
+    assert listed[0] | refusal == listed[0] and listed[0]["ms"] == 5.0 and listed[0]["url"] == "u1"
+    assert listed[1]["message"] == "reset by peer" and listed[1]["outcome"] == "failed_before_first_token"
+    many = [rec(t, t + 1, error="timeout", ttft_s=None) for t in range(rs.MAX_LISTED + 5)]
+    s = rs.summary(many)
+    assert len(s["failures"]) == rs.MAX_LISTED and s["outcomes"] == {"hung": rs.MAX_LISTED + 5}
+
+
 def test_hit_rate_recovery() -> None:
     # before: 50 % cached; after the rejoin at t=100 nothing cached until t=130, then 48 %
     records = [rec(t, t + 1, backend="sim", prompt_tokens=100, cached_tokens=50) for t in range(0, 100)]
