@@ -33,7 +33,7 @@ from cluster.policy.admission_async import AsyncAdmission
 from cluster.policy.attempts import by_capacity
 from cluster.policy.context import reserved_output
 from cluster.policy.failover import BreakerBoard
-from cluster.policy.slo_guard import SloGuard
+from cluster.policy.slo_guard import SloGuard, guarded_backends
 from cluster.policy.tenants import TenantReservation
 from cluster.providers.budget import Prices
 from cluster.routing.affinity import AffinityParams, AffinityRouter
@@ -90,7 +90,7 @@ class Gateway:
         self.cache_salts = CacheSalts(cfg.tenants, self._token)  # one cache group's never answers another's
         self.admission = AsyncAdmission(AdmissionController.from_config(cfg))
         self.tenants = shared_tenant_budgets(cfg.tenants, tenant_budgets)
-        backends = [b.name for b in cfg.backends]
+        backends = guarded_backends(cfg.backends)  # engines only: a provider's TTFT is not ours to defer
         self.guard = SloGuard.for_surfaces(cfg.policies.slo_guard, cfg.surfaces, backends)
         self.board = BreakerBoard(cfg.policies.failover.breaker)
         self.replica_id = replica = serve.get_replica_context().replica_id.unique_id

@@ -3,12 +3,14 @@ objective, raised again as Tab recovers, and uncapped as soon as Tab is quiet.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.config import SurfaceConfig
 from cluster.policy.admission import AdmissionController, Queued, Rejection, Ticket
 from cluster.policy.guard_caps import GuardCaps
-from cluster.policy.slo_guard import SloGuard, SloGuardConfig
+from cluster.policy.slo_guard import SloGuard, SloGuardConfig, guarded_backends
 
 SURFACES = {"tab": (0, 0.1), "chat": (1, 1.0), "agent": (2, 3.0)}
 CFG = SloGuardConfig(min_samples=2, quiet_s=2.0, increase_step=2, decrease_factor=0.5)
@@ -225,6 +227,32 @@ def test_precheck_refuses_before_parsing_when_the_guard_binds_on_every_backend()
     assert isinstance(queueing.try_admit("agent", 0.0, ["gpu"]), Ticket)
     queueing.set_guard_caps({"gpu": 1}, 0.1)
     assert queueing.precheck("agent", 0.2) is None
+
+
+def test_providers_are_never_guarded() -> None:
+    """A provider's TTFT does not depend on our deferrable work there: only the engines are guarded.
+    The rehearsal's upgrade: a loopback provider's steady 100 ms first token held Tab's p90 at its
+    objective, the provider stayed capped and a Chat request it could have served got a 429."""
+    from cluster.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/gpu.yaml")
+    assert guarded_backends(cfg.backends) == ["vllm-llama-8b"]
+    g = SloGuard(CFG, SURFACES, ["gpu"])  # the gateway passes guarded_backends(cfg.backends)
+    c = AdmissionController([_surf("tab", 0), _surf("agent", 2)], {"gpu": 100, "openai": 100})
+    for b in ("gpu", "openai", "openai"):
+        assert isinstance(c.try_admit("agent", 0.0, [b]), Ticket)
+    g.arrived("tab", 0.0)
+    for b in ("gpu", "openai"):
+        for _ in range(4):
+            g.observe("tab", b, 0.1, 0.0)  # Tab at its objective on both
+    caps = g.update(0.5, c.deferred_in_flight(), {"gpu": 100, "openai": 100})
+    assert caps == {"gpu": 1}  # pressure on the engine; the provider is not the guard's
+    c.set_guard_caps(caps, 0.5)
+    assert c.precheck("agent", 0.6) is None
+    got = c.try_admit("agent", 0.6, ["openai", "gpu"])
+    assert isinstance(got, Ticket) and got.backend == "openai"
+    r = c.try_admit("agent", 0.6, ["gpu"])  # the engine alone: deferred, as before
+    assert isinstance(r, Rejection) and r.reason == "guard"
 
 
 def test_waiters_queued_before_any_estimate_are_checked_once_there_is_one() -> None:
