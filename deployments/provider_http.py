@@ -126,16 +126,17 @@ class Flight:
         elif self._content is not None:  # the stream's reads: the pending one raises Aborted
             self.loop.call_soon_threadsafe(self._end)
 
-    async def read(self, deadline: float, content: aiohttp.StreamReader) -> bytes:
+    def read(self, deadline: float, content: aiohttp.StreamReader) -> Awaitable[bytes]:
         """``content.readany()`` by ``deadline`` (loop time; TimeoutError past it); ``abort``
-        ends it early (Aborted)."""
+        ends it early (Aborted). A plain call returning the read's awaitable: no frame of its own
+        on the token path."""
         if self.aborted:
             raise Aborted
         self.due = deadline
         if self._timer is None or self._at > deadline:
             self._content = content
             self._arm(deadline)
-        return await content.readany()
+        return content.readany()
 
     def _arm(self, at: float) -> None:
         if self._timer is not None:

@@ -71,11 +71,12 @@ class ChunkReader:
         self.openai_data = openai_data
         self.decoder = SSEDecoder()
 
-    def read(self, data: bytes) -> tuple[list[Chunk], Exception | None]:
-        """One network read's content as chunks, and the failure to raise once they are out."""
+    def read(self, data: bytes) -> tuple[list[Chunk | str], Exception | None]:
+        """One network read's content as chunks, and the failure to raise once they are out. A
+        plain text delta is its text alone (a ``str``: no object built; :func:`as_chunk`)."""
         if self.openai_data and (payloads := self.decoder.feed_data(data)) is not None:
             return self._read_openai(payloads)
-        batch: list[Chunk] = []
+        batch: list[Chunk | str] = []
         for ev in self.decoder.feed(data):
             try:
                 delta = self.parse(ev)
@@ -86,15 +87,15 @@ class ChunkReader:
                 return batch, failure
         return batch, None
 
-    def _read_openai(self, payloads: list[bytes]) -> tuple[list[Chunk], Exception | None]:
-        s, batch = self.s, []
+    def _read_openai(self, payloads: list[bytes]) -> tuple[list[Chunk | str], Exception | None]:
+        s, batch = self.s, list[Chunk | str]()
         for raw in payloads:
             try:
                 got = openai_wire.plain_text(raw)
                 if type(got) is str:  # the common event: text, nothing else
                     s.started = True
                     s.out_parts.append(got)
-                    batch.append(Chunk(text=got, replica=self.replica, backend=self.backend))
+                    batch.append(got)
                     continue
                 delta = StreamDelta(done=True) if got is None else openai_wire.parse_stream_obj(got)
             except ValueError as exc:
@@ -104,7 +105,7 @@ class ChunkReader:
                 return batch, failure
         return batch, None
 
-    def _take(self, delta: StreamDelta, batch: list[Chunk]) -> Exception | None:
+    def _take(self, delta: StreamDelta, batch: list[Chunk | str]) -> Exception | None:
         s = self.s
         if delta.error is not None:
             return self.fail(delta.error, s.started)
@@ -130,3 +131,8 @@ class ChunkReader:
         if delta.done:
             s.done = True
         return None
+
+
+def as_chunk(item: Chunk | str, replica: str | None = None, backend: str | None = None) -> Chunk:
+    """A batch's item as a :class:`Chunk` (a plain text delta travels as its text alone)."""
+    return Chunk(text=item, replica=replica, backend=backend) if isinstance(item, str) else item

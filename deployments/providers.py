@@ -22,7 +22,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, ClassVar
 
 import aiohttp
@@ -42,7 +42,7 @@ from deployments import provider_http as ph
 from deployments.provider_budget import Budget, get_budget
 from deployments.provider_counters import ProviderCounters
 from deployments.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
-from deployments.provider_stream import ChunkReader, StreamState
+from deployments.provider_stream import ChunkReader, StreamState, as_chunk
 
 __all__ = [
     "AnthropicProviderBackend",
@@ -133,19 +133,17 @@ class ProviderBackend:
         gen = self.generate_batches(req)
         try:
             async for batch in gen:
-                for chunk in batch:
-                    yield chunk
+                for item in batch:
+                    yield as_chunk(item, self.replica, self.backend_name)
         finally:
             await gen.aclose()
 
-    async def generate_batches(self, req: GenerateRequest) -> AsyncIterator[list[Chunk]]:
+    async def generate_batches(self, req: GenerateRequest) -> AsyncGenerator[list[Chunk | str], None]:
         """The stream, one list of chunks per network read: what arrived together leaves together
-        (the gateway writes each list to its client in one send)."""
+        (the gateway writes each list to its client in one send), then its usage (settled). One
+        generator from the budget's seat to the settle: a read passes through no other frame."""
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        total_deadline = t0 + self.cfg.total_timeout_s
-        if req.deadline is not None:
-            total_deadline = min(total_deadline, t0 + (req.deadline - time.time()))
+        total_deadline = self._total_deadline(req, loop.time())
         flight = Flight(loop)
         self._flights.setdefault(req.request_id, []).append(flight)
         self.counts.started += 1
@@ -155,25 +153,56 @@ class ProviderBackend:
             wait = max(0.0, min(self.admission_wait_s, total_deadline - loop.time()))
             res = await self._reserve(req, s.input_est, wait)
             s.reserved = True
-            relay = self._relay(req, flight, s, total_deadline, res)
+            sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
+            first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
             try:
-                async for batch in relay:
-                    yield batch
-            finally:
-                await relay.aclose()
+                reader, content = await self._open(req, flight, s, first_deadline)
+                between = self.cfg.between_tokens_timeout_s
+                while not s.done:
+                    deadline = min(total_deadline, s.last + between) if s.started else first_deadline
+                    data = await flight.read(deadline, content)  # all that has arrived
+                    if not data:
+                        break
+                    s.last = loop.time()
+                    batch, failure = reader.read(data)
+                    if batch:
+                        yield batch
+                    if failure is not None:
+                        raise failure
+                if not s.done and (s.finish is None or self.api == "anthropic"):
+                    raise perrors.truncated(backend=self.backend_name, started=s.started)
+            except Aborted:
+                yield [self._aborted(s)]
+                return
+            except ClusterError:
+                raise
+            except (*ph.TRANSPORT_ERRORS, ValueError) as exc:
+                raise self._broken(exc, s, loop.time() - (s.last if s.started else sent_at)) from exc
+            yield [await self._settle(s, res)]
         except ClusterError as err:
             self._count_error(err, req)
             raise
         finally:
-            flight.stop()
-            flights = self._flights.get(req.request_id, [])
-            if flight in flights:
-                flights.remove(flight)
-            if not flights:
-                self._flights.pop(req.request_id, None)
+            self._landed(req, flight)
             # One shielded task for both steps: a second cancellation while the connection closes
             # must not skip the release (the slot would be held until the reservation expires).
             await asyncio.shield(self._close(res, s.response, self._unsettled_release(req, s)))
+
+    def _total_deadline(self, req: GenerateRequest, now: float) -> float:
+        """The stream's end at the latest (loop time): the configured total, or the request's own."""
+        total_deadline = now + self.cfg.total_timeout_s
+        if req.deadline is not None:
+            total_deadline = min(total_deadline, now + (req.deadline - time.time()))
+        return total_deadline
+
+    def _landed(self, req: GenerateRequest, flight: Flight) -> None:
+        """The request's flight is over: ``abort`` no longer reaches it."""
+        flight.stop()
+        flights = self._flights.get(req.request_id, [])
+        if flight in flights:
+            flights.remove(flight)
+        if not flights:
+            self._flights.pop(req.request_id, None)
 
     async def _reserve(self, req: GenerateRequest, input_est: int, wait_s: float) -> Reservation:
         """The budget's seat for this request, waiting at most ``wait_s``; a 429 when there is none."""
@@ -190,59 +219,36 @@ class ProviderBackend:
         assert got is not None  # None is a tenant without a budget; a provider's budget limits every request
         return got
 
-    async def _relay(
-        self, req: GenerateRequest, flight: Flight, s: StreamState, total_deadline: float, res: Reservation
-    ) -> AsyncIterator[list[Chunk]]:
-        """Send the request and pass its content on as it arrives, then its usage (settled)."""
-        loop = asyncio.get_running_loop()
-        sent_at = loop.time()  # the first-token clock starts now, not while we waited for budget
+    async def _open(
+        self, req: GenerateRequest, flight: Flight, s: StreamState, first_deadline: float
+    ) -> tuple[ChunkReader, aiohttp.StreamReader]:
+        """Send the request; its stream's reader, and the body to read (an error status raised)."""
+        s.response = response = await self._send(req, flight, first_deadline)
+        s.charged = s.input_est  # it reached the provider: it may bill the input
+        if response.status != 200:
+            body = await flight.timed(first_deadline, ph.read_capped(response))
+            raise self._map_status(response.status, body, response.headers)
+        reader = ChunkReader(
+            s, self._parser(), self._stream_error, self.replica, self.backend_name, self.plain_data
+        )
+        s.last = asyncio.get_running_loop().time()
+        return reader, response.content
 
-        first_deadline = min(total_deadline, sent_at + self.cfg.first_token_timeout_s)
-        try:
-            s.response = response = await self._send(req, flight, first_deadline)
-            s.charged = s.input_est  # it reached the provider: it may bill the input
-            if response.status != 200:
-                body = await flight.timed(first_deadline, ph.read_capped(response))
-                raise self._map_status(response.status, body, response.headers)
-            reader = ChunkReader(
-                s, self._parser(), self._stream_error, self.replica, self.backend_name, self.plain_data
-            )
-            content = response.content
-            s.last = loop.time()
-            while not s.done:
-                deadline = (
-                    min(total_deadline, s.last + self.cfg.between_tokens_timeout_s)
-                    if s.started
-                    else first_deadline
-                )
-                data = await flight.read(deadline, content)  # all that has arrived
-                if not data:
-                    break
-                s.last = loop.time()
-                batch, failure = reader.read(data)
-                if batch:
-                    yield batch
-                if failure is not None:
-                    raise failure
-            if not s.done and (s.finish is None or self.api == "anthropic"):
-                raise perrors.truncated(backend=self.backend_name, started=s.started)
-        except Aborted:
-            self.counts.aborted += 1
-            usage = Usage(prompt_tokens=s.input_est, completion_tokens=self._count_out(s.out_parts))
-            yield [Chunk(finish_reason="abort", usage=usage, replica=self.replica, backend=self.backend_name)]
-            return
-        except ClusterError:
-            raise
-        except (*ph.TRANSPORT_ERRORS, ValueError) as exc:
-            waited = loop.time() - (s.last if s.started else sent_at)
-            raise perrors.from_transport(
-                exc,
-                backend=self.backend_name,
-                started=s.started,
-                waited_s=waited,
-                connect_failed=ph.is_connect_failure(exc),
-            ) from exc
-        yield [await self._settle(s, res)]
+    def _aborted(self, s: StreamState) -> Chunk:
+        """The last chunk of a stream ``abort`` ended: what it had sent, estimated."""
+        self.counts.aborted += 1
+        usage = Usage(prompt_tokens=s.input_est, completion_tokens=self._count_out(s.out_parts))
+        return Chunk(finish_reason="abort", usage=usage, replica=self.replica, backend=self.backend_name)
+
+    def _broken(self, exc: BaseException, s: StreamState, waited: float) -> ClusterError:
+        """A transport failure (or an unreadable stream) as the error to raise."""
+        return perrors.from_transport(
+            exc,
+            backend=self.backend_name,
+            started=s.started,
+            waited_s=waited,
+            connect_failed=ph.is_connect_failure(exc),
+        )
 
     def _stream_error(self, error: dict[str, Any], started: bool) -> Exception:
         """A mid-stream error object from the provider, as the exception to raise."""

@@ -35,12 +35,21 @@ class ChunkFramer:
         self.logprobs = LogprobsFraming(meta.kind, collect=True)  # a provider's, if it sent any
         self.choices = ChoiceEvents(meta, n, collect=True) if n > 1 else None
 
-    def frame(self, batch: list[Chunk]) -> bytes:
+    def frame(self, batch: list[Chunk | str]) -> bytes:
         if len(batch) == 1:
             return self.frame_one(batch[0])
         return b"".join([self.frame_one(c) for c in batch])
 
-    def frame_one(self, chunk: Chunk) -> bytes:
+    def frame_one(self, chunk: Chunk | str) -> bytes:
+        """One chunk's event (b"": none). A ``str`` is a plain text delta, the common chunk: past
+        the first event it is framed straight from its text, no object built or read."""
+        if type(chunk) is str:
+            if self.sent_first and self.choices is None and not self.logprobs.pending:
+                self.tokens += 1
+                self.parts.append(chunk)
+                return self.text_events.event(chunk)
+            chunk = Chunk(text=chunk)
+        assert isinstance(chunk, Chunk)
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.finish_reason is not None:
@@ -84,7 +93,7 @@ class FramedStream:
 
     __slots__ = ("_batches", "framer")
 
-    def __init__(self, batches: AsyncGenerator[list[Chunk], None], framer: ChunkFramer) -> None:
+    def __init__(self, batches: AsyncGenerator[list[Chunk | str], None], framer: ChunkFramer) -> None:
         self._batches, self.framer = batches, framer
 
     @property

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cluster.providers import StreamDelta, openai_wire
 from cluster.providers.sse import SSEEvent
-from deployments.provider_stream import ChunkReader, StreamState
+from deployments.provider_stream import ChunkReader, StreamState, as_chunk
 
 _text = st.sampled_from(["", "Hello", " tok", "é😀", 'say "hi"\n', "[DONE]"])
 _delta = st.fixed_dictionaries(
@@ -103,7 +103,8 @@ def _read_all(reads: list[bytes], fast: bool) -> tuple[list[Any], Any]:
     out: list[Any] = []
     for data in reads:
         batch, failure = reader.read(data)
-        out.append([(c.text, c.tool_calls, c.replica, c.backend) for c in batch])
+        chunks = [as_chunk(c, "r0", "b0") for c in batch]  # a plain text delta is its text alone
+        out.append([(c.text, c.tool_calls, c.replica, c.backend) for c in chunks])
         if failure is not None:
             out.append(f"{type(failure).__name__}: {failure}")
             break

@@ -61,3 +61,21 @@ async def test_n_choices_end_with_each_choice() -> None:
 def test_an_engines_end_frame_is_the_same_ending() -> None:
     end = StreamEnd("length", Usage(5, 2), None, "r1", tool_calls=[], prompt_logprobs=[None])
     assert ending_of(end) == Ending("length", Usage(5, 2), "", None, None, None, None, [None])
+
+
+def test_a_plain_text_delta_frames_as_its_chunk_would() -> None:
+    """A provider's plain text delta travels as its text alone (deployments/provider_stream.py);
+    framed, it is the same bytes as its Chunk: the first event (role), the common one, one after
+    pending logprobs (they ride on it), and with n > 1 (each event names its choice)."""
+    entry = {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
+    for n in (1, 2):
+        plain, typed = ChunkFramer(META, n), ChunkFramer(META, n)
+        script: list[list[Chunk | str]] = [["Hel", "lo"], [Chunk("", logprobs=[entry])], [" you"]]
+        out = []
+        for batch in script:
+            as_typed = [Chunk(c) if isinstance(c, str) else c for c in batch]
+            out.append(plain.frame(batch))
+            assert out[-1] == typed.frame(as_typed)
+        parts = ["Hel", "lo", " you"] if n == 1 else []  # n > 1: the choices collect their own
+        assert (plain.tokens, plain.parts) == (typed.tokens, typed.parts) == (3, parts)
+        assert b'"role"' in out[0] and (n > 1 or b'"logprob"' in out[2])  # the logprobs ride on
