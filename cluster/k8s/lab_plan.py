@@ -20,7 +20,7 @@ import ipaddress
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +267,40 @@ def unplaceable(plan: LabPlan) -> list[str]:
                 asks = ", ".join(f"{k}={v:g}" for k, v in sorted(want.items()))
                 out.append(f"{app['name']}/{d['name']} asks {asks}: no node of the lab offers that")
     return out
+
+
+PIN_PREFIX = "llmc_pin_"  # the custom resource that pins a deployment to one pod: llmc_pin_engine_0
+
+
+def pinned(plan: LabPlan, pins: Mapping[str, str]) -> LabPlan:
+    """The plan with each deployment of ``pins`` (deployment name -> node name) held to that node:
+    the node offers a resource of its own (``llmc_pin_<node>``) and the deployment's replicas ask
+    for a sliver of it, as a worker group of its own with its custom resource would on Kubernetes
+    (the lab's engine group is one group of identical pods). Nothing else of the Serve config changes."""
+    by_name = {n.name: n for n in plan.nodes}
+    doc = yaml.safe_load(plan.serve_config)
+    wanted = dict(pins)
+    for app in doc["applications"]:
+        for d in app.get("deployments") or []:
+            if (node := wanted.pop(d["name"], None)) is None:
+                continue
+            if node not in by_name:
+                raise LabError(f"cannot pin {d['name']} to {node}: the lab has no such node")
+            actor = d.setdefault("ray_actor_options", {})
+            actor["resources"] = {**(actor.get("resources") or {}), _pin(node): 0.001}
+    if wanted:
+        raise LabError(f"cannot pin {sorted(wanted)}: no such deployment in the Serve config")
+    nodes = []
+    for n in plan.nodes:
+        if n.name in pins.values():
+            offers = json.loads(n.ray_params.get("resources", "{}")) | {_pin(n.name): 1000.0}
+            n = replace(n, ray_params=n.ray_params | {"resources": json.dumps(offers)})
+        nodes.append(n)
+    return replace(plan, nodes=tuple(nodes), serve_config=yaml.safe_dump(doc, sort_keys=False))
+
+
+def _pin(node: str) -> str:
+    return PIN_PREFIX + node.replace("-", "_")
 
 
 def gpus_needed(plan: LabPlan) -> dict[str, int]:

@@ -21,6 +21,7 @@ from cluster.k8s.lab_plan import (
     is_lab_link,
     is_lab_netns,
     make_plan,
+    pinned,
     pod_env,
     ray_params,
     start_args,
@@ -193,6 +194,26 @@ def test_a_replica_no_node_offers_is_named() -> None:
     assert len(bad) == 1 and "backend-sim-h100" in bad[0] and ENGINE_NODE_RESOURCE in bad[0]
 
 
+def test_a_deployment_pinned_to_a_node_asks_what_only_that_node_offers() -> None:
+    plan = make_plan(lab_manifest("configs/cpu-dev.yaml"), SECRET, ROOT)
+    pins = {"backend-sim-llama-8b": "engine-0", "backend-sim-fallback": "engine-1"}
+    got = pinned(plan, pins)
+    deps = {d["name"]: d for d in yaml.safe_load(got.serve_config)["applications"][0]["deployments"]}
+    offers = {n.name: json.loads(n.ray_params.get("resources", "{}")) for n in got.nodes}
+    for dep, node in pins.items():
+        asks = deps[dep]["ray_actor_options"]["resources"]
+        assert asks == {ENGINE_NODE_RESOURCE: 0.001, f"llmc_pin_{node.replace('-', '_')}": 0.001}
+        holders = [n for n, have in offers.items() if all(have.get(k, 0) >= v for k, v in asks.items())]
+        assert holders == [node], dep
+    before = yaml.safe_load(plan.serve_config)["applications"][0]["deployments"]
+    assert deps["Gateway"] == next(d for d in before if d["name"] == "Gateway")
+    assert not unplaceable(got) and got.nodes[1] == plan.nodes[1]
+    with pytest.raises(LabError, match="no such node"):
+        pinned(plan, {"backend-sim-llama-8b": "engine-7"})
+    with pytest.raises(LabError, match="no such deployment"):
+        pinned(plan, {"backend-nope": "engine-0"})
+
+
 def test_the_state_has_no_secret() -> None:
     plan = make_plan(lab_manifest(), SECRET, ROOT)
     state = state_of(plan, {"config": "c", "settings": "s"})
@@ -217,3 +238,20 @@ def test_gpu_pods_are_counted_for_the_machine_to_refuse() -> None:
     need = gpus_needed(plan)
     assert need and all(name.startswith("gpu-tp") and n >= 1 for name, n in need.items())
     assert gpus_needed(make_plan(lab_manifest(), SECRET, ROOT)) == {}
+
+
+def test_the_rehearsals_vllm_node_config_pins_one_engine_kind_per_pod(tmp_path: Path) -> None:
+    """``loadtest.rehearsal --vllm-node``: configs/local.yaml's vLLM-CPU backend beside the sim
+    engines on one route and one model, each held to its own engine pod."""
+    from loadtest import rehearsal
+
+    cfg = rehearsal.rehearsal_config("http://10.213.0.2:18101/v1", vllm=True)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = load_config(path)
+    model = config.models[0].name
+    assert config.candidates(model, "agent")[:2] == [rehearsal.VLLM, rehearsal.SIM]
+    assert {b.kind for b in config.backends} == {"vllm", "sim", "provider"}
+    manifest = render_rayservice(config, load_settings(ROOT / "k8s/settings/lab.yaml"))
+    plan = pinned(make_plan(manifest, SECRET | {rehearsal.KEY_ENV: "k"}, ROOT), rehearsal.VLLM_PINS)
+    assert not unplaceable(plan) and rehearsal._model(plan) == model
