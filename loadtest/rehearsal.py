@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = Path("/tmp/llmc-rehearsal")
 ENGINES = "backend-sim-h100"
 SIM, PROVIDER = "sim-h100", "loop-openai"
-MODEL = "sim-llama-8b"  # configs/sim-local.yaml's model
 LONG_STREAMS, LONG_TOKENS = 8, 1200  # the node loss's own streams: ~8 s each on the H100 profile
 LONG_STREAMS_ON_NODE = 3  # the kill waits until one engine node has this many of them in flight
 KEY_ENV = "LLMC_REHEARSAL_PROVIDER_KEY"
