@@ -17,6 +17,7 @@ at the cost of a look at each header's name.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.middleware import Middleware
@@ -102,10 +103,11 @@ async def _answering_any_exit(app: Any, scope: h.Scope, receive: h.Receive, send
     client gets the gateway's 503 with Retry-After instead of uvicorn's plain-text 500."""
     started = False
 
-    async def tracking(message: dict[str, Any]) -> None:
+    def tracking(message: dict[str, Any]) -> Awaitable[None]:
+        # a plain call handing back send's awaitable: no coroutine frame of its own per chunk
         nonlocal started
         started = started or message.get("type") == "http.response.start"
-        await send(message)
+        return send(message)
 
     try:
         await app(scope, receive, tracking)
