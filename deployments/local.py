@@ -149,30 +149,25 @@ def start(
     return cfg
 
 
-# Another cluster on this machine held 8500 while a test run here started (seen 2026-12-01), and a
-# fallback proxy that cannot bind never turns healthy.
-_PORT_VARS = (
-    "RAY_SERVE_HAPROXY_METRICS_PORT",
-    "RAY_SERVE_HAPROXY_STATS_PORT",
-    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
-    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
-)
-
-
 def _cluster_env() -> dict[str, str]:
     """What every process of the local cluster gets, through Ray's ``runtime_env`` and inherited:
     nothing secret (Ray logs ``runtime_env`` whole)."""
     env = scratch_env()
-    # HAProxy's own metrics and stats listeners and the Serve proxy's fallback ports behind HAProxy
-    # (8500/9500 by default): free ports, so two clusters on one machine (a test
-    # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404). An operator's own
-    # setting wins (the dict starts from scratch, not from os.environ, so setdefault would not see it).
-    for name in _PORT_VARS:
-        env[name] = os.environ.get(name) or str(free_port())
+    # HAProxy's own metrics and stats listeners: free ports, so two clusters on one machine (a test
+    # run beside a benchmark) do not collide on Ray's fixed defaults (9101, 8404). Deliberately not
+    # read from os.environ: a process that started a cluster has them there, and a cluster started
+    # from it (a test's `cluster serve`) must not inherit its ports (CI, 2026-12-05).
+    env.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(free_port()))
+    env.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(free_port()))
     # Ray pushes metrics to its agent every 10 s by default; `cluster status --watch` and the tests
     # read them sooner. A caller's own setting wins.
     interval = "RAY_metrics_report_interval_ms"  # Ray's spelling of its config variables
     env[interval] = os.environ.get(interval, "2000")
+    # The same for the Serve proxy's fallback ports behind HAProxy (8500/9500 by default): another
+    # cluster on this machine held 8500 while a test run here started (seen 2026-12-01), and a
+    # fallback proxy that cannot bind never turns healthy.
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(free_port()))
+    env.setdefault("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", str(free_port()))
     # Serve gives a new proxy actor 5 s to start *and* bring HAProxy up, then kills it, and
     # `serve.start` fails with ActorDiedError (no second try). 1.6 s on a quiet 2-core box, over 5 s
     # once in CI right after another cluster's group stop (2026-12-05; the same in
