@@ -44,9 +44,6 @@ log = logging.getLogger("ray.serve")
 TYPICAL_START_S = {"vllm": 30.0, "sim": 5.0}
 MAX_REPICKS = 4  # replicas skipped in a row within one attempt before it fails
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
-# The least one ask of Serve's router may take before it counts as "Serve lists no replica": an
-# ask that finds replicas returns in well under a millisecond on a quiet replica.
-SERVE_ASK_FLOOR_S = 0.25
 
 
 class _Pick:
@@ -144,21 +141,8 @@ class ReplicaPicker:
 
     async def refresh(self) -> None:
         """Bring the view's replica list up to date without choosing (operators' status)."""
-        await self._ask(_Pick(self.view, [], None, [], sync_only=True), time.monotonic())
-
-    async def _ask(self, pick: _Pick, deadline: float) -> None:
-        """Serve's router runs ``pick`` on the deployment's replica list. While Serve lists no
-        replica at all (their node lost and the replacement not scheduled yet), its router waits
-        for one without bound and never calls ours (``_choose_replicas_with_backoff``): ask until
-        ``deadline`` (at least ``SERVE_ASK_FLOOR_S``), then leave ``pick`` without a choice, as
-        when every listed replica is down, so the request fails over or gets its 503."""
-        budget = max(deadline - time.monotonic(), SERVE_ASK_FLOOR_S)
-        try:
-            async with asyncio.timeout(budget):
-                async with self.handle.choose_replica(pick, _reserve=False):
-                    pass
-        except TimeoutError:
-            log.info("backend %s: Serve listed no replica within %.2f s", self.view.backend, budget)
+        async with self.handle.choose_replica(_Pick(self.view, [], None, [], sync_only=True), _reserve=False):
+            pass
 
     async def pick(
         self,
@@ -183,7 +167,8 @@ class ReplicaPicker:
         waited = False
         while True:
             pick = _Pick(self.view, hashes, session_id, avoid, busy_prefill=busy_prefill)
-            await self._ask(pick, deadline)
+            async with self.handle.choose_replica(pick, _reserve=False):
+                pass
             if pick.choice is not None:
                 self.view.started(pick.choice, hashes, time.monotonic(), session_id, prompt_tokens)
                 return ReplicaLease(self.view, pick.choice)
