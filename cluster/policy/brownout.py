@@ -105,7 +105,7 @@ class Brownout:
             slow = ttft_s >= max(cfg.slow_factor * base, base + cfg.min_excess_s)
         else:
             slow = ttft_s >= cfg.given_up_factor * base
-        st = self._states.setdefault(backend, _State(deque(maxlen=cfg.recent_samples)))
+        st = self._state(backend)
         if slow or (complete and base is not None):
             st.recent.append((now, slow))
         if slow:
@@ -116,11 +116,19 @@ class Brownout:
             if st.until is not None and now >= st.until:  # on probation: a fast answer restores it
                 st.until, st.probe_at = None, None
 
+    def _state(self, backend: str) -> _State:
+        """``backend``'s state, made on first sight only (``setdefault`` would build a deque for
+        every first token)."""
+        st = self._states.get(backend)
+        if st is None:
+            st = self._states[backend] = _State(deque(maxlen=self.cfg.recent_samples))
+        return st
+
     def hedge_won(self, surface: str, backend: str, now: float) -> None:
         """A hedge answered first while ``backend``, the request's primary, was still waiting past
         its hedge delay (its own high TTFT quantile): slow evidence, once it has a baseline."""
         if self.baseline(surface, backend) is not None:
-            st = self._states.setdefault(backend, _State(deque(maxlen=self.cfg.recent_samples)))
+            st = self._state(backend)
             st.recent.append((now, True))
             self._slow(st, now)
 
