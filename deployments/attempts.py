@@ -53,11 +53,11 @@ class Continuing:
     avoid: tuple[str, ...] = ()
 
 
-def _capacity_wait_until(surface: SurfaceConfig | None, provider_next: bool) -> float:
+def _capacity_wait_until(surface: SurfaceConfig | None) -> float:
     """With no replica able to take it, a request's engine attempts wait for a replacement as long
     as it could have waited in its surface's queue, all together (then 503 no_capacity); not at
-    all when a provider among its candidates can take it at once."""
-    wait = surface.queue_deadline_ms / 1000 if surface is not None and not provider_next else 0.0
+    all when another of its candidates can take it at once (:meth:`AttemptRunner.elsewhere`)."""
+    wait = surface.queue_deadline_ms / 1000 if surface is not None else 0.0
     return time.monotonic() + wait
 
 
@@ -112,7 +112,7 @@ class AttemptRunner:
         base, avoid = (cont.attempt_base, cont.avoid) if cont is not None else (0, ())
         plan = FailoverPlan(slots, mono_deadline, self.cfg.policies.failover, self.retry_budget)
         spans = AttemptSpans(trace, self.rng)
-        wait_until = _capacity_wait_until(surface, any(c in self.providers for c in candidates))
+        wait_until = _capacity_wait_until(surface)
 
         def start(planned: PlannedAttempt, hedge: bool, prior: list[Attempt]) -> AttemptStream:
             backend = backend_of_slot(planned.backend)
@@ -124,7 +124,7 @@ class AttemptRunner:
                 return self._provider_stream(backend, attempt_req, meta)
             body = request_body(attempt_req, meta, collect, ids=self.ids, continued=cont is not None)
             return self._engine_stream(
-                backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until
+                backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until, candidates
             )
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
@@ -175,6 +175,7 @@ class AttemptRunner:
         at: AttemptTrace | None,
         broken: Sequence[str] = (),
         wait_until: float | None = None,
+        candidates: Sequence[str] = (),
     ) -> EngineStream:
         """An attempt on one of the backend's engine replicas, chosen when the stream opens."""
         avoid = avoid_replicas(backend, [(a.planned.backend, a.stream.replica) for a in prior]) + list(broken)
@@ -182,9 +183,13 @@ class AttemptRunner:
         surface = self.cfg.surface(req.surface)
         busy = surface.avoid_prefill_tokens if surface is not None else None
 
+        def elsewhere() -> bool:
+            return self.elsewhere(backend, candidates, prior, time.monotonic())
+
         async def choose() -> ReplicaLease:
             prompt = len(req.prompt_token_ids)
-            lease = await picker.pick(block_hashes, req.session_id, avoid, busy, wait_until, prompt)
+            sid = req.session_id
+            lease = await picker.pick(block_hashes, sid, avoid, busy, wait_until, prompt, elsewhere)
             choice = lease.choice
             self.board.admit(backend, choice.replica, time.monotonic())  # a half-open probe, if one
             body["req"]["cache_rank"] = choice.cache_rank  # the engine queues hits before misses
@@ -194,6 +199,21 @@ class AttemptRunner:
             return lease
 
         return EngineStream(self.session(), self.token, body, backend, choose, spans.traceparent(at))
+
+    def elsewhere(self, backend: str, candidates: Sequence[str], prior: list[Attempt], now: float) -> bool:
+        """Whether a candidate of the request other than ``backend``, not tried yet, can take it at
+        once: a provider its breaker lets through, or an engine backend with a ready replica. An
+        attempt on ``backend`` with no replica to take it then fails over instead of waiting."""
+        tried = {backend_of_slot(a.planned.backend) for a in prior}
+        for c in candidates:
+            if c == backend or c in tried:
+                continue
+            if c in self.providers:
+                if self.board.backend(c).available(now):
+                    return True
+            elif (picker := self.pickers.get(c)) is not None and picker.ready(now):
+                return True
+        return False
 
     def _count_attempt(self, backend: str, attempt: int, hedge: bool) -> None:
         if attempt > 0 and not hedge:  # hedges are counted when the budget allows them

@@ -15,6 +15,7 @@ bytes as they arrive (whole events; nothing parsed but the end frame, see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from cluster.wire.errors import (
 from cluster.wire.openai_format import dumps
 from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
+from deployments.request_router import listed
 
 log = logging.getLogger("ray.serve")
 # A replica's start, from Serve's decision to its first routing stats, until an outage was seen to
@@ -44,12 +46,25 @@ log = logging.getLogger("ray.serve")
 TYPICAL_START_S = {"vllm": 30.0, "sim": 5.0}
 MAX_REPICKS = 4  # replicas skipped in a row within one attempt before it fails
 STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first routing stats
+# The longest one ask of Serve's router waits before the request's other candidates are looked at
+# again: while Serve lists no replica its router holds the ask without bound (see ReplicaPicker).
+ASK_SLICE_S = 0.5
 
 
 class _Pick:
     """The routing payload handed to Serve's request router (in this process, by reference)."""
 
-    __slots__ = ("avoid", "busy_prefill", "choice", "hashes", "now", "session_id", "sync_only", "view")
+    __slots__ = (
+        "asked",
+        "avoid",
+        "busy_prefill",
+        "choice",
+        "hashes",
+        "now",
+        "session_id",
+        "sync_only",
+        "view",
+    )
 
     def __init__(
         self,
@@ -64,8 +79,10 @@ class _Pick:
         self.sync_only, self.busy_prefill = sync_only, busy_prefill
         self.now = time.monotonic()
         self.choice: Choice | None = None
+        self.asked = False  # Serve's router ran us (it does not while it lists no replica)
 
     def decide(self, candidates: list[Any]) -> list[list[Any]]:
+        self.asked = True
         infos = []
         for r in candidates:
             st = r.routing_stats or {}
@@ -133,16 +150,45 @@ class ReplicaLease:
 
 
 class ReplicaPicker:
+    """Chooses an engine deployment's replica for each attempt through Serve's router and the
+    backend's view. While Serve lists no replica of the deployment (:func:`listed` is 0: its only
+    replica's node was lost, or every replica restarts in an upgrade) Serve's router holds an ask
+    without bound and never calls ours: an attempt then goes elsewhere at once when another of the
+    request's candidates can take it, and otherwise waits there as Serve would, for the
+    replacement (the request's deadline bounds it)."""
+
     def __init__(self, handle: Any, view: BackendView, typical_start_s: float = 30.0) -> None:
         self.handle = handle
         self.view = view
         self.typical_start_s = typical_start_s  # a replica's start, until an outage was seen to end
         self._said: float | None = None  # the outage last logged
+        self.deployment: str = getattr(handle, "deployment_name", view.backend)
+
+    def unlisted(self) -> bool:
+        """Serve's router in this process lists no replica of the deployment."""
+        return listed(self.deployment) == 0
+
+    def ready(self, now: float) -> bool:
+        """Whether a request sent here now would start at once: Serve lists a replica and the
+        view has one healthy and reachable (never while the backend is cold)."""
+        return self.view.synced and not self.unlisted() and bool(self.view.serving(now))
+
+    def serving(self, now: float) -> bool:
+        """For ordering a request's candidates: Serve lists a replica and, once one published its
+        endpoint, one is healthy and reachable in the view (a cold backend is not known dead)."""
+        return self.ready(now) if self.view.synced else not self.unlisted()
 
     async def refresh(self) -> None:
         """Bring the view's replica list up to date without choosing (operators' status)."""
-        async with self.handle.choose_replica(_Pick(self.view, [], None, [], sync_only=True), _reserve=False):
-            pass
+        await self._ask(_Pick(self.view, [], None, [], sync_only=True))
+
+    async def _ask(self, pick: _Pick) -> None:
+        """Serve's router runs ``pick`` on the deployment's replica list, or, while it lists none,
+        holds it: for at most ``ASK_SLICE_S`` here (``pick.asked`` stays False)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ASK_SLICE_S):
+                async with self.handle.choose_replica(pick, _reserve=False):
+                    pass
 
     async def pick(
         self,
@@ -152,14 +198,17 @@ class ReplicaPicker:
         busy_prefill: int | None = None,
         wait_until: float | None = None,
         prompt_tokens: int = 0,
+        elsewhere: Callable[[], bool] = lambda: False,
     ) -> ReplicaLease:
         """The replica for one attempt, leased: the view counts the attempt (and its
         ``prompt_tokens`` not expected cached, as prefilling) until the lease closes
         (``busy_prefill``: :meth:`BackendView.choose`'s
         ``busy_prefill_tokens``, the surface's ``avoid_prefill_tokens``). While no replica can
         take it (all dead, unhealthy or unreachable, or none published yet) the attempt waits
-        for one until ``wait_until`` (monotonic: the request's queue deadline, or now when
-        another candidate can take it), then :class:`NoCapacity` (503 with a Retry-After)."""
+        for one until ``wait_until`` (monotonic: the request's queue deadline), then
+        :class:`NoCapacity` (503 with a Retry-After); at once when ``elsewhere()`` says another
+        candidate of the request can take it. While Serve lists no replica at all the wait is
+        Serve's, unbounded here (see the class)."""
         # Before any replica published its endpoint (the app is starting) the wait is at least
         # STARTUP_WAIT_S; after, a request waits only as long as the caller says.
         start = time.monotonic()
@@ -167,8 +216,8 @@ class ReplicaPicker:
         waited = False
         while True:
             pick = _Pick(self.view, hashes, session_id, avoid, busy_prefill=busy_prefill)
-            async with self.handle.choose_replica(pick, _reserve=False):
-                pass
+            if not (self.unlisted() and elsewhere()):
+                await self._ask(pick)
             if pick.choice is not None:
                 self.view.started(pick.choice, hashes, time.monotonic(), session_id, prompt_tokens)
                 return ReplicaLease(self.view, pick.choice)
@@ -176,15 +225,19 @@ class ReplicaPicker:
             if not waited:
                 waited = True
                 self._say_outage(now)
-            if now >= deadline:
-                metrics.NO_CAPACITY.inc(tags={"backend": self.view.backend})
-                raise NoCapacity(
-                    f"no replica of backend {self.view.backend} can take requests now (dead, "
-                    "draining, unhealthy or unreachable); a replacement is starting",
-                    retry_after_s=self.view.outage.retry_after(now, self.typical_start_s),
-                    backend=self.view.backend,
-                )
-            await asyncio.sleep(0.1)
+            if elsewhere() or (pick.asked and now >= deadline):
+                raise self._no_capacity(now)
+            if pick.asked:
+                await asyncio.sleep(0.1)
+
+    def _no_capacity(self, now: float) -> NoCapacity:
+        metrics.NO_CAPACITY.inc(tags={"backend": self.view.backend})
+        return NoCapacity(
+            f"no replica of backend {self.view.backend} can take requests now (dead, "
+            "draining, unhealthy or unreachable); a replacement is starting",
+            retry_after_s=self.view.outage.retry_after(now, self.typical_start_s),
+            backend=self.view.backend,
+        )
 
     def _say_outage(self, now: float) -> None:
         """One log line per outage of the backend (not per request)."""

@@ -410,10 +410,10 @@ class Gateway:
                 self.tracer.export(trace)
 
     def _serving(self, backend: str) -> bool:
-        """Whether ``backend`` can take a request now (a provider: always; an engine backend: a
-        replica healthy and reachable in its view, as of its last decision)."""
-        view = self.views.get(backend)
-        return view is None or not view.synced or bool(view.serving(time.monotonic()))
+        """Whether ``backend`` can take a request now (a provider: always; an engine backend:
+        :meth:`ReplicaPicker.serving`)."""
+        picker = self.attempts.pickers.get(backend)
+        return picker is None or picker.serving(time.monotonic())
 
     # -- other routes ---------------------------------------------------------------------------
     async def _models(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
