@@ -1,5 +1,5 @@
 """What happens to a running lab (``deployments/lab.py``) during a rehearsal, shared by the CI
-acceptance test (tests/integration/test_lab_rehearsal.py) and the benchmark (loadtest/rehearsal.py):
+acceptance test (tests/integration/lab_rehearsal_check.py) and the benchmark (loadtest/rehearsal.py):
 reading Serve's replicas by node, an in-place upgrade with ``serve deploy`` of a changed
 serveConfigV2, the loss and rejoin of a node, a gateway replica's SIGKILL, and the gateways' own
 status (admission books) read with the pods' internal credential from the client namespace.

@@ -1,4 +1,4 @@
-"""A bounded mixed load for the lab rehearsal (tests/integration/test_lab_rehearsal.py), run as a
+"""A bounded mixed load for the lab rehearsal (tests/integration/lab_rehearsal_check.py), run as a
 process of its own in the lab's client namespace (``ip netns exec llmc-lab0-client python …``):
 streaming chat completions from Tab, Chat and Agent clients (``x-surface``), spread over the
 given Serve addresses, until a stop file appears (or ``--max-s``). Each request's outcome is one

@@ -157,6 +157,13 @@ def test_lab_serves_through_every_node_and_places_by_the_manifest(lab_up) -> Non
     assert all(lab.node_health(plan, n) == 200 for n in plan.nodes)
 
 
+def test_upgrade_and_node_loss_under_load(lab_up, tmp_path: Path) -> None:
+    """Issue 41's CI acceptance, on this lab (tests/integration/lab_rehearsal_check.py)."""
+    from tests.integration.lab_rehearsal_check import check_upgrade_and_node_loss_under_load
+
+    check_upgrade_and_node_loss_under_load(lab_up[0], tmp_path)
+
+
 def test_down_leaves_nothing_and_spares_the_hosts_ray(lab_up) -> None:
     from deployments import lab
 
