@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -93,9 +94,16 @@ def test_every_replica_dead_is_a_503_with_retry_after_then_served_again(nocap) -
     only, mixed = _Load(nocap, "only-sim"), _Load(nocap, "sim-then-provider")
     time.sleep(1.0)
     killed_at = time.monotonic()
-    for backend, replicas in before.items():
-        for r in replicas:
-            kill_replica(APP, f"backend-{backend}", r)
+    # All at once: killed one after another, the first one's replacement could serve before the
+    # last one died, and the outage would not be felt (a CI run at 736376c).
+    with ThreadPoolExecutor(len(before["sim-only"]) + 1) as pool:
+        kills = [
+            pool.submit(kill_replica, APP, f"backend-{backend}", r)
+            for backend, replicas in before.items()
+            for r in replicas
+        ]
+        for k in kills:
+            k.result()
     all_killed_at = time.monotonic()
     # Serve replaces them: new replica ids serving, then a few more requests on them.
     deadline = time.monotonic() + 90
@@ -136,8 +144,9 @@ def test_every_replica_dead_is_a_503_with_retry_after_then_served_again(nocap) -
         if status == 503:
             assert retry_after is not None and int(retry_after) >= 1
     # the outage was felt: a 503 after waiting its queue deadline, or a request that waited for the
-    # replacement (the sim replicas come back in a few seconds)
-    assert any(s == 503 or took > 0.3 for _, s, _, _, _, took in outage), outage
+    # replacement (a sim replica can come back within 0.25 s: two CI runs saw the first request
+    # after the kills take 0.22-0.24 s, every other one 0.02-0.03 s)
+    assert any(s == 503 or took > 0.15 for _, s, _, _, _, took in outage), outage
     assert set(codes(only, replaced_at + 1.0, float("inf"))) == {(200, "")}
     # The route with a provider: served all along, by the provider while its sim replica was down.
     after_kill = [x for x in mixed.seen if not at_kill(x)]
