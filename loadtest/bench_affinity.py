@@ -759,7 +759,7 @@ def other_seeds(args: argparse.Namespace, tok: Any) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument(
         "--scenario",
@@ -805,6 +805,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0, help="Serve HTTP port (0: a free one)")
     ap.add_argument("--quick", action="store_true", help="a smaller workload (smoke run)")
     ap.add_argument("--out", default=str(RESULTS / "affinity.json"))
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = _arg_parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.groups, args.sessions, args.turns = 8, 2, 2

@@ -332,7 +332,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     return out, capacity
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--factors", default="3", help="Agent load / measured capacity, comma-separated")
     ap.add_argument("--tab-rate", type=float, default=4.0, help="Tab requests per second (Poisson)")
@@ -358,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         RESULTS / ("overload_shared_vllm.json" if args.engine == "vllm" else "overload_shared.json")
     )
     args.factors = [float(x) for x in args.factors.split(",")]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
