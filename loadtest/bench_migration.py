@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=19)
     args = ap.parse_args(argv)
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
-    from deployments import local
+    from deployments.launcher import local
     from loadtest.actor_probe import replaced
 
     port = local.free_port()

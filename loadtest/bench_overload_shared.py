@@ -53,7 +53,7 @@ from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from deployments.local import free_port, gateway_status
+from deployments.launcher.local import free_port, gateway_status
 from loadtest.bench_overload import (
     APP,
     ROOT,
@@ -183,7 +183,7 @@ class EngineTtft:
             self._poll()
 
     def _poll(self) -> None:
-        from deployments.local import replica_stats
+        from deployments.launcher.local import replica_stats
 
         try:
             stats = replica_stats(self.app_url)
@@ -281,7 +281,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     two never share the machine's two cores)."""
     from ray import serve
 
-    from deployments import local
+    from deployments.launcher import local
 
     cfg = variant_config(variant, args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
     shapes = VLLM_SHAPES if args.engine == "vllm" else None
@@ -382,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["engine_cpu_sched"] = engine.cpu_sched
     report["gateway_nice"] = on_cfg.server.gateway_nice
     report["machine"] = machine()
-    from deployments import local
+    from deployments.launcher import local
 
     args.port = args.port or free_port()
     capacity = None

@@ -23,7 +23,7 @@ Tab is the same in both (~900-token prompts in 8 repositories). Three engine rep
 gateway, or two that take requests in turn (each view counts only its own attempts, as in the
 cluster). Every view follows every engine's KV events before it decides and each chosen replica
 announces its request (``BlocksQueued``), as the gateways' feed does (here without its lag, which
-is up to ``deployments.kv_feed.MIN_POLL_S``); a view learns of its own attempt's first token at its
+is up to ``deployments.gateway.kv_feed.MIN_POLL_S``); a view learns of its own attempt's first token at its
 next decision after it. Variants: ``off``; ``on_N`` per threshold N of ``--thresholds``; and with
 two gateways the what-ifs ``shared_Ss`` (the first threshold, and every view also given each
 engine's own count of its prefilling tokens, all gateways' requests, every S seconds of

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
-from deployments import lab, lab_events, lab_net
+from deployments.launcher import lab, lab_events, lab_net
 from loadtest import rehearsal_stats as rs
 from loadtest.provenance import git_state, provenance, write_report
 from loadtest.rehearsal_streams import LongStreams, busiest_node, tally

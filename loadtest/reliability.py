@@ -504,8 +504,8 @@ class LoopbackApp:
 def loopback_app(name: str, route_prefix: str) -> Iterator[LoopbackApp]:
     """The app (:func:`reliability_config`) on a local cluster, in front of loopback OpenAI and
     Anthropic servers (``tests/servers``: a checkout, not an installed package); all stopped after."""
-    from deployments import local
-    from deployments.local import free_port
+    from deployments.launcher import local
+    from deployments.launcher.local import free_port
     from tests.servers.anthropic_server import AnthropicServer
     from tests.servers.openai_server import OpenAIServer
 

@@ -26,7 +26,7 @@ import pytest
 
 from cluster.config import load_config
 from cluster.k8s.lab_plan import LabPlan
-from deployments import lab_events
+from deployments.launcher import lab_events
 from tests.integration.test_lab import _can_make_namespaces, assert_nothing_left, running_lab
 
 pytestmark = [
@@ -98,7 +98,7 @@ def _during(records: list[dict[str, Any]], t0: float, t1: float) -> list[dict[st
 
 
 def test_upgrade_and_node_loss_under_load(lab_up, tmp_path: Path) -> None:
-    from deployments import lab
+    from deployments.launcher import lab
 
     plan = lab_up
     assert load_config(CONFIG).policies.migration.enabled  # streams cut mid-answer continue elsewhere

@@ -3,14 +3,14 @@
 Each gateway replica used to hold ``1 / gateway_replicas`` of every tenant's budget: exact only when
 HAProxy spreads a tenant's requests evenly, and short of the budget otherwise (a tenant of 3 RPM
 behind 2 gateways got 2 in a burst). In a Serve app the budgets are the app's shared-budget
-deployment (``tenant-budgets``, :class:`deployments.budget_deployment.BudgetDeployment`, as the
+deployment (``tenant-budgets``, :class:`deployments.budgets.budget_deployment.BudgetDeployment`, as the
 provider budgets are), which every gateway replica asks. A request of a tenant with no budget
 never calls it; one that does pays one call before admission, and its settlement is sent without
 waiting. Should the deployment be unreachable, the request is admitted (the budgets are a fairness
 control; the providers' own limits still hold) and the failure is logged.
 
 Without Serve (unit tests, one process) the budgets are an in-process
-:class:`deployments.budget_deployment.LocalBudget`; :class:`TenantClient` speaks to either. The pure
+:class:`deployments.budgets.budget_deployment.LocalBudget`; :class:`TenantClient` speaks to either. The pure
 accounting is :class:`cluster.policy.tenants.TenantBudgets`. The client also remembers
 (:class:`cluster.policy.tenants.KnownOut`) a tenant whose requests per minute are spent until a
 known time: its next requests are refused by :meth:`TenantClient.refusal` before they are parsed,
@@ -29,7 +29,7 @@ from cluster.config import TenantConfig
 from cluster.policy.rate_budget import Refusal
 from cluster.policy.tenants import KnownOut, TenantBudgets, TenantReservation, over_budget
 from cluster.wire.errors import RateLimited
-from deployments.budget_deployment import Budget, LocalBudget, ServeBudget
+from deployments.budgets.budget_deployment import Budget, LocalBudget, ServeBudget
 
 log = logging.getLogger("ray.serve")
 Reserved = TenantReservation | RateLimited | None

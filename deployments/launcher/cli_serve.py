@@ -12,7 +12,7 @@ import threading
 import time
 
 from cluster.config import load_config
-from deployments import local
+from deployments.launcher import local
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

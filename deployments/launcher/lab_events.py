@@ -1,4 +1,4 @@
-"""What happens to a running lab (``deployments/lab.py``) during a rehearsal, shared by the CI
+"""What happens to a running lab (``deployments/launcher/lab.py``) during a rehearsal, shared by the CI
 acceptance test (tests/integration/test_lab_rehearsal.py) and the benchmark (loadtest/rehearsal.py):
 reading Serve's replicas by node, an in-place upgrade with ``serve deploy`` of a changed
 serveConfigV2, the loss and rejoin of a node, a gateway replica's SIGKILL, and the gateways' own
@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
-from deployments import lab, lab_net
+from deployments.launcher import lab, lab_net
 
 GATEWAY = "Gateway"
 

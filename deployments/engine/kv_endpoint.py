@@ -1,7 +1,7 @@
 """An engine replica's side of the KV-event transport (:mod:`cluster.engine.kv_events`): its log served as
 ``GET /kv_events?after=N&epoch=E&wait=S`` (a long poll, the internal credential required), and the
 ``BlocksQueued`` it publishes as each request arrives. The gateways' side is
-:mod:`deployments.kv_feed`."""
+:mod:`deployments.gateway.kv_feed`."""
 
 from __future__ import annotations
 

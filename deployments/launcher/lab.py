@@ -1,5 +1,5 @@
 """``cluster lab``: the RayService's cluster on this machine, a Ray node per pod, each in a network
-namespace of its own (``deployments/lab_net.py``), laid out by the manifest that
+namespace of its own (``deployments/launcher/lab_net.py``), laid out by the manifest that
 ``cluster k8s render`` writes for the same config (``cluster/k8s/lab_plan.py`` reads it as KubeRay
 does), and the app deployed with Serve's own ``serve deploy`` of its ``serveConfigV2``, as is.
 
@@ -49,7 +49,7 @@ from cluster.k8s.lab_plan import (
 )
 from cluster.k8s.rayservice import render_rayservice
 from cluster.k8s.settings import load_settings
-from deployments import lab_net
+from deployments.launcher import lab_net
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -32,8 +32,8 @@ from cluster.wire.errors import ClusterError, StreamInterrupted
 from cluster.wire.protocol import GenerateRequest, Usage
 from cluster.wire.stream import AttemptStream, Ending
 from deployments import metrics
-from deployments.attempts import AttemptRunner, Continuing
-from deployments.context import RequestContext
+from deployments.gateway.attempts import AttemptRunner, Continuing
+from deployments.gateway.context import RequestContext
 
 # The stream goes on elsewhere (its first item, the rest); "done": the broken stream had already
 # sent its last token, nothing to continue; None: the break stands

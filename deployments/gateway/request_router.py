@@ -1,6 +1,6 @@
 """The engine deployments' Serve ``RequestRouter``: a shim. The gateway asks Serve to choose a
 replica (``DeploymentHandle.choose_replica``) with a routing payload from
-:mod:`deployments.engine_client`; Serve calls this router in the gateway's own process with the
+:mod:`deployments.gateway.engine_client`; Serve calls this router in the gateway's own process with the
 live replica list, and the payload's routing view decides. Serve keeps owning replica
 lifecycle, health checks and autoscaling; the decision and its state live in
 :class:`cluster.routing.view.BackendView`, one object, owned by the gateway.

@@ -1,7 +1,7 @@
 """Finding and stopping the local launcher's HAProxy processes, by their config path only.
 
 Serve's HAProxy runs as ``haproxy -db -f <folder>/<node id>/haproxy.cfg ...``, with its files in a
-folder per driver process (``/tmp/llmc-hap-<driver pid>``, ``deployments/local.py``): the folder
+folder per driver process (``/tmp/llmc-hap-<driver pid>``, ``deployments/launcher/local.py``): the folder
 in a process's command line says whose it is. A driver stops its own HAProxy in ``local.stop()``;
 one whose driver died without that (killed, or aborted in Ray's own signal handler) is *stale*:
 its driver pid no longer runs, or runs a process that started after it (the pid was reused). The

@@ -2,7 +2,7 @@
 
 :class:`ReplicaPicker` asks Serve for the engine deployment's live replicas through
 ``DeploymentHandle.choose_replica`` (no request is dispatched through Ray): Serve runs our
-:class:`deployments.request_router.ShimRequestRouter` in this process with its current replica
+:class:`deployments.gateway.request_router.ShimRequestRouter` in this process with its current replica
 list, and the shim hands that list to the backend's :class:`cluster.routing.view.BackendView`,
 which decides. A replica Serve no longer lists (dead, drained, scaled down) is gone from the
 next decision.

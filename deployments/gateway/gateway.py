@@ -47,17 +47,18 @@ from cluster.wire.protocol import (
     GenerateRequest,
     Usage,
 )
-from deployments import cpu_sched, haproxy_errors, metrics, native_api
-from deployments import http_api as h
-from deployments.attempts import AttemptRunner
-from deployments.callers import Callers
-from deployments.context import RequestContext
-from deployments.engine_client import TYPICAL_START_S, ReplicaPicker
+from deployments import cpu_sched, metrics
+from deployments.budgets.tenant_budget import tenant_budgets as shared_tenant_budgets
+from deployments.gateway import haproxy_errors, native_api
+from deployments.gateway import http_api as h
+from deployments.gateway.attempts import AttemptRunner
+from deployments.gateway.callers import Callers
+from deployments.gateway.context import RequestContext
+from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker
+from deployments.gateway.kv_feed import kv_index_status, start_feeds
+from deployments.gateway.prepare import INLINE_PREPARE_BYTES, Prepared, count_prompt, prepare_off_loop
+from deployments.gateway.relay import Relay
 from deployments.internal import internal_token, token_ok
-from deployments.kv_feed import kv_index_status, start_feeds
-from deployments.prepare import INLINE_PREPARE_BYTES, Prepared, count_prompt, prepare_off_loop
-from deployments.relay import Relay
-from deployments.tenant_budget import tenant_budgets as shared_tenant_budgets
 
 log = logging.getLogger("ray.serve")
 
@@ -157,8 +158,8 @@ class Gateway:
             model = cfg.model(b.model)
             assert model is not None  # validated
             if not b.kind.caps.engine_replicas:
-                from deployments.provider_budget import get_budget
-                from deployments.providers import build_provider_backend
+                from deployments.budgets.provider_budget import get_budget
+                from deployments.providers.providers import build_provider_backend
 
                 os.environ.update(b.env)  # the adapter runs here: its key's variable, for one
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cluster.observability.trace import RequestTrace
 from cluster.policy.admission import Outcome
 from cluster.wire.protocol import Usage
-from deployments.prepare import Prepared
+from deployments.gateway.prepare import Prepared
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,9 @@ from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.wire.tool_stream import ToolEvents
-from deployments.engine_warmup import WarmableBackend, WarmupReport, run_warmup
+from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_warmup
+from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
 from deployments.internal import internal_token, token_ok
-from deployments.kv_endpoint import KVEventEndpoint, no_events
 
 log = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 1.0
@@ -59,7 +59,7 @@ HOST_ENV = "LLMC_ENGINE_HOST"  # the address engine servers bind and publish (de
 
 def build_backend(backend: BackendConfig, model: ModelConfig, replica: str) -> WarmableBackend:
     if backend.kind is BackendKind.VLLM:
-        from deployments.vllm_replica import VLLMBackend
+        from deployments.engine.vllm_replica import VLLMBackend
 
         return VLLMBackend(backend, model, replica)
     if backend.kind is BackendKind.SIM:

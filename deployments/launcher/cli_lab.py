@@ -1,5 +1,5 @@
 """``cluster lab up|down|status``: the RayService's cluster on this machine, a Ray node per pod in a
-network namespace of its own (``deployments/lab.py``), to try a config and its deploy settings
+network namespace of its own (``deployments/launcher/lab.py``), to try a config and its deploy settings
 before shipping them. Linux, as root.
 
     cluster lab up --config configs/sim-local.yaml      # head, a cpu pod, two engine pods
@@ -35,7 +35,7 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ign
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deployments import lab
+    from deployments.launcher import lab
 
     t0 = time.monotonic()
     try:
@@ -54,13 +54,13 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from deployments import lab
+    from deployments.launcher import lab
 
     return 1 if any(lab.down().values()) else 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from deployments import lab
+    from deployments.launcher import lab
 
     try:
         return lab.status()

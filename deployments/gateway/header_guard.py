@@ -23,7 +23,7 @@ from typing import Any
 from starlette.middleware import Middleware
 
 from cluster.wire.errors import InvalidRequest, Overloaded
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 # Longer ids are refused (a 400), not cut or replaced: the client learns at once that its id is
 # not echoed, instead of correlating on an id that is not its own. UUIDs, W3C trace ids and

@@ -1,7 +1,7 @@
 """One provider stream as the adapter reads it: what it has seen so far (:class:`StreamState`), and
 each network read turned into one batch of chunks (:class:`ChunkReader`).
 
-Kept apart from the adapters (``deployments/providers.py``) because it is the per-read part of the
+Kept apart from the adapters (``deployments/providers/providers.py``) because it is the per-read part of the
 token path: an OpenAI-wire read of plain ``data:`` events takes a fast path (no event object, and
 a plain text delta read straight to its text), everything else the general SSE parser and the
 API's own event parser.

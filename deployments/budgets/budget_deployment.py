@@ -12,7 +12,8 @@ and adapter tests, and inside the deployment) and adds the clock and the waiting
 may wait up to ``wait_s`` for room, woken when a request ends or when the refusal said room comes.
 :class:`ServeBudget` is the same interface through the deployment's handle: one call per reserve,
 settle or cancel, never per chunk. What each side does with a refusal is its own: the tenants'
-client (``deployments/tenant_budget.py``) and the provider adapter (``deployments/providers.py``).
+client (``deployments/budgets/tenant_budget.py``) and the provider adapter
+(``deployments/providers/providers.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The provider adapters' HTTP side: one pooled aiohttp session per event loop, the key that hides
 itself, and the clock that bounds every await of a request (and that ``abort`` fires early).
 
-Kept apart from the adapters (``deployments/providers.py``) because none of it knows a provider's
+Kept apart from the adapters (``deployments/providers/providers.py``) because none of it knows a provider's
 wire format: it is how a request reaches the network and how it is stopped.
 
 aiohttp is called directly: httpx's own pool cost O(connections) per request, and its API over

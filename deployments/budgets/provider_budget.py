@@ -2,11 +2,11 @@
 the replicas.
 
 In a Serve app the budget is the app's shared-budget deployment for the backend
-(``budget-<backend>``, :class:`deployments.budget_deployment.BudgetDeployment`), so every gateway
+(``budget-<backend>``, :class:`deployments.budgets.budget_deployment.BudgetDeployment`), so every gateway
 replica draws from one budget, as the provider counts it; two apps with a backend of the same name
 have one budget each. Without Serve (unit and adapter tests, a single process) it is an in-process
-:class:`deployments.budget_deployment.LocalBudget`, one per backend per process. A backend with no
-limit has no shared state at all. All speak :class:`deployments.budget_deployment.Budget`:
+:class:`deployments.budgets.budget_deployment.LocalBudget`, one per backend per process. A backend with no
+limit has no shared state at all. All speak :class:`deployments.budgets.budget_deployment.Budget`:
 ``reserve`` (optionally waiting a bounded time for room), ``settle`` with the tokens the provider
 reported (or the adapter's estimate when it reported none), ``cancel``.
 
@@ -22,7 +22,7 @@ from cluster.config import BackendConfig, ProviderConfig
 from cluster.dataplane import budget_deployment
 from cluster.policy.rate_budget import Reservation
 from cluster.providers.budget import ProviderBudget
-from deployments.budget_deployment import Budget, LocalBudget, Reserved, ServeBudget
+from deployments.budgets.budget_deployment import Budget, LocalBudget, Reserved, ServeBudget
 
 __all__ = ["Budget", "LocalBudget", "UnlimitedBudget", "get_budget", "local_budget"]
 

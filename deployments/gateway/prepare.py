@@ -24,8 +24,8 @@ from cluster.wire.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
-from deployments import http_api as h
 from deployments import metrics
+from deployments.gateway import http_api as h
 
 
 @dataclass(frozen=True)

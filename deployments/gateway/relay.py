@@ -30,12 +30,12 @@ from cluster.wire.logprobs import with_prompt
 from cluster.wire.openai_format import SSE_DONE, full_response, sse, usage_chunk
 from cluster.wire.protocol import Usage
 from cluster.wire.stream import Ending, TokenStream
-from deployments import http_api as h
 from deployments import metrics
-from deployments.attempts import AttemptRunner
-from deployments.context import RequestContext, Served
-from deployments.migration import Migrations, Seamless
-from deployments.prepare import Prepared
+from deployments.gateway import http_api as h
+from deployments.gateway.attempts import AttemptRunner
+from deployments.gateway.context import RequestContext, Served
+from deployments.gateway.migration import Migrations, Seamless
+from deployments.gateway.prepare import Prepared
 
 BODY = "http.response.body"
 

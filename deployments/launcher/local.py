@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig, ServerConfig, load_config
 from cluster.engine.tiny_model import cache_root
-from deployments import haproxy_launch, haproxy_procs
+from deployments.launcher import haproxy_launch, haproxy_procs
 
 # vLLM's CPU build on small shared machines (see shared notes): in-process engine, one OpenMP
 # thread per engine, no pinning, offline.
@@ -224,7 +224,7 @@ def _loopback_node() -> None:
 
 def _haproxy_launcher(server: ServerConfig) -> Path:
     """The HAProxy Serve starts on this node: ours, which runs the real one on Serve's config with
-    our listeners and client limits (``deployments/haproxy_launch.py``)."""
+    our listeners and client limits (``deployments/launcher/haproxy_launch.py``)."""
     lim = haproxy_launch.Limits(
         host=server.host,
         header_timeout_ms=max(1, round(server.header_timeout_s * 1000)),

@@ -38,11 +38,11 @@ from cluster.tokens.images import image_tokens
 from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.wire.openai_format import dumps
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
-from deployments import provider_http as ph
-from deployments.provider_budget import Budget, get_budget
-from deployments.provider_counters import ProviderCounters
-from deployments.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
-from deployments.provider_stream import ChunkReader, StreamState, as_chunk
+from deployments.budgets.provider_budget import Budget, get_budget
+from deployments.providers import provider_http as ph
+from deployments.providers.provider_counters import ProviderCounters
+from deployments.providers.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
+from deployments.providers.provider_stream import ChunkReader, StreamState, as_chunk
 
 __all__ = [
     "AnthropicProviderBackend",

@@ -28,8 +28,8 @@ from cluster.tokens import resolve_model_path
 from cluster.wire import logprobs
 from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
-from deployments.amx import request_amx
 from deployments.cpu_sched import EngineCoreClass
+from deployments.engine.amx import request_amx
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class VLLMBackend:
         ):
             import asyncio
 
-            from deployments.vllm_kv_events import VLLMEventSubscriber, kv_events_config
+            from deployments.engine.vllm_kv_events import VLLMEventSubscriber, kv_events_config
 
             self.kv_events = KVEventLog()
             self._kv_sub = VLLMEventSubscriber(self.kv_events, asyncio.get_running_loop())
@@ -246,7 +246,7 @@ class VLLMBackend:
                 "recent_aborts": list(self._recent_aborts),
                 # the engine cores' scheduling class (engine.cpu_sched), kept current here too
                 "engine_cpu_class": self._cpu_class_report(),
-                "amx": self.amx.status,  # deployments/amx.py: the tile state asked before the engine
+                "amx": self.amx.status,  # deployments/engine/amx.py: the tile state asked before the engine
                 "ts": time.time(),
             },
         )

@@ -8,7 +8,7 @@ import hashlib
 
 from cluster.config import ClusterConfig
 from cluster.wire.errors import InvalidRequest, Unauthorized
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 from deployments.internal import token_ok
 
 

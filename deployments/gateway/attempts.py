@@ -32,10 +32,10 @@ from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import GenerateRequest
 from cluster.wire.stream import AttemptStream
 from deployments import metrics
-from deployments.engine_client import EngineStream, ReplicaLease, ReplicaPicker
+from deployments.gateway.engine_client import EngineStream, ReplicaLease, ReplicaPicker
 
 if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
-    from deployments.providers import ProviderBackend
+    from deployments.providers.providers import ProviderBackend
 
 
 async def close_stream(stream: AttemptStream) -> None:
