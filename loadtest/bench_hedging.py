@@ -231,7 +231,7 @@ class Leg:
         if self.leg == "sim":
             self._deploy("no_fault", lambda n: sim_app(n, None, False))
             return
-        from tests.servers.openai_server import OpenAIServer
+        from fixtures.servers.openai_server import OpenAIServer
 
         key_env = _export_key()
         for v in VARIANTS:

@@ -171,7 +171,7 @@ def _in_client(plan: LabPlan, args: list[str], log: Path, env: dict[str, str]) -
 
 
 def start_provider(plan: LabPlan) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "tests.servers.openai_server", f"--host={plan.client.ip}"]
+    args = [sys.executable, "-m", "fixtures.servers.openai_server", f"--host={plan.client.ip}"]
     args += [f"--port={PROVIDER_PORT}", f"--api-key-env={KEY_ENV}", "--output-tokens=48"]
     args += ["--token-delay=0.02", f"--fault={PROVIDER_STEADY}"]
     proc = _in_client(plan, args, WORK / "provider.log", {KEY_ENV: os.environ[KEY_ENV]})

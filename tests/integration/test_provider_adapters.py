@@ -28,7 +28,7 @@ from deployments.providers.providers import (
     aclose_shared_session,
     build_provider_backend,
 )
-from tests.servers import AnthropicServer, LoopbackServer, OpenAIServer
+from fixtures.servers import AnthropicServer, LoopbackServer, OpenAIServer
 
 KEY = "sk-test-Zx9vQ2mL7pK4nR8sT1uW"
 KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
