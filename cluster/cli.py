@@ -1,8 +1,8 @@
 """The ``cluster`` command: every subcommand, in one table.
 
 Each entry names a module and its ``add_<name>_parser(subparsers)``. The core's own (``check``,
-``k8s``, ``plan``, ``status``) live in ``cluster/``; ``serve`` (``deployments/cli_serve.py``), ``lab``
-(``deployments/cli_lab.py``),
+``k8s``, ``plan``, ``status``) live in ``cluster/``; ``serve``
+(``deployments/launcher/cli_serve.py``), ``lab`` (``deployments/launcher/cli_lab.py``),
 ``bench`` (``loadtest/cli_bench.py``) and ``bench-all`` (``loadtest/bench_all.py``) belong to the
 layers above, which the core never imports as code: they are names in this table, loaded when the
 command line is built. A subcommand whose module fails to import fails the command, naming it,
@@ -20,8 +20,8 @@ from cluster.config_checks import config_warnings
 
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("cluster.cli", "add_check_parser"),
-    ("deployments.cli_serve", "add_serve_parser"),
-    ("deployments.cli_lab", "add_lab_parser"),
+    ("deployments.launcher.cli_serve", "add_serve_parser"),
+    ("deployments.launcher.cli_lab", "add_lab_parser"),
     ("cluster.k8s.cli_k8s", "add_k8s_parser"),
     ("cluster.planner.cli_plan", "add_plan_parser"),
     ("cluster.observability.cli_status", "add_status_parser"),

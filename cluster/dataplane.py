@@ -32,7 +32,7 @@ INTERNAL_TOKEN_ENV = "LLMC_INTERNAL_TOKEN"
 # generator both write them): the shim request router that lets the gateway's routing view
 # decide, how often replicas publish their endpoint and load to it, how often they report their
 # ongoing requests for autoscaling.
-SHIM_ROUTER = "deployments.request_router:ShimRequestRouter"
+SHIM_ROUTER = "deployments.gateway.request_router:ShimRequestRouter"
 ROUTING_STATS_PERIOD_S = 0.5
 AUTOSCALING_METRICS_INTERVAL_S = 1.0
 
@@ -41,10 +41,10 @@ AUTOSCALING_METRICS_INTERVAL_S = 1.0
 # sent otherwise). The gateway never blocks its loop (big bodies are prepared in a thread).
 # Engines keep Serve's default: a vLLM engine's calls must not stall Serve's control traffic.
 # And the middleware Serve runs around the gateway's direct ingress before it reads a request's
-# headers (deployments/header_guard.py: a 400 for a header Serve would fail on or echo whole).
+# headers (deployments/gateway/header_guard.py: a 400 for a header Serve would fail on or echo whole).
 GATEWAY_ENV: dict[str, str] = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.header_guard:middlewares",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "deployments.gateway.header_guard:middlewares",
 }
 
 

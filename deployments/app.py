@@ -30,9 +30,9 @@ from cluster.dataplane import (
     deployment_options,
     tenant_budget_deployment,
 )
-from deployments.budget_deployment import BudgetDeployment
-from deployments.engine import EngineReplica
-from deployments.gateway import Gateway
+from deployments.budgets.budget_deployment import BudgetDeployment
+from deployments.engine.engine import EngineReplica
+from deployments.gateway.gateway import Gateway
 
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import httpx
 # Inside the actors
 # ------------------------------------------------------------------------------------------------
 
-GATEWAY = "Gateway"  # the app's ingress deployment (deployments/gateway.py)
+GATEWAY = "Gateway"  # the app's ingress deployment (deployments/gateway/gateway.py)
 
 
 def _make_probe() -> Any:

@@ -109,7 +109,7 @@ from loadtest.workloads import SharedPrefixWorkload, summary
 # were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
 # request router of every engine deployment) and streams from it over HTTP, so no Serve request
 # router of ours or Ray's decides any more. The config still accepts both names, but the gateway
-# deploys them as cache_aware (deployments/gateway.py), which would measure ours under their name.
+# deploys them as cache_aware (deployments/gateway/gateway.py), which would measure ours under their name.
 POLICIES = (
     "round_robin",
     "least_loaded",
@@ -194,7 +194,7 @@ def engine_totals(stats: dict[str, Any]) -> dict[str, int]:
 def settled_stats(app_url: str, replicas: int, timeout_s: float = 15.0) -> dict[str, Any]:
     """The replicas' stats once every replica reported, nothing runs and two snapshots agree
     (``app_url``: the app's URL with its route prefix; the engines are asked over HTTP)."""
-    from deployments.local import replica_stats
+    from deployments.launcher.local import replica_stats
 
     deadline = time.monotonic() + timeout_s
     last: dict[str, int] | None = None
@@ -248,7 +248,7 @@ def _deploy(policy: str, args: argparse.Namespace, port: int, wait: bool) -> tup
     from ray import serve
 
     from deployments import app as app_module
-    from deployments import local
+    from deployments.launcher import local
 
     cfg = policy_config(policy, args)
     prefix = f"/{policy.replace('+', '-')}"
@@ -277,7 +277,7 @@ def _wait_running(names: Sequence[str], timeout_s: float = 600.0) -> None:
 
 def _decisions(policy: str, app_url: str) -> dict[str, int]:
     """The gateway's decision counts per (backend, reason); exact: sim-local.yaml runs one gateway."""
-    from deployments.local import gateway_status
+    from deployments.launcher.local import gateway_status
 
     if policy != "cache_aware" and policy not in VARIANTS:
         return {}
@@ -571,7 +571,7 @@ class _AffinityChoice:
         d = self.policy.decide(self.hashes[i], loads, self.rng, now, sid)
         self.policy.record(d.replica, self.hashes[i], now, sid)
         k = int(d.replica[1:])
-        if self.logs:  # the replica announces the arrival (deployments/engine.py)
+        if self.logs:  # the replica announces the arrival (deployments/engine/engine.py)
             from cluster.engine.kv_events import BlocksQueued
 
             self.logs[k].append([BlocksQueued(self.hashes[i], sid)], now)
@@ -759,7 +759,7 @@ def other_seeds(args: argparse.Namespace, tok: Any) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def _arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument(
         "--scenario",
@@ -805,6 +805,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=0, help="Serve HTTP port (0: a free one)")
     ap.add_argument("--quick", action="store_true", help="a smaller workload (smoke run)")
     ap.add_argument("--out", default=str(RESULTS / "affinity.json"))
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = _arg_parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.groups, args.sessions, args.turns = 8, 2, 2
@@ -829,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Worker processes of a busy shared machine can take minutes to start (Ray gives them 60 s).
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
-    from deployments import local
+    from deployments.launcher import local
 
     # One port for every scenario of this run: the first scenario's Serve keeps serving the later
     # ones (serve.start ignores a new port), so a fresh port per scenario waited for an app on a

@@ -56,7 +56,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
-from deployments.local import free_port, gateway_status, replica_stats
+from deployments.launcher.local import free_port, gateway_status, replica_stats
 from loadtest.bench_overhead import peer_stack
 from loadtest.overhead_client import HOST
 from loadtest.overhead_cluster import OursCluster

@@ -11,7 +11,7 @@ is full (KV pressure: a steady state stores as much as it evicts), and a ``Block
 arriving request (its whole prompt's router hashes: agent contexts that recur, prefix reuse).
 
 Transport: in-process, on a virtual clock. Each engine appends to a real ``KVEventLog``; each of
-the M gateways asks each engine for its page every ``MIN_POLL_S`` as ``deployments/kv_feed.py``
+the M gateways asks each engine for its page every ``MIN_POLL_S`` as ``deployments/gateway/kv_feed.py``
 does (under load an engine has new events at every step, so the long poll answers at once): the
 engine side runs ``KVEventLog.since`` + ``page_to_wire`` + ``json.dumps`` (what
 ``kv_endpoint``'s ``web.json_response`` does), the gateway side ``page_from_json``
@@ -67,8 +67,8 @@ from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
-from deployments.kv_endpoint import KVEventEndpoint
-from deployments.kv_feed import MIN_POLL_S
+from deployments.engine.kv_endpoint import KVEventEndpoint
+from deployments.gateway.kv_feed import MIN_POLL_S
 from loadtest.provenance import git_state, provenance, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -503,7 +503,7 @@ async def _consume(
     engines for ``seconds``; CPU of this process and of the engines' server, polls served."""
     import aiohttp
 
-    from deployments.kv_feed import KVEventFeed
+    from deployments.gateway.kv_feed import KVEventFeed
 
     base = f"http://127.0.0.1:{port}"
     names = [f"engine-{i}" for i in range(n)]

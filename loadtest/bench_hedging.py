@@ -170,7 +170,7 @@ def summarize(rows: list[dict[str, Any]], median_ms: float) -> dict[str, Any]:
 
 
 def sim_counts(app_url: str) -> dict[str, int]:
-    from deployments.local import replica_stats
+    from deployments.launcher.local import replica_stats
 
     out = {"received": 0, "finished": 0, "aborted": 0, "cancelled_while_slow": 0, "in_flight": 0}
     for s in replica_stats(app_url).values():
@@ -218,7 +218,7 @@ class Leg:
         self.delays: list[dict[str, float | None]] = []  # hedge_on's delay (ms) after each round
 
     def _deploy(self, v: str, cfg_of: Any) -> None:
-        from deployments import local
+        from deployments.launcher import local
 
         local.start(
             cfg_of(f"hedge-{self.leg}-{v}"),
@@ -231,7 +231,7 @@ class Leg:
         if self.leg == "sim":
             self._deploy("no_fault", lambda n: sim_app(n, None, False))
             return
-        from tests.servers.openai_server import OpenAIServer
+        from fixtures.servers.openai_server import OpenAIServer
 
         key_env = _export_key()
         for v in VARIANTS:
@@ -258,7 +258,7 @@ class Leg:
         return quantile([r["ttft_ms"] for r in cal if r["ok"]], 0.5)
 
     def interleaved(self) -> tuple[dict[str, list[dict[str, Any]]], dict[str, float]]:
-        from deployments.local import gateway_status
+        from deployments.launcher.local import gateway_status
 
         rows: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
         walls = dict.fromkeys(VARIANTS, 0.0)
@@ -275,7 +275,7 @@ class Leg:
         return rows, walls
 
     def stop(self) -> None:
-        from deployments import local
+        from deployments.launcher import local
 
         local.stop()
         for s in self.servers.values():
@@ -283,7 +283,7 @@ class Leg:
 
 
 def run_leg(leg: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
-    from deployments.local import gateway_status
+    from deployments.launcher.local import gateway_status
 
     run = Leg(leg, args, port)
     try:
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     GC_FREEZE["on"] = not args.no_gc_freeze
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
-    from deployments.local import free_port
+    from deployments.launcher.local import free_port
 
     legs = {leg: run_leg(leg, args, free_port()) for leg in args.legs.split(",")}
     out = {

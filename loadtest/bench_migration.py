@@ -102,7 +102,7 @@ async def run_round(url: str, bodies: list[dict[str, Any]], kill_after: int | No
     """All streams at once; with ``kill_after``, the busiest replica is killed once every stream
     has that many tokens. Each stream's record says whether it was on the victim."""
     quiet_collector()  # no collector pause of ours inside the measurement
-    from tests.integration.test_sim_cluster import kill_replica
+    from fixtures.replicas import kill_replica
 
     seen: list[dict[str, Any]] = [{} for _ in bodies]
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, read=120)) as c:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=19)
     args = ap.parse_args(argv)
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
-    from deployments import local
+    from deployments.launcher import local
     from loadtest.actor_probe import replaced
 
     port = local.free_port()

@@ -11,7 +11,7 @@ The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools sh
 (three simulated H100 replicas of Llama-3.1-8B at their own speed that Tab and Agent share, the
 product limits of :data:`loadtest.bench_overload.SURFACE_LIMITS`, the engine's priority policy and
 the SLO guard on, as the product ships) with the product's two gateway replicas, so that a tenant's
-budget is counted once across both (:mod:`deployments.tenant_budget`). Tenants (``x-tenant``):
+budget is counted once across both (:mod:`deployments.budgets.tenant_budget`). Tenants (``x-tenant``):
 
 * ``b``: no budget; Tab at ``--tab-rate`` and Agent at ``--b-agent-share`` of Agent's capacity;
 * ``a``: Agent at 10x its budget (``--flood-x``). Variant ``on``: an RPM budget of ``--a-share`` of
@@ -55,7 +55,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.observability.server_timing import parse_server_timing
-from deployments.local import free_port, gateway_status
+from deployments.launcher.local import free_port, gateway_status
 from loadtest.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
 from loadtest.bench_overload_shared import agent_goodput, with_floor_probe
 from loadtest.provenance import git_state, provenance, write_report
@@ -307,7 +307,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     whose config needs no budget) measures Agent's capacity, which sizes ``a``'s budget and flood."""
     from ray import serve
 
-    from deployments import local
+    from deployments.launcher import local
 
     if capacity is None and variant != VARIANTS[0]:
         raise ValueError(f"variant {variant!r} needs Agent's capacity, measured by {VARIANTS[0]!r}")
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
-    from deployments import local
+    from deployments.launcher import local
 
     args.port = args.port or free_port()
     report: dict[str, Any] = {

@@ -9,7 +9,7 @@ Loopback only (127.0.0.1); every process is started here, in its own session, an
 
 * **direct**: the client straight to the fake upstream (the floor; always measured);
 * **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
-* **ours**: our cluster (``deployments.local.start``) with one provider backend (``kind: provider``,
+* **ours**: our cluster (``deployments.launcher.local.start``) with one provider backend (``kind: provider``,
   OpenAI wire) pointing at it; requests carry ``x-surface: chat``;
 * **floor**: a relay with no logic at all, served the way our gateway is (a Serve deployment with
   direct ingress behind Serve's HAProxy, the gateway's replicas and options), as a second app
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from cluster.config import ClusterConfig, load_config
-from deployments.local import ENGINE_ENV, free_port
+from deployments.launcher.local import ENGINE_ENV, free_port
 from loadtest.fake_upstream import CHUNKS
 from loadtest.overhead_client import (
     HOST,

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 from loadtest.procs import quiet_collector
 from loadtest.provenance import git_state, provenance
 from loadtest.request_spec import RequestSpec
@@ -223,7 +223,7 @@ async def closed_loop(
 
 def admission_counters(app_url: str) -> dict[str, Any]:
     """The gateway's admission counters (one gateway replica: see :func:`overload_config`)."""
-    from deployments.local import gateway_status
+    from deployments.launcher.local import gateway_status
 
     return gateway_status(app_url)["admission"]
 
@@ -383,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
     t_start = time.perf_counter()
 
-    from deployments import local
+    from deployments.launcher import local
 
     cfg = overload_config(args.pools, args.speedup)
     port = args.port or free_port()

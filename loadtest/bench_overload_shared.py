@@ -53,7 +53,7 @@ from collections import Counter
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from deployments.local import free_port, gateway_status
+from deployments.launcher.local import free_port, gateway_status
 from loadtest.bench_overload import (
     APP,
     ROOT,
@@ -183,7 +183,7 @@ class EngineTtft:
             self._poll()
 
     def _poll(self) -> None:
-        from deployments.local import replica_stats
+        from deployments.launcher.local import replica_stats
 
         try:
             stats = replica_stats(self.app_url)
@@ -281,7 +281,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     two never share the machine's two cores)."""
     from ray import serve
 
-    from deployments import local
+    from deployments.launcher import local
 
     cfg = variant_config(variant, args.engine, args.batched_tokens, args.cpu_nice, args.cpu_sched)
     shapes = VLLM_SHAPES if args.engine == "vllm" else None
@@ -332,7 +332,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     return out, capacity
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--factors", default="3", help="Agent load / measured capacity, comma-separated")
     ap.add_argument("--tab-rate", type=float, default=4.0, help="Tab requests per second (Poisson)")
@@ -358,6 +358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         RESULTS / ("overload_shared_vllm.json" if args.engine == "vllm" else "overload_shared.json")
     )
     args.factors = [float(x) for x in args.factors.split(",")]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
@@ -377,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["engine_cpu_sched"] = engine.cpu_sched
     report["gateway_nice"] = on_cfg.server.gateway_nice
     report["machine"] = machine()
-    from deployments import local
+    from deployments.launcher import local
 
     args.port = args.port or free_port()
     capacity = None

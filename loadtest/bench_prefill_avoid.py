@@ -23,7 +23,7 @@ Tab is the same in both (~900-token prompts in 8 repositories). Three engine rep
 gateway, or two that take requests in turn (each view counts only its own attempts, as in the
 cluster). Every view follows every engine's KV events before it decides and each chosen replica
 announces its request (``BlocksQueued``), as the gateways' feed does (here without its lag, which
-is up to ``deployments.kv_feed.MIN_POLL_S``); a view learns of its own attempt's first token at its
+is up to ``deployments.gateway.kv_feed.MIN_POLL_S``); a view learns of its own attempt's first token at its
 next decision after it. Variants: ``off``; ``on_N`` per threshold N of ``--thresholds``; and with
 two gateways the what-ifs ``shared_Ss`` (the first threshold, and every view also given each
 engine's own count of its prefilling tokens, all gateways' requests, every S seconds of
@@ -119,6 +119,14 @@ class _InformedView(BackendView):
         return Counter({r: max(own.get(r, 0), self.shared.get(r, 0)) for r in both})
 
 
+def _follow_events(view: Any, logs: Sequence[KVEventLog], cursors: list[tuple[int, int]], now: float) -> None:
+    """One view reads every engine's KV events since its cursors (advanced in place)."""
+    for k, log in enumerate(logs):
+        page = log.since(cursors[k][1], cursors[k][0], limit=1 << 30)
+        view.apply_kv_page(f"r{k}", page, now)
+        cursors[k] = (page.epoch, page.last_seq)
+
+
 def replay(
     specs: Sequence[RequestSpec],
     token_ids: Sequence[list[int]],
@@ -163,10 +171,7 @@ def replay(
         view.sync(
             [ReplicaInfo(f"r{k}", "sim://", e.num_waiting, e.kv_usage()) for k, e in enumerate(engines)]
         )
-        for k, log in enumerate(logs):
-            page = log.since(cursors[g][k][1], cursors[g][k][0], limit=1 << 30)
-            view.apply_kv_page(f"r{k}", page, now)
-            cursors[g][k] = (page.epoch, page.last_seq)
+        _follow_events(view, logs, cursors[g], now)
         hashes = view.policy.hash(ids)
         busy = threshold if spec.surface == "tab" else None
         choice = view.choose(hashes, now, spec.session_id, busy_prefill_tokens=busy)

@@ -12,7 +12,7 @@ interleaved (each round one batch per leg, the order rotating), each warmed alik
 
 * **direct**: the client straight to a paced fake OpenAI upstream (:mod:`loadtest.fake_upstream`);
 * **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
-* **ours**: our cluster (``deployments.local.start``, its gateway replicas behind Serve's HAProxy)
+* **ours**: our cluster (``deployments.launcher.local.start``, its gateway replicas behind Serve's HAProxy)
   with one provider backend (OpenAI wire) pointing at the upstream: the provider path;
 * **engine**: the same cluster's sim engine replica (``llama-3.1-8b-h100`` profile, its clock slowed
   so that a step at 256 sequences takes 20 ms: ``sim_options.speedup``), streamed through the
@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp
 
 from cluster.config import ClusterConfig, parse_config
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 from loadtest.bench_overhead import error_rate_problems, start_vllm_router, write_results
 from loadtest.overhead_client import (
     HOST,

@@ -100,7 +100,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_variant(engine: str, warm: bool, args: argparse.Namespace, port: int) -> dict[str, Any]:
-    from deployments import local
+    from deployments.launcher import local
 
     name = f"warmup-{engine}-{'on' if warm else 'off'}"
     cfg = variant_config(ENGINES[engine], warm, name)
@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from deployments import local
+    from deployments.launcher import local
     from loadtest.provenance import git_state, provenance, write_report
 
     args = parse_args(argv)

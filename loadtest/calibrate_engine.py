@@ -4,7 +4,7 @@
     python -m loadtest.calibrate_engine --refit loadtest/results/engine_calibration.json
 
 Drives the real engine in process (``AsyncLLM`` with the engine arguments of the config's first
-vLLM backend, as :mod:`deployments.vllm_replica` builds them) and measures:
+vLLM backend, as :mod:`deployments.engine.vllm_replica` builds them) and measures:
 
 * **TTFT against prompt length** (one request at a time, engine otherwise idle but warm), and
   with vLLM's own per-request stats (engine-core timestamps) the part of it spent inside the

@@ -42,7 +42,7 @@ from typing import Any
 
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.replica_model import ReplicaModel, Workload
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
 from loadtest.procs import box_busy_s, engine_cores_s
 from loadtest.provenance import git_state, provenance

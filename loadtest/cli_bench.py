@@ -49,7 +49,7 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig, parse_config
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 from loadtest import arrivals, runner
 from loadtest.request_spec import RequestSpec
 from loadtest.surfaces import SHAPES, parse_mix, schedule
@@ -231,7 +231,7 @@ def _warmup(base_url: str, model: str, n: int) -> None:
 
 def _start_local(v: Variant, cfg: ClusterConfig) -> tuple[str, str]:
     """Start the variant's own local cluster; its API and metrics URLs."""
-    from deployments import local
+    from deployments.launcher import local
 
     port, mport = free_port(), free_port()
     # Ray pushes application metrics every 10 s by default; 1 s lets a short run be read.
@@ -283,7 +283,7 @@ def run_variant(v: Variant, args: argparse.Namespace) -> dict[str, Any]:
         after = runner.scrape(metrics_url) if metrics_url else {}
     finally:
         if v.config is not None:
-            from deployments import local
+            from deployments.launcher import local
 
             local.stop()
     return {

@@ -394,13 +394,7 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             "engine": profile.engine.model_dump(),
             "fitted": _dump(profile),
         },
-        "calibration": _rel(calibration_path) if calibration is not None else None,
-        "calibration_coefficients": (
-            {fit: calibration[fit]["coefficients"] for fit in FITS}
-            | ({"idle_wake_fit": calibration["idle_wake_fit"]} if "idle_wake_fit" in calibration else {})
-            if calibration is not None
-            else None
-        ),
+        **_calibration_fields(calibration_path, calibration),
         "machine": {
             **measured["machine"],
             "note": "2 shared cores; other sessions' tests run alongside (see loadavg): "
@@ -408,6 +402,17 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         },
         "runtime_s": measured["runtime_s"],
         "measured": measured["trials"],
+    }
+
+
+def _calibration_fields(path: Path, calibration: dict[str, Any] | None) -> dict[str, Any]:
+    """The report's ``calibration`` (the file used, if any) and its ``calibration_coefficients``."""
+    if calibration is None:
+        return {"calibration": None, "calibration_coefficients": None}
+    idle = {"idle_wake_fit": calibration["idle_wake_fit"]} if "idle_wake_fit" in calibration else {}
+    return {
+        "calibration": _rel(path),
+        "calibration_coefficients": {fit: calibration[fit]["coefficients"] for fit in FITS} | idle,
     }
 
 

@@ -159,7 +159,7 @@ class FaultRun:
         return kill_actor(self.app, deployment, victim)
 
     def _kill_sim_replica(self) -> tuple[float, Callable[[], bool], Callable[[], bool] | None]:
-        from deployments.local import replica_stats
+        from deployments.launcher.local import replica_stats
 
         deployment = f"backend-{SIM_BACKEND}"
         deadline = time.monotonic() + 5  # wait (a little) for a replica with streams in flight

@@ -76,7 +76,7 @@ def serve_cluster(config_path: Path, port: int, ready_file: Path, floor_upstream
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that local.stop() still runs
     try:
-        from deployments import local
+        from deployments.launcher import local
 
         cfg = local.start(load_config(config_path), port=port, metrics_port=0)
         if floor_upstream:

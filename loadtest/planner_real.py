@@ -48,7 +48,7 @@ from cluster.planner.demand import Demand
 from cluster.planner.host_cpu import backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 from loadtest.procs import box_busy_s, engine_cores_s, quiet_collector
 
 ROOT = Path(__file__).resolve().parents[1]

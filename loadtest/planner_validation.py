@@ -375,7 +375,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join([head, *rows])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
     ap.add_argument("--out", default=str(OUT))
@@ -389,7 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         help="predict the real deployment with this loadtest.calibrate_host result's coefficients "
         "instead of configs/local.yaml's host_cpu (bench_all: the one it measured just before)",
     )
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     t0 = time.perf_counter()
     results = []

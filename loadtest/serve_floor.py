@@ -20,7 +20,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.provider_http import shared_session
+from deployments.providers.provider_http import shared_session
 
 Scope = dict[str, Any]
 
@@ -61,7 +61,7 @@ async def _answer(send: Any, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-@serve.deployment(max_ongoing_requests=4096)  # the gateway's own (deployments/gateway.py)
+@serve.deployment(max_ongoing_requests=4096)  # the gateway's own (deployments/gateway/gateway.py)
 @serve.ingress()
 class FloorRelay:
     def __init__(self, upstream: str) -> None:
@@ -73,10 +73,10 @@ class FloorRelay:
 
 def deploy_floor(cfg: Any, upstream: str, timeout_s: float = 120.0) -> str:
     """Deploy :class:`FloorRelay` as app ``floor`` at ``/floor`` beside a cluster that
-    ``deployments.local.start(cfg)`` started, with the gateway's options; returns its chat URL once
+    ``deployments.launcher.local.start(cfg)`` started, with the gateway's options; returns its chat URL once
     HAProxy routes to it."""
     from deployments.app import gateway_options
-    from deployments.local import _wait_routed, _wait_running
+    from deployments.launcher.local import _wait_routed, _wait_running
 
     app = FloorRelay.options(**gateway_options(cfg)).bind(upstream)
     serve.run(app, name="floor", route_prefix="/floor", blocking=False)

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check cluster deployments tests loadtest
-.venv/bin/ruff format --check cluster deployments tests loadtest
+.venv/bin/ruff check cluster deployments tests loadtest fixtures
+.venv/bin/ruff format --check cluster deployments tests loadtest fixtures
 .venv/bin/mypy  # strict on cluster/ (pyproject.toml's [tool.mypy])
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import pytest
 
 from cluster.config import ClusterConfig, load_config
-from deployments.local import free_port as free_port
+from deployments.launcher.local import free_port as free_port
 
 T = TypeVar("T")
 
@@ -33,20 +33,20 @@ class RunningCluster:
     @property
     def metrics_url(self) -> str:
         """Prometheus endpoint of the session's Ray node (Ray's, Serve's and our metrics)."""
-        from deployments.local import metrics_url
+        from deployments.launcher.local import metrics_url
 
         return metrics_url()
 
     def replica_stats(self) -> dict[str, Any]:
         """What each engine replica reports now (replica id -> BackendStats)."""
-        from deployments.local import replica_stats
+        from deployments.launcher.local import replica_stats
 
         return replica_stats(self.url)
 
     def status(self) -> dict[str, Any]:
         """One gateway replica's view (admission counters, policy, routing, provider adapters);
         test configs that read exact counts run one gateway replica."""
-        from deployments.local import gateway_status
+        from deployments.launcher.local import gateway_status
 
         return gateway_status(self.url)
 
@@ -88,7 +88,7 @@ def deploy(serve_port: int) -> Iterator[Callable[..., RunningCluster]]:
     """Deploy an app (a config) into the session's Ray Serve; the first call starts Ray. The app is
     deleted when the module that deployed it ends, unless ``keep`` (its fixture outlives the module
     and deletes it itself, or the session's end does)."""
-    from deployments import local
+    from deployments.launcher import local
 
     def _deploy(cfg: ClusterConfig, route_prefix: str = "/", keep: bool = False) -> RunningCluster:
         local.start(cfg, port=serve_port, metrics_port=0, route_prefix=route_prefix)
@@ -109,7 +109,7 @@ def _apps_end_with_their_module() -> Iterator[None]:
     yield
     mine = [name for name in dict.fromkeys(_STARTED[before:]) if name not in _KEEP]
     if mine:
-        from deployments import local
+        from deployments.launcher import local
 
         local.remove_apps(mine)
 

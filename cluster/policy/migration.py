@@ -13,7 +13,7 @@ most ``max_per_request`` times per request and within a budget shared by all req
 (``ratio`` of the requests in a sliding window, plus ``min_per_s``), like the retry budget. When
 migration is refused the stream ends as before: one clean terminal error event.
 
-The gateway (``deployments/migration.py``) applies these; tests check them alone.
+The gateway (``deployments/gateway/migration.py``) applies these; tests check them alone.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ attempt starts at once. Before any attempt has produced its first chunk:
 After the first chunk the winner's stream is passed through (:func:`follow`); if it then fails, the
 stream ends with :class:`StreamInterrupted` (a clean terminal error for the client, never a silent
 truncation), which the gateway may instead turn into a continuation on another replica
-(``deployments/migration.py``: a new race for the continuation, never a switch inside this one).
+(``deployments/gateway/migration.py``: a new race for the continuation, never a switch inside this one).
 No timer and no task per chunk: one :class:`Watchdog` per stream notices silence.
 
 Plain asyncio, no I/O of its own: the caller passes in how to start and cancel an attempt, the plan

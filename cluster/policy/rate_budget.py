@@ -14,7 +14,7 @@ Two limiters sit behind it, because they are two different limits, not two spell
   reservation that is never settled expires.
 
 Either runs in one process or behind the app's shared-budget deployment
-(``deployments/budget_deployment.py``), which speaks this interface over a Serve handle.
+(``deployments/budgets/budget_deployment.py``), which speaks this interface over a Serve handle.
 """
 
 from __future__ import annotations

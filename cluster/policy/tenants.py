@@ -12,8 +12,8 @@ bucket has room again, so a runaway agent loop of one tenant is refused at once 
 tenants keep their share.
 
 Several gateway replicas: in a Serve app these budgets are one object in one deployment of the app
-(the shared-budget deployment, ``deployments/budget_deployment.py``), which every gateway replica
-asks (:mod:`deployments.tenant_budget`), so a tenant's budget is counted
+(the shared-budget deployment, ``deployments/budgets/budget_deployment.py``), which every gateway replica
+asks (:mod:`deployments.budgets.tenant_budget`), so a tenant's budget is counted
 once however HAProxy spreads its requests. ``router_replicas`` (a share per replica) remains for a
 caller that keeps budgets per process. Pure: ``now`` is passed in.
 """

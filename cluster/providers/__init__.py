@@ -1,6 +1,6 @@
 """Provider adapters' pure parts: wire translation, SSE parsing, error mapping and budgets.
 
-Nothing here does I/O; ``deployments/providers.py`` holds the adapters (over aiohttp) that use them.
+Nothing here does I/O; ``deployments/providers/providers.py`` holds the adapters (over aiohttp) that use them.
 """
 
 from __future__ import annotations

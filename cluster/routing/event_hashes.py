@@ -7,7 +7,7 @@ are recomputed from the tokens, chained from the parent's router hash, which thi
 (bounded, least recently stored forgotten first); a ``BlockRemoved`` names engine hashes only,
 which the map turns back into the router's.
 
-Who keeps it: the engine replica itself (:class:`deployments.kv_endpoint.KVEventEndpoint`), which
+Who keeps it: the engine replica itself (:class:`deployments.engine.kv_endpoint.KVEventEndpoint`), which
 publishes ``IndexStored``/``IndexRemoved`` in the router's hashes, so the work (and the map's
 memory) is done once per engine instead of once per engine on every gateway replica (issue 42:
 at 256 engines that was most of a gateway's control-plane CPU and a map of N x 262k entries in

@@ -1,6 +1,6 @@
 """The engine an engine replica runs in its own process (vLLM's ``AsyncLLM`` in
-``deployments/vllm_replica.py``, the simulator in ``cluster/engine/sim_backend.py``), as the
-replica's HTTP shell (``deployments/engine.py``) and its warm-up call it. The gateway never sees it:
+``deployments/engine/vllm_replica.py``, the simulator in ``cluster/engine/sim_backend.py``), as the
+replica's HTTP shell (``deployments/engine/engine.py``) and its warm-up call it. The gateway never sees it:
 it reads an engine replica's HTTP stream, and a provider adapter's chunks, through the one stream
 seam of :mod:`cluster.wire.stream`. An engine backend:
 

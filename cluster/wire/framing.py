@@ -1,6 +1,6 @@
 """Typed chunks as the client's SSE bytes: :class:`ChunkFramer` frames them, and
 :class:`FramedStream` is the :class:`cluster.wire.stream.AttemptStream` of a backend whose stream
-is typed chunks, a batch per network read (a provider adapter, ``deployments/providers.py``).
+is typed chunks, a batch per network read (a provider adapter, ``deployments/providers/providers.py``).
 Pure: no I/O of its own."""
 
 from __future__ import annotations

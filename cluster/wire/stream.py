@@ -1,13 +1,13 @@
 """The one seam every backend's stream plugs into on the gateway's side.
 
 An attempt's stream (:class:`AttemptStream`) yields the client's SSE bytes, whatever the backend:
-an engine replica's (vLLM or the simulator, over HTTP: ``deployments/engine_client.py``) pass
+an engine replica's (vLLM or the simulator, over HTTP: ``deployments/gateway/engine_client.py``) pass
 through as read; a provider adapter's typed chunks are framed into them on the way
 (:class:`cluster.wire.framing.FramedStream`). Once it is over, :meth:`TokenStream.ending` says how
 it ended in one shape (:class:`Ending`) for both. The race (:mod:`cluster.policy.race`) runs such
-streams, the relay (``deployments/relay.py``) reads them as :class:`TokenStream`, and a broken
+streams, the relay (``deployments/gateway/relay.py``) reads them as :class:`TokenStream`, and a broken
 engine stream is continued elsewhere from what it :meth:`AttemptStream.emitted`
-(``deployments/migration.py``, which is itself a :class:`TokenStream`).
+(``deployments/gateway/migration.py``, which is itself a :class:`TokenStream`).
 
 Pure: no I/O here, only the shapes.
 """

@@ -25,7 +25,7 @@ from typing import Any
 
 from cluster.config import load_config
 from cluster.k8s.lab_plan import LabPlan
-from deployments import lab_events
+from deployments.launcher import lab_events
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/sim-local.yaml"
@@ -85,7 +85,7 @@ def _during(records: list[dict[str, Any]], t0: float, t1: float) -> list[dict[st
 
 
 def check_upgrade_and_node_loss_under_load(plan: LabPlan, tmp_path: Path) -> None:
-    from deployments import lab
+    from deployments.launcher import lab
 
     assert load_config(CONFIG).policies.migration.enabled  # streams cut mid-answer continue elsewhere
     assert lab.placement(plan)["Gateway"] == ["cpu-0"]

@@ -21,9 +21,9 @@ from cluster.config import parse_config
 from cluster.policy import capabilities as C
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.wire.requests import prompt_ids
+from fixtures.servers.anthropic_server import AnthropicServer
+from fixtures.servers.openai_server import OpenAIServer
 from loadtest.reliability import provider_backend
-from tests.servers.anthropic_server import AnthropicServer
-from tests.servers.openai_server import OpenAIServer
 from tests.unit.test_capabilities import SAMPLES, _api
 
 pytestmark = pytest.mark.integration
@@ -507,7 +507,7 @@ def _thinking_round_trip(fx, servers, stream: bool, ask: str) -> list[dict[str, 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_thinking_blocks_round_trip_with_their_signatures(fx, servers, stream: bool) -> None:
-    from tests.servers import thinking as TH
+    from fixtures.servers import thinking as TH
 
     turn = _thinking_round_trip(fx, servers, stream, ASK[0]["content"])
     assert turn[0] == {"type": "thinking", "thinking": TH.THOUGHT, "signature": TH.sign(TH.THOUGHT)}
@@ -528,7 +528,7 @@ def test_thinking_is_refused_where_it_cannot_be_honoured_and_narrows_the_route(f
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_thinking_through_our_openai_endpoint(fx, servers, stream: bool) -> None:
-    from tests.servers import thinking as TH
+    from fixtures.servers import thinking as TH
 
     client = OpenAI(base_url=fx.base_url, api_key="x", max_retries=0)
     kw: dict[str, Any] = {

@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from cluster.config import ClusterConfig, parse_config
+from fixtures.servers import OpenAIServer
 from tests.rawhttp import RawRequest
-from tests.servers import OpenAIServer
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import yaml
 
 from cluster.config import load_config
-from deployments.haproxy_procs import PREFIX, haproxy_pids
-from deployments.local import free_port
+from deployments.launcher.haproxy_procs import PREFIX, haproxy_pids
+from deployments.launcher.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.config import BackendConfig, EngineArgs, load_config
 from cluster.wire.protocol import GenerateRequest, Sampling
-from deployments.local import scratch_env
+from deployments.launcher.local import scratch_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -62,7 +62,7 @@ async def _until(pred: object, limit_s: float = 60.0) -> None:
 
 
 async def test_tab_is_scheduled_before_waiting_agent_work(backend_cfg: tuple[BackendConfig, object]) -> None:
-    from deployments.vllm_replica import VLLMBackend
+    from deployments.engine.vllm_replica import VLLMBackend
 
     cfg, model = backend_cfg
     backend = VLLMBackend(cfg, model, "prio-0")  # type: ignore[arg-type]

@@ -16,10 +16,10 @@ from openai import APIError, OpenAI
 from cluster.config import parse_config
 from cluster.observability.server_timing import parse_server_timing
 from deployments.internal import debug_ids_headers
+from fixtures.replicas import kill_replica
+from fixtures.servers.anthropic_server import AnthropicServer
+from fixtures.servers.openai_server import OpenAIServer
 from loadtest.reliability import provider_backend
-from tests.integration.test_sim_cluster import kill_replica
-from tests.servers.anthropic_server import AnthropicServer
-from tests.servers.openai_server import OpenAIServer
 from tests.streamread import take_data_line
 
 pytestmark = pytest.mark.integration

@@ -22,8 +22,8 @@ from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from cluster.wire.protocol import GenerateRequest, Sampling
-from deployments.kv_endpoint import KVEventEndpoint
-from deployments.kv_feed import KVEventFeed, kv_index_status
+from deployments.engine.kv_endpoint import KVEventEndpoint
+from deployments.gateway.kv_feed import KVEventFeed, kv_index_status
 
 pytestmark = pytest.mark.integration
 # The engines and feeds here are ours, in this process: they share a credential of their own (no
@@ -125,7 +125,7 @@ async def test_two_gateways_follow_the_same_events_and_drop_a_gone_replica() -> 
 async def test_a_busy_engine_is_polled_at_most_every_min_poll_s() -> None:
     """An engine with new events at every step answers each long poll at once; the feed must still
     ask it at most every MIN_POLL_S (asking at every step cost a gateway 14 % of its CPU)."""
-    from deployments import kv_feed
+    from deployments.gateway import kv_feed
 
     engine = await _engine("A")
     gets = 0

@@ -18,7 +18,7 @@ from cluster.engine.sim_backend import SimBackend
 from cluster.routing.block_hash import BlockHasher
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from cluster.wire.protocol import GenerateRequest, Sampling
-from deployments.kv_endpoint import KVEventEndpoint
+from deployments.engine.kv_endpoint import KVEventEndpoint
 
 pytestmark = pytest.mark.integration
 TOKEN = "kv-feed-cut-test-credential"

@@ -73,7 +73,7 @@ def _lab_processes() -> list[str]:
 
 
 def assert_nothing_left() -> None:
-    from deployments import lab
+    from deployments.launcher import lab
 
     assert lab.leftovers() == {"namespaces": [], "links": [], "routes": [], "processes": []}
     assert not _lab_processes()
@@ -85,7 +85,7 @@ def assert_nothing_left() -> None:
 
 def _chat(plan: LabPlan, node: LabNode) -> tuple[dict[str, str], list[dict[str, Any]]]:
     """A streamed chat completion through ``node``'s Serve port, from the client namespace."""
-    from deployments import lab
+    from deployments.launcher import lab
 
     body = {
         "model": "sim-llama-8b",
@@ -110,7 +110,7 @@ def _chat(plan: LabPlan, node: LabNode) -> tuple[dict[str, str], list[dict[str, 
 def running_lab(label: str) -> Iterator[tuple[LabPlan, str]]:
     """`cluster lab up` of CONFIG (refused if a lab is up already), its plan and what it printed;
     `cluster lab down` on the way out, whatever happened. Both times go to stderr under ``label``."""
-    from deployments import lab
+    from deployments.launcher import lab
 
     if any(lab.leftovers().values()) or lab.read_state() is not None:
         pytest.fail(f"a lab is up on this machine already: {lab.leftovers()} (`cluster lab down`)")
@@ -134,7 +134,7 @@ def lab_up() -> Iterator[tuple[LabPlan, str]]:
 
 
 def test_lab_serves_through_every_node_and_places_by_the_manifest(lab_up) -> None:
-    from deployments import lab
+    from deployments.launcher import lab
 
     plan, out = lab_up
     assert [n.group for n in plan.nodes] == ["head", "cpu", "engine", "engine"]
@@ -165,7 +165,7 @@ def test_upgrade_and_node_loss_under_load(lab_up, tmp_path: Path) -> None:
 
 
 def test_down_leaves_nothing_and_spares_the_hosts_ray(lab_up) -> None:
-    from deployments import lab
+    from deployments.launcher import lab
 
     ours = set(lab.leftovers()["processes"])
     assert len(ours) > 10, ours  # Ray's processes of four nodes, their replicas, four HAProxies
@@ -177,7 +177,7 @@ def test_down_leaves_nothing_and_spares_the_hosts_ray(lab_up) -> None:
 
 def test_down_after_a_crashed_up() -> None:
     """``up`` killed once its head runs: ``down`` still finds and removes everything."""
-    from deployments import lab
+    from deployments.launcher import lab
 
     proc = subprocess.Popen([CLUSTER, "lab", "up", "--config", CONFIG], cwd=REPO, start_new_session=True)
     deadline = time.monotonic() + 120

@@ -1,7 +1,7 @@
 """What the local cluster exposes (issue 47): the internal credential in no log, every listener on
 the configured host, HAProxy's admin socket ours alone, and slow clients cut off.
 
-The real HAProxy on Serve 2.60's own config, as the launcher rewrites it (deployments/
+The real HAProxy on Serve 2.60's own config, as the launcher rewrites it (deployments/launcher/
 haproxy_launch.py), started the way Serve starts it: listeners, socket, header deadline, per-client
 cap and the HAProxy's life tied to its parent, each in a second or two, with no Ray. Then the
 session's cluster (configs/local.yaml): its Ray logs and its listeners; and a small simulated app
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
-from deployments import local
-from deployments.haproxy_launch import MARK, Limits, install
 from deployments.internal import internal_token
+from deployments.launcher import local
+from deployments.launcher.haproxy_launch import MARK, Limits, install
 from loadtest.actor_probe import find_in_logs, log_dir
 
 pytestmark = pytest.mark.integration

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from cluster.config import parse_config
+from fixtures.replicas import kill_replica
+from fixtures.servers.openai_server import OpenAIServer
 from tests.integration.test_failover_hedging import KEY, _provider, _sim
-from tests.integration.test_sim_cluster import kill_replica
-from tests.servers.openai_server import OpenAIServer
 
 pytestmark = pytest.mark.integration
 

@@ -20,15 +20,15 @@ from cluster.config import BackendConfig, ModelConfig
 from cluster.providers.budget import ProviderBudget, Reservation
 from cluster.wire import errors as E
 from cluster.wire.protocol import Chunk, GenerateRequest, Sampling
-from deployments.provider_budget import LocalBudget
-from deployments.providers import (
+from deployments.budgets.provider_budget import LocalBudget
+from deployments.providers.providers import (
     AnthropicProviderBackend,
     OpenAIProviderBackend,
     ProviderBackend,
     aclose_shared_session,
     build_provider_backend,
 )
-from tests.servers import AnthropicServer, LoopbackServer, OpenAIServer
+from fixtures.servers import AnthropicServer, LoopbackServer, OpenAIServer
 
 KEY = "sk-test-Zx9vQ2mL7pK4nR8sT1uW"
 KEY_ENV = "LLMC_TEST_PROVIDER_KEY"
@@ -572,7 +572,7 @@ async def test_the_shared_client_carries_no_cookie_from_one_answer_to_the_next_r
     with anyone's next request."""
     from aiohttp import web
 
-    from deployments.providers import shared_session
+    from deployments.providers.providers import shared_session
 
     seen: list[str | None] = []
 

@@ -13,8 +13,8 @@ import pytest
 
 from cluster.wire.framing import ChunkFramer
 from cluster.wire.openai_format import ResponseMeta, loads
+from fixtures.servers import OpenAIServer
 from tests.integration.test_provider_adapters import KEY, _close_pool, _key_env, collect, make, req  # noqa: F401
-from tests.servers import OpenAIServer
 
 N = 5
 

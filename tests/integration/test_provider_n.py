@@ -15,8 +15,8 @@ from cluster.wire.choices import whole_response
 from cluster.wire.framing import ChunkFramer
 from cluster.wire.openai_format import ResponseMeta, loads
 from cluster.wire.protocol import Usage
+from fixtures.servers import OpenAIServer
 from tests.integration.test_provider_adapters import KEY, _close_pool, _key_env, collect, make, req  # noqa: F401
-from tests.servers import OpenAIServer
 
 N = 4  # tokens per choice
 

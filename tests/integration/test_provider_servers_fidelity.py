@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import AnthropicServer, OpenAIServer
+from fixtures.servers import AnthropicServer, OpenAIServer
 
 KEY = "sk-fidelity-key-0001"
 ROOT = Path(__file__).resolve().parents[2]
@@ -321,7 +321,7 @@ def test_anthropic_mid_stream_error_event(an: anthropic.Anthropic) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["tests.servers.openai_server", "tests.servers.anthropic_server"])
+@pytest.mark.parametrize("module", ["fixtures.servers.openai_server", "fixtures.servers.anthropic_server"])
 def test_standalone_process_and_control_endpoints(module: str) -> None:
     env = {**os.environ, "FIDELITY_KEY": KEY, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(

@@ -28,7 +28,7 @@ import yaml
 from cluster.dataplane import SERVE_ENV
 from cluster.k8s.kustomize import build, find
 from cluster.k8s.rayservice import CPU_NODE_RESOURCE
-from deployments.local import free_port
+from deployments.launcher.local import free_port
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def ray_head() -> Iterator[dict[str, str]]:
     """A Ray head like the cpu pod, on loopback, with the env the manifests give every pod."""
     import tempfile
 
-    from deployments.local import scratch_env
+    from deployments.launcher.local import scratch_env
 
     # Short: Ray's and HAProxy's unix socket paths live under it (at most ~100 characters).
     tmp = Path(tempfile.mkdtemp(prefix="llmc-cfg-", dir="/tmp"))

@@ -8,37 +8,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import os
 import time
 
 import httpx
 import pytest
-import ray
 from openai import OpenAI
 
 from cluster.config import load_config
+from fixtures.replicas import kill_replica
 
 pytestmark = pytest.mark.integration
 
 MODEL = "sim-llama-8b"
 PREFIX = " ".join(f"def helper_{i}(x): return x + {i}" for i in range(80))  # ~1.2k tokens
-
-
-def kill_replica(app: str, deployment: str, replica: str) -> None:
-    """Kill a Serve replica's actor the way a crash would (Serve then starts a new one); returns
-    once its process is gone (``ray.kill`` only asks)."""
-    name = f"SERVE_REPLICA::{app}#{deployment}#{replica}"
-    actor = ray.get_actor(name, namespace="serve")
-    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10)
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"replica {replica} (pid {pid}) still alive 15 s after ray.kill")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from cluster.routing.affinity import AffinityRouter
 from cluster.routing.block_hash import BlockHasher
 from cluster.routing.cache_salt import CacheSalts
 from cluster.wire.protocol import GenerateRequest, Sampling
-from deployments.local import scratch_env
+from deployments.launcher.local import scratch_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -63,8 +63,8 @@ async def _cached(backend, rid: str, salt: str | None) -> int:
 
 
 async def test_vllm_caches_per_salt_and_its_events_map_to_the_routers_salted_hashes(backend_cfg) -> None:
-    from deployments.kv_endpoint import KVEventEndpoint
-    from deployments.vllm_replica import VLLMBackend
+    from deployments.engine.kv_endpoint import KVEventEndpoint
+    from deployments.engine.vllm_replica import VLLMBackend
 
     cfg, model = backend_cfg
     backend = VLLMBackend(cfg, model, "salt-0")

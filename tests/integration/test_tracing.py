@@ -11,7 +11,7 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.observability.trace import traceparent
-from tests.servers.otlp_collector import OtlpCollector, Span
+from fixtures.servers.otlp_collector import OtlpCollector, Span
 
 pytestmark = pytest.mark.integration
 MODEL = "traced-sim"

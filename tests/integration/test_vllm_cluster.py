@@ -267,7 +267,7 @@ def _greedy_stream(cluster, body: dict, kill_after: int | None = None) -> dict:
     times, roles, finish reasons, usage; with ``kill_after``, its replica is killed once that many
     tokens have arrived."""
     from deployments.internal import debug_ids_headers
-    from tests.integration.test_sim_cluster import kill_replica
+    from fixtures.replicas import kill_replica
     from tests.streamread import take_data_line
 
     out: dict = {"ids": [], "at": [], "roles": 0, "finish": [], "usage": None, "error": None}

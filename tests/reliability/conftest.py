@@ -48,8 +48,8 @@ class RelApp:
 
 @pytest.fixture(scope="package")
 def rel(deploy) -> Iterator[RelApp]:
-    from tests.servers.anthropic_server import AnthropicServer
-    from tests.servers.openai_server import OpenAIServer
+    from fixtures.servers.anthropic_server import AnthropicServer
+    from fixtures.servers.openai_server import OpenAIServer
 
     keys = Keys(provider=PROVIDER_KEY)
     with (

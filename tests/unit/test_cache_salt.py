@@ -26,7 +26,7 @@ from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.block_hash import BlockHasher
 from cluster.routing.cache_salt import CacheSalts, derive_salt, group_key, salted_session
 from cluster.routing.view import BackendView, ReplicaInfo
-from deployments.vllm_kv_events import stored_salt
+from deployments.engine.vllm_kv_events import stored_salt
 from tests.unit.test_kv_events import BS, profile
 
 SECRET = "internal-credential-0123456789abcdef"
@@ -203,7 +203,7 @@ def test_prepare_salts_the_request_its_hashes_and_its_session(salt: str | None) 
 
     from cluster.config import load_config
     from cluster.wire.protocol import CompletionRequest
-    from deployments.prepare import prepare
+    from deployments.gateway.prepare import prepare
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "sim-local.yaml")
     model = cfg.models[0].name

@@ -12,8 +12,8 @@ from cluster.config import parse_config
 from cluster.policy import capabilities as C
 from cluster.wire.errors import InvalidRequest
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
-from deployments import http_api as h
-from deployments.prepare import model_gate, supporting_candidates
+from deployments.gateway import http_api as h
+from deployments.gateway.prepare import model_gate, supporting_candidates
 
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

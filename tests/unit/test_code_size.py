@@ -1,7 +1,8 @@
-"""The core stays readable: no function over 60 lines, no module over 500, in cluster/ and deployments/.
+"""The code stays readable: no function over 60 lines in cluster/, deployments/ and loadtest/.
 
-Issue 20's limits, checked on every run so a long function or a growing module is caught where it is
-written rather than in the next clean-up.
+Issue 20's limit, checked on every run so a long function is caught where it is written rather than
+in the next clean-up. Modules have no line cap (issue 43): a module is split where its parts are,
+not at a line count.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cluster", "deployments")
+PACKAGES = ("cluster", "deployments", "loadtest")
 MAX_FUNCTION_LINES = 60
-MAX_MODULE_LINES = 500
 
 
 def _modules() -> list[Path]:
@@ -50,12 +50,3 @@ def test_packages_are_found() -> None:
 def test_no_function_over_60_lines() -> None:
     too_long = [entry for path in _modules() for entry in _long_functions(path)]
     assert not too_long, "functions over 60 lines:\n" + "\n".join(too_long)
-
-
-def test_no_module_over_500_lines() -> None:
-    too_big = [
-        f"{path.relative_to(ROOT)} ({n} lines)"
-        for path in _modules()
-        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
-    ]
-    assert not too_big, "modules over 500 lines:\n" + "\n".join(too_big)

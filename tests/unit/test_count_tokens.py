@@ -15,8 +15,8 @@ from cluster.wire import messages_api
 from cluster.wire.errors import InvalidRequest, Unauthorized
 from cluster.wire.native_schemas import MessageCountTokensRequest
 from cluster.wire.protocol import ChatCompletionRequest
-from deployments import native_api
-from deployments.prepare import count_prompt, prepare
+from deployments.gateway import native_api
+from deployments.gateway.prepare import count_prompt, prepare
 
 CFG = load_config(Path(__file__).parents[2] / "configs" / "local.yaml")
 TOOLS = [
@@ -157,7 +157,7 @@ def test_errors_are_anthropic_shaped(body: dict[str, Any], status: int, kind: st
 
 
 def test_openapi_declares_the_route_with_its_schema_and_anthropic_errors() -> None:
-    from deployments.http_api import openapi_document
+    from deployments.gateway.http_api import openapi_document
 
     doc = openapi_document()
     post = doc["paths"]["/v1/messages/count_tokens"]["post"]

@@ -203,7 +203,7 @@ def test_power_of_two_picks_the_less_loaded_of_two() -> None:
 
 @pytest.mark.parametrize(("surface", "priority"), [("tab", 0), ("chat", 1), ("agent", 2)])
 def test_a_request_carries_its_surfaces_priority(surface: str, priority: int) -> None:
-    from deployments.prepare import prepare
+    from deployments.gateway.prepare import prepare
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "sim-local.yaml")
     body = json.dumps({"model": "sim-llama-8b", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -213,7 +213,7 @@ def test_a_request_carries_its_surfaces_priority(surface: str, priority: int) ->
 
 def _ticks_during_prepare(content: str) -> tuple[int, int]:
     """How often a task on the loop ran while the request was prepared, and the prompt's tokens."""
-    from deployments.prepare import prepare_off_loop
+    from deployments.gateway.prepare import prepare_off_loop
 
     cfg = load_config(Path(__file__).parents[2] / "configs" / "sim-local.yaml")
     cfg.models[0] = cfg.models[0].model_copy(update={"context_window": 400_000})  # the big body fits
@@ -254,7 +254,7 @@ def test_a_big_body_is_prepared_while_the_loop_serves_the_other_streams() -> Non
     stalled every stream the gateway relays (an 82 KB body, 32.8k tokens: 55-61 ms here, measured
     2026-12-01). Structural, not timed: prepared on the loop, the ticker cannot run until it is
     done; in a worker thread it runs meanwhile."""
-    from deployments.prepare import INLINE_PREPARE_BYTES
+    from deployments.gateway.prepare import INLINE_PREPARE_BYTES
 
     ticks, tokens = _ticks_during_prepare("word " * (INLINE_PREPARE_BYTES // 4))
     assert tokens > 1000 and ticks > 0

@@ -17,8 +17,8 @@ from cluster.config import parse_config
 from cluster.config_checks import config_warnings
 from cluster.wire.engine_stream import event_with_ids, parse_emitted, strip_ids
 from cluster.wire.errors import Unauthorized
-from deployments import header_guard, native_api
-from deployments import http_api as h
+from deployments.gateway import header_guard, native_api
+from deployments.gateway import http_api as h
 
 # -- the engine's ": ids" lines ----------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from cluster.routing.view import Choice
 from cluster.wire.engine_stream import end_frame
 from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, to_wire
 from cluster.wire.protocol import Usage
-from deployments.engine_client import EngineStream, ReplicaLease
+from deployments.gateway.engine_client import EngineStream, ReplicaLease
 
 EVENT = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
 

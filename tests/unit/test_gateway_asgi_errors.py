@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cluster.wire.errors import InvalidRequest
-from deployments.gateway import Gateway
+from deployments.gateway.gateway import Gateway
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
 
@@ -50,7 +50,7 @@ def _answer(sent: list[dict[str, Any]]) -> tuple[int, dict[bytes, bytes], dict[s
 def test_a_process_exit_before_the_answer_gets_the_openai_503_and_still_propagates(
     exc: BaseException, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="deployments.gateway"):
+    with caplog.at_level(logging.WARNING, logger="deployments.gateway.gateway"):
         sent, raised = _run(exc)
     assert any(type(exc).__name__ in r.getMessage() for r in caplog.records)  # an exit says what it was
     assert raised is exc  # the process still goes away
@@ -60,7 +60,7 @@ def test_a_process_exit_before_the_answer_gets_the_openai_503_and_still_propagat
 
 
 def test_a_cancellation_gets_the_same_503(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="deployments.gateway"):
+    with caplog.at_level(logging.WARNING, logger="deployments.gateway.gateway"):
         sent, raised = _run(asyncio.CancelledError())
     assert not caplog.records  # a client gone is no news
     assert isinstance(raised, asyncio.CancelledError)

@@ -1,5 +1,5 @@
-"""The rewrite of Serve's HAProxy config (deployments/haproxy_launch.py) on the lines Ray Serve 2.60's
-template writes: listeners on the configured host, the admin socket 600, a header deadline, a
+"""The rewrite of Serve's HAProxy config (deployments/launcher/haproxy_launch.py) on the lines Ray
+Serve 2.60's template writes: listeners on the configured host, the admin socket 600, a header deadline, a
 per-client connection cap; idempotent; and the launcher Serve starts.
 (tests/integration/test_listeners.py runs the real HAProxy on the real template's output.)"""
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deployments.haproxy_launch import MARK, Limits, install, rewrite
+from deployments.launcher.haproxy_launch import MARK, Limits, install, rewrite
 
 # What Serve's template renders (comments and the backends left out), for host 127.0.0.1.
 SERVE = """global

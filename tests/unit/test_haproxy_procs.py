@@ -1,12 +1,12 @@
 """Which HAProxy processes are the local launcher's, and which of them are stale (their driver gone,
-or its pid reused by a later process): deployments/haproxy_procs.py on a /proc laid out by hand."""
+or its pid reused by a later process): deployments/launcher/haproxy_procs.py on a /proc laid out by hand."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from deployments.haproxy_procs import haproxy_pids, stale_folders, stale_haproxy
+from deployments.launcher.haproxy_procs import haproxy_pids, stale_folders, stale_haproxy
 
 
 def _proc(root: Path, pid: int, argv: list[str], started: int) -> None:

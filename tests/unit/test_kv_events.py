@@ -73,7 +73,8 @@ class Replica:
 
 
 class Gateway:
-    """One gateway replica's view, fed by polling every replica's log (what deployments/kv_feed does)."""
+    """One gateway replica's view, fed by polling every replica's log (what
+    deployments/gateway/kv_feed does)."""
 
     def __init__(self, replicas: list[Replica], **params) -> None:
         policy = AffinityRouter(BS, "m", AffinityParams(min_match_tokens=8, **params))
@@ -337,7 +338,8 @@ def test_a_queued_request_reaches_every_gateway_before_its_blocks_are_stored():
     c = gw1.view.choose(hashes, 0.0, "sess-1")
     gw1.view.started(c, hashes, 0.0, "sess-1")
     holder = next(r for r in (a, b) if r.name == c.replica)
-    holder.log.append([BlocksQueued(hashes, "sess-1")], 0.0)  # what deployments/engine.py does on arrival
+    # what deployments/engine/engine.py does on arrival
+    holder.log.append([BlocksQueued(hashes, "sess-1")], 0.0)
     page = holder.log.since(gw2.cursors[holder.name].after)
     gw2.view.apply_kv_page(holder.name, page_from_wire(page_to_wire(page)), now=0.5)
     assert gw2.view.policy.sessions.get("sess-1", 1.0) == holder.name
@@ -367,7 +369,7 @@ def test_a_new_prefix_returns_to_the_replica_that_last_stored_it():
 
 def test_router_hashed_events_build_the_same_index_as_the_raw_ones():
     """The replica's log keeps stores and evictions in the router's hashes (what
-    deployments/kv_endpoint.py sets up): a gateway fed those holds exactly the index, the
+    deployments/engine/kv_endpoint.py sets up): a gateway fed those holds exactly the index, the
     last-stored-by map and the decisions of one that hashes the raw events itself, with no map
     of the engine's hashes of its own; tokens no longer cross the wire."""
     a, b = Replica("a", kv_blocks=16), Replica("b", kv_blocks=16)

@@ -21,7 +21,7 @@ from cluster.wire.errors import InvalidRequest
 from cluster.wire.openai_format import ResponseMeta, full_response, stream_chunk
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, Sampling, Usage
 from cluster.wire.requests import build_generate_request
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -19,7 +19,7 @@ from cluster.wire.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk
 from cluster.wire.protocol import ChatCompletionRequest, Usage
 from cluster.wire.thinking import ThinkingAccumulator
 from cluster.wire.tool_calls import ToolCallAccumulator
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 DATA = Path(__file__).parent / "data" / "tools"
 

@@ -1,4 +1,4 @@
-"""The gateway's migration shell (deployments/migration.py) over fake engine streams: what the
+"""The gateway's migration shell (deployments/gateway/migration.py) over fake engine streams: what the
 relay gets when a stream breaks after its first token. The integration tests kill real replicas;
 these cover the paths a kill rarely hits: the last token already sent, a refusal, no replica for
 the continuation, the non-streaming client's text."""
@@ -22,9 +22,9 @@ from cluster.wire.errors import BackendUnavailable, StreamInterrupted
 from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.wire.protocol import ChatCompletionRequest, Chunk, GenerateRequest, Sampling, Usage
 from cluster.wire.stream import Ending, Fault, ending_of
-from deployments.context import RequestContext
-from deployments.migration import Migrations, Seamless
-from deployments.prepare import Prepared
+from deployments.gateway.context import RequestContext
+from deployments.gateway.migration import Migrations, Seamless
+from deployments.gateway.prepare import Prepared
 
 META = ResponseMeta(kind="chat", request_id="r", model="m", created=1)
 CFG = parse_config(
@@ -207,7 +207,7 @@ async def _engine_relay(
     draining: bool = False,
     tool_parse: dict[str, Any] | None = None,
 ) -> list[bytes]:
-    from deployments.engine import EngineReplica
+    from deployments.engine.engine import EngineReplica
 
     # Its methods without Serve or a server (and without the async destructor, which has nothing to stop)
     bare = type("BareEngineReplica", (EngineReplica.func_or_class,), {"__del__": lambda self: None})

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from cluster.wire import messages_api, responses_api
 from cluster.wire.native_schemas import MessagesRequest, ResponsesRequest
 from cluster.wire.protocol import ChatCompletionRequest
-from deployments.http_api import openapi_document
+from deployments.gateway.http_api import openapi_document
 
 DATA = Path(__file__).parent / "data" / "tools"
 

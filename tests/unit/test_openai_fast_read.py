@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cluster.providers import StreamDelta, openai_wire
 from cluster.providers.sse import SSEEvent
-from deployments.provider_stream import ChunkReader, StreamState, as_chunk
+from deployments.providers.provider_stream import ChunkReader, StreamState, as_chunk
 
 _text = st.sampled_from(["", "Hello", " tok", "é😀", 'say "hi"\n', "[DONE]"])
 _delta = st.fixed_dictionaries(

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cluster.wire.errors import InvalidRequest
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 
 def nested(depth: int) -> bytes:

@@ -32,8 +32,8 @@ from cluster.tokens.counters import (
 from cluster.wire import errors as E
 from cluster.wire.protocol import GenerateRequest, Sampling, Usage
 from cluster.wire.thinking import ThinkingAccumulator
-from deployments.provider_budget import LocalBudget
-from deployments.provider_http import is_connect_failure
+from deployments.budgets.provider_budget import LocalBudget
+from deployments.providers.provider_http import is_connect_failure
 
 
 def _req(kind: str = "chat", **sampling: object) -> GenerateRequest:

@@ -11,7 +11,7 @@ from cluster.policy.rate_budget import RateLimiter, Refusal, Reservation
 from cluster.policy.tenants import TenantBudgets
 from cluster.policy.token_bucket import BucketBudget
 from cluster.providers.budget import ProviderBudget
-from deployments.budget_deployment import LocalBudget, budget_of
+from deployments.budgets.budget_deployment import LocalBudget, budget_of
 
 
 def _limiters(rpm: int = 2) -> dict[str, RateLimiter]:

@@ -1,4 +1,4 @@
-"""The gateway's body read (deployments/http_api.py ``read_body``): a body must arrive in full
+"""The gateway's body read (deployments/gateway/http_api.py ``read_body``): a body must arrive in full
 within its deadline, else a 408 OpenAI error; one that arrives in time is read whole."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cluster.wire.errors import PayloadTooLarge, RequestTimeout
-from deployments.http_api import read_body
+from deployments.gateway.http_api import read_body
 
 SCOPE: dict[str, Any] = {"headers": [(b"content-length", b"100")]}
 

@@ -18,8 +18,8 @@ import pytest
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.view import BackendView, ReplicaInfo
 from cluster.wire.errors import NoCapacity
-from deployments import engine_client, request_router
-from deployments.engine_client import ReplicaPicker
+from deployments.gateway import engine_client, request_router
+from deployments.gateway.engine_client import ReplicaPicker
 
 
 @dataclass(frozen=True)

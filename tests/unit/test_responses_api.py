@@ -16,7 +16,7 @@ from cluster.wire.errors import InvalidRequest
 from cluster.wire.openai_format import SSE_DONE, ResponseMeta, sse, stream_chunk, usage_chunk
 from cluster.wire.protocol import ChatCompletionRequest, Usage
 from cluster.wire.responses_stream import ResponsesStream
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}
 

@@ -64,7 +64,7 @@ def test_an_engines_end_frame_is_the_same_ending() -> None:
 
 
 def test_a_plain_text_delta_frames_as_its_chunk_would() -> None:
-    """A provider's plain text delta travels as its text alone (deployments/provider_stream.py);
+    """A provider's plain text delta travels as its text alone (deployments/providers/provider_stream.py);
     framed, it is the same bytes as its Chunk: the first event (role), the common one, one after
     pending logprobs (they ride on it), and with n > 1 (each event names its choice)."""
     entry = {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}

@@ -20,7 +20,7 @@ from cluster.policy.tenants import (
 )
 from cluster.wire.errors import RateLimited
 from cluster.wire.protocol import Usage
-from deployments.tenant_budget import tenant_budgets
+from deployments.budgets.tenant_budget import tenant_budgets
 
 
 def test_a_tenant_over_its_request_budget_gets_a_429_with_retry_after() -> None:

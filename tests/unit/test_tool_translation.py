@@ -18,7 +18,7 @@ from cluster.wire.openai_format import ResponseMeta, full_response, stream_chunk
 from cluster.wire.protocol import ChatCompletionRequest, GenerateRequest, Usage
 from cluster.wire.requests import build_generate_request, prompt_ids
 from cluster.wire.tool_calls import ToolCallAccumulator
-from deployments import http_api as h
+from deployments.gateway import http_api as h
 
 DATA = Path(__file__).parent / "data" / "tools"
 

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.engine.warmup import WarmupConfig, plan, prompt_lengths, token_ids
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest
-from deployments.engine_warmup import run_warmup
+from deployments.engine.engine_warmup import run_warmup
 
 
 def test_prompt_lengths_climb_to_the_top_on_a_log_scale() -> None:
