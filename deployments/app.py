@@ -13,10 +13,10 @@ with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run i
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from pydantic import Field, ValidationError, model_validator
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from cluster.base import Strict
@@ -52,6 +52,12 @@ class AppArgs(Strict):
         return self.config if self.config is not None else load_config(self.config_path or "")
 
 
+def _served(cls: type) -> Deployment:
+    """The Serve ``Deployment`` that ``@serve.deployment`` made of ``cls``: mypy sees the class, as
+    Ray's types are skipped (pyproject's mypy overrides)."""
+    return cast(Deployment, cls)
+
+
 def engine_options(b: BackendConfig) -> dict[str, Any]:
     """Serve options of one engine backend's deployment (the k8s generator writes the same)."""
     opts = deployment_options(b)
@@ -68,20 +74,28 @@ def build_graph(cfg: ClusterConfig) -> Application:
             name = budget_deployment(b)
             if name is not None:  # a limited provider: one budget for every gateway replica
                 assert b.provider is not None
-                budgets[b.name] = BudgetDeployment.options(name=name).bind(
-                    provider=b.provider.model_dump(mode="json")
+                budgets[b.name] = (
+                    _served(BudgetDeployment)
+                    .options(name=name)
+                    .bind(provider=b.provider.model_dump(mode="json"))
                 )
             continue
         model = cfg.model(b.model)
         assert model is not None  # validated
-        engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
-            b.model_dump(mode="json"),
-            model.model_dump(mode="json"),
-            cfg.tracing.model_dump(mode="json"),
-            cfg.server.gc_freeze,
+        engines[b.name] = (
+            _served(EngineReplica)
+            .options(**engine_options(b))
+            .bind(
+                b.model_dump(mode="json"),
+                model.model_dump(mode="json"),
+                cfg.tracing.model_dump(mode="json"),
+                cfg.server.gc_freeze,
+            )
         )
-    return Gateway.options(**gateway_options(cfg)).bind(
-        cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg)
+    return (
+        _served(Gateway)
+        .options(**gateway_options(cfg))
+        .bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
     )
 
 
@@ -101,7 +115,11 @@ def _tenant_budgets(cfg: ClusterConfig) -> Application | None:
     name = tenant_budget_deployment(cfg)
     if name is None:
         return None
-    return BudgetDeployment.options(name=name).bind(tenants=[t.model_dump(mode="json") for t in cfg.tenants])
+    return (
+        _served(BudgetDeployment)
+        .options(name=name)
+        .bind(tenants=[t.model_dump(mode="json") for t in cfg.tenants])
+    )
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> Application:

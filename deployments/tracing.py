@@ -79,4 +79,4 @@ class Tracer:
         )
 
     def shutdown(self) -> None:
-        self.processor.shutdown()
+        self.processor.shutdown()  # type: ignore[no-untyped-call]  # the OTel SDK leaves it unannotated

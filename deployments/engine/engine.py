@@ -75,12 +75,13 @@ def node_host() -> str:
         return host
     import ray
 
-    return ray.util.get_node_ip_address()
+    ip: str = ray.util.get_node_ip_address()
+    return ip
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor (typing allows none)
         self,
         backend: dict[str, Any],
         model: dict[str, Any],

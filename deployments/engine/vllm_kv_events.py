@@ -90,7 +90,7 @@ class VLLMEventSubscriber:
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         try:

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ class _EngineCounters:
 def _stat_logger_factory(counters: _EngineCounters) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class SnapshotLogger(StatLoggerBase):
+    class SnapshotLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM's types are skipped: Any
         """Keeps the latest scheduler stats and running prefix-cache totals (vLLM's units: tokens)."""
 
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -138,7 +138,7 @@ class VLLMBackend:
         if backend.engine.cpu_sched != "normal":  # the engine core's class from the traffic
             self.cpu_class = EngineCoreClass(CpuClassPolicy(backend.engine.cpu_sched))
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         from vllm.inputs import TokensPrompt
 
         params = _sampling_params(req)

@@ -26,6 +26,7 @@ from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, 
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.routing.block_hash import BlockHash
 from cluster.wire.engine_stream import request_body
 from cluster.wire.framing import ChunkFramer, FramedStream
 from cluster.wire.openai_format import ResponseMeta
@@ -96,7 +97,7 @@ class AttemptRunner:
         candidates: list[str],
         meta: ResponseMeta,
         collect: bool,
-        hashes: Callable[[str], list[int]],
+        hashes: Callable[[str], list[BlockHash]],
         trace: RequestTrace | None = None,
         cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
@@ -118,7 +119,7 @@ class AttemptRunner:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=base + planned.attempt)
-            kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
+            kind: str = self.providers_api.get(backend) or self.kinds.get(backend) or ""
             at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self._provider_stream(backend, attempt_req, meta)
@@ -169,7 +170,7 @@ class AttemptRunner:
         backend: str,
         req: GenerateRequest,
         body: dict[str, Any],
-        block_hashes: list[int],
+        block_hashes: list[BlockHash],
         prior: list[Attempt],
         spans: AttemptSpans,
         at: AttemptTrace | None,

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from cluster.policy.migration import DRAINING_CODE
+from cluster.routing.block_hash import BlockHash
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, Emitted, FrameSplitter, parse_emitted, strip_ids
 from cluster.wire.errors import (
@@ -69,7 +70,7 @@ class _Pick:
     def __init__(
         self,
         view: BackendView,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         session_id: str | None,
         avoid: Sequence[str],
         sync_only: bool = False,
@@ -192,7 +193,7 @@ class ReplicaPicker:
 
     async def pick(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         session_id: str | None,
         avoid: Sequence[str],
         busy_prefill: int | None = None,

@@ -28,8 +28,9 @@ from cluster.config import BackendConfig, ClusterConfig
 from cluster.observability import gc_pauses
 from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
-from cluster.policy.admission import AdmissionController, Outcome
+from cluster.policy.admission import AdmissionController
 from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.admission_types import Outcome
 from cluster.policy.attempts import by_capacity
 from cluster.policy.context import reserved_output
 from cluster.policy.failover import BreakerBoard
@@ -394,8 +395,10 @@ class Gateway:
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         candidates = by_capacity(candidates, self._serving)  # a provider at once, not a dead backend
-        reserved = isinstance(budget, TenantReservation)  # the relay settles it, however it ends
-        settle = functools.partial(self.tenants.settle, budget) if reserved else None
+        # the relay settles a reservation, however it ends
+        settle = (
+            functools.partial(self.tenants.settle, budget) if isinstance(budget, TenantReservation) else None
+        )
         ctx = RequestContext(prepared, candidates, t0, ticket.waited_s, trace, settle)
         outcome = Outcome.CANCELLED
         try:

@@ -41,6 +41,8 @@ class UnsupportedMediaType(ClusterError):
 
 
 def header(scope: Scope, name: bytes) -> str | None:
+    k: bytes
+    v: bytes
     for k, v in scope["headers"]:
         if k == name:
             return v.decode("latin-1")

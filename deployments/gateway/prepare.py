@@ -17,6 +17,7 @@ from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
 from cluster.policy import capabilities
 from cluster.policy.context import ContextDecision, fit_context
+from cluster.routing.block_hash import BlockHash
 from cluster.routing.cache_salt import salted_session
 from cluster.routing.view import BackendView
 from cluster.tokens.images import image_parts, image_tokens
@@ -36,7 +37,7 @@ class Prepared:
     req: GenerateRequest
     meta: ResponseMeta
     candidates: list[str]
-    hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
+    hashes: Callable[[str], list[BlockHash]]  # backend -> the prompt's block hashes in its block size
     prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
     max_tokens_capped: int | None = None  # a configured limit shortened max_tokens to this (a header)
 
@@ -190,12 +191,12 @@ def _fit(
 
 def _block_hashes(
     ids: list[int], candidates: list[str], views: dict[str, BackendView], salt: str | None = None
-) -> Callable[[str], list[int]]:
+) -> Callable[[str], list[BlockHash]]:
     """The prompt's block hashes per backend (in its block size, under its cache salt), computed
     here, off the loop for big prompts, once per candidate backend."""
-    hashed: dict[str, list[int]] = {}
+    hashed: dict[str, list[BlockHash]] = {}
 
-    def hashes(backend: str) -> list[int]:
+    def hashes(backend: str) -> list[BlockHash]:
         view = views.get(backend)
         if view is None or view.policy is None:
             return []

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
+from deployments.json_types import JSONObject
 from deployments.launcher import lab, lab_net
 
 GATEWAY = "Gateway"
@@ -85,11 +86,12 @@ def gateway_status(plan: LabPlan, token: str, node: str | None = None) -> dict[s
     n = next(x for x in plan.nodes if (x.name == node if node else x.group == "cpu"))
     url = f"http://{n.ip}:{plan.serve_port}/internal/status"
 
-    def call() -> dict[str, Any]:
+    def call() -> JSONObject:
         r = httpx.get(url, headers={"x-llmc-internal": token}, timeout=10)
         if r.status_code != 200:
             raise LabError(f"/internal/status: {r.status_code} {r.text[:300]}")
-        return r.json()
+        status: JSONObject = r.json()
+        return status
 
     return lab.from_client(plan, call)
 
@@ -192,12 +194,13 @@ def kv_fault(plan: LabPlan, token: str, url: str, cut_s: float) -> dict[str, Any
     (0: the cut ends). Returns the replica's log head."""
     import httpx
 
-    def call() -> dict[str, Any]:
+    def call() -> JSONObject:
         headers = {"x-llmc-internal": token}
         r = httpx.post(url + "/kv_events/fault", json={"cut_s": cut_s}, headers=headers, timeout=10)
         if r.status_code != 200:
             raise LabError(f"/kv_events/fault: {r.status_code} {r.text[:300]}")
-        return r.json()
+        answer: JSONObject = r.json()
+        return answer
 
     return lab.from_client(plan, call)
 
