@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -34,6 +34,7 @@ from cluster.wire.protocol import GenerateRequest
 from cluster.wire.stream import AttemptStream
 from deployments import metrics
 from deployments.gateway.engine_client import EngineStream, ReplicaLease, ReplicaPicker
+from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
     from deployments.providers.providers import ProviderBackend
@@ -169,7 +170,7 @@ class AttemptRunner:
         self,
         backend: str,
         req: GenerateRequest,
-        body: dict[str, Any],
+        body: JSONObject,
         block_hashes: list[BlockHash],
         prior: list[Attempt],
         spans: AttemptSpans,
@@ -263,7 +264,7 @@ class AttemptRunner:
             outcome = "won" if fx.hedge_won else "cancelled"
             metrics.HEDGES.inc(tags={"backend": backend, "outcome": outcome})
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         now = time.monotonic()
         s = self.hedge.stats
         return {

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel
 
 from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
@@ -27,13 +24,16 @@ from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, Gene
 from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import metrics
 from deployments.gateway import http_api as h
+from deployments.json_types import JSONObject
+
+ApiRequest = ChatCompletionRequest | CompletionRequest  # the bodies of the two routes prepare serves
 
 
 @dataclass(frozen=True)
 class Prepared:
     """One request as :func:`prepare` made it: read, never written, by everything after it."""
 
-    api: ChatCompletionRequest | CompletionRequest
+    api: ApiRequest
     req: GenerateRequest
     meta: ResponseMeta
     candidates: list[str]
@@ -64,7 +64,7 @@ INLINE_PREPARE_BYTES = 64 * 1024
 async def prepare_off_loop(
     cfg: ClusterConfig,
     raw: bytes,
-    schema: type[BaseModel],
+    schema: type[ApiRequest],
     kind: str,
     request_id: str,
     surface_name: str,
@@ -81,10 +81,10 @@ async def prepare_off_loop(
 
 
 def _parse(
-    cfg: ClusterConfig, raw: bytes, schema: type[BaseModel], session_header: str | None
-) -> tuple[Any, str | None]:
+    cfg: ClusterConfig, raw: bytes, schema: type[ApiRequest], session_header: str | None
+) -> tuple[ApiRequest, str | None]:
     """The body validated against its schema, its model known, and the session key checked."""
-    api = h.validate(schema, h.parse_json(raw))
+    api: ApiRequest = h.validate(schema, h.parse_json(raw))
     if cfg.model(api.model) is None:
         raise NotFound(
             f"The model '{api.model}' does not exist or you do not have access to it.", param="model"
@@ -98,7 +98,7 @@ def _parse(
 def prepare(
     cfg: ClusterConfig,
     raw: bytes,
-    schema: type[BaseModel],
+    schema: type[ApiRequest],
     kind: str,
     request_id: str,
     surface_name: str,
@@ -111,7 +111,7 @@ def prepare(
     api, session = _parse(cfg, raw, schema, session_header)
     session = salted_session(session, cache_salt)
     asked = lookup_model(cfg, api.model)
-    counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
+    counted: dict[str, tuple[list[int], list[JSONObject] | None, str | None]] = {}
 
     def count(model_name: str) -> int:
         counted[model_name] = _tokenized(cfg, api, model_name)
@@ -155,7 +155,7 @@ def prepare(
 
 def _tokenized(
     cfg: ClusterConfig, api: ChatCompletionRequest | CompletionRequest, model_name: str
-) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
+) -> tuple[list[int], list[JSONObject] | None, str | None]:
     """The prompt's ids with ``model_name``'s own tokenizer (its chat, FIM and tool templates)."""
     m = cfg.model(model_name)
     assert m is not None
@@ -209,7 +209,7 @@ def _block_hashes(
     return hashes
 
 
-def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
+def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[JSONObject] | None) -> int:
     """Image parts' tokens for the context check: the most any of the model's providers counts
     (:mod:`cluster.tokens.images`; engines refuse images). The adapter reserves its own count."""
     if not messages or not image_parts(messages):
