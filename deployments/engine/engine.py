@@ -19,8 +19,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from ray import serve
@@ -51,6 +52,10 @@ from cluster.wire.tool_stream import ToolEvents
 from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_warmup
 from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
 from deployments.internal import internal_token, token_ok
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from deployments.tracing import Tracer
 
 log = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 1.0
@@ -83,9 +88,9 @@ def node_host() -> str:
 class EngineReplica:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor (typing allows none)
         self,
-        backend: dict[str, Any],
-        model: dict[str, Any],
-        tracing: dict[str, Any] | None = None,
+        backend: JSONObject,
+        model: JSONObject,
+        tracing: JSONObject | None = None,
         gc_freeze: bool = True,
     ) -> None:
         self.cfg = BackendConfig.model_validate(backend)
@@ -103,7 +108,7 @@ class EngineReplica:
         self.by_cache_rank = [0, 0]  # requests the gateways sent expecting a cache hit here, and not
         self.ttft = TtftWindow()  # reported in the routing stats: the gateways' SLO guards read it
         self.draining = False  # set when Serve stops this replica: streams end with a drain error
-        self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
+        self.tracer: Tracer | None = None  # when the gateway traces requests
         trace_cfg = TracingConfig.model_validate(tracing or {})
         if trace_cfg.otlp_endpoint:
             from deployments.tracing import Tracer
@@ -166,7 +171,7 @@ class EngineReplica:
             await asyncio.sleep(METRICS_PERIOD_S)
 
     # -- Serve hooks -------------------------------------------------------------------------------
-    def record_routing_stats(self) -> dict[str, Any]:
+    def record_routing_stats(self) -> JSONObject:
         """Pushed by Serve to every handle's request router: where to stream from, and the load."""
         s = self.backend.stats()
         return {
@@ -238,7 +243,7 @@ class EngineReplica:
             raise
         finally:
             self.ongoing -= 1
-            if span is not None and parent is not None:
+            if span is not None and parent is not None and self.tracer is not None:
                 times = (span.start, span.first, span.end or time.time_ns())
                 kind, rid = self.cfg.kind, self.replica_id
                 s = engine_span(
@@ -288,11 +293,11 @@ class EngineReplica:
     async def _relay(
         self,
         resp: web.StreamResponse,
-        gen: Any,
+        gen: AsyncGenerator[Chunk, None],
         first: Chunk,
         meta: ResponseMeta,
         flags: tuple[bool, bool, bool],
-        tool_parse: dict[str, Any] | None = None,
+        tool_parse: JSONObject | None = None,
         span: _EngineSpan | None = None,
     ) -> Usage | None:
         """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
@@ -348,7 +353,7 @@ class EngineReplica:
     async def _relay_choices(
         self,
         resp: web.StreamResponse,
-        gen: Any,
+        gen: AsyncGenerator[Chunk, None],
         first: Chunk,
         choices: ChoiceEvents,
         span: _EngineSpan | None,
