@@ -13,7 +13,8 @@ with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run i
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import cast
 
 from pydantic import Field, ValidationError, model_validator
 from ray.serve import Application, Deployment
@@ -58,7 +59,7 @@ def _served(cls: type) -> Deployment:
     return cast(Deployment, cls)
 
 
-def engine_options(b: BackendConfig) -> dict[str, Any]:
+def engine_options(b: BackendConfig) -> dict[str, object]:
     """Serve options of one engine backend's deployment (the k8s generator writes the same)."""
     opts = deployment_options(b)
     opts["request_router_config"] = RequestRouterConfig(**opts["request_router_config"])
@@ -99,7 +100,7 @@ def build_graph(cfg: ClusterConfig) -> Application:
     )
 
 
-def gateway_options(cfg: ClusterConfig) -> dict[str, Any]:
+def gateway_options(cfg: ClusterConfig) -> dict[str, object]:
     """Serve options of the gateway deployment (also given to the overhead benchmark's floor relay,
     ``loadtest/serve_floor.py``, which must be served exactly as the gateway is)."""
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
@@ -122,7 +123,7 @@ def _tenant_budgets(cfg: ClusterConfig) -> Application | None:
     )
 
 
-def build_app(args: dict[str, Any] | AppArgs) -> Application:
+def build_app(args: Mapping[str, object] | AppArgs) -> Application:
     """Serve's entry point: ``args`` as Serve passes them (a dict, or our model)."""
     try:
         parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args))
