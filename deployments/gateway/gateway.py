@@ -57,7 +57,13 @@ from deployments.gateway.callers import Callers
 from deployments.gateway.context import RequestContext
 from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.gateway.kv_feed import kv_index_status, start_feeds
-from deployments.gateway.prepare import INLINE_PREPARE_BYTES, Prepared, count_prompt, prepare_off_loop
+from deployments.gateway.prepare import (
+    INLINE_PREPARE_BYTES,
+    Prepared,
+    RouteKind,
+    count_prompt,
+    prepare_off_loop,
+)
 from deployments.gateway.relay import Relay
 from deployments.internal import internal_token, token_ok
 from deployments.json_types import JSONObject
@@ -304,7 +310,7 @@ class Gateway:
 
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(
-        self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str, translated: bool = False
+        self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: RouteKind, translated: bool = False
     ) -> None:
         t0 = time.perf_counter()
         rid = h.new_request_id()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
@@ -27,6 +28,7 @@ from deployments.gateway import http_api as h
 from deployments.json_types import JSONObject
 
 ApiRequest = ChatCompletionRequest | CompletionRequest  # the bodies of the two routes prepare serves
+RouteKind = Literal["chat", "completion"]  # which of the two
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ async def prepare_off_loop(
     cfg: ClusterConfig,
     raw: bytes,
     schema: type[ApiRequest],
-    kind: str,
+    kind: RouteKind,
     request_id: str,
     surface_name: str,
     session_header: str | None,
@@ -99,7 +101,7 @@ def prepare(
     cfg: ClusterConfig,
     raw: bytes,
     schema: type[ApiRequest],
-    kind: str,
+    kind: RouteKind,
     request_id: str,
     surface_name: str,
     session_header: str | None,
@@ -147,7 +149,7 @@ def prepare(
         model_gate(model),
         tools=model.tool_calls is not None,
     )
-    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
+    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)
     req.cache_salt = cache_salt
     hashes = _block_hashes(ids, candidates, views, cache_salt)
     return Prepared(api, req, meta, candidates, hashes, max_tokens_capped=fit.capped)
