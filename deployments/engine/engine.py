@@ -28,7 +28,6 @@ from ray import serve
 
 from cluster.backend_kind import BackendKind
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
-from cluster.engine.kv_events import KVEventLog
 from cluster.engine.warmup import plan as warmup_plan
 from cluster.observability import gc_pauses
 from cluster.observability.trace import engine_span, new_id, parse_traceparent
@@ -115,7 +114,7 @@ class EngineReplica:
 
             self.tracer = Tracer(trace_cfg, self.replica_id)
         self.kv_events: KVEventEndpoint | None = None  # the engine's KV events, for the gateways
-        log: KVEventLog | None = getattr(self.backend, "kv_events", None)
+        log = self.backend.kv_events
         if log is not None:
             engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
             hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
@@ -199,10 +198,8 @@ class EngineReplica:
         # Drained: the engine stops first, so that every open stream ends with an error frame
         # that says so (the gateway continues it elsewhere), then the server waits for them.
         self.draining = True
-        shutdown = getattr(self.backend, "shutdown", None)
-        if shutdown is not None:
-            with contextlib.suppress(Exception):
-                shutdown()
+        with contextlib.suppress(Exception):
+            self.backend.shutdown()
         with contextlib.suppress(Exception):
             await self._runner.cleanup()
 
