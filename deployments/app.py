@@ -13,10 +13,11 @@ with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run i
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 from pydantic import Field, ValidationError, model_validator
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from cluster.base import Strict
@@ -52,7 +53,13 @@ class AppArgs(Strict):
         return self.config if self.config is not None else load_config(self.config_path or "")
 
 
-def engine_options(b: BackendConfig) -> dict[str, Any]:
+def _served(cls: type) -> Deployment:
+    """The Serve ``Deployment`` that ``@serve.deployment`` made of ``cls``: mypy sees the class, as
+    Ray's types are skipped (pyproject's mypy overrides)."""
+    return cast(Deployment, cls)
+
+
+def engine_options(b: BackendConfig) -> dict[str, object]:
     """Serve options of one engine backend's deployment (the k8s generator writes the same)."""
     opts = deployment_options(b)
     opts["request_router_config"] = RequestRouterConfig(**opts["request_router_config"])
@@ -68,24 +75,32 @@ def build_graph(cfg: ClusterConfig) -> Application:
             name = budget_deployment(b)
             if name is not None:  # a limited provider: one budget for every gateway replica
                 assert b.provider is not None
-                budgets[b.name] = BudgetDeployment.options(name=name).bind(
-                    provider=b.provider.model_dump(mode="json")
+                budgets[b.name] = (
+                    _served(BudgetDeployment)
+                    .options(name=name)
+                    .bind(provider=b.provider.model_dump(mode="json"))
                 )
             continue
         model = cfg.model(b.model)
         assert model is not None  # validated
-        engines[b.name] = EngineReplica.options(**engine_options(b)).bind(
-            b.model_dump(mode="json"),
-            model.model_dump(mode="json"),
-            cfg.tracing.model_dump(mode="json"),
-            cfg.server.gc_freeze,
+        engines[b.name] = (
+            _served(EngineReplica)
+            .options(**engine_options(b))
+            .bind(
+                b.model_dump(mode="json"),
+                model.model_dump(mode="json"),
+                cfg.tracing.model_dump(mode="json"),
+                cfg.server.gc_freeze,
+            )
         )
-    return Gateway.options(**gateway_options(cfg)).bind(
-        cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg)
+    return (
+        _served(Gateway)
+        .options(**gateway_options(cfg))
+        .bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
     )
 
 
-def gateway_options(cfg: ClusterConfig) -> dict[str, Any]:
+def gateway_options(cfg: ClusterConfig) -> dict[str, object]:
     """Serve options of the gateway deployment (also given to the overhead benchmark's floor relay,
     ``loadtest/serve_floor.py``, which must be served exactly as the gateway is)."""
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
@@ -101,10 +116,14 @@ def _tenant_budgets(cfg: ClusterConfig) -> Application | None:
     name = tenant_budget_deployment(cfg)
     if name is None:
         return None
-    return BudgetDeployment.options(name=name).bind(tenants=[t.model_dump(mode="json") for t in cfg.tenants])
+    return (
+        _served(BudgetDeployment)
+        .options(name=name)
+        .bind(tenants=[t.model_dump(mode="json") for t in cfg.tenants])
+    )
 
 
-def build_app(args: dict[str, Any] | AppArgs) -> Application:
+def build_app(args: Mapping[str, object] | AppArgs) -> Application:
     """Serve's entry point: ``args`` as Serve passes them (a dict, or our model)."""
     try:
         parsed = args if isinstance(args, AppArgs) else AppArgs.model_validate(dict(args))

@@ -16,9 +16,25 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from cluster.policy.cpu_class import CpuClassPolicy, Klass
+from cluster.policy.cpu_class import CpuClassPolicy, Klass, Mode
+
+
+class Renice(TypedDict):
+    """What :func:`renice_gateway` did (the gateway's status page shows it)."""
+
+    nice: int
+    pid: int
+    haproxy_processes: int  # HAProxy processes of the node moved to ``nice``
+    refused: str | None  # why not, when the kernel refused
+
+
+# What :meth:`EngineCoreClass.report` says (the replica's stats); "class" is a keyword, hence
+# TypedDict's call form.
+CoreClassReport = TypedDict(
+    "CoreClassReport", {"mode": Mode, "class": Klass, "cores": list[int], "changes": int, "stuck": str | None}
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,11 +128,11 @@ def haproxy_pids(raylet: int, proc: Path = Path("/proc")) -> list[int]:
     )
 
 
-def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None) -> dict[str, Any]:
+def renice_gateway(nice: int, proc: Path = Path("/proc"), pid: int | None = None) -> Renice:
     """This process (a gateway replica; or ``pid``) and its node's HAProxy to ``nice``. A refusal
     is logged and reported, not raised: the processes keep Ray's niceness then."""
     pid = os.getpid() if pid is None else pid
-    out: dict[str, Any] = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
+    out: Renice = {"nice": nice, "pid": pid, "haproxy_processes": 0, "refused": None}
     try:
         raylet = parent_pid(pid, proc)  # the node's raylet, parent of every worker on it
         set_nice(pid, nice, proc)
@@ -161,7 +177,7 @@ class EngineCoreClass:
         self.current = want
         self.changes += 1
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> CoreClassReport:
         return {
             "mode": self.policy.mode,
             "class": self.current,

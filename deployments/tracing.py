@@ -14,10 +14,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.config import TracingConfig
 from cluster.observability.trace import RequestTrace, SpanData, spans
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
 
 _KINDS = {"server": "SERVER", "client": "CLIENT", "internal": "INTERNAL"}
 log = logging.getLogger("ray.serve")
@@ -54,7 +57,7 @@ class Tracer:
                 log.exception("tracing: spans not exported")
                 self._warned = True
 
-    def _readable(self, s: SpanData) -> Any:
+    def _readable(self, s: SpanData) -> ReadableSpan:
         from opentelemetry import trace as api
         from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.trace.status import Status, StatusCode
@@ -72,11 +75,11 @@ class Tracer:
             resource=self.resource,
             attributes=s.attributes,
             events=[Event(name, attrs, ts) for name, ts, attrs in s.events],
-            kind=getattr(api.SpanKind, _KINDS[s.kind]),
+            kind=api.SpanKind[_KINDS[s.kind]],
             status=status,
             start_time=s.start_ns,
             end_time=s.end_ns,
         )
 
     def shutdown(self) -> None:
-        self.processor.shutdown()
+        self.processor.shutdown()  # type: ignore[no-untyped-call]  # the OTel SDK leaves it unannotated

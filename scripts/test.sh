@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check cluster deployments tests loadtest fixtures
 .venv/bin/ruff format --check cluster deployments tests loadtest fixtures
-.venv/bin/mypy  # strict on cluster/ (pyproject.toml's [tool.mypy])
+.venv/bin/mypy  # strict on cluster/ and deployments/ (pyproject.toml's [tool.mypy])
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

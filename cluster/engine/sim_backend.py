@@ -31,7 +31,7 @@ import asyncio
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,7 +165,7 @@ class SimBackend:
         )
 
     # --- EngineBackend protocol -----------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         opts = self.options
         self._check_alive()
         rid = req.route_key  # one stream per attempt: another attempt may come here too

@@ -15,7 +15,7 @@ seam of :mod:`cluster.wire.stream`. An engine backend:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol, runtime_checkable
 
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest
@@ -25,7 +25,7 @@ from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest
 class EngineBackend(Protocol):
     """An engine replica's in-process engine (see the module's text)."""
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]: ...
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[Chunk, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ray import serve
 
@@ -30,6 +30,12 @@ from cluster.policy.rate_budget import RateLimiter, Refusal, Reservation
 from cluster.policy.tenants import TenantBudgets
 from cluster.providers.budget import ProviderBudget
 from cluster.wire.errors import BackendUnavailable
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
+T = TypeVar("T")
 
 Reserved = Reservation | Refusal | None
 
@@ -79,7 +85,7 @@ class LocalBudget:
         self.limiter.cancel(reservation, self._clock())
         self.changed()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         return {**self.limiter.snapshot(self._clock()), "waiting": self.waiting}
 
     def changed(self) -> None:
@@ -99,38 +105,37 @@ class ServeBudget:
     """A :class:`BudgetDeployment` through its Serve handle. ``what`` names it in errors; a replica
     that is gone is a :class:`BackendUnavailable` (for ``backend``, when it is a provider's)."""
 
-    def __init__(self, what: str, handle: Any, backend: str | None = None) -> None:
+    def __init__(self, what: str, handle: DeploymentHandle, backend: str | None = None) -> None:
         self.what, self.backend = what, backend
         self._handle = handle
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _call(self, call: Callable[[DeploymentHandle], Awaitable[T]]) -> T:
+        """``call(handle)``: one method's ``.remote(...)`` on the deployment, awaited."""
         from ray.exceptions import RayError
 
         try:
-            return await getattr(self._handle, method).remote(*args)
+            return await call(self._handle)
         except RayError as exc:  # died or restarting: Serve brings a new one up
             raise BackendUnavailable(
                 f"{self.what}: its budget is unavailable ({type(exc).__name__})", backend=self.backend
             ) from exc
 
     async def reserve(self, key: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0) -> Reserved:
-        got: Reserved = await self._call("reserve", key, input_tokens, max_tokens, wait_s)
+        got: Reserved = await self._call(lambda h: h.reserve.remote(key, input_tokens, max_tokens, wait_s))
         return got
 
     async def settle(self, reservation: Reservation, tokens: int) -> None:
-        await self._call("settle", reservation, tokens)
+        await self._call(lambda h: h.settle.remote(reservation, tokens))
 
     async def cancel(self, reservation: Reservation) -> None:
-        await self._call("cancel", reservation)
+        await self._call(lambda h: h.cancel.remote(reservation))
 
-    async def snapshot(self) -> dict[str, Any]:
-        snap: dict[str, Any] = await self._call("snapshot")
+    async def snapshot(self) -> JSONObject:
+        snap: JSONObject = await self._call(lambda h: h.snapshot.remote())
         return snap
 
 
-def budget_of(
-    tenants: list[dict[str, Any]] | None = None, provider: dict[str, Any] | None = None
-) -> RateLimiter:
+def budget_of(tenants: list[JSONObject] | None = None, provider: JSONObject | None = None) -> RateLimiter:
     """The limiter a shared budget holds: every tenant's buckets, or one provider backend's windows."""
     if provider is not None:
         return ProviderBudget.from_config(ProviderConfig.model_validate(provider))
@@ -142,9 +147,7 @@ class BudgetDeployment:
     """The app's one copy of a budget: :class:`LocalBudget` behind Serve's handle. Bound with
     ``tenants=`` (the config's tenants) or ``provider=`` (a backend's provider section)."""
 
-    def __init__(
-        self, tenants: list[dict[str, Any]] | None = None, provider: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, tenants: list[JSONObject] | None = None, provider: JSONObject | None = None) -> None:
         self._local = LocalBudget(budget_of(tenants, provider))
 
     async def reserve(self, key: str, input_tokens: int, max_tokens: int, wait_s: float = 0.0) -> Reserved:
@@ -156,5 +159,5 @@ class BudgetDeployment:
     async def cancel(self, reservation: Reservation) -> None:
         await self._local.cancel(reservation)
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> JSONObject:
         return self._local.snapshot()

@@ -16,13 +16,17 @@ computed by the adapter (:func:`cluster.cost.cost_usd`), not by the budget.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.config import BackendConfig, ProviderConfig
 from cluster.dataplane import budget_deployment
 from cluster.policy.rate_budget import Reservation
 from cluster.providers.budget import ProviderBudget
 from deployments.budgets.budget_deployment import Budget, LocalBudget, Reserved, ServeBudget
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 __all__ = ["Budget", "LocalBudget", "UnlimitedBudget", "get_budget", "local_budget"]
 
@@ -40,7 +44,7 @@ class UnlimitedBudget:
     async def cancel(self, reservation: Reservation) -> None:
         return None
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         return {"unlimited": True}
 
 
@@ -58,7 +62,7 @@ def local_budget(backend: str, cfg: ProviderConfig, *, window_s: float = 60.0) -
     return b
 
 
-def get_budget(backend: BackendConfig, handle: Any = None) -> Budget:
+def get_budget(backend: BackendConfig, handle: DeploymentHandle | None = None) -> Budget:
     """The app's budget deployment through ``handle`` (every gateway replica shares it), else the
     in-process one (a single process: unit and adapter tests); nothing for a backend with no limit."""
     if backend.provider is None:

@@ -22,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
 
 from cluster.config import TenantConfig
 from cluster.policy.rate_budget import Refusal
 from cluster.policy.tenants import KnownOut, TenantBudgets, TenantReservation, over_budget
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 from cluster.wire.errors import RateLimited
 from deployments.budgets.budget_deployment import Budget, LocalBudget, ServeBudget
 
@@ -41,7 +44,7 @@ class TenantClient:
     def __init__(self, budget: Budget, budgeted: set[str]) -> None:
         self._b = budget
         self._budgeted = budgeted
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[None]] = set()
         self.out = KnownOut()
 
     def refusal(self, tenant: str | None) -> RateLimited | None:
@@ -67,7 +70,7 @@ class TenantClient:
     def cancel(self, res: TenantReservation) -> None:
         self._send(self._b.cancel(res))
 
-    def _send(self, call: Coroutine[Any, Any, None]) -> None:
+    def _send(self, call: Awaitable[None]) -> None:
         async def wait() -> None:
             try:
                 await call
@@ -79,7 +82,7 @@ class TenantClient:
         task.add_done_callback(self._pending.discard)
 
 
-def tenant_budgets(tenants: list[TenantConfig], handle: Any | None) -> TenantClient:
+def tenant_budgets(tenants: list[TenantConfig], handle: DeploymentHandle | None) -> TenantClient:
     """The app's shared budgets when the app has the deployment, else this process's own."""
     budgeted = {t.name for t in tenants if t.rpm is not None or t.tpm is not None}
     if handle is None:

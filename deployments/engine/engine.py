@@ -19,15 +19,15 @@ import logging
 import os
 import socket
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from ray import serve
 
 from cluster.backend_kind import BackendKind
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
-from cluster.engine.kv_events import KVEventLog
 from cluster.engine.warmup import plan as warmup_plan
 from cluster.observability import gc_pauses
 from cluster.observability.trace import engine_span, new_id, parse_traceparent
@@ -51,6 +51,10 @@ from cluster.wire.tool_stream import ToolEvents
 from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_warmup
 from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
 from deployments.internal import internal_token, token_ok
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from deployments.tracing import Tracer
 
 log = logging.getLogger("ray.serve")
 METRICS_PERIOD_S = 1.0
@@ -75,16 +79,17 @@ def node_host() -> str:
         return host
     import ray
 
-    return ray.util.get_node_ip_address()
+    ip: str = ray.util.get_node_ip_address()
+    return ip
 
 
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=30)
 class EngineReplica:
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor (typing allows none)
         self,
-        backend: dict[str, Any],
-        model: dict[str, Any],
-        tracing: dict[str, Any] | None = None,
+        backend: JSONObject,
+        model: JSONObject,
+        tracing: JSONObject | None = None,
         gc_freeze: bool = True,
     ) -> None:
         self.cfg = BackendConfig.model_validate(backend)
@@ -102,14 +107,14 @@ class EngineReplica:
         self.by_cache_rank = [0, 0]  # requests the gateways sent expecting a cache hit here, and not
         self.ttft = TtftWindow()  # reported in the routing stats: the gateways' SLO guards read it
         self.draining = False  # set when Serve stops this replica: streams end with a drain error
-        self.tracer: Any = None  # deployments.tracing.Tracer when the gateway traces requests
+        self.tracer: Tracer | None = None  # when the gateway traces requests
         trace_cfg = TracingConfig.model_validate(tracing or {})
         if trace_cfg.otlp_endpoint:
             from deployments.tracing import Tracer
 
             self.tracer = Tracer(trace_cfg, self.replica_id)
         self.kv_events: KVEventEndpoint | None = None  # the engine's KV events, for the gateways
-        log: KVEventLog | None = getattr(self.backend, "kv_events", None)
+        log = self.backend.kv_events
         if log is not None:
             engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
             hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
@@ -165,7 +170,7 @@ class EngineReplica:
             await asyncio.sleep(METRICS_PERIOD_S)
 
     # -- Serve hooks -------------------------------------------------------------------------------
-    def record_routing_stats(self) -> dict[str, Any]:
+    def record_routing_stats(self) -> JSONObject:
         """Pushed by Serve to every handle's request router: where to stream from, and the load."""
         s = self.backend.stats()
         return {
@@ -193,10 +198,8 @@ class EngineReplica:
         # Drained: the engine stops first, so that every open stream ends with an error frame
         # that says so (the gateway continues it elsewhere), then the server waits for them.
         self.draining = True
-        shutdown = getattr(self.backend, "shutdown", None)
-        if shutdown is not None:
-            with contextlib.suppress(Exception):
-                shutdown()
+        with contextlib.suppress(Exception):
+            self.backend.shutdown()
         with contextlib.suppress(Exception):
             await self._runner.cleanup()
 
@@ -237,7 +240,7 @@ class EngineReplica:
             raise
         finally:
             self.ongoing -= 1
-            if span is not None and parent is not None:
+            if span is not None and parent is not None and self.tracer is not None:
                 times = (span.start, span.first, span.end or time.time_ns())
                 kind, rid = self.cfg.kind, self.replica_id
                 s = engine_span(
@@ -287,11 +290,11 @@ class EngineReplica:
     async def _relay(
         self,
         resp: web.StreamResponse,
-        gen: Any,
+        gen: AsyncGenerator[Chunk, None],
         first: Chunk,
         meta: ResponseMeta,
         flags: tuple[bool, bool, bool],
-        tool_parse: dict[str, Any] | None = None,
+        tool_parse: JSONObject | None = None,
         span: _EngineSpan | None = None,
     ) -> Usage | None:
         """The engine's chunks to the gateway as the client's SSE events; returns the usage. With
@@ -347,7 +350,7 @@ class EngineReplica:
     async def _relay_choices(
         self,
         resp: web.StreamResponse,
-        gen: Any,
+        gen: AsyncGenerator[Chunk, None],
         first: Chunk,
         choices: ChoiceEvents,
         span: _EngineSpan | None,

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from cluster.engine.kv_events import KVEventLog
 from cluster.engine.warmup import WarmupPlan, WarmupPrompt
 from cluster.wire.backend import EngineBackend
 from cluster.wire.protocol import GenerateRequest, Sampling
@@ -25,6 +26,13 @@ class WarmableBackend(EngineBackend, Protocol):
     def vocab_size(self) -> int: ...
 
     async def after_warmup(self) -> None: ...
+
+    @property
+    def kv_events(self) -> KVEventLog | None:
+        """The engine's KV events for the gateways (None: this engine does not publish them)."""
+
+    def shutdown(self) -> None:
+        """Stop the engine: every open stream ends (the replica is draining)."""
 
 
 @dataclass

@@ -18,21 +18,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVEventLog
+
+if TYPE_CHECKING:  # vLLM's imports are not followed (pyproject's mypy overrides): these are names
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import KVCacheEvent as VLLMEvent
 
 log = logging.getLogger(__name__)
 
 
-def kv_events_config(port: int) -> Any:
+def kv_events_config(port: int) -> KVEventsConfig:
     """vLLM's publisher config: connect to our SUB socket on 127.0.0.1:``port``."""
     from vllm.config import KVEventsConfig
 
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{port}")
 
 
-def convert(events: list[Any]) -> list[KVCacheEvent]:
+def convert(events: list[VLLMEvent]) -> list[KVCacheEvent]:
     """vLLM's event structs as ours (same fields; hashes kept as vLLM gives them)."""
     from vllm.distributed.kv_events import BlockRemoved as VRemoved
     from vllm.distributed.kv_events import BlockStored as VStored
@@ -51,7 +55,7 @@ def convert(events: list[Any]) -> list[KVCacheEvent]:
     return out
 
 
-def stored_salt(extra_keys: list[tuple[Any, ...] | None] | None, lora_name: str | None) -> str | None:
+def stored_salt(extra_keys: list[tuple[object, ...] | None] | None, lora_name: str | None) -> str | None:
     """The cache salt of a chain's first block from vLLM's ``BlockStored.extra_keys`` (one entry
     per block, untagged, in order: the LoRA name when there is one, multimodal ``(id, offset)``
     pairs, the cache salt, prompt-embeds digests as bytes): the block's one string after the
@@ -90,7 +94,7 @@ class VLLMEventSubscriber:
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         try:

@@ -17,9 +17,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.config import BackendConfig, ModelConfig
 from cluster.engine.kv_events import KVEventLog
@@ -28,8 +28,18 @@ from cluster.tokens import resolve_model_path
 from cluster.wire import logprobs
 from cluster.wire.errors import ENGINE_DEAD_CODE, BackendUnavailable, InvalidRequest, StreamInterrupted
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
-from deployments.cpu_sched import EngineCoreClass
+from deployments.cpu_sched import CoreClassReport, EngineCoreClass
 from deployments.engine.amx import request_amx
+
+if TYPE_CHECKING:  # vLLM's imports are not followed (pyproject's mypy overrides): these are names
+    from vllm.config import VllmConfig
+    from vllm.outputs import CompletionOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+    from deployments.engine.vllm_kv_events import VLLMEventSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +53,22 @@ class _EngineCounters:
     prefix_hits: int = 0
 
 
-def _stat_logger_factory(counters: _EngineCounters) -> Any:
+def _stat_logger_factory(counters: _EngineCounters) -> type[StatLoggerBase]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    class SnapshotLogger(StatLoggerBase):
+    class SnapshotLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM's types are skipped: Any
         """Keeps the latest scheduler stats and running prefix-cache totals (vLLM's units: tokens)."""
 
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
             self.counters = counters
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+        def record(
+            self,
+            scheduler_stats: SchedulerStats | None,
+            iteration_stats: IterationStats | None,
+            *args: object,
+            **kwargs: object,
+        ) -> None:
             if scheduler_stats is None:
                 return
             c = self.counters
@@ -70,9 +86,9 @@ def _stat_logger_factory(counters: _EngineCounters) -> Any:
     return SnapshotLogger
 
 
-def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, Any]:
+def engine_kwargs(backend: BackendConfig, model: ModelConfig) -> dict[str, object]:
     e = backend.engine
-    kw: dict[str, Any] = {
+    kw: dict[str, object] = {  # vLLM's AsyncEngineArgs, by keyword
         "model": resolve_model_path(model.path or model.name),
         "served_model_name": model.name,
         "enable_prefix_caching": e.enable_prefix_caching,
@@ -117,7 +133,7 @@ class VLLMBackend:
         self._recent_aborts: deque[tuple[str, int]] = deque(maxlen=64)
         kw = engine_kwargs(backend, model)
         self.kv_events: KVEventLog | None = None
-        self._kv_sub: Any = None
+        self._kv_sub: VLLMEventSubscriber | None = None
         # KV events mean something only with the prefix cache on; an explicit extra wins.
         if (
             backend.affinity.kv_events
@@ -138,7 +154,7 @@ class VLLMBackend:
         if backend.engine.cpu_sched != "normal":  # the engine core's class from the traffic
             self.cpu_class = EngineCoreClass(CpuClassPolicy(backend.engine.cpu_sched))
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         from vllm.inputs import TokensPrompt
 
         params = _sampling_params(req)
@@ -192,7 +208,7 @@ class VLLMBackend:
                 self._recent_aborts.append((req.request_id, completion_tokens))
                 await self.abort(engine_id)
 
-    def _chunk(self, o: Any, k: int | None, n: int, finished: bool) -> Chunk:
+    def _chunk(self, o: CompletionOutput, k: int | None, n: int, finished: bool) -> Chunk:
         """One output of vLLM's as a chunk: with ``n`` > 1 its choice's index and its own finish."""
         chunk = Chunk(text=o.text, token_ids=list(o.token_ids), replica=self.replica, backend=self.backend)
         if k is not None and o.logprobs:
@@ -251,7 +267,7 @@ class VLLMBackend:
             },
         )
 
-    def _cpu_class_report(self) -> dict[str, Any] | None:
+    def _cpu_class_report(self) -> CoreClassReport | None:
         if self.cpu_class is None:
             return None
         self.cpu_class.apply(time.monotonic())  # a hold that ran out ends within a stats period
@@ -263,7 +279,7 @@ class VLLMBackend:
         self.engine.shutdown()
 
 
-def _sampling_params(req: GenerateRequest) -> Any:
+def _sampling_params(req: GenerateRequest) -> SamplingParams:
     from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     s = req.sampling
@@ -297,7 +313,7 @@ def _client_error(exc: BaseException) -> bool:
     return isinstance(exc, VLLMClientError | ValueError)
 
 
-def _num_blocks(engine: Any) -> int:
+def _num_blocks(engine: AsyncLLM) -> int:
     """The engine's KV cache in blocks (0 if this vLLM does not say)."""
     try:
         return int(engine.vllm_config.cache_config.num_gpu_blocks or 0)

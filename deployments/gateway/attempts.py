@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -26,6 +26,7 @@ from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt, 
 from cluster.policy.hedging import HedgePolicy
 from cluster.policy.migration import MigrationPolicy
 from cluster.policy.race import Attempt, RaceHooks, RaceResult, Verdict
+from cluster.routing.block_hash import BlockHash
 from cluster.wire.engine_stream import request_body
 from cluster.wire.framing import ChunkFramer, FramedStream
 from cluster.wire.openai_format import ResponseMeta
@@ -33,6 +34,7 @@ from cluster.wire.protocol import GenerateRequest
 from cluster.wire.stream import AttemptStream
 from deployments import metrics
 from deployments.gateway.engine_client import EngineStream, ReplicaLease, ReplicaPicker
+from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
     from deployments.providers.providers import ProviderBackend
@@ -96,7 +98,7 @@ class AttemptRunner:
         candidates: list[str],
         meta: ResponseMeta,
         collect: bool,
-        hashes: Callable[[str], list[int]],
+        hashes: Callable[[str], list[BlockHash]],
         trace: RequestTrace | None = None,
         cont: Continuing | None = None,
     ) -> tuple[RaceHooks, float | None]:
@@ -118,7 +120,7 @@ class AttemptRunner:
             backend = backend_of_slot(planned.backend)
             self._count_attempt(backend, planned.attempt, hedge)
             attempt_req = dataclasses.replace(req, attempt=base + planned.attempt)
-            kind = self.providers_api.get(backend) or self.kinds.get(backend, "")
+            kind: str = self.providers_api.get(backend) or self.kinds.get(backend) or ""
             at = spans.start(id(planned), backend, kind, attempt_req.attempt, hedge, time.time_ns())
             if backend in self.providers:
                 return self._provider_stream(backend, attempt_req, meta)
@@ -168,8 +170,8 @@ class AttemptRunner:
         self,
         backend: str,
         req: GenerateRequest,
-        body: dict[str, Any],
-        block_hashes: list[int],
+        body: JSONObject,
+        block_hashes: list[BlockHash],
         prior: list[Attempt],
         spans: AttemptSpans,
         at: AttemptTrace | None,
@@ -262,7 +264,7 @@ class AttemptRunner:
             outcome = "won" if fx.hedge_won else "cancelled"
             metrics.HEDGES.inc(tags={"backend": backend, "outcome": outcome})
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> JSONObject:
         now = time.monotonic()
         s = self.hedge.stats
         return {

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.observability.trace import RequestTrace
-from cluster.policy.admission import Outcome
+from cluster.policy.admission_types import Outcome
 from cluster.wire.protocol import Usage
 from deployments.gateway.prepare import Prepared
 

@@ -20,11 +20,12 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from cluster.policy.migration import DRAINING_CODE
+from cluster.routing.block_hash import BlockHash
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER, Emitted, FrameSplitter, parse_emitted, strip_ids
 from cluster.wire.errors import (
@@ -39,6 +40,11 @@ from cluster.wire.openai_format import dumps
 from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
 from deployments.gateway.request_router import listed
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+    from ray.serve.request_router import RunningReplica
 
 log = logging.getLogger("ray.serve")
 # A replica's start, from Serve's decision to its first routing stats, until an outage was seen to
@@ -69,7 +75,7 @@ class _Pick:
     def __init__(
         self,
         view: BackendView,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         session_id: str | None,
         avoid: Sequence[str],
         sync_only: bool = False,
@@ -81,7 +87,7 @@ class _Pick:
         self.choice: Choice | None = None
         self.asked = False  # Serve's router ran us (it does not while it lists no replica)
 
-    def decide(self, candidates: list[Any]) -> list[list[Any]]:
+    def decide(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         self.asked = True
         infos = []
         for r in candidates:
@@ -157,7 +163,7 @@ class ReplicaPicker:
     request's candidates can take it, and otherwise waits there as Serve would, for the
     replacement (the request's deadline bounds it)."""
 
-    def __init__(self, handle: Any, view: BackendView, typical_start_s: float = 30.0) -> None:
+    def __init__(self, handle: DeploymentHandle, view: BackendView, typical_start_s: float = 30.0) -> None:
         self.handle = handle
         self.view = view
         self.typical_start_s = typical_start_s  # a replica's start, until an outage was seen to end
@@ -192,7 +198,7 @@ class ReplicaPicker:
 
     async def pick(
         self,
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         session_id: str | None,
         avoid: Sequence[str],
         busy_prefill: int | None = None,
@@ -260,7 +266,7 @@ class EngineStream:
         self,
         session: aiohttp.ClientSession,
         token: str,
-        body: dict[str, Any],
+        body: JSONObject,
         backend: str,
         choose: Callable[[], Awaitable[ReplicaLease]],
         traceparent: str | None = None,  # the attempt's span, when the request is traced

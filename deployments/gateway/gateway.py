@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import ray
 from ray import serve
@@ -28,8 +28,9 @@ from cluster.config import BackendConfig, ClusterConfig
 from cluster.observability import gc_pauses
 from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
-from cluster.policy.admission import AdmissionController, Outcome
+from cluster.policy.admission import AdmissionController
 from cluster.policy.admission_async import AsyncAdmission
+from cluster.policy.admission_types import Outcome
 from cluster.policy.attempts import by_capacity
 from cluster.policy.context import reserved_output
 from cluster.policy.failover import BreakerBoard
@@ -56,9 +57,23 @@ from deployments.gateway.callers import Callers
 from deployments.gateway.context import RequestContext
 from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker
 from deployments.gateway.kv_feed import kv_index_status, start_feeds
-from deployments.gateway.prepare import INLINE_PREPARE_BYTES, Prepared, count_prompt, prepare_off_loop
+from deployments.gateway.prepare import (
+    INLINE_PREPARE_BYTES,
+    Prepared,
+    RouteKind,
+    count_prompt,
+    prepare_off_loop,
+)
 from deployments.gateway.relay import Relay
 from deployments.internal import internal_token, token_ok
+from deployments.json_types import JSONObject
+
+if TYPE_CHECKING:
+    import aiohttp
+    from ray.serve.handle import DeploymentHandle
+
+    from deployments.providers.providers import ProviderBackend
+    from deployments.tracing import Tracer
 
 log = logging.getLogger("ray.serve")
 
@@ -80,10 +95,10 @@ def block_size(b: BackendConfig) -> int:
 class Gateway:
     def __init__(
         self,
-        config: dict[str, Any],
-        engines: dict[str, Any],
-        budgets: dict[str, Any] | None = None,
-        tenant_budgets: Any = None,
+        config: JSONObject,
+        engines: dict[str, DeploymentHandle],
+        budgets: dict[str, DeploymentHandle] | None = None,
+        tenant_budgets: DeploymentHandle | None = None,
     ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
         self._token = internal_token()
@@ -97,7 +112,7 @@ class Gateway:
         self.replica_id = replica = serve.get_replica_context().replica_id.unique_id
         self.views, pickers, providers = self._backends(engines, budgets or {})
         self.providers = providers
-        self._session: Any = None
+        self._session: aiohttp.ClientSession | None = None
         self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
         kv_wanted = {b.name: b.routing == "cache_aware" and b.affinity.kv_events for b in cfg.backends}
         self.kv_feeds, self._kv_tasks = start_feeds(
@@ -105,7 +120,7 @@ class Gateway:
         )
         self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
         self.relay = Relay.build(cfg, self.attempts, self.guard, self.prices, self.views, replica)
-        self.tracer: Any = None  # deployments.tracing.Tracer when an OTLP endpoint is configured
+        self.tracer: Tracer | None = None  # when an OTLP endpoint is configured
         if cfg.tracing.otlp_endpoint:
             from deployments.tracing import Tracer
 
@@ -131,7 +146,7 @@ class Gateway:
         self.gc = gc_pauses.GcPauses()
         gc_pauses.install(self.gc)
 
-    def _route_table(self) -> dict[tuple[str, str], Any]:
+    def _route_table(self) -> dict[tuple[str, str], h.App]:
         """(method, path) -> handler(scope, receive, send)."""
         return {
             ("POST", "/v1/chat/completions"): lambda s, r, d: self._complete(s, r, d, "chat"),
@@ -146,14 +161,14 @@ class Gateway:
         }
 
     def _backends(
-        self, engines: dict[str, Any], budgets: dict[str, Any]
-    ) -> tuple[dict[str, BackendView], dict[str, ReplicaPicker], dict[str, Any]]:
+        self, engines: dict[str, DeploymentHandle], budgets: dict[str, DeploymentHandle]
+    ) -> tuple[dict[str, BackendView], dict[str, ReplicaPicker], dict[str, ProviderBackend]]:
         """Each engine backend's routing view and replica picker, each provider's adapter (it runs
         in this process, with the app's shared budget when the provider has limits)."""
         cfg = self.cfg
         views: dict[str, BackendView] = {}
         pickers: dict[str, ReplicaPicker] = {}
-        providers: dict[str, Any] = {}
+        providers: dict[str, ProviderBackend] = {}
         for b in cfg.backends:
             model = cfg.model(b.model)
             assert model is not None  # validated
@@ -177,7 +192,9 @@ class Gateway:
             pickers[b.name] = ReplicaPicker(engines[b.name], view, TYPICAL_START_S.get(b.kind, 30.0))
         return views, pickers, providers
 
-    async def _native(self, api: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+    async def _native(
+        self, api: native_api.NativeApi, scope: h.Scope, receive: h.Receive, send: h.Send
+    ) -> None:
         """/v1/messages and /v1/responses: translated into the chat route and back."""
 
         async def chat(s: h.Scope, r: h.Receive, d: h.Send) -> None:
@@ -244,10 +261,10 @@ class Gateway:
                 self.guard.absorb(name, r.replica, r.ttft, now)
             self.guard.forget_replicas(name, live)
 
-    def __serve_build_asgi_app__(self) -> Any:
+    def __serve_build_asgi_app__(self) -> _Asgi:
         return _Asgi(self._asgi)
 
-    def _client_session(self) -> Any:
+    def _client_session(self) -> aiohttp.ClientSession:
         import aiohttp
 
         if self._session is None or self._session.closed:
@@ -293,7 +310,7 @@ class Gateway:
 
     # -- the completion routes ------------------------------------------------------------------
     async def _complete(
-        self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: str, translated: bool = False
+        self, scope: h.Scope, receive: h.Receive, send: h.Send, kind: RouteKind, translated: bool = False
     ) -> None:
         t0 = time.perf_counter()
         rid = h.new_request_id()
@@ -386,7 +403,7 @@ class Gateway:
             await self._refuse(send, err, surface, t0)
             if trace is not None:
                 trace.admission_error, trace.outcome, trace.end_ns = err.code, "rejected", time.time_ns()
-                self.tracer.export(trace)
+                self._export(trace)
             return
         if trace is not None:
             trace.admitted_ns = time.time_ns()
@@ -394,8 +411,10 @@ class Gateway:
         if ticket.backend in candidates:  # admission picked the first candidate with room
             candidates = candidates[candidates.index(ticket.backend) :]
         candidates = by_capacity(candidates, self._serving)  # a provider at once, not a dead backend
-        reserved = isinstance(budget, TenantReservation)  # the relay settles it, however it ends
-        settle = functools.partial(self.tenants.settle, budget) if reserved else None
+        # the relay settles a reservation, however it ends
+        settle = (
+            functools.partial(self.tenants.settle, budget) if isinstance(budget, TenantReservation) else None
+        )
         ctx = RequestContext(prepared, candidates, t0, ticket.waited_s, trace, settle)
         outcome = Outcome.CANCELLED
         try:
@@ -408,7 +427,11 @@ class Gateway:
             metrics.ENDINGS.inc(tags={"surface": surface, "outcome": outcome.value})
             if trace is not None:
                 trace.outcome, trace.end_ns = outcome.value, time.time_ns()
-                self.tracer.export(trace)
+                self._export(trace)
+
+    def _export(self, trace: RequestTrace) -> None:
+        if self.tracer is not None:  # always, when there is a trace: only a tracer makes one
+            self.tracer.export(trace)
 
     def _serving(self, backend: str) -> bool:
         """Whether ``backend`` can take a request now (a provider: always; an engine backend:
@@ -449,7 +472,7 @@ class Gateway:
             await picker.refresh()
         await h.send_json(send, 200, self.status())
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         c = self.admission.controller.counters()
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
@@ -483,7 +506,7 @@ class Gateway:
 class _Asgi:
     """An ASGI 3 callable around a bound method (uvicorn tells ASGI 2 from 3 by ``__call__``)."""
 
-    def __init__(self, handler: Any) -> None:
+    def __init__(self, handler: h.App) -> None:
         self.handler = handler
 
     async def __call__(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
@@ -497,5 +520,5 @@ def _count_unsettled(backend: str, req: GenerateRequest, usage: Usage, cost: flo
         metrics.COST.inc(cost, tags={"surface": req.surface, "backend": backend, "outcome": "cancelled"})
 
 
-def _stats_dict(s: BackendStats) -> dict[str, Any]:
+def _stats_dict(s: BackendStats) -> JSONObject:
     return {f.name: getattr(s, f.name) for f in fields(s)}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable
-from typing import Any
 
 from starlette.middleware import Middleware
 
@@ -79,7 +78,7 @@ def refusal(headers: list[tuple[bytes, bytes]]) -> InvalidRequest | None:
 class HeaderGuard:
     """ASGI middleware: :func:`refusal`'s 400 before Serve's direct ingress sees the request."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: h.App) -> None:
         self.app = app
 
     async def __call__(self, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
@@ -97,13 +96,13 @@ class HeaderGuard:
         await self.app(scope, receive, send)
 
 
-async def _answering_any_exit(app: Any, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
+async def _answering_any_exit(app: h.App, scope: h.Scope, receive: h.Receive, send: h.Send) -> None:
     """``app`` on one request; if it exits with no response started (Serve's direct ingress itself
     raising while the replica is killed or shut down, outside the gateway's own handler), the
     client gets the gateway's 503 with Retry-After instead of uvicorn's plain-text 500."""
     started = False
 
-    def tracking(message: dict[str, Any]) -> Awaitable[None]:
+    def tracking(message: h.Message) -> Awaitable[None]:
         # a plain call handing back send's awaitable: no coroutine frame of its own per chunk
         nonlocal started
         started = started or message.get("type") == "http.response.start"

@@ -10,7 +10,7 @@ import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -18,10 +18,16 @@ from pydantic import BaseModel, ValidationError
 from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge, RequestTimeout
 from cluster.wire.native_schemas import MessageCountTokensRequest, MessagesRequest, ResponsesRequest
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
+from deployments.json_types import JSON, JSONObject
 
+# ASGI's scope and messages (the ASGI spec): each key has its own type (str, int, bytes, header
+# pairs, nested dicts), which the spec's plain dicts cannot say, so their values stay Any.
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]  # an ASGI 3 application, or a route of ours
+M = TypeVar("M", bound=BaseModel)
 
 SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # OpenAI bodies nest a few levels (tools' JSON schemas a few more); deeper JSON is refused with a
@@ -41,6 +47,8 @@ class UnsupportedMediaType(ClusterError):
 
 
 def header(scope: Scope, name: bytes) -> str | None:
+    k: bytes
+    v: bytes
     for k, v in scope["headers"]:
         if k == name:
             return v.decode("latin-1")
@@ -110,7 +118,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 
-def parse_json(buf: bytes) -> Any:
+def parse_json(buf: bytes) -> JSON:
     """Strict UTF-8 JSON (RFC 8259), at most ``MAX_JSON_DEPTH`` deep, with no lone surrogates
     (``"\\ud800"`` is valid JSON but not Unicode: tokenizers and UTF-8 encoders fail on it later).
 
@@ -137,7 +145,7 @@ def parse_json(buf: bytes) -> Any:
     return body
 
 
-def _check_depth(body: Any, strings: bool = False) -> None:
+def _check_depth(body: JSON, strings: bool = False) -> None:
     """A 400 past ``MAX_JSON_DEPTH`` levels; with ``strings``, also for a lone surrogate in any
     string (keys included)."""
     kinds = (str, dict, list) if strings else (dict, list)
@@ -162,7 +170,7 @@ def _check_depth(body: Any, strings: bool = False) -> None:
         stack.extend((c, depth + 1) for c in node if isinstance(c, kinds))
 
 
-def validate(schema: type[BaseModel], body: Any) -> Any:
+def validate(schema: type[M], body: JSON) -> M:
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:
@@ -180,7 +188,7 @@ def _headers(extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
 
 
-async def send_json(send: Send, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+async def send_json(send: Send, status: int, obj: JSON, headers: dict[str, str] | None = None) -> None:
     body = json.dumps(obj, separators=(",", ":")).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs + _headers(headers or {})})
@@ -233,7 +241,7 @@ _ANTHROPIC_ERROR_SCHEMA = {
 }
 
 
-def _errors(schema: str, what: str) -> dict[str, Any]:
+def _errors(schema: str, what: str) -> JSONObject:
     ref = {"$ref": _REF.format(model=schema)}
     return {"default": {"description": what, "content": {"application/json": {"schema": ref}}}}
 
@@ -241,7 +249,7 @@ def _errors(schema: str, what: str) -> dict[str, Any]:
 _ERRORS = _errors("ErrorResponse", "An OpenAI error object.")
 
 
-def _post(model: type[BaseModel], summary: str, errors: dict[str, Any] = _ERRORS) -> dict[str, Any]:
+def _post(model: type[BaseModel], summary: str, errors: JSONObject = _ERRORS) -> JSONObject:
     ref = {"$ref": _REF.format(model=model.__name__)}
     return {
         "post": {
@@ -253,8 +261,8 @@ def _post(model: type[BaseModel], summary: str, errors: dict[str, Any] = _ERRORS
     }
 
 
-def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> dict[str, Any]:
-    schemas: dict[str, Any] = {"ErrorResponse": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
+def openapi_document(title: str = "llm-cluster", version: str = "0.1.0") -> JSONObject:
+    schemas: JSONObject = {"ErrorResponse": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
     requests = (ChatCompletionRequest, CompletionRequest, MessagesRequest, MessageCountTokensRequest)
     for model in (*requests, ResponsesRequest):
         schema = model.model_json_schema(ref_template=_REF)

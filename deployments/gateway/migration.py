@@ -26,6 +26,7 @@ from cluster.config import BackendConfig
 from cluster.policy.attempts import backend_of_slot
 from cluster.policy.migration import Break, classify, client_usage, continuation
 from cluster.policy.race import Attempt, RaceResult, first_token, follow
+from cluster.routing.block_hash import BlockHash
 from cluster.routing.view import BackendView
 from cluster.wire.engine_stream import Emitted
 from cluster.wire.errors import ClusterError, StreamInterrupted
@@ -159,9 +160,9 @@ class Seamless:
         parts = self.parts
         if broken.replica:
             self.broken.append(broken.replica)
-        hashed: dict[str, list[int]] = {}
+        hashed: dict[str, list[BlockHash]] = {}
 
-        def hashes(backend: str) -> list[int]:  # affinity sees the continuation's whole prefix
+        def hashes(backend: str) -> list[BlockHash]:  # affinity sees the continuation's whole prefix
             view = parts.views.get(backend)
             if view is None or view.policy is None:
                 return []

@@ -19,26 +19,33 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 from cluster.wire import messages_api, responses_api
 from cluster.wire.errors import ClusterError
 from cluster.wire.messages_stream import MessagesStream
 from cluster.wire.responses_stream import ResponsesStream
 from deployments.gateway import http_api as h
+from deployments.json_types import JSON, JSONObject
 
 Route = Callable[[h.Scope, h.Receive, h.Send], Awaitable[None]]
 Authorize = Callable[[h.Scope], object]  # raises the route's 401 (or 400) for a caller it refuses
+
+
+class Translator(Protocol):
+    """A streamed answer's translation (:class:`MessagesStream`, :class:`ResponsesStream`)."""
+
+    def feed(self, data: bytes) -> bytes: ...
 
 
 @dataclass(frozen=True)
 class NativeApi:
     """One client API over the chat route: its request translation and its answer's."""
 
-    to_chat: Callable[[Any], dict[str, Any]]
-    whole: Callable[[dict[str, Any], str], dict[str, Any]]
-    error: Callable[[int, Any], dict[str, Any]]
-    stream: Callable[[str], Any]  # model -> an object with feed(bytes) -> bytes
+    to_chat: Callable[[JSON], JSONObject]  # the client's body -> the chat route's
+    whole: Callable[[JSONObject, str], JSONObject]  # a whole chat answer, for a model -> the client's
+    error: Callable[[int, JSON], JSON]  # status, the chat route's error body -> the client's
+    stream: Callable[[str], Translator]  # model -> the answer's stream translator
 
 
 MESSAGES = NativeApi(messages_api.to_chat, messages_api.from_chat, messages_api.error_body, MessagesStream)
@@ -66,7 +73,7 @@ async def _client_body(
     receive: h.Receive,
     limit: int,
     body_timeout_s: float | None,
-) -> Any:
+) -> JSON:
     """The caller's key first, as the chat route checks it (nothing of a refused caller's is read),
     then its JSON body, within the size limit and the body deadline."""
     authorize(inner)
@@ -95,7 +102,7 @@ async def serve(
         return
     sent = False
 
-    async def inner_receive() -> dict[str, Any]:
+    async def inner_receive() -> h.Message:
         nonlocal sent
         if sent:
             return await receive()  # a disconnect, as the chat route watches for it
@@ -141,10 +148,10 @@ class _Translating:
         self.model = model
         self.status = 200
         self.headers: list[tuple[bytes, bytes]] = []
-        self.stream: Any = None
+        self.stream: Translator | None = None
         self.buf = bytearray()
 
-    async def __call__(self, msg: dict[str, Any]) -> None:
+    async def __call__(self, msg: h.Message) -> None:
         if msg["type"] == "http.response.start":
             self.status = msg["status"]
             self.headers = [(k, v) for k, v in msg.get("headers", []) if k != b"content-length"]

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel
+from typing import Literal
 
 from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
 from cluster.policy import capabilities
 from cluster.policy.context import ContextDecision, fit_context
+from cluster.routing.block_hash import BlockHash
 from cluster.routing.cache_salt import salted_session
 from cluster.routing.view import BackendView
 from cluster.tokens.images import image_parts, image_tokens
@@ -26,17 +25,21 @@ from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, Gene
 from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import metrics
 from deployments.gateway import http_api as h
+from deployments.json_types import JSONObject
+
+ApiRequest = ChatCompletionRequest | CompletionRequest  # the bodies of the two routes prepare serves
+RouteKind = Literal["chat", "completion"]  # which of the two
 
 
 @dataclass(frozen=True)
 class Prepared:
     """One request as :func:`prepare` made it: read, never written, by everything after it."""
 
-    api: ChatCompletionRequest | CompletionRequest
+    api: ApiRequest
     req: GenerateRequest
     meta: ResponseMeta
     candidates: list[str]
-    hashes: Callable[[str], list[int]]  # backend -> the prompt's block hashes in its block size
+    hashes: Callable[[str], list[BlockHash]]  # backend -> the prompt's block hashes in its block size
     prep_s: float = 0.0  # from the request's arrival to this (the Server-Timing header's ``prep``)
     max_tokens_capped: int | None = None  # a configured limit shortened max_tokens to this (a header)
 
@@ -63,8 +66,8 @@ INLINE_PREPARE_BYTES = 64 * 1024
 async def prepare_off_loop(
     cfg: ClusterConfig,
     raw: bytes,
-    schema: type[BaseModel],
-    kind: str,
+    schema: type[ApiRequest],
+    kind: RouteKind,
     request_id: str,
     surface_name: str,
     session_header: str | None,
@@ -80,10 +83,10 @@ async def prepare_off_loop(
 
 
 def _parse(
-    cfg: ClusterConfig, raw: bytes, schema: type[BaseModel], session_header: str | None
-) -> tuple[Any, str | None]:
+    cfg: ClusterConfig, raw: bytes, schema: type[ApiRequest], session_header: str | None
+) -> tuple[ApiRequest, str | None]:
     """The body validated against its schema, its model known, and the session key checked."""
-    api = h.validate(schema, h.parse_json(raw))
+    api: ApiRequest = h.validate(schema, h.parse_json(raw))
     if cfg.model(api.model) is None:
         raise NotFound(
             f"The model '{api.model}' does not exist or you do not have access to it.", param="model"
@@ -97,8 +100,8 @@ def _parse(
 def prepare(
     cfg: ClusterConfig,
     raw: bytes,
-    schema: type[BaseModel],
-    kind: str,
+    schema: type[ApiRequest],
+    kind: RouteKind,
     request_id: str,
     surface_name: str,
     session_header: str | None,
@@ -110,7 +113,7 @@ def prepare(
     api, session = _parse(cfg, raw, schema, session_header)
     session = salted_session(session, cache_salt)
     asked = lookup_model(cfg, api.model)
-    counted: dict[str, tuple[list[int], list[dict[str, Any]] | None, str | None]] = {}
+    counted: dict[str, tuple[list[int], list[JSONObject] | None, str | None]] = {}
 
     def count(model_name: str) -> int:
         counted[model_name] = _tokenized(cfg, api, model_name)
@@ -146,7 +149,7 @@ def prepare(
         model_gate(model),
         tools=model.tool_calls is not None,
     )
-    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)  # type: ignore[arg-type]
+    meta = ResponseMeta(kind=kind, request_id=request_id, model=model.name)
     req.cache_salt = cache_salt
     hashes = _block_hashes(ids, candidates, views, cache_salt)
     return Prepared(api, req, meta, candidates, hashes, max_tokens_capped=fit.capped)
@@ -154,7 +157,7 @@ def prepare(
 
 def _tokenized(
     cfg: ClusterConfig, api: ChatCompletionRequest | CompletionRequest, model_name: str
-) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
+) -> tuple[list[int], list[JSONObject] | None, str | None]:
     """The prompt's ids with ``model_name``'s own tokenizer (its chat, FIM and tool templates)."""
     m = cfg.model(model_name)
     assert m is not None
@@ -190,12 +193,12 @@ def _fit(
 
 def _block_hashes(
     ids: list[int], candidates: list[str], views: dict[str, BackendView], salt: str | None = None
-) -> Callable[[str], list[int]]:
+) -> Callable[[str], list[BlockHash]]:
     """The prompt's block hashes per backend (in its block size, under its cache salt), computed
     here, off the loop for big prompts, once per candidate backend."""
-    hashed: dict[str, list[int]] = {}
+    hashed: dict[str, list[BlockHash]] = {}
 
-    def hashes(backend: str) -> list[int]:
+    def hashes(backend: str) -> list[BlockHash]:
         view = views.get(backend)
         if view is None or view.policy is None:
             return []
@@ -208,7 +211,7 @@ def _block_hashes(
     return hashes
 
 
-def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[dict[str, Any]] | None) -> int:
+def image_estimate(cfg: ClusterConfig, model_name: str, messages: list[JSONObject] | None) -> int:
     """Image parts' tokens for the context check: the most any of the model's providers counts
     (:mod:`cluster.tokens.images`; engines refuse images). The adapter reserves its own count."""
     if not messages or not image_parts(messages):

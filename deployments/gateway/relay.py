@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from cluster.config import ClusterConfig
 from cluster.observability.server_timing import server_timing
-from cluster.policy.admission import Outcome
+from cluster.policy.admission_types import Outcome
 from cluster.policy.attempts import backend_of_slot
 from cluster.policy.race import Attempt, RaceResult, first_token, follow
 from cluster.policy.slo_guard import SloGuard
@@ -115,7 +115,8 @@ class Relay:
     async def serve(self, ctx: RequestContext, send: h.Send) -> Served:
         """Race to the first token, relay the winner's stream, then account for it once; the
         tenant's reservation settles (``ctx.settle``) however the request ends."""
-        result, acct, seams = RaceResult(), _Account(ctx.t0), []
+        result, acct = RaceResult(), _Account(ctx.t0)
+        seams: list[Seamless] = []
         outcome = Outcome.CANCELLED
         try:
             outcome = await self._relay(ctx, send, result, acct, seams)

@@ -8,12 +8,16 @@ lifecycle, health checks and autoscaling; the decision and its state live in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ray.serve._private.common import ReplicaID
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 # Replicas Serve's routers in this process list, by deployment name: written only by the routers
 # below as Serve updates them, read through :func:`listed`.
 _LISTED: dict[str, int] = {}
+# The gateway's routing payload's decision: the replicas to try, best first.
+Decide = Callable[[list[RunningReplica]], list[list[RunningReplica]]]
 
 
 def listed(deployment: str) -> int | None:
@@ -24,7 +28,7 @@ def listed(deployment: str) -> int | None:
     return _LISTED.get(deployment)
 
 
-class ShimRequestRouter(RequestRouter):
+class ShimRequestRouter(RequestRouter):  # type: ignore[misc]  # Ray's types are skipped: Any
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         _LISTED[self._deployment_id.name] = len(self._replicas)
@@ -39,7 +43,7 @@ class ShimRequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         payload = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        decide = getattr(payload, "decide", None)
+        decide: Decide | None = getattr(payload, "decide", None)
         if decide is None:  # not a gateway's attempt (a direct handle call): any replica will do
             return [candidate_replicas]
         return decide(candidate_replicas)

@@ -18,7 +18,7 @@ from cluster.k8s.lab_plan import LabError
 DEFAULT_SETTINGS = "k8s/settings/lab.yaml"
 
 
-def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_lab_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("lab", help="the RayService's multi-node cluster on this machine (root)")
     sub = p.add_subparsers(dest="lab_command", required=True)
     u = sub.add_parser("up", help="bring the lab up and deploy the manifest's serveConfigV2")

@@ -15,7 +15,7 @@ from cluster.config import load_config
 from deployments.launcher import local
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_serve_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("serve", help="start the local cluster (Ray + Serve) from a config")
     p.add_argument("--config", default="configs/local.yaml")
     p.add_argument("--port", type=int, default=None, help="API port (default: the config's server.port)")

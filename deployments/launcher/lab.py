@@ -26,9 +26,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from cluster.config import load_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
@@ -49,6 +49,7 @@ from cluster.k8s.lab_plan import (
 )
 from cluster.k8s.rayservice import render_rayservice
 from cluster.k8s.settings import load_settings
+from deployments.json_types import JSON, JSONObject
 from deployments.launcher import lab_net
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,16 +58,18 @@ STATE = ROOT / "state.json"
 LOCK = Path("/tmp/llmc-lab.lock")  # beside the root, which `down` removes whole
 INTERNAL_TOKEN_FILE = "internal_token"  # under the root, beside Ray's token
 Say = Callable[[str], None]
+T = TypeVar("T")
 
 
 # State -----------------------------------------------------------------------------------------
-def read_state() -> dict[str, Any] | None:
+def read_state() -> JSONObject | None:
     with contextlib.suppress(OSError, ValueError):
-        return json.loads(STATE.read_text())
+        state: JSONObject = json.loads(STATE.read_text())
+        return state
     return None
 
 
-def _write_state(state: Mapping[str, Any]) -> None:
+def _write_state(state: Mapping[str, object]) -> None:
     tmp = STATE.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(STATE)
@@ -80,7 +83,7 @@ def _locked() -> Iterator[None]:
         yield
 
 
-def leftovers() -> dict[str, list[Any]]:
+def leftovers() -> dict[str, list[str] | list[int]]:
     """What of a lab is on this machine now: namespaces, links, processes (all empty: none)."""
     namespaces = lab_net.lab_namespaces()
     return {
@@ -158,7 +161,7 @@ def up(
     return plan
 
 
-def _describe(found: Mapping[str, list[Any]]) -> str:
+def _describe(found: Mapping[str, Sized]) -> str:
     return ", ".join(f"{len(v)} {k}" for k, v in found.items() if v) or "a state file"
 
 
@@ -340,17 +343,17 @@ def _get(url: str, headers: Mapping[str, str] | None = None, timeout_s: float = 
         return exc.code, exc.read()
 
 
-def from_client(plan: LabPlan, fn: Callable[[], Any]) -> Any:
+def from_client(plan: LabPlan, fn: Callable[[], T]) -> T:
     """``fn()`` run in the client namespace (where the lab's requests come from)."""
     return lab_net.in_netns(plan.client.netns, fn)
 
 
-def _dashboard(plan: LabPlan, path: str) -> Any:
+def _dashboard(plan: LabPlan, path: str) -> JSON:
     """A GET of the head's dashboard API with the lab's Ray token (None: no answer yet)."""
     token = (Path(plan.root) / "ray_auth_token").read_text().strip()
     url = plan.dashboard_url + path
 
-    def call() -> Any:
+    def call() -> JSON:
         with contextlib.suppress(OSError):
             code, body = _get(url, {"Authorization": f"Bearer {token}"})
             if code == 200:
@@ -367,9 +370,10 @@ def alive_nodes(plan: LabPlan) -> dict[str, str]:
     return {r["node_id"]: r["node_ip"] for r in rows if r.get("state") == "ALIVE"}
 
 
-def serve_details(plan: LabPlan) -> dict[str, Any] | None:
+def serve_details(plan: LabPlan) -> JSONObject | None:
     """Serve's own account of the apps (``/api/serve/applications/``, what ``serve status`` reads)."""
-    return _dashboard(plan, "/api/serve/applications/")
+    details: JSONObject | None = _dashboard(plan, "/api/serve/applications/")
+    return details
 
 
 def node_health(plan: LabPlan, node: LabNode) -> int | None:
@@ -452,7 +456,7 @@ def _end_processes(namespaces: list[str]) -> list[int]:
     return killed
 
 
-def down(say: Say = print) -> dict[str, list[Any]]:
+def down(say: Say = print) -> dict[str, list[str] | list[int]]:
     """Remove everything of the lab: its processes (TERM, then KILL), namespaces, veths, bridge
     and folder; those the state file names and any found by name or tag. Returns what it found."""
     with _locked():
@@ -469,7 +473,12 @@ def down(say: Say = print) -> dict[str, list[Any]]:
             lab_net.unguard_subnet(route)
         shutil.rmtree(state.get("root", ROOT), ignore_errors=True)
         shutil.rmtree(ROOT, ignore_errors=True)
-    found = {"processes": killed, "namespaces": namespaces, "links": links, "routes": routes}
+    found: dict[str, list[str] | list[int]] = {
+        "processes": killed,
+        "namespaces": namespaces,
+        "links": links,
+        "routes": routes,
+    }
     say(f"[lab] down: {_describe(found) if any(found.values()) else 'nothing was up'}")
     left = leftovers()
     if any(left.values()):

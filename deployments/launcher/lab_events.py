@@ -16,11 +16,12 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
+from deployments.json_types import JSONObject
 from deployments.launcher import lab, lab_net
 
 GATEWAY = "Gateway"
@@ -77,7 +78,7 @@ def internal_token(plan: LabPlan, name: str = "cpu-0") -> str:
     raise LabError(f"no process of {name} carries LLMC_INTERNAL_TOKEN")
 
 
-def gateway_status(plan: LabPlan, token: str, node: str | None = None) -> dict[str, Any]:
+def gateway_status(plan: LabPlan, token: str, node: str | None = None) -> JSONObject:
     """``/internal/status`` of whichever gateway replica the node's Serve proxy picks (the first
     cpu node's by default)."""
     import httpx
@@ -85,19 +86,29 @@ def gateway_status(plan: LabPlan, token: str, node: str | None = None) -> dict[s
     n = next(x for x in plan.nodes if (x.name == node if node else x.group == "cpu"))
     url = f"http://{n.ip}:{plan.serve_port}/internal/status"
 
-    def call() -> dict[str, Any]:
+    def call() -> JSONObject:
         r = httpx.get(url, headers={"x-llmc-internal": token}, timeout=10)
         if r.status_code != 200:
             raise LabError(f"/internal/status: {r.status_code} {r.text[:300]}")
-        return r.json()
+        status: JSONObject = r.json()
+        return status
 
     return lab.from_client(plan, call)
 
 
-def every_gateway_status(plan: LabPlan, token: str, node: str, want: int, tries: int = 30) -> dict[str, Any]:
+class FeedCursor(TypedDict):
+    """One gateway's KV-event feed of one replica: the last event read, the blocks it indexes there."""
+
+    after: int | None
+    blocks: int | None
+
+
+def every_gateway_status(
+    plan: LabPlan, token: str, node: str, want: int, tries: int = 30
+) -> dict[str, JSONObject]:
     """Replica id → status, asked until ``want`` distinct gateway replicas answered (HAProxy picks
     one per request) or ``tries`` ran out."""
-    seen: dict[str, Any] = {}
+    seen: dict[str, JSONObject] = {}
     for _ in range(tries):
         with contextlib.suppress(LabError, OSError):
             st = gateway_status(plan, token, node)
@@ -115,7 +126,7 @@ def upgraded(serve_config: str, factor: int = 2) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def upgrade(plan: LabPlan, events: dict[str, Any], engines: str, serve_config: str) -> None:
+def upgrade(plan: LabPlan, events: JSONObject, engines: str, serve_config: str) -> None:
     """``serve deploy`` of ``serve_config``; back once every replica of ``engines`` is a new one and
     the app is RUNNING."""
     old = replicas(plan)
@@ -133,7 +144,7 @@ def upgrade(plan: LabPlan, events: dict[str, Any], engines: str, serve_config: s
 
 
 def lose_node(
-    plan: LabPlan, events: dict[str, Any], deployment: str, node: str | None = None, down_s: float = 8.0
+    plan: LabPlan, events: JSONObject, deployment: str, node: str | None = None, down_s: float = 8.0
 ) -> None:
     """SIGKILL of every process of ``node`` (default: the one with the most replicas of
     ``deployment``: the most streams to migrate, the fewest replicas left), ``down_s`` with the
@@ -166,7 +177,7 @@ def _other(plan: LabPlan, name: str) -> str:
     return next(n.name for n in plan.nodes if n.name != name and not n.head)
 
 
-def kill_replica(plan: LabPlan, events: dict[str, Any], deployment: str = GATEWAY) -> None:
+def kill_replica(plan: LabPlan, events: JSONObject, deployment: str = GATEWAY) -> None:
     """SIGKILL of one replica's process (the first by id); back once Serve has the deployment at
     full strength with a new replica in its place."""
     pids = replica_pids(plan, deployment)
@@ -186,26 +197,29 @@ def kill_replica(plan: LabPlan, events: dict[str, Any], deployment: str = GATEWA
     events["restored"] = time.time()
 
 
-def kv_fault(plan: LabPlan, token: str, url: str, cut_s: float) -> dict[str, Any]:
+def kv_fault(plan: LabPlan, token: str, url: str, cut_s: float) -> JSONObject:
     """``POST /kv_events/fault`` of one engine replica (its data-plane address, with the internal
     credential, from the client namespace): its event endpoint stalls every poll for ``cut_s``
     (0: the cut ends). Returns the replica's log head."""
     import httpx
 
-    def call() -> dict[str, Any]:
+    def call() -> JSONObject:
         headers = {"x-llmc-internal": token}
         r = httpx.post(url + "/kv_events/fault", json={"cut_s": cut_s}, headers=headers, timeout=10)
         if r.status_code != 200:
             raise LabError(f"/kv_events/fault: {r.status_code} {r.text[:300]}")
-        return r.json()
+        answer: JSONObject = r.json()
+        return answer
 
     return lab.from_client(plan, call)
 
 
-def feed_cursors(plan: LabPlan, token: str, backend: str, replica: str, gateways: int) -> dict[str, Any]:
+def feed_cursors(
+    plan: LabPlan, token: str, backend: str, replica: str, gateways: int
+) -> dict[str, FeedCursor]:
     """Per gateway replica: how far its KV-event feed has read ``replica``'s log, and the blocks
     its index holds there."""
-    out: dict[str, Any] = {}
+    out: dict[str, FeedCursor] = {}
     for rid, st in every_gateway_status(plan, token, plan.head.name, gateways).items():
         routing = st["routing"][backend]["kv_index"]
         cursor = ((routing.get("feed") or {}).get("replicas") or {}).get(replica) or {}
@@ -215,7 +229,7 @@ def feed_cursors(plan: LabPlan, token: str, backend: str, replica: str, gateways
 
 
 def cut_kv_feed(
-    plan: LabPlan, events: dict[str, Any], token: str, backend: str, cut_s: float = 30.0, gateways: int = 2
+    plan: LabPlan, events: JSONObject, token: str, backend: str, cut_s: float = 30.0, gateways: int = 2
 ) -> None:
     """One engine replica's KV-event endpoint unreachable for ``cut_s`` while it serves (its fault
     hook), the gateways' feed of it sampled during the cut; back once every gateway's feed has read

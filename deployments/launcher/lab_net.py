@@ -171,7 +171,8 @@ def remove_net(namespaces: Iterable[str], links: Iterable[str]) -> None:
 # Joining a namespace -------------------------------------------------------------------------
 def in_netns(netns: str, fn: Callable[[], T], timeout_s: float = 120.0) -> T:
     """``fn()`` in a thread of its own that has joined ``netns`` (its sockets are made there)."""
-    box: dict[str, object] = {}
+    value: list[T] = []  # fn's result, or
+    error: list[BaseException] = []  # what it raised: handed to the caller
 
     def run() -> None:
         try:
@@ -181,15 +182,15 @@ def in_netns(netns: str, fn: Callable[[], T], timeout_s: float = 120.0) -> T:
                     raise OSError(ctypes.get_errno(), f"setns into {netns}")
             finally:
                 os.close(fd)
-            box["value"] = fn()
+            value.append(fn())
         except BaseException as exc:  # handed to the caller
-            box["error"] = exc
+            error.append(exc)
 
     t = threading.Thread(target=run, name=f"netns-{netns}", daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
         raise TimeoutError(f"a call in {netns} took over {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    if error:
+        raise error[0]
+    return value[0]

@@ -22,11 +22,15 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig, ServerConfig, load_config
 from cluster.engine.tiny_model import cache_root
+from deployments.json_types import JSON, JSONObject
 from deployments.launcher import haproxy_launch, haproxy_procs
+
+if TYPE_CHECKING:
+    from cluster.wire.protocol import BackendStats
 
 # vLLM's CPU build on small shared machines (see shared notes): in-process engine, one OpenMP
 # thread per engine, no pinning, offline.
@@ -104,7 +108,7 @@ def _credential() -> None:
     process's environment, which Ray's raylet and every worker on this node inherit. Never in
     ``runtime_env``: Ray's runtime-env agent and the workers' core logs write env_vars whole, into
     a world-readable session folder."""
-    from deployments.internal import ENV
+    from cluster.dataplane import INTERNAL_TOKEN_ENV as ENV
 
     if not os.environ.get(ENV, "").strip():
         os.environ[ENV] = secrets.token_hex(32)
@@ -328,7 +332,7 @@ def metrics_url() -> str:
     return f"http://127.0.0.1:{node.metrics_export_port}/metrics"
 
 
-def _internal_get(url: str, timeout: float = 10.0) -> Any:
+def _internal_get(url: str, timeout: float = 10.0) -> JSON:
     from deployments.internal import internal_token
 
     req = urllib.request.Request(url, headers={"x-llmc-internal": internal_token()})
@@ -336,18 +340,19 @@ def _internal_get(url: str, timeout: float = 10.0) -> Any:
         return json.loads(resp.read())
 
 
-def gateway_status(url: str) -> dict[str, Any]:
+def gateway_status(url: str) -> JSONObject:
     """What one gateway replica (HAProxy picks which) of the app at ``url`` (``http://host:port``
     plus the app's route prefix) reports: admission, policy, routing view, provider adapters."""
-    return _internal_get(url.rstrip("/") + "/internal/status")
+    status: JSONObject = _internal_get(url.rstrip("/") + "/internal/status")
+    return status
 
 
-def replica_stats(url: str) -> dict[str, Any]:
+def replica_stats(url: str) -> dict[str, BackendStats]:
     """What each engine replica reports now (replica id → BackendStats), asked over its own
     token endpoint; the replicas' URLs come from a gateway's routing view."""
     from cluster.wire.protocol import BackendStats
 
-    out: dict[str, Any] = {}
+    out: dict[str, BackendStats] = {}
     status = gateway_status(url)
     for view in status["routing"].values():
         for rid, url in view["replicas"].items():

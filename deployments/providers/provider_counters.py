@@ -4,7 +4,6 @@ how far our prompt estimate is from what the provider reports. What ``stats().ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from cluster.wire.protocol import Usage
 
@@ -62,9 +61,9 @@ class ProviderCounters:
         self.est_abs_err_sum += abs(err)
         self.est_samples += 1
 
-    def extra(self) -> dict[str, Any]:
+    def extra(self) -> dict[str, float | None]:
         """Flat numbers for metrics, in the order ``stats().extra`` has always listed them."""
-        out: dict[str, Any] = {
+        out: dict[str, float | None] = {
             "prompt_estimate_error": self.est_err_ewma,
             "prompt_estimate_error_last": self.est_err_last,
             "prompt_estimate_abs_error_mean": self.est_abs_err_sum / self.est_samples

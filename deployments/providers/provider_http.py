@@ -166,7 +166,7 @@ class Flight:
         """Await ``aw`` until ``deadline`` (loop time); ``abort`` fires the same timeout early."""
         if self.aborted:
             if inspect.iscoroutine(aw) or hasattr(aw, "close"):  # a coroutine, or aiohttp's request
-                aw.close()  # type: ignore[attr-defined]
+                aw.close()
             raise Aborted
         try:
             async with asyncio.timeout_at(deadline) as cm:

@@ -10,13 +10,13 @@ API's own event parser.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 
 from cluster.providers import StreamDelta, openai_wire
 from cluster.providers.sse import SSEDecoder, SSEEvent
 from cluster.wire.protocol import Chunk, Usage
+from deployments.json_types import JSONObject
 
 
 class StreamState:
@@ -61,7 +61,7 @@ class ChunkReader:
         self,
         s: StreamState,
         parse: Callable[[SSEEvent], StreamDelta],
-        fail: Callable[[dict[str, Any], bool], Exception],
+        fail: Callable[[JSONObject, bool], Exception],
         replica: str,
         backend: str,
         openai_data: bool = False,

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import aiohttp
 
@@ -39,6 +39,7 @@ from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.wire.openai_format import dumps
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.budgets.provider_budget import Budget, get_budget
+from deployments.json_types import JSONObject
 from deployments.providers import provider_http as ph
 from deployments.providers.provider_counters import ProviderCounters
 from deployments.providers.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+Parser = Callable[[SSEEvent], StreamDelta]  # one SSE event of the provider's -> what it says
 
 BIG_PROMPT_CHARS = 200_000  # count tokens of bigger prompts in a thread, off the event loop
 
@@ -114,14 +116,14 @@ class ProviderBackend:
     def _path(self, req: GenerateRequest) -> str:
         raise NotImplementedError
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
+    def _body(self, req: GenerateRequest) -> JSONObject:
         raise NotImplementedError
 
     def _headers(self, req: GenerateRequest) -> dict[str, str]:
         raise NotImplementedError
 
-    def _parser(self) -> Any:
-        """A callable SSEEvent -> StreamDelta, fresh per request (it may hold stream state)."""
+    def _parser(self) -> Parser:
+        """A parser fresh per request (it may hold stream state)."""
         raise NotImplementedError
 
     def _map_status(self, status: int, body: bytes, headers: Mapping[str, str]) -> ClusterError:
@@ -250,7 +252,7 @@ class ProviderBackend:
             connect_failed=ph.is_connect_failure(exc),
         )
 
-    def _stream_error(self, error: dict[str, Any], started: bool) -> Exception:
+    def _stream_error(self, error: JSONObject, started: bool) -> Exception:
         """A mid-stream error object from the provider, as the exception to raise."""
         secret = self._key.reveal()
         return perrors.from_stream_error(
@@ -328,9 +330,9 @@ class ProviderBackend:
             extra=self._extra(budget),
         )
 
-    def _extra(self, budget: dict[str, Any]) -> dict[str, Any]:
+    def _extra(self, budget: JSONObject) -> JSONObject:
         """Flat numbers for metrics (plus the api and tokenizer names); absent rather than None."""
-        extra: dict[str, Any] = {
+        extra: JSONObject = {
             "api": self.api,
             "tokenizer": getattr(self.counter, "name", type(self.counter).__name__),
             "tokenizer_exact": bool(self.counter.exact),
@@ -396,7 +398,7 @@ class OpenAIProviderBackend(ProviderBackend):
     def _path(self, req: GenerateRequest) -> str:
         return openai_wire.endpoint(req)
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
+    def _body(self, req: GenerateRequest) -> JSONObject:
         return openai_wire.request_body(req, self.upstream_model)
 
     def _headers(self, req: GenerateRequest) -> dict[str, str]:
@@ -407,7 +409,7 @@ class OpenAIProviderBackend(ProviderBackend):
             h["authorization"] = f"Bearer {key}"
         return h
 
-    def _parser(self) -> Any:
+    def _parser(self) -> Parser:
         return lambda ev: openai_wire.parse_stream_data(ev.data)
 
     def _map_status(self, status: int, body: bytes, headers: Mapping[str, str]) -> ClusterError:
@@ -424,7 +426,7 @@ class AnthropicProviderBackend(ProviderBackend):
     def _path(self, req: GenerateRequest) -> str:
         return "/messages"
 
-    def _body(self, req: GenerateRequest) -> dict[str, Any]:
+    def _body(self, req: GenerateRequest) -> JSONObject:
         return anthropic_wire.request_body(req, self.upstream_model)
 
     def _headers(self, req: GenerateRequest) -> dict[str, str]:
@@ -434,7 +436,7 @@ class AnthropicProviderBackend(ProviderBackend):
             h["x-api-key"] = key
         return h
 
-    def _parser(self) -> Any:
+    def _parser(self) -> Parser:
         state = anthropic_wire.StreamState()
 
         def parse(ev: SSEEvent) -> StreamDelta:
@@ -449,10 +451,25 @@ class AnthropicProviderBackend(ProviderBackend):
 
 
 def build_provider_backend(
-    backend: BackendConfig, model: ModelConfig, replica_name: str, **kwargs: Any
+    backend: BackendConfig,
+    model: ModelConfig,
+    replica_name: str,
+    *,
+    budget: Budget | None = None,
+    session: aiohttp.ClientSession | None = None,
+    admission_wait_s: float = 0.0,
+    on_unsettled: Callable[[GenerateRequest, Usage, float], None] | None = None,
 ) -> OpenAIProviderBackend | AnthropicProviderBackend:
-    """The adapter for ``backend.provider.api``."""
+    """The adapter for ``backend.provider.api`` (the keywords: :class:`ProviderBackend`'s)."""
     if backend.provider is None:
         raise ValueError(f"backend '{backend.name}' has no provider section")
     cls = AnthropicProviderBackend if backend.provider.api == "anthropic" else OpenAIProviderBackend
-    return cls(backend, model, replica_name, **kwargs)
+    return cls(
+        backend,
+        model,
+        replica_name,
+        budget=budget,
+        session=session,
+        admission_wait_s=admission_wait_s,
+        on_unsettled=on_unsettled,
+    )
