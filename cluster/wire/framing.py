@@ -119,6 +119,10 @@ class FramedStream:
         calls, thinking, logprobs = f.tool_calls.calls(), f.thinking.blocks(), f.logprobs.whole()
         return Ending(f.finish, f.usage, "".join(f.parts), calls, thinking, logprobs, choices)
 
+    @property
+    def placed_at(self) -> float | None:
+        return None  # a provider's: no replica of ours
+
     def emitted(self) -> Emitted | None:
         return None  # no token ids: a broken provider stream is not continued
 

@@ -86,6 +86,12 @@ class AttemptStream(TokenStream, Protocol):
         """What broke it (None: not broken, or not an engine's)."""
         ...
 
+    @property
+    def placed_at(self) -> float | None:
+        """When (monotonic) its engine replica was chosen: from then on the engine had it (None: a
+        provider's, or no replica yet)."""
+        ...
+
     def emitted(self) -> Emitted | None:
         """What it sent, token ids included, when it names them (an engine asked for ids, so that a
         break can be continued elsewhere); None: it cannot be continued."""

@@ -282,6 +282,7 @@ class EngineStream:
         if traceparent is not None:
             self.headers["traceparent"] = traceparent
         self.lease: ReplicaLease | None = None  # the replica it runs on, once chosen
+        self.placed_at: float | None = None  # when (monotonic) that replica was chosen
         self.splitter = FrameSplitter()
         self.events = 0
         # With token ids asked for: every piece passed on (read back only if the stream breaks,
@@ -324,6 +325,7 @@ class EngineStream:
         dead, ran nothing for the client: it is skipped (its lease says so) and another one picked."""
         for _ in range(MAX_REPICKS):
             self.lease = lease = await self._choose()
+            self.placed_at = time.monotonic()
             data = dumps(self.body)  # after the choice: it sets the request's cache rank there
             try:
                 resp = await self.session.post(
