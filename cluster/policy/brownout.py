@@ -156,6 +156,16 @@ class Brownout:
             return True
         return st.probe_at is not None and now - st.probe_at < self.cfg.probe_timeout_s
 
+    def probe_hedge_delay(self, surface: str, backend: str) -> float | None:
+        """When a request that is ``backend``'s probe (:meth:`order` gave it one) should race the
+        next candidate: once its first token would be slow (None: not a probe, or no baseline). A
+        probe of a backend still browned out then costs its client that delay, not the brownout."""
+        st = self._states.get(backend)
+        if not self.cfg.enabled or st is None or st.until is None or st.probe_at is None:
+            return None
+        base = self.baseline(surface, backend)
+        return None if base is None else max(self.cfg.slow_factor * base, base + self.cfg.min_excess_s)
+
     def order(self, candidates: list[str], now: float) -> list[str]:
         """``candidates`` with the demoted ones last; a backend on probation with no probe out
         keeps its place for this request (its probe)."""

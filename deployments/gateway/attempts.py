@@ -129,13 +129,7 @@ class AttemptRunner:
                 backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until, candidates
             )
 
-        def hedge_delay(first: PlannedAttempt) -> float | None:
-            if not hedging:
-                return None
-            return self.hedge.delay(req.surface, backend_of_slot(first.backend), time.monotonic())
-
-        def may_hedge(elapsed: float, sent: int) -> bool:
-            return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
+        hedge_delay, may_hedge = self._hedging(req.surface, hedging, slots, cont)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt, cont is None, slots[0])  # a re-prefill is no TTFT
@@ -152,6 +146,29 @@ class AttemptRunner:
             verdict=verdict,
         )
         return hooks, mono_deadline
+
+    def _hedging(
+        self, surface: str, hedging: bool, slots: list[str], cont: Continuing | None
+    ) -> tuple[Callable[[PlannedAttempt], float | None], Callable[[float, int], bool]]:
+        """The race's hedge delay and budget check. A brownout's probe races the next candidate once
+        it is as slow as a brownout, on any surface and outside the hedge budget: no client waits a
+        slow backend's probe out (:meth:`Brownout.probe_hedge_delay`)."""
+        primary = backend_of_slot(slots[0]) if slots else ""
+        probe = None if cont is not None else self.brownout.probe_hedge_delay(surface, primary)
+
+        def hedge_delay(first: PlannedAttempt) -> float | None:
+            if probe is not None:
+                return probe
+            if not hedging:
+                return None
+            return self.hedge.delay(surface, backend_of_slot(first.backend), time.monotonic())
+
+        def may_hedge(elapsed: float, sent: int) -> bool:
+            if probe is not None:
+                return sent == 0
+            return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
+
+        return hedge_delay, may_hedge
 
     def _new_request(self, cont: Continuing | None) -> None:
         """A request starts: the budgets count it (a continuation is no new request)."""

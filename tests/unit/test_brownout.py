@@ -4,6 +4,8 @@ once its hold is over, and is demoted for twice as long when the probe is slow t
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.policy.brownout import Brownout, BrownoutConfig
 
 CANDS = ["provider", "engine"]
@@ -84,3 +86,20 @@ def test_hedges_that_won_demote_the_primary() -> None:
     assert b.order(CANDS, 1.15) == CANDS  # two of the last six
     b.hedge_won("tab", "provider", 1.2)
     assert b.order(CANDS, 1.3) == ["engine", "provider"]
+
+
+def test_a_probe_races_the_next_candidate_once_it_is_as_slow_as_a_brownout() -> None:
+    """The rehearsal's brownout (run at 25ceedb): 8 of Tab's 10 slowest first tokens (1.0-1.9 s,
+    its p99 2.6x steady) were probes of the slow provider. A probe now hedges at slow_factor x its
+    baseline (0.3 s here), whatever its surface's hedging and budget."""
+    b = Brownout(BrownoutConfig(hold_s=5.0))
+    steady(b, now=-20.0)
+    assert b.probe_hedge_delay("tab", "provider") is None  # in good standing: no probe
+    slow(b, 1.0, 1.0)
+    assert b.order(CANDS, 5.9) == ["engine", "provider"]
+    assert b.probe_hedge_delay("tab", "provider") is None  # demoted, no probe out
+    assert b.order(CANDS, 6.1) == CANDS  # this request is the probe
+    assert b.probe_hedge_delay("tab", "provider") == pytest.approx(0.3)
+    assert b.probe_hedge_delay("tab", "engine") is None
+    b.observe("tab", "provider", 0.11, 6.3)  # a fast probe: restored, no more probing
+    assert b.probe_hedge_delay("tab", "provider") is None
