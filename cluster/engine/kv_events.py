@@ -21,7 +21,8 @@ not need to know the gateways (they scale and restart on their own), a slow gate
 the engine drop events for the others, and it reuses the replica's authenticated HTTP server.
 The replica's server publishes stores and evictions in the router's hashes (``IndexStored``,
 ``IndexRemoved``: :mod:`cluster.routing.event_hashes`), hashed once there rather than on every
-gateway replica.
+gateway replica, and with ``affinity.claim_stride_blocks`` k > 1 only their anchors and the
+``BlocksQueued`` prompts' anchors (the events' ``stride``; absent on the wire: 1, every block).
 
 Plain Python, no I/O: the engine deployment serves the log, the gateway's feed applies pages.
 """
