@@ -68,7 +68,7 @@ from cluster.engine.kv_events import (
 from cluster.engine.profiles import BatchShape, Profile, get_profile
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityParams, AffinityRouter
-from cluster.routing.block_hash import BlockHasher, strided
+from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
 from deployments.kv_endpoint import KVEventEndpoint
 from deployments.kv_feed import MIN_POLL_S
@@ -361,6 +361,13 @@ def per_entry(policy: AffinityRouter) -> dict[str, float]:
     return {k: sizes[k] / counts[k] for k in counts if counts[k]}
 
 
+def _anchors(chain: list[int], stride: int) -> list[int]:
+    """``block_hash.strided`` (every k-th block and the last), which the tree before it lacks."""
+    if stride <= 1:
+        return chain
+    return chain[stride - 1 :: stride] + ([chain[-1]] if len(chain) % stride else [])
+
+
 def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendView, list[list[int]], int]:
     """A gateway view of N replicas whose index holds what N full caches hold (at most the index's
     capacity): 256-block chains (4k-token contexts) stored by random replicas, as their events
@@ -376,7 +383,7 @@ def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendVie
     chains: list[list[int]] = []
     while len(policy.index) < target:
         chain = [rng.getrandbits(63) for _ in range(256)]
-        anchors = strided(chain, stride)
+        anchors = _anchors(chain, stride)
         r = names[rng.randrange(n)]
         policy.event_fed.add(r)
         policy.index.on_block_stored(r, anchors)
