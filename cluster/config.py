@@ -214,17 +214,18 @@ class AffinityConfig(Strict):
         1_000_000,
         ge=1,
         description=(
-            "Blocks the prefix index, its last-stored-by map and the homes each hold per gateway replica: "
-            "bounds the index's memory whatever the fleet (control_plane.json's index_bytes_per_block)."
+            "Entries the prefix index, its last-stored-by map and the homes each hold per gateway replica "
+            "(anchors: one per claim_stride_blocks blocks): bounds the index's memory whatever the fleet "
+            "(control_plane.json's index_bytes_per_block)."
         ),
     )
     claim_stride_blocks: int = Field(
         8,
         ge=1,
         description=(
-            "The homes and the recent sends keep every k-th block of a request's prompt and its last "
-            "(k times less work per announced request on every gateway, depths known to within k "
-            "blocks; cluster/routing/block_hash.py strided); 1: every block."
+            "The engines publish, and the index, homes and recent sends keep, every k-th block of a "
+            "chain and its last (k times fewer hashes for every gateway to apply, depths known to "
+            "within k blocks; cluster/routing/event_hashes.py); 1: every block."
         ),
     )
 

@@ -684,6 +684,7 @@ def _replay_ours(
     """Ours on the virtual clock, once per tie-break seed: the first seed's figures, plus every
     seed's hit rate and TTFT p90 and their means (single seeds swing by a few points here)."""
     from cluster.routing.affinity import AffinityRouter
+    from cluster.routing.event_hashes import RouterHashes
 
     profile = sim_profile(args)
     runs = []
@@ -694,6 +695,9 @@ def _replay_ours(
             policy = AffinityRouter(profile.engine.block_size, MODEL, affinity_params(affinity))
             choices.append(_AffinityChoice(policy, specs, token_ids, logs))
             choices[-1].rng = random.Random(seed * 100 + g)
+        for log in logs or ():  # what the engine replica publishes: its anchors in the router's hashes
+            stride = choices[0].policy.params.claim_stride_blocks
+            log.translate = RouterHashes(choices[0].policy.hasher, stride=stride).translate
         runs.append(simulate(specs, token_ids, engines, _Gateways(choices), args.speedup))
     hits = [r["hit_rate"] for r in runs]
     p90s = [r["ttft_p90_sim_ms"] for r in runs]

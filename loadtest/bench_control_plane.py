@@ -8,7 +8,9 @@ default ``llama-3.1-8b-h100``) publishes at a stated utilisation: one ``KVEventB
 step; ``BlockStored`` for the blocks its prefill and decode compute (runs of blocks chained to a
 parent, 16 token ids a block, vLLM's 64-bit engine hashes), as many ``BlockRemoved`` once its cache
 is full (KV pressure: a steady state stores as much as it evicts), and a ``BlocksQueued`` for each
-arriving request (its whole prompt's router hashes: agent contexts that recur, prefix reuse).
+arriving request (its whole prompt's router hashes: agent contexts that recur, prefix reuse). The
+engine replica's server (``KVEventEndpoint``) turns them into what it publishes: the router's
+hashes of the anchors alone (``affinity.claim_stride_blocks``, ``cluster/routing/event_hashes.py``).
 
 Transport: in-process, on a virtual clock. Each engine appends to a real ``KVEventLog``; each of
 the M gateways asks each engine for its page every ``MIN_POLL_S`` as ``deployments/gateway/kv_feed.py``
@@ -35,6 +37,7 @@ import argparse
 import asyncio
 import dataclasses
 import heapq
+import inspect
 import json
 import math
 import os
@@ -131,8 +134,9 @@ class EngineSource:
     def __init__(self, i: int, rates: Rates, cache_blocks: int, contexts: int, seed: int) -> None:
         self.name = f"engine-{i}"
         self.log = KVEventLog(max_batches=8192, epoch=i + 1)
-        # the replica's server: whatever it makes of the log (today, the router's hashes)
-        self.endpoint = KVEventEndpoint(self.log, TOKEN, BlockHasher(BLOCK, MODEL))
+        # the replica's server: whatever it makes of the log (today, the router's hashes of the
+        # anchors the gateways look up: every claim_stride_blocks-th block of a chain and its last)
+        self.endpoint = KVEventEndpoint(self.log, TOKEN, BlockHasher(BLOCK, MODEL), *_stride())
         self.rng = random.Random(seed)
         self.rates = rates
         self.cache_blocks = cache_blocks
@@ -183,6 +187,12 @@ class EngineSource:
 
 
 # -- a gateway's side ----------------------------------------------------------------------------
+
+
+def _stride() -> tuple[int, ...]:
+    """The endpoint's anchor stride, the config's (the tree before issue 42's anchors has none)."""
+    params = inspect.signature(KVEventEndpoint).parameters
+    return (AffinityConfig().claim_stride_blocks,) if "stride" in params else ()
 
 
 def gateway_view(replicas: Sequence[str], index_capacity: int) -> BackendView:
@@ -351,25 +361,35 @@ def per_entry(policy: AffinityRouter) -> dict[str, float]:
     return {k: sizes[k] / counts[k] for k in counts if counts[k]}
 
 
+def _anchors(chain: list[int], stride: int) -> list[int]:
+    """``block_hash.strided`` (every k-th block and the last), which the tree before it lacks."""
+    if stride <= 1:
+        return chain
+    return chain[stride - 1 :: stride] + ([chain[-1]] if len(chain) % stride else [])
+
+
 def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendView, list[list[int]], int]:
     """A gateway view of N replicas whose index holds what N full caches hold (at most the index's
     capacity): 256-block chains (4k-token contexts) stored by random replicas, as their events
-    would (index, last-stored-by, homes). Returns the view, some chains, the entries."""
+    would (index, last-stored-by, homes; with an anchor stride k, the chains' anchors: N caches
+    are k times fewer entries). Returns the view, some chains, the entries."""
     rng = random.Random(seed)
     names = [f"engine-{i}" for i in range(n)]
     view = gateway_view(names, cap)
     policy = view.policy
     assert policy is not None
-    target = min(cap, n * kv_blocks)
+    stride = getattr(policy.index, "stride", 1) if _stride() else 1  # what the engines publish
+    target = min(cap, -(-n * kv_blocks // stride))
     chains: list[list[int]] = []
     while len(policy.index) < target:
         chain = [rng.getrandbits(63) for _ in range(256)]
+        anchors = _anchors(chain, stride)
         r = names[rng.randrange(n)]
         policy.event_fed.add(r)
-        policy.index.on_block_stored(r, chain)
+        policy.index.on_block_stored(r, anchors)
         policy.homes.claim(r, chain)
         if getattr(policy, "_last_homes", True):  # kept only for new_prefix least_loaded (issue 42)
-            for h in chain:
+            for h in anchors:
                 policy._stored_by[h] = r
         if len(chains) < 4096:
             chains.append(chain)
@@ -431,6 +451,7 @@ def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -
     view, chains, entries = fill_steady(n, kv_blocks, cap, seed)
     policy = view.policy
     assert policy is not None
+    stride = getattr(policy.index, "stride", 1) if _stride() else 1
     sizes = router_bytes(policy)
     kv_entries = n * min(kv_blocks, policy.params.kv_map_capacity)
     total = sum(sizes.values()) + kv_bytes * kv_entries
@@ -438,6 +459,8 @@ def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -
         "n": n,
         "index_entries": entries,
         "index_capacity_blocks": cap,
+        "index_stride": stride,  # entries are anchors: each stands for this many cached blocks
+        "index_blocks_covered": entries * stride,
         "kv_map_entries": kv_entries,
         "index_mb": round(total / 2**20, 1),
         "index_bytes_per_block": round(total / max(1, entries)),
@@ -744,6 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode_seqs": args.decode_seqs,
         "block_size": BLOCK,
         "min_poll_s": MIN_POLL_S,
+        "anchor_stride": (_stride() or (1,))[0],  # engines publish every k-th block of a chain and its last
         "rates_per_engine": rates.as_dict(),
     }
     if args.quick:

@@ -21,7 +21,8 @@ not need to know the gateways (they scale and restart on their own), a slow gate
 the engine drop events for the others, and it reuses the replica's authenticated HTTP server.
 The replica's server publishes stores and evictions in the router's hashes (``IndexStored``,
 ``IndexRemoved``: :mod:`cluster.routing.event_hashes`), hashed once there rather than on every
-gateway replica.
+gateway replica, and with ``affinity.claim_stride_blocks`` k > 1 only their anchors and the
+``BlocksQueued`` prompts' anchors (the events' ``stride``; absent on the wire: 1, every block).
 
 Plain Python, no I/O: the engine deployment serves the log, the gateway's feed applies pages.
 """
@@ -79,22 +80,30 @@ class BlocksQueued:
 
     block_hashes: Sequence[BlockHash]
     session_id: str | None = None
+    stride: int = 1  # k > 1: the prompt's anchors only (block_hash.strided), as its replica publishes them
 
 
 @dataclass(frozen=True, slots=True)
 class IndexStored:
     """Ours, not vLLM's: a ``BlockStored`` as the engine replica publishes it to the gateways, in
     the *router's* hashes (:class:`cluster.routing.event_hashes.RouterHashes`): the gateways index
-    them as they are, with no tokens to hash and no map of the engine's hashes to keep."""
+    them as they are, with no tokens to hash and no map of the engine's hashes to keep.
+    ``stride`` k > 1: only the stored blocks at depths k, 2k, ... of their chain and the event's
+    last (the anchors the gateways look up, :func:`cluster.routing.block_hash.strided`);
+    ``blocks``: how many blocks they stand for (None: one each), so a gateway counts blocks."""
 
     block_hashes: Sequence[BlockHash]
+    stride: int = 1
+    blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class IndexRemoved:
-    """Ours: a ``BlockRemoved`` in the router's hashes (see :class:`IndexStored`)."""
+    """Ours: a ``BlockRemoved`` in the router's hashes (see :class:`IndexStored`): the anchors
+    among the evicted blocks, standing for ``blocks`` (None: one each)."""
 
     block_hashes: Sequence[BlockHash]
+    blocks: int | None = None
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlocksQueued | IndexStored | IndexRemoved
@@ -181,9 +190,17 @@ def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
     if isinstance(ev, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes]}
     if isinstance(ev, BlocksQueued):
-        return {"type": "BlocksQueued", "block_hashes": list(ev.block_hashes), "session_id": ev.session_id}
+        out = {"type": "BlocksQueued", "block_hashes": list(ev.block_hashes), "session_id": ev.session_id}
+        if ev.stride != 1:  # left out at 1: the wire before anchors, byte for byte
+            out["stride"] = ev.stride
+        return out
     if isinstance(ev, IndexStored | IndexRemoved):
-        return {"type": type(ev).__name__, "block_hashes": list(ev.block_hashes)}
+        out = {"type": type(ev).__name__, "block_hashes": list(ev.block_hashes)}
+        if isinstance(ev, IndexStored) and ev.stride != 1:
+            out["stride"] = ev.stride
+        if ev.blocks is not None:
+            out["blocks"] = ev.blocks
+        return out
     return {"type": "AllBlocksCleared"}
 
 
@@ -253,16 +270,20 @@ class WireQueued(_Strict):
     type: Literal["BlocksQueued"]
     block_hashes: list[BlockHash]
     session_id: str | None = None
+    stride: int = Field(1, ge=1)
 
 
 class WireIndexStored(_Strict):
     type: Literal["IndexStored"]
     block_hashes: list[BlockHash]
+    stride: int = Field(1, ge=1)
+    blocks: int | None = Field(None, ge=0)
 
 
 class WireIndexRemoved(_Strict):
     type: Literal["IndexRemoved"]
     block_hashes: list[BlockHash]
+    blocks: int | None = Field(None, ge=0)
 
 
 WireEvent = WireStored | WireRemoved | WireCleared | WireQueued | WireIndexStored | WireIndexRemoved
@@ -307,11 +328,11 @@ def _page(p: WirePage) -> KVEventPage:
             elif type(e) is WireRemoved:
                 events.append(BlockRemoved(e.block_hashes))
             elif type(e) is WireQueued:
-                events.append(BlocksQueued(e.block_hashes, e.session_id))
+                events.append(BlocksQueued(e.block_hashes, e.session_id, e.stride))
             elif type(e) is WireIndexStored:
-                events.append(IndexStored(e.block_hashes))
+                events.append(IndexStored(e.block_hashes, e.stride, e.blocks))
             elif type(e) is WireIndexRemoved:
-                events.append(IndexRemoved(e.block_hashes))
+                events.append(IndexRemoved(e.block_hashes, e.blocks))
             else:
                 events.append(AllBlocksCleared())
         batches.append(KVEventBatch(b.seq, b.ts, tuple(events)))

@@ -3,22 +3,18 @@
 One :class:`AffinityRouter` per self-hosted backend. The router deployment tokenizes once, calls
 :meth:`AffinityRouter.hash` on the prompt's token ids, :meth:`AffinityRouter.decide` with a load
 snapshot of the backend's replicas, dispatches, then :meth:`AffinityRouter.record` the blocks on the
-replica that took the request. Pages of the engine's KV events (vLLM ``BlockStored``/
-``BlockRemoved``/``AllBlocksCleared``, :mod:`cluster.engine.kv_events`) fed to :meth:`apply_kv_page` make
-the index exact for that replica: it then holds what the engine has cached, in our hashes of the
-events' token ids, and a routed request's blocks only count until ``recent_ttl_s`` unless the
-engine's events confirm them. Without events the index is an optimistic guess that forgets in LRU
-order.
+replica that took the request. Hashing: :class:`cluster.routing.block_hash.BlockHasher` (chained,
+like vLLM's ``hash_block_tokens``) under the request's cache salt (:mod:`cluster.routing.cache_salt`):
+tenants that do not share a cache group never share an index entry, a home or a session.
 
-Hashing: :class:`cluster.routing.block_hash.BlockHasher` (chained, like vLLM's ``hash_block_tokens``),
-under the request's cache salt (:mod:`cluster.routing.cache_salt`): tenants that do not share a
-cache group never share an index entry, a home or a session, so routing tells no tenant what
-another has cached.
-
-The index (:mod:`cluster.routing.prefix_index`): ``block hash -> bitmask of replicas``, fed by the engines'
-KV events (exact) or by the routed requests (a guess), bounded, prefix-closed. The homes
-(:mod:`cluster.routing.placement`, ``new_prefix="home"`` only): where each context lives even after its
-blocks are evicted, and each replica's hot working set, fed by the engines' ``BlocksQueued``.
+The index (:mod:`cluster.routing.prefix_index`): ``block hash -> bitmask of replicas``, bounded,
+prefix-closed. Pages of the engine's KV events (:mod:`cluster.engine.kv_events`) fed to
+:meth:`apply_kv_page` make it exact for that replica (to within ``claim_stride_blocks``: the
+engine replica publishes its chains' anchors, :mod:`cluster.routing.event_hashes`), and a routed
+request's blocks only count until ``recent_ttl_s`` unless the events confirm them. Without events
+it is an optimistic guess that forgets in LRU order. The homes (:mod:`cluster.routing.placement`,
+``new_prefix="home"`` only): where each context lives even after its blocks are evicted, and each
+replica's hot working set, fed by the engines' ``BlocksQueued``.
 
 The decision, in order (reason in brackets):
 
@@ -89,7 +85,7 @@ from cluster.engine.kv_events import (
     IndexStored,
     KVEventPage,
 )
-from cluster.routing.block_hash import BlockHash, BlockHasher, HashAlgo, deepest_held, stable_hash64
+from cluster.routing.block_hash import BlockHash, BlockHasher, HashAlgo, deepest_strided, stable_hash64
 from cluster.routing.candidates import Probe, match, roomiest
 from cluster.routing.event_hashes import RouterHashes
 from cluster.routing.placement import ContextHomes
@@ -201,14 +197,14 @@ class AffinityRouter:
     ) -> None:
         self.params = p = params or AffinityParams()
         self.hasher = BlockHasher(block_size, model, salt, algo)
-        self.index = PrefixIndex(p.index_capacity_blocks, recent_stride=p.claim_stride_blocks)
+        self.index = PrefixIndex(p.index_capacity_blocks, stride=p.claim_stride_blocks)
         self.sessions = SessionTable(p.session_capacity, p.session_ttl_s)
         self._min_blocks = max(1, math.ceil(p.min_match_tokens / block_size))
         self._home_block = max(1, math.ceil(p.home_key_tokens / block_size))
         self._seeds: dict[str, int] = {}
         self._kv_maps: dict[str, RouterHashes] = {}  # raw BlockStored only (IndexStored needs none)
         self.kv_unmapped = 0  # stored events whose parent we never saw (subscribed late)
-        self.kv_mismatched = 0  # stored events in another block size than ours (misconfiguration)
+        self.kv_mismatched = 0  # events in another block size or stride than ours (misconfiguration)
         # our block hash -> the replica whose engine stored it last (kept after eviction): a new
         # prefix's last home, the same on every gateway replica since only events write it
         self._stored_by: OrderedDict[BlockHash, str] = OrderedDict()
@@ -350,10 +346,10 @@ class AffinityRouter:
         """The eligible replica whose engine last stored the longest prefix of these blocks (at
         least ``min_match_tokens``), though it evicted them since: where the context's sessions
         went before. Learnt from the events alone, so every gateway replica agrees on it."""
-        hist = self._stored_by
+        hist = self._stored_by  # prefix-closed like the index (head stored before tail), anchors like it
         if not hist or not hashes:
             return None
-        lo, who = deepest_held(hist, hashes)  # prefix-closed like the index: head stored before tail
+        lo, who = deepest_strided(hist, hashes, self.params.claim_stride_blocks)
         if who is None or lo < self._min_blocks:
             return None
         return next((xb for xb in eligible if xb[0].replica == who), None)
@@ -434,10 +430,10 @@ class AffinityRouter:
             return 0
         return self.apply_index_stored(replica, stored)
 
-    def apply_index_stored(self, replica: str, stored: Sequence[BlockHash]) -> int:
+    def apply_index_stored(self, replica: str, stored: Sequence[BlockHash], blocks: int | None = None) -> int:
         """The engine stored these blocks, named by the router's hashes (``IndexStored``: its replica
-        hashed them); returns blocks indexed. Who stored each last: kept for its reader alone."""
-        self.index.on_block_stored(replica, stored)
+        hashed them; anchors for ``blocks``); returns entries indexed. Who stored each: for its reader."""
+        self.index.on_block_stored(replica, stored, blocks)
         hist = self._stored_by
         for h in stored if self._last_homes else ():  # issue 42: every gateway, every engine's stores
             hist[h] = replica
@@ -482,18 +478,20 @@ class AffinityRouter:
                         replica, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.cache_salt
                     )
                 elif isinstance(ev, IndexStored):
-                    self.apply_index_stored(replica, ev.block_hashes)
+                    self.apply_index_stored(replica, ev.block_hashes, ev.blocks)
                 elif isinstance(ev, IndexRemoved):
-                    self.index.on_block_removed(replica, ev.block_hashes)
+                    self.index.on_block_removed(replica, ev.block_hashes, ev.blocks)
                 elif isinstance(ev, BlockRemoved):
                     self.apply_kv_removed(replica, ev.block_hashes)
-                elif isinstance(ev, BlocksQueued):
-                    if self._homing:
-                        self.homes.claim(replica, ev.block_hashes)
-                    if now is not None:
-                        self.index.note_recent(replica, ev.block_hashes, now)
-                        if ev.session_id is not None:
-                            self.sessions.bind(ev.session_id, replica, now)
+                elif isinstance(ev, BlocksQueued):  # its anchors only, when its replica strided it
+                    anchored, ours = ev.stride > 1, ev.stride in (1, self.params.claim_stride_blocks)
+                    self.kv_mismatched += not ours  # another stride: no homes, no recent send
+                    if self._homing and ours:
+                        self.homes.claim(replica, ev.block_hashes, anchored)
+                    if now is not None and ours:
+                        self.index.note_recent(replica, ev.block_hashes, now, anchored)
+                    if now is not None and ev.session_id is not None:
+                        self.sessions.bind(ev.session_id, replica, now)
                 else:
                     self.apply_kv_cleared(replica)
                 n += 1

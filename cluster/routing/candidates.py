@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cluster.routing.block_hash import BlockHash, deepest_held
+from cluster.routing.block_hash import BlockHash, deepest_strided
 from cluster.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ def must_consider(
         looked_up = router.homes.lookup(hashes)
         out += [looked_up[1]] if looked_up[1] is not None else []
     elif params.new_prefix == "least_loaded" and router._stored_by and not steers:
-        last = deepest_held(router._stored_by, hashes)[1]  # its last home (looked up again if used)
+        stride = params.claim_stride_blocks  # its last home (looked up again if used)
+        last = deepest_strided(router._stored_by, hashes, stride)[1]
         out += [last] if last is not None else []
     return out, Probe(blocks, holders, looked_up)
 

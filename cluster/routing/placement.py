@@ -96,15 +96,16 @@ class ContextHomes:
             return lo, None
         return lo, who[0]
 
-    def claim(self, replica: str, hashes: Sequence[BlockHash]) -> int:
+    def claim(self, replica: str, hashes: Sequence[BlockHash], anchored: bool = False) -> int:
         """A request with these blocks went to ``replica``: blocks without a live home are homed
         there and add to its demand (everyone's decays by one request); returns those blocks
-        (anchors, with a ``stride``)."""
+        (anchors, with a ``stride``). ``anchored``: ``hashes`` are the prompt's anchors already
+        (a ``BlocksQueued`` its replica strided)."""
         home, tokens = self._home, self._tokens
         token = tokens.get(replica)
         if token is None:
             token = tokens[replica] = (replica, next(self._generation))
-        tail_first = strided(hashes, self.stride)[::-1]
+        tail_first = (hashes if anchored else strided(hashes, self.stride))[::-1]
         olds = list(map(home.get, tail_first))
         k = len(olds)
         while k and olds[k - 1] is token:  # the head already homed here (an agent's next turn) ...

@@ -12,11 +12,13 @@ Entries come from the engines' KV events (``on_block_stored`` / ``on_block_remov
 for an engine that publishes none, from the requests routed to it (``record``, a guess that
 forgets in LRU order). A request just sent to an event-fed replica is noted apart
 (``note_recent``): its blocks count for a short time, so concurrent sharers follow it before the
-engine's ``BlockStored`` arrives, and go if it never does. With ``recent_stride`` k > 1 only its
-anchors are noted (every k-th block and the last, :func:`cluster.routing.block_hash.strided`):
-k times less work on every gateway for every request to every engine (issue 42), a recent send
-then matching to within k blocks. ``held_blocks`` counts each replica's
-entries (its cache's fill, when its events feed it).
+engine's ``BlockStored`` arrives, and go if it never does. With ``stride`` k > 1 a prompt is
+looked up by its anchors (every k-th block and the last, :func:`cluster.routing.block_hash.strided`):
+a recent send notes only those (k times less work on every gateway for every request to every
+engine, issue 42), and the engines publish only those of what they store and evict
+(:mod:`cluster.routing.event_hashes`), so the index holds anchors, a match known to within k
+blocks. ``held_blocks`` counts the blocks each replica's entries stand for (its cache's fill,
+when its events feed it: each anchored event says how many blocks it stands for).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from cluster.routing.block_hash import BlockHash, strided
 class PrefixIndex:
     """Bounded LRU map ``block hash -> replicas believed to hold it`` (a bitmask of replica slots)."""
 
-    def __init__(self, capacity_blocks: int, purge_after: int = 64, recent_stride: int = 1) -> None:
+    def __init__(self, capacity_blocks: int, purge_after: int = 64, stride: int = 1) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
-        self.recent_stride = max(1, recent_stride)  # recent sends noted by their anchors only
+        self.stride = max(1, stride)  # prompts looked up by their anchors (module docstring)
         self._purge_after = purge_after
         self._map: OrderedDict[int, int] = OrderedDict()
         self._bits: dict[str, int] = {}  # live replica -> its bit
@@ -87,8 +89,9 @@ class PrefixIndex:
     def holders(self, block_hash: int) -> list[str]:
         return self.replicas(self._map.get(block_hash, 0))
 
-    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        """``replica`` now holds these blocks (a routed request, or the engine said so)."""
+    def record(self, replica: str, hashes: Sequence[BlockHash], blocks: int | None = None) -> None:
+        """``replica`` now holds these blocks (a routed request, or the engine said so); ``blocks``:
+        how many blocks its engine stored (anchors: ``IndexStored.blocks``), None: the new entries."""
         bit = self.bit(replica)
         m = self._map
         pop = m.pop
@@ -97,7 +100,7 @@ class PrefixIndex:
             old = pop(h, 0)
             m[h] = old | bit
             added += not old & bit
-        self._held[bit] = self._held.get(bit, 0) + added
+        self._held[bit] = self._held.get(bit, 0) + (added if blocks is None else blocks)
         over = len(m) - self.capacity
         for _ in range(max(0, over)):
             self._uncount(m.popitem(last=False)[1])
@@ -107,42 +110,49 @@ class PrefixIndex:
     on_block_stored = record
 
     def _uncount(self, mask: int) -> None:
-        held = self._held
+        """An entry evicted by the bound: each of its replicas holds about ``stride`` blocks less."""
+        held, k = self._held, self.stride
         while mask:
             low = mask & -mask
             if low in held:
-                held[low] -= 1
+                held[low] = max(0, held[low] - k)
             mask ^= low
 
     def held_blocks(self, replica: str) -> int:
         """Blocks the index says ``replica`` holds (exact when its engine's events feed it)."""
         return self._held.get(self._bits.get(replica, 0), 0)
 
-    def on_block_removed(self, replica: str, hashes: Iterable[BlockHash]) -> None:
-        """The engine evicted these blocks from ``replica``."""
+    def on_block_removed(self, replica: str, hashes: Sequence[BlockHash], blocks: int | None = None) -> None:
+        """The engine evicted these blocks from ``replica`` (``blocks`` of them in all, as in ``record``)."""
         bit = self._bits.get(replica)
         if bit is None:
             return
-        m = self._map
+        m, gone = self._map, 0
         for h in hashes:
             v = m.get(h)
             if v is None or not v & bit:
                 continue
-            self._held[bit] -= 1
+            gone += 1
             v &= ~bit
             if v & ~self._retired:
                 m[h] = v  # keeps its LRU position: other replicas still hold it
             else:
                 del m[h]
+        if gone or blocks:
+            self._held[bit] = max(0, self._held.get(bit, 0) - (gone if blocks is None else blocks))
 
     # Recent routes: blocks a request was just sent with, before the engine's events confirm them --
-    def note_recent(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
+    def note_recent(
+        self, replica: str, hashes: Sequence[BlockHash], now: float, anchored: bool = False
+    ) -> None:
         """``replica`` is computing these blocks (a request was just sent): they count for
         :meth:`longest_match` until ``expire_recent`` passes ``now + ttl``, by when the engine's
-        ``BlockStored`` events have put them in the index, if it kept them."""
+        ``BlockStored`` events have put them in the index, if it kept them. ``anchored``: the
+        hashes are the prompt's anchors already (a ``BlocksQueued`` its replica strided)."""
         if not hashes:
             return
-        hashes = strided(hashes, self.recent_stride)
+        if not anchored:
+            hashes = strided(hashes, self.stride)
         bit = self.bit(replica)
         rec = self._recent
         olds = list(map(rec.get, hashes, repeat(0)))
@@ -198,15 +208,15 @@ class PrefixIndex:
     def longest_match(self, hashes: Sequence[BlockHash], mask: int) -> tuple[int, int]:
         """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
         the replicas (a mask) holding exactly that much. Binary search: assumes prefix-closed entries.
-        A recent send counts block ``mid`` by its anchor: the first one at or after it."""
-        get, recent, k = self._map.get, self._recent.get, self.recent_stride
+        Block ``mid`` counts by its anchor, the first one at or after it (with a ``stride``, the
+        index and the recent sends hold anchors): a match ends at an anchor."""
+        get, recent, k = self._map.get, self._recent.get, self.stride
         lo, hi, best = 0, len(hashes), 0
         n = hi
         while lo < hi:
             mid = (lo + hi + 1) >> 1
-            h = hashes[mid - 1]
-            a = h if k == 1 else hashes[min(-(-mid // k) * k, n) - 1]
-            held = (get(h, 0) | recent(a, 0)) & mask
+            a = hashes[mid - 1] if k == 1 else hashes[min(-(-mid // k) * k, n) - 1]
+            held = (get(a, 0) | recent(a, 0)) & mask
             if held:
                 lo, best = mid, held
             else:

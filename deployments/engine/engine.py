@@ -118,7 +118,8 @@ class EngineReplica:
         if log is not None:
             engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
             hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
-            self.kv_events = KVEventEndpoint(log, self._token, hasher)
+            stride = self.cfg.affinity.claim_stride_blocks  # the gateways' anchors: no more is sent
+            self.kv_events = KVEventEndpoint(log, self._token, hasher, stride)
         self._runner, self.url = await self._serve_http()
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
         # Last: the engine, its model and tokenizer are built (cluster/observability/gc_pauses.py).

@@ -27,13 +27,14 @@ class KVEventEndpoint:
     """``log``'s HTTP face. ``hasher``: the gateways' block hash of this backend (same block size
     and model), for the ``BlocksQueued`` announcements and the stores and evictions, which the log
     keeps in the router's hashes (``IndexStored``/``IndexRemoved``): hashed once here, not on every
-    gateway replica (:mod:`cluster.routing.event_hashes`)."""
+    gateway replica (:mod:`cluster.routing.event_hashes`). ``stride``: the backend's
+    ``affinity.claim_stride_blocks``: only the anchors the gateways look up are published."""
 
-    def __init__(self, log: KVEventLog, token: str, hasher: BlockHasher) -> None:
+    def __init__(self, log: KVEventLog, token: str, hasher: BlockHasher, stride: int = 1) -> None:
         self.log, self._token, self.hasher = log, token, hasher
         self._new = asyncio.Event()
         log.on_append = self._new.set  # appended on this loop (vLLM's thread hands over to it)
-        self.router_hashes = RouterHashes(hasher)
+        self.router_hashes = RouterHashes(hasher, stride=stride)
         log.translate = self.router_hashes.translate
         self.encoder = PageEncoder()  # each batch's JSON made once, for every gateway that asks
         self.cut_until = 0.0  # a rehearsed feed cut (``fault``): polls stall until then

@@ -266,7 +266,7 @@ def test_strided_homes_find_a_context_to_within_the_stride_at_an_eighth_of_the_e
 
 
 def test_strided_recent_sends_match_to_within_the_stride_and_expire():
-    idx = PrefixIndex(1000, recent_stride=8)
+    idx = PrefixIndex(1000, stride=8)
     sent = list(range(1, 21))  # 20 blocks: anchors 8, 16 and the last
     idx.note_recent("a", sent, now=0.0)
     a = idx.mask(["a"])
@@ -282,7 +282,7 @@ def test_strided_recent_sends_match_to_within_the_stride_and_expire():
 
 def test_the_configured_stride_reaches_the_homes_and_the_recent_sends():
     rt = router(claim_stride_blocks=4)
-    assert rt.homes.stride == 4 and rt.index.recent_stride == 4
+    assert rt.homes.stride == 4 and rt.index.stride == 4
     with pytest.raises(ValueError):
         AffinityParams(claim_stride_blocks=0)
 
