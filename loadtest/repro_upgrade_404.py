@@ -1,6 +1,6 @@
 """Smallest reproduction, without our code, of the 404s the rehearsal's in-place upgrade met (issue 41).
 
-The sixth full rehearsal (loadtest/results/rehearsal.json at 292cd81) had 2 failures in its
+The sixth full rehearsal (its result file, rehearsal.json, at 292cd81) had 2 failures in its
 upgrade, both ``404 Path '/v1/completions' not found. Ping http://.../-/routes for available
 routes.``: the ``default_backend`` of the HAProxy config Ray Serve generates
 (``ray/serve/_private/haproxy_templates.py``), which answers a request whose path no app's backend
