@@ -99,7 +99,11 @@ class _Clients:
 def _deploy(folder: Path, address: str, http_port: int, version: int) -> None:
     path = folder / f"config-{version}.yaml"
     path.write_text(yaml.safe_dump(_config(http_port, version)))
-    subprocess.run([str(BIN / "serve"), "deploy", str(path), "-a", address], check=True, capture_output=True)
+    done = subprocess.run(
+        [str(BIN / "serve"), "deploy", str(path), "-a", address], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"serve deploy failed: {done.stderr[-2000:]}")
 
 
 def _running(address: str) -> bool:
@@ -127,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "repro_app.py").write_text(APP_MODULE)
     http_port, dash = free_port(), free_port()
     env = os.environ | SERVE_ENV | {"PYTHONPATH": str(folder)}
+    # HAProxy's files in our folder too (Ray's default is /tmp/haproxy-serve), so that _stop finds it
+    hap = Path(f"/tmp/llmc-hap404-{os.getpid()}")  # short: a unix socket's path has 107 bytes
+    env |= {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(hap / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(hap / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(hap),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(hap / "server-state"),
+    }
     head = [
         str(BIN / "ray"),
         "start",
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         _wait_for(lambda: _answers(address + "/api/version"), 120)
         return _rehearse(folder, address, http_port, args.upgrades)
     finally:
-        _stop(ray, str(folder))
+        _stop(ray, (str(folder), str(hap)))
 
 
 def _answers(url: str) -> bool:
@@ -165,9 +177,9 @@ def _wait_for(ok: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _stop(ray: subprocess.Popen[bytes], folder: str) -> None:
+def _stop(ray: subprocess.Popen[bytes], folders: tuple[str, ...]) -> None:
     """This script's Ray only (never `ray stop`, which would stop every Ray on the host): its
-    process group, then any process still naming its folder."""
+    process group, then any process still naming one of its folders (HAProxy's among them)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(ray.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -175,10 +187,11 @@ def _stop(ray: subprocess.Popen[bytes], folder: str) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(ray.pid, signal.SIGKILL)
     for proc in psutil.process_iter(["cmdline"]):
-        if any(folder in part for part in proc.info["cmdline"] or ()):
+        if any(f in part for part in proc.info["cmdline"] or () for f in folders):
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-    shutil.rmtree(folder, ignore_errors=True)
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
 
 
 def _rehearse(folder: Path, address: str, http_port: int, upgrades: int) -> int:
