@@ -102,7 +102,7 @@ class Brownout:
         if base is None:
             slow = False
         elif complete:
-            slow = ttft_s >= max(cfg.slow_factor * base, base + cfg.min_excess_s)
+            slow = ttft_s >= self._slow_from(base)
         else:
             slow = ttft_s >= cfg.given_up_factor * base
         st = self._state(backend)
@@ -164,7 +164,11 @@ class Brownout:
         if not self.cfg.enabled or st is None or st.until is None or st.probe_at is None:
             return None
         base = self.baseline(surface, backend)
-        return None if base is None else max(self.cfg.slow_factor * base, base + self.cfg.min_excess_s)
+        return None if base is None else self._slow_from(base)
+
+    def _slow_from(self, base: float) -> float:
+        """The TTFT from which a first token is slow against the baseline ``base``."""
+        return max(self.cfg.slow_factor * base, base + self.cfg.min_excess_s)
 
     def order(self, candidates: list[str], now: float) -> list[str]:
         """``candidates`` with the demoted ones last; a backend on probation with no probe out

@@ -168,7 +168,7 @@ class ReplicaPicker:
         self.view = view
         self.typical_start_s = typical_start_s  # a replica's start, until an outage was seen to end
         self._said: float | None = None  # the outage last logged
-        self.deployment: str = getattr(handle, "deployment_name", view.backend)
+        self.deployment: str = handle.deployment_name
 
     def unlisted(self) -> bool:
         """Serve's router in this process lists no replica of the deployment."""
