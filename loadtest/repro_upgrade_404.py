@@ -29,7 +29,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -37,6 +36,7 @@ import psutil
 import yaml
 
 from cluster.dataplane import SERVE_ENV
+from deployments.launcher.lab_events import wait_for
 from deployments.launcher.local import free_port
 
 BIN = Path(sys.executable).parent  # the venv's `ray` and `serve`
@@ -114,15 +114,6 @@ def _running(address: str) -> bool:
     return app.get("status") == "RUNNING" and all(d.get("status") == "HEALTHY" for d in deps.values())
 
 
-def _wait_running(address: str, timeout_s: float = 180.0) -> float:
-    t0 = time.monotonic()
-    while not _running(address):
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError("the app did not reach RUNNING")
-        time.sleep(0.5)
-    return time.monotonic() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--upgrades", type=int, default=3)
@@ -156,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ray = subprocess.Popen(head, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
     address = f"http://127.0.0.1:{dash}"
     try:
-        _wait_for(lambda: _answers(address + "/api/version"), 120)
+        wait_for(lambda: _answers(address + "/api/version"), 120, "Ray's dashboard")
         return _rehearse(folder, address, http_port, args.upgrades)
     finally:
         _stop(ray, (str(folder), str(hap)))
@@ -167,14 +158,6 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _wait_for(ok: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise TimeoutError("Ray's dashboard never answered")
-        time.sleep(0.5)
 
 
 def _stop(ray: subprocess.Popen[bytes], folders: tuple[str, ...]) -> None:
@@ -196,7 +179,8 @@ def _stop(ray: subprocess.Popen[bytes], folders: tuple[str, ...]) -> None:
 
 def _rehearse(folder: Path, address: str, http_port: int, upgrades: int) -> int:
     _deploy(folder, address, http_port, 0)
-    print(f"serving after {_wait_running(address):.1f} s", flush=True)
+    up_s = wait_for(lambda: _running(address), 180, "the app RUNNING")
+    print(f"serving after {up_s:.1f} s", flush=True)
     clients = _Clients(f"http://127.0.0.1:{http_port}/v1/completions")
     time.sleep(3)
     windows = []
@@ -204,7 +188,7 @@ def _rehearse(folder: Path, address: str, http_port: int, upgrades: int) -> int:
         t0 = time.time()
         _deploy(folder, address, http_port, v)
         time.sleep(1)
-        took = _wait_running(address)
+        took = wait_for(lambda: _running(address), 180, "the app RUNNING")
         windows.append((t0, time.time()))
         print(f"upgrade {v}: RUNNING again {took:.1f} s after the deploy", flush=True)
         time.sleep(3)
