@@ -195,8 +195,10 @@ def provider_call(plan: LabPlan, method: str, what: str, body: Any = None) -> An
 
 class Endpoints:
     """The addresses the users spread over, as KubeRay's Serve Service selects pods: the head and
-    the cpu pods whose Serve proxy Serve reports healthy (a pod without a replica has none), re-read
-    every ``period_s``; a lost pod is dropped at once (its deletion removes it from the Service)."""
+    the cpu pods that pass KubeRay's readiness probe (``/-/healthz`` on the Serve port answers 200;
+    a pod without a replica has no proxy, a draining proxy or one without its routes yet answers
+    503), probed every ``period_s`` (KubeRay: 5 s, one failure drops the pod); a lost pod is dropped
+    at once (its deletion removes it from the Service)."""
 
     def __init__(self, plan: LabPlan, period_s: float = 2.0) -> None:
         self.plan, self.period_s, self.lost = plan, period_s, set[str]()
@@ -206,7 +208,7 @@ class Endpoints:
 
     def refresh(self) -> None:
         with contextlib.suppress(LabError, OSError, TimeoutError):
-            ok = {n.name for n in lab.proxied(self.plan)}
+            ok = {n.name for n in lab.ready_pods(self.plan)}
             names = [n.name for n in self.plan.nodes if n.group != "engine" and n.name in ok - self.lost]
             if not self.changes or self.changes[-1][1] != names:
                 self.changes.append((time.time(), names))

@@ -388,6 +388,24 @@ def node_health(plan: LabPlan, node: LabNode) -> int | None:
     return from_client(plan, call)
 
 
+def ready_pods(plan: LabPlan, timeout_s: float = 2.0) -> list[LabNode]:
+    """The nodes a KubeRay Serve Service would send to now: those whose Serve port answers 200 on
+    ``/-/healthz``, the readiness probe KubeRay gives a RayService's worker pods (and the proxy
+    health its operator checks on the head). Serve's own proxy status is not enough: a proxy that
+    Serve reports HEALTHY may still answer 404 for every path until its HAProxy has its routes, and
+    ``/-/healthz`` says 503 then."""
+
+    def call() -> list[LabNode]:
+        ready = []
+        for node in plan.nodes:
+            with contextlib.suppress(OSError):
+                if _get(f"http://{node.ip}:{plan.serve_port}/-/healthz", timeout_s=timeout_s)[0] == 200:
+                    ready.append(node)
+        return ready
+
+    return from_client(plan, call)
+
+
 def placement(plan: LabPlan) -> dict[str, list[str]]:
     """Each deployment's running replicas, by the name of the node each runs on."""
     by_ip = {n.ip: n.name for n in plan.nodes}
