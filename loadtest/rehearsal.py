@@ -283,6 +283,8 @@ def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: En
     ev["long_stream_tokens_before_kill"] = sorted(len(s.ids) for s in live.seen)
     on_node = [d for d in engines if node in held[d].values()] or [ENGINES]
     ev["lost_deployment"] = on_node[0]
+    # replicas of it on other nodes: without one, a stream continues on another engine (other tokens)
+    ev["lost_deployment_elsewhere"] = sum(n != node for n in held.get(on_node[0], {}).values())
     lab_events.lose_node(plan, ev, on_node[0], node=node, down_s=t.node_down_s)
     seen = live.join(180)
     ev["long_streams"] = tally(seen, reference, ev["lost_replicas"], ev["kill"], LONG_TOKENS)

@@ -180,6 +180,7 @@ def flat_keys(
             out["node_loss_streams_in_flight"] = len(on_lost) + own.get("in_flight_on_lost", 0)
             out["node_loss_streams_completed"] = _count(on_lost, "completed") + own.get("completed", 0)
             out["node_loss_streams_identical"] = own.get("identical_to_reference")
+            out["node_loss_streams_every_token_once"] = own.get("every_token_once")
             out["node_loss_hung"] += own.get("hung", 0)
         if "rejoined" in ev:
             steady = hit_rate(started(records, *_window(ev, "steady")), backend)
@@ -213,6 +214,7 @@ FLAT_KEYS = (
     "node_loss_streams_in_flight",
     "node_loss_streams_completed",
     "node_loss_streams_identical",
+    "node_loss_streams_every_token_once",
     "node_loss_hung",
     "gateway_loss_new_failures_after_2s",
     "brownout_tab_p99_ratio",

@@ -161,7 +161,8 @@ def tally(
     seen: list[Seen], reference: list[Seen], lost: Iterable[str], kill: float, max_tokens: int
 ) -> dict[str, Any]:
     """The streams in flight on the lost replicas at ``kill``: how many, how many completed on
-    another replica, how many are token-for-token the reference's, how many hung; the rest too."""
+    another replica, how many got every token once (by the ids at the client), how many are token
+    for token the reference's, how many hung; the rest too."""
     lost_set = set(lost)
     pairs = list(zip(seen, reference, strict=True))
 
@@ -177,6 +178,8 @@ def tally(
         "in_flight_on_lost": len(hit),
         "completed": sum(s.completed(max_tokens) for s, _ in hit),
         "identical_to_reference": sum(s.completed(max_tokens) and s.ids == r.ids for s, r in hit),
+        # the client got exactly the tokens asked for, one id each: none twice, none lost at the seam
+        "every_token_once": sum(s.completed(max_tokens) and len(s.ids) == max_tokens for s, _ in hit),
         "hung": sum(s.t_end is None or str(s.error).startswith("hung") for s, _ in hit),
         "errors": [str(s.error)[:200] for s, _ in hit if s.error is not None],
         "others": len(others),

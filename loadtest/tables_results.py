@@ -290,7 +290,7 @@ def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
             lambda v: v == 0,
         ),
         _in_flight(d),
-        _identical(d),
+        *_seams(d),
         row("rehearsal: node loss, hung", "node_loss_hung", "0", lambda v: v == 0),
         row(
             "rehearsal: gateway loss, new requests failing after 2 s",
@@ -317,16 +317,36 @@ def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
     ]
 
 
-def _identical(d: dict[str, Any]) -> Row:
-    """The node loss's own long streams on the lost node: token for token the reference's."""
-    same, own = d.get("node_loss_streams_identical"), ((d.get("per_event") or {}).get("node_loss") or {})
-    n = ((own.get("event") or {}).get("long_streams") or {}).get("in_flight_on_lost")
-    measure = "rehearsal: node loss, migrated streams identical to a run without the kill"
-    if same is None or not n:
-        return Row(
-            measure, "not measured" if same is None else "none in flight", "", "", "all", None, "rehearsal"
-        )
-    return Row(measure, f"{same:,} of {n:,}", "", "", "all", same == n, "rehearsal")
+def _long_streams(d: dict[str, Any], key: str, measure: str, judged: bool = True) -> Row:
+    """A count of the node loss's own long streams on the lost node, of those in flight."""
+    got, ev = d.get(key), (((d.get("per_event") or {}).get("node_loss") or {}).get("event") or {})
+    n = (ev.get("long_streams") or {}).get("in_flight_on_lost")
+    if got is None or not n:
+        shown = "not measured" if got is None else "none in flight"
+        return Row(measure, shown, "", "", "all", None, "rehearsal")
+    return Row(measure, f"{got:,} of {n:,}", "", "", "all", (got == n) if judged else None, "rehearsal")
+
+
+def _seams(d: dict[str, Any]) -> list[Row]:
+    """Every token once at the client; token for token a run without the kill, judged only where
+    a replica of the lost deployment was left elsewhere (else the streams continue on another
+    engine, whose tokens differ by design: the rehearsal's vLLM node holds vLLM's only replica)."""
+    ev = ((d.get("per_event") or {}).get("node_loss") or {}).get("event") or {}
+    same_kind = ev.get("lost_deployment_elsewhere", 1) > 0
+    identical = "rehearsal: node loss, migrated streams identical to a run without the kill"
+    return [
+        _long_streams(
+            d,
+            "node_loss_streams_every_token_once",
+            "rehearsal: node loss, migrated streams with every token once (ids at the client)",
+        ),
+        _long_streams(
+            d,
+            "node_loss_streams_identical",
+            identical if same_kind else identical + " (continued on another engine: not expected)",
+            judged=same_kind,
+        ),
+    ]
 
 
 def _in_flight(d: dict[str, Any]) -> Row:
