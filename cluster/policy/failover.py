@@ -30,6 +30,7 @@ from typing import Protocol
 from pydantic import Field, model_validator
 
 from cluster.base import Strict
+from cluster.policy.request_budget import RequestBudget
 from cluster.wire.errors import Action, ClusterError, NoCapacity, RateLimited
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +415,8 @@ class RetryBudget:
         # a: requests, b: retries
         self._counts = WindowCounts(self.config.window_s, self.config.window_buckets)
 
-    def record_request(self, now: float) -> None:
+    def deposit(self, now: float) -> None:
+        """One first attempt was sent (:mod:`cluster.policy.request_budget`'s shape)."""
         self._counts.add(now, a=1)
 
     def available(self, now: float) -> float:
@@ -422,12 +424,16 @@ class RetryBudget:
         c = self.config
         return c.ratio * requests + c.min_per_s * c.window_s - retries
 
-    def try_retry(self, now: float) -> bool:
+    def try_spend(self, now: float) -> bool:
         """Withdraw one retry if the budget allows it."""
         if self.available(now) < 1 - 1e-9:
             return False
         self._counts.add(now, b=1)
         return True
+
+    def refund(self, now: float) -> None:
+        """A retry withdrawn and never made goes back to the window it is in now."""
+        self._counts.add(now, b=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,7 +464,7 @@ class FailoverPlan:
     candidates: Sequence[str]
     deadline: float | None = None  # on the clock `now` is on
     config: FailoverConfig = field(default_factory=FailoverConfig)
-    retry_budget: RetryBudget | None = None
+    retry_budget: RequestBudget | None = None
     tried: list[str] = field(default_factory=list)
     stop_reason: str | None = None
 
@@ -483,7 +489,7 @@ class FailoverPlan:
                 return self._stop("exhausted")
             chosen = min(untried, key=lambda c: _opened_at(breakers[c]))
         budget = self.retry_budget
-        if attempt > 0 and not hedge and budget is not None and not budget.try_retry(now):
+        if attempt > 0 and not hedge and budget is not None and not budget.try_spend(now):
             return self._stop("retry_budget")
         if not forced and chosen in breakers:
             breakers[chosen].allow(now)

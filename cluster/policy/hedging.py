@@ -161,17 +161,18 @@ class HedgeBudget:
     def tokens(self) -> float:
         return self._tokens / _UNIT
 
-    def deposit(self) -> None:
-        """One primary request was sent."""
+    def deposit(self, now: float = 0.0) -> None:
+        """One primary request was sent (``now``: the shape's, :mod:`cluster.policy.request_budget`;
+        this bucket is filled by requests, not by time)."""
         self._tokens = min(self._cap, self._tokens + self._per_request)
 
-    def try_spend(self) -> bool:
+    def try_spend(self, now: float = 0.0) -> bool:
         if self._tokens < _UNIT:
             return False
         self._tokens -= _UNIT
         return True
 
-    def refund(self) -> None:
+    def refund(self, now: float = 0.0) -> None:
         """A spent token whose hedge was never sent (no candidate was left for it)."""
         self._tokens = min(self._cap, self._tokens + _UNIT)
 

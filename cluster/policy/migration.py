@@ -88,7 +88,7 @@ class MigrationPolicy:
         self._budget = RetryBudget(self.config)  # the retries' ratio budget, spent on migrations
 
     def on_request(self, now: float) -> None:
-        self._budget.record_request(now)
+        self._budget.deposit(now)
 
     def available(self, now: float) -> float:
         return self._budget.available(now)
@@ -96,7 +96,7 @@ class MigrationPolicy:
     def decide(self, req: GenerateRequest, brk: Break, now: float) -> Decision:
         """May this broken stream continue elsewhere? Allowing spends one from the budget."""
         why = self._refusal(req, brk)
-        if why is None and not self._budget.try_retry(now):
+        if why is None and not self._budget.try_spend(now):
             why = "budget"
         if why is not None:
             return Decision(False, why)

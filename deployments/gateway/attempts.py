@@ -174,7 +174,7 @@ class AttemptRunner:
         """A request starts: the budgets count it (a continuation is no new request)."""
         if cont is not None:
             return
-        self.retry_budget.record_request(time.monotonic())
+        self.retry_budget.deposit(time.monotonic())
         self.hedge.on_request()
         self.migration.on_request(time.monotonic())
 

@@ -428,23 +428,23 @@ def test_board_admit_takes_the_half_open_probe():
 def test_retry_budget_minimum_without_traffic():
     rb = RetryBudget()
     assert rb.available(0.0) == 10.0
-    assert [rb.try_retry(0.0) for _ in range(11)] == [True] * 10 + [False]
-    assert rb.try_retry(9.9) is False
-    assert rb.try_retry(10.0) is True  # the first slot slid out
+    assert [rb.try_spend(0.0) for _ in range(11)] == [True] * 10 + [False]
+    assert rb.try_spend(9.9) is False
+    assert rb.try_spend(10.0) is True  # the first slot slid out
 
 
 def test_retry_budget_share_of_requests():
     rb = RetryBudget(RetryBudgetConfig(ratio=0.2, min_per_s=0.0))
     for _ in range(4):
-        rb.record_request(0.0)
-    assert rb.try_retry(0.0) is False  # 0.8 of a retry
-    rb.record_request(0.0)
-    assert rb.try_retry(0.0) is True
-    assert rb.try_retry(0.0) is False
+        rb.deposit(0.0)
+    assert rb.try_spend(0.0) is False  # 0.8 of a retry
+    rb.deposit(0.0)
+    assert rb.try_spend(0.0) is True
+    assert rb.try_spend(0.0) is False
     for _ in range(100):
-        rb.record_request(1.0)
+        rb.deposit(1.0)
     assert rb.available(1.0) == pytest.approx(20.0)
-    assert sum(rb.try_retry(1.0) for _ in range(50)) == 20
+    assert sum(rb.try_spend(1.0) for _ in range(50)) == 20
 
 
 def test_retry_budget_stops_a_retry_storm():
@@ -455,9 +455,9 @@ def test_retry_budget_stops_a_retry_storm():
     for tick in range(10_000):
         now = tick * 0.01
         if tick % 2 == 0:
-            rb.record_request(now)
+            rb.deposit(now)
             requests += 1
-            if rb.try_retry(now):
+            if rb.try_spend(now):
                 retries += 1
                 per_window[int(now // 10)] = per_window.get(int(now // 10), 0) + 1
     assert requests == 5000
@@ -557,4 +557,17 @@ def test_plan_does_not_charge_the_budget_when_nothing_is_left():
     plan.next(0.0, {})
     assert plan.next(0.0, {}) is None
     assert plan.stop_reason == "exhausted"
-    assert budget.try_retry(0.0) is True
+    assert budget.try_spend(0.0) is True
+
+
+def test_retry_budget_has_the_request_budget_shape_and_a_refund_gives_room_back() -> None:
+    from cluster.policy.failover import RetryBudget, RetryBudgetConfig
+    from cluster.policy.request_budget import RequestBudget
+
+    rb: RequestBudget = RetryBudget(RetryBudgetConfig(ratio=0.5, min_per_s=0.0, window_s=10.0))
+    rb.deposit(0.0)
+    rb.deposit(0.0)
+    assert rb.try_spend(0.0) is True
+    assert rb.try_spend(0.0) is False  # 2 requests x 0.5 = one retry, spent
+    rb.refund(0.0)
+    assert rb.try_spend(0.0) is True

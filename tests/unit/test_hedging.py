@@ -264,3 +264,15 @@ def test_a_hedge_that_found_no_candidate_is_neither_paid_nor_counted() -> None:
     assert p.budget.tokens == 1.0
     assert (p.stats.hedges_sent, p.stats.hedges_unplaced, p.stats.attempts) == (0, 1, 2)
     assert p.stats.extra_load_ratio == 0.0
+
+
+def test_hedge_budget_has_the_request_budget_shape() -> None:
+    from cluster.policy.request_budget import RequestBudget
+
+    b: RequestBudget = HedgeBudget(ratio=0.5, burst=3.0)
+    b.deposit(0.0)
+    b.deposit(1.0)
+    assert b.try_spend(2.0) is True
+    assert b.try_spend(2.0) is False
+    b.refund(3.0)
+    assert b.try_spend(3.0) is True
