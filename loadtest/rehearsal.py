@@ -194,11 +194,12 @@ def provider_call(plan: LabPlan, method: str, what: str, body: Any = None) -> An
 
 
 class Endpoints:
-    """The addresses the users spread over, as KubeRay's Serve Service selects pods: the head and
-    the cpu pods that pass KubeRay's readiness probe (``/-/healthz`` on the Serve port answers 200;
-    a pod without a replica has no proxy, a draining proxy or one without its routes yet answers
-    503), probed every ``period_s`` (KubeRay: 5 s, one failure drops the pod); a lost pod is dropped
-    at once (its deletion removes it from the Service)."""
+    """The addresses the users spread over, as KubeRay's Serve Service selects pods: the pods the
+    manifest puts in it (every worker pod, cpu and engine alike; not the head:
+    ``excludeHeadPodFromServeSvc``) that pass KubeRay's readiness probe (``/-/healthz`` on the
+    Serve port answers 200; a pod without a replica has no proxy, a draining proxy or one without
+    its routes yet answers 503), probed every ``period_s`` (KubeRay: 5 s, one failure drops the
+    pod); a lost pod is dropped at once (its deletion removes it from the Service)."""
 
     def __init__(self, plan: LabPlan, period_s: float = 2.0) -> None:
         self.plan, self.period_s, self.lost = plan, period_s, set[str]()
@@ -209,7 +210,7 @@ class Endpoints:
     def refresh(self) -> None:
         with contextlib.suppress(LabError, OSError, TimeoutError):
             ok = {n.name for n in lab.ready_pods(self.plan)}
-            names = [n.name for n in self.plan.nodes if n.group != "engine" and n.name in ok - self.lost]
+            names = [n.name for n in self.plan.service_nodes() if n.name in ok - self.lost]
             if not self.changes or self.changes[-1][1] != names:
                 self.changes.append((time.time(), names))
                 urls = [f"http://{n.ip}:{self.plan.serve_port}" for n in self.plan.nodes if n.name in names]
@@ -261,7 +262,9 @@ def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: En
     ``LONG_STREAMS_ON_NODE`` of them in flight with tokens, it is killed, and each stream is
     followed to its end."""
     names = endpoints.changes[-1][1] if endpoints.changes else [plan.head.name]
-    urls = [f"http://{n.ip}:{plan.serve_port}" for n in plan.nodes if n.name in names]
+    # through the cpu pods: what is measured is the engine's loss, not the client's own connection
+    # to the lost pod's HAProxy (the Locust users' are counted apart: node_loss_cut_on_lost_pod)
+    urls = [f"http://{n.ip}:{plan.serve_port}" for n in plan.nodes if n.name in names and n.group != "engine"]
     token = lab_events.internal_token(plan)
 
     def runner(fn: Any, timeout_s: float) -> Any:
@@ -279,15 +282,28 @@ def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: En
     node_of = {r: n for d in engines for r, n in held[d].items()}
     node = live.wait_on_node(node_of, LONG_STREAMS_ON_NODE, 16, 60)
     ev["long_streams_waited_for"] = node is not None
-    node = node or busiest_node(live.seen, node_of)
+    node = node or busiest_node(live.seen, node_of) or _most_replicas(held.get(ENGINES, {}))
     ev["long_stream_tokens_before_kill"] = sorted(len(s.ids) for s in live.seen)
     on_node = [d for d in engines if node in held[d].values()] or [ENGINES]
     ev["lost_deployment"] = on_node[0]
     # replicas of it on other nodes: without one, a stream continues on another engine (other tokens)
     ev["lost_deployment_elsewhere"] = sum(n != node for n in held.get(on_node[0], {}).values())
+    lost = next(n for n in plan.nodes if n.name == node)
+    ev["lost_url"] = f"http://{lost.ip}:{plan.serve_port}"
+    endpoints.lost.add(node)  # the Service drops the lost pod's endpoint
+    endpoints.refresh()
     lab_events.lose_node(plan, ev, on_node[0], node=node, down_s=t.node_down_s)
+    endpoints.lost.discard(node)
     seen = live.join(180)
     ev["long_streams"] = tally(seen, reference, ev["lost_replicas"], ev["kill"], LONG_TOKENS)
+
+
+def _most_replicas(replica_nodes: dict[str, str]) -> str:
+    """The node holding the most of a deployment's replicas (replica -> node)."""
+    nodes = sorted(replica_nodes.values())
+    if not nodes:
+        raise LabError("no engine replica is placed on any node")
+    return max(nodes, key=nodes.count)
 
 
 def _provider_fault(plan: LabPlan, ev: dict[str, Any], spec: str, seconds: float) -> None:

@@ -153,6 +153,11 @@ def _window(ev: Mapping[str, Any], phase: str) -> tuple[float, float]:
     return float(t0), float(t1)
 
 
+def _on_lost_pod(r: Record, ev: Mapping[str, Any]) -> bool:
+    """Sent to the lost pod's own Serve address and still open when it was killed."""
+    return bool(ev.get("lost_url")) and r.get("url") == ev["lost_url"] and r["t0"] < ev["kill"] < r["t_end"]
+
+
 def _count(records: Iterable[Record], *names: str) -> int:
     return sum(1 for r in records if outcome(r) in names)
 
@@ -171,9 +176,14 @@ def flat_keys(
     if ev := events.get("upgrade"):
         out["upgrade_failed"] = sum(failed(r) for r in overlapping(records, *_window(ev, "during")))
     if ev := events.get("node_loss"):
-        during = overlapping(records, *_window(ev, "during"))
-        out["node_loss_failed_before_first_token"] = _count(during, "failed_before_first_token")
-        out["node_loss_hung"] = _count(during, "hung")
+        window = overlapping(records, *_window(ev, "during"))
+        # a client connected to the lost pod's own HAProxy loses that connection with the pod (no
+        # server can carry it elsewhere): counted apart, as the gateway loss counts its own
+        on_pod = [r for r in window if _on_lost_pod(r, ev)]
+        out["node_loss_cut_on_lost_pod"] = sum(failed(r) for r in on_pod)
+        window = [r for r in window if not _on_lost_pod(r, ev)]
+        out["node_loss_failed_before_first_token"] = _count(window, "failed_before_first_token")
+        out["node_loss_hung"] = _count(window, "hung")
         if "kill" in ev:
             on_lost = in_flight_on(records, ev["kill"], ev.get("lost_replicas", ()))
             own = ev.get("long_streams") or {}  # the event's own long streams (rehearsal_streams)
@@ -216,6 +226,7 @@ FLAT_KEYS = (
     "node_loss_streams_identical",
     "node_loss_streams_every_token_once",
     "node_loss_hung",
+    "node_loss_cut_on_lost_pod",
     "gateway_loss_new_failures_after_2s",
     "brownout_tab_p99_ratio",
     "outage_client_failures",
