@@ -33,7 +33,7 @@ engines are busy at an arrival rate this machine's Ray can carry, and the gatewa
 two shared, heavily used cores (tens to hundreds of ms) shrinks to a few simulated ms, about what it
 is next to real GPUs. Every time is reported both ways.
 
-Workload (:class:`loadtest.workloads.SharedPrefixWorkload`, scenario in ``SCENARIOS``): groups with
+Workload (:class:`loadtest.common.workloads.SharedPrefixWorkload`, scenario in ``SCENARIOS``): groups with
 a long shared system prompt + repository context, Zipf-skewed sessions per group, multi-turn
 growing conversations, Poisson arrivals. The client (aiohttp, streaming) sends each request at its
 arrival time, except that a session's next turn waits for its previous one to end (closed-loop
@@ -90,8 +90,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import (  # the live client, shared with the overload benchmarks
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import (  # the live client, shared with the overload benchmarks
     MODEL,
     PROFILE,
     RESULTS,
@@ -103,7 +103,7 @@ from loadtest.sim_live import (  # the live client, shared with the overload ben
     replay,
     warm_up,
 )
-from loadtest.workloads import SharedPrefixWorkload, summary
+from loadtest.common.workloads import SharedPrefixWorkload, summary
 
 # power_of_two (Serve's default request router) and ray_prefix (Ray's PrefixCacheAffinityRouter)
 # were dropped: the gateway chooses the engine replica itself (its routing view, through the shim
@@ -856,7 +856,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_scenario(args: argparse.Namespace, argv: Sequence[str] | None) -> None:
-    from loadtest.provenance import git_state, provenance
+    from loadtest.common.provenance import git_state, provenance
 
     t_start, started, git, load_before = time.perf_counter(), time.monotonic(), git_state(), os.getloadavg()
     wl = workload(args)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
 from cluster.routing.block_hash import BlockHasher
-from loadtest.provenance import git_state, provenance
+from loadtest.common.provenance import git_state, provenance
 
 BLOCK = 16
 REPLICAS = 64

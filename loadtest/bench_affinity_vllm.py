@@ -13,11 +13,11 @@ Policies, each on fresh engines (cold caches), one after the other:
   cache-aware routing as the config ships it (KV events, ``home`` placement, the cache rank);
 * ``ours_no_rank``: the same with ``affinity.cache_priority: false`` (the engines queue by arrival);
 * ``ray_prefix``: Ray Serve LLM (``build_openai_app``) with its PrefixCacheAffinityRouter, its
-  defaults, 2 replicas with the same engine arguments (:mod:`loadtest.ray_llm_peer`);
+  defaults, 2 replicas with the same engine arguments (:mod:`loadtest.common.ray_llm_peer`);
 * ``vllm_router_cache_aware`` / ``vllm_router_round_robin``: ``vllm-router`` (PyPI 0.1.17) with that
   policy in front of two ``vllm.entrypoints.openai.api_server`` processes.
 
-Workload (:class:`loadtest.workloads.SharedPrefixWorkload`): groups with a ~1.2K-token system prompt
+Workload (:class:`loadtest.common.workloads.SharedPrefixWorkload`): groups with a ~1.2K-token system prompt
 + repository context, Zipf-skewed sessions per group (2 on average), 3 turns each extending the last,
 Poisson arrivals, closed-loop sessions, 16 output tokens. Each engine's KV cache holds
 ``--kv-tokens`` (8,192) tokens: ``fits`` has 8 groups (~9.6K tokens of contexts, the cluster holds
@@ -58,13 +58,13 @@ from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from deployments.launcher.local import free_port, gateway_status, replica_stats
 from loadtest.bench_overhead import peer_stack
-from loadtest.overhead_client import HOST
-from loadtest.overhead_cluster import OursCluster
-from loadtest.procs import LegFailed
-from loadtest.provenance import git_state, provenance
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, ms, percentile, replay
-from loadtest.workloads import SharedPrefixWorkload, summary
+from loadtest.common.overhead_client import HOST
+from loadtest.common.overhead_cluster import OursCluster
+from loadtest.common.procs import LegFailed
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import Result, ms, percentile, replay
+from loadtest.common.workloads import SharedPrefixWorkload, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "loadtest" / "results" / "affinity_vllm.json"
@@ -239,7 +239,7 @@ def run_ours(
 def run_ray_prefix(
     cfg: ClusterConfig, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec], logdir: Path
 ) -> dict[str, Any]:
-    from loadtest.ray_llm_peer import RayLLMPeer
+    from loadtest.common.ray_llm_peer import RayLLMPeer
 
     port = free_port()
     with RayLLMPeer(f"aff-ray-prefix-{port}", cfg, port, logdir) as peer:

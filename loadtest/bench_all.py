@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtest.provenance import git_state
+from loadtest.common.provenance import git_state
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG = ROOT / "loadtest" / "results" / "bench_all.json"

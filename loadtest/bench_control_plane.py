@@ -72,7 +72,7 @@ from cluster.routing.block_hash import BlockHasher
 from cluster.routing.view import BackendView, ReplicaInfo
 from deployments.engine.kv_endpoint import KVEventEndpoint
 from deployments.gateway.kv_feed import MIN_POLL_S
-from loadtest.provenance import git_state, provenance, write_report
+from loadtest.common.provenance import git_state, provenance, write_report
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOKEN = "bench-token"

@@ -38,11 +38,11 @@ import httpx
 
 from cluster.config import ClusterConfig, parse_config
 from cluster.policy.hedging import HedgeConfig
-from loadtest.client import EventStream
+from loadtest.common.client import EventStream
+from loadtest.common.procs import quiet_collector
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.stats import quantile
 from loadtest.hedge_bound import hedge_window
-from loadtest.procs import quiet_collector
-from loadtest.provenance import git_state, provenance
-from loadtest.stats import quantile
 
 RESULTS = Path(__file__).parent / "results" / "hedging.json"
 SHARE = 0.05  # of calls slow
@@ -88,7 +88,7 @@ def sim_app(name: str, slow_s: float | None, hedging: bool) -> ClusterConfig:
 
 
 def provider_app(name: str, url: str, key_env: str, hedging: bool) -> ClusterConfig:
-    from loadtest.reliability import provider_backend
+    from loadtest.common.reliability import provider_backend
 
     backends = [
         provider_backend(n, "openai", url, "m", key_env=key_env, first_token_timeout_s=10)

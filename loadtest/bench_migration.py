@@ -35,9 +35,9 @@ import httpx
 
 from cluster.config import ClusterConfig, parse_config
 from deployments.internal import debug_ids_headers
-from loadtest.procs import quiet_collector
-from loadtest.provenance import git_state, provenance
-from loadtest.surfaces import SHAPES, Session
+from loadtest.common.procs import quiet_collector
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.surfaces import SHAPES, Session
 
 RESULTS = Path(__file__).parent / "results" / "migration.json"
 APP, BACKEND, REPLICAS = "bench-migration", "sim-agent", 4
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
     from deployments.launcher import local
-    from loadtest.actor_probe import replaced
+    from loadtest.common.actor_probe import replaced
 
     port = local.free_port()
     base = f"http://127.0.0.1:{port}/{APP}"

@@ -32,7 +32,7 @@ budget lets through in the phase: a full bucket of one minute's requests plus it
 pushed out, which waited before their 429), ``by_slice`` (``b``'s Tab p99 and ``a``'s admitted
 requests by 10 s of the phase), ``b_tab_slowest`` (``b``'s three slowest Tab requests, which set
 its p99 of ~110: when sent, where the gateway's Server-Timing says their time went, the Agent
-requests sent in the second before each), ``floor_answer_ms`` (:mod:`loadtest.serve_floor`), and
+requests sent in the second before each), ``floor_answer_ms`` (:mod:`loadtest.common.serve_floor`), and
 from every gateway replica's status: loop lag, refusal time inside, admission counters summed.
 
 ``--a-share`` 0.1 by default: ``a``'s flood is then about Agent's capacity, its budget's bucket (a
@@ -58,9 +58,9 @@ from cluster.observability.server_timing import parse_server_timing
 from deployments.launcher.local import free_port, gateway_status
 from loadtest.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
 from loadtest.bench_overload_shared import agent_goodput, with_floor_probe
-from loadtest.provenance import git_state, provenance, write_report
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
+from loadtest.common.provenance import git_state, provenance, write_report
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
 VARIANTS = ("off", "on", "on_short_burst")
 TENANTS = ("a", "b")
@@ -319,7 +319,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     served = local.start(cfg, port=args.port, route_prefix=f"/{variant}")
     try:
         if "floor" not in serve.status().applications:  # the first variant's: kept until local.stop()
-            from loadtest.serve_floor import deploy_floor
+            from loadtest.common.serve_floor import deploy_floor
 
             deploy_floor(served, "http://127.0.0.1:9/unused")  # only GETs reach it: answered at once
         asyncio.run(warm_up(url, 4, cfg.models[0].name))

@@ -4,8 +4,8 @@
 
 Loopback only (127.0.0.1); every process is started here, in its own session, and stopped here.
 
-**Relay phase** — a fake OpenAI-compatible upstream that answers at once (:mod:`loadtest.fake_upstream`,
-32 chunks per answer), reached four ways:
+**Relay phase** — a fake OpenAI-compatible upstream that answers at once
+(:mod:`loadtest.common.fake_upstream`, 32 chunks per answer), reached four ways:
 
 * **direct**: the client straight to the fake upstream (the floor; always measured);
 * **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
@@ -13,7 +13,7 @@ Loopback only (127.0.0.1); every process is started here, in its own session, an
   OpenAI wire) pointing at it; requests carry ``x-surface: chat``;
 * **floor**: a relay with no logic at all, served the way our gateway is (a Serve deployment with
   direct ingress behind Serve's HAProxy, the gateway's replicas and options), as a second app
-  (``/floor``) in the ours leg's cluster (:mod:`loadtest.serve_floor`): what the shape costs before
+  (``/floor``) in the ours leg's cluster (:mod:`loadtest.common.serve_floor`): what the shape costs before
   any code of ours runs. Needs the ours leg.
 
 The same request (stream, ``include_usage``) at 1, 16 and 64 (stress) concurrent streams. A/B
@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster.config import ClusterConfig, load_config
 from deployments.launcher.local import ENGINE_ENV, free_port
-from loadtest.fake_upstream import CHUNKS
-from loadtest.overhead_client import (
+from loadtest.common.fake_upstream import CHUNKS
+from loadtest.common.overhead_client import (
     HOST,
     Level,
     _loop_factory,
@@ -74,8 +74,8 @@ from loadtest.overhead_client import (
     run_jobs,
     smoke,
 )
-from loadtest.overhead_cluster import OursCluster, provider_config, serve_cluster
-from loadtest.overhead_stats import (
+from loadtest.common.overhead_cluster import OursCluster, provider_config, serve_cluster
+from loadtest.common.overhead_stats import (
     _r,
     added_ms,
     evaluate_goals,
@@ -84,8 +84,8 @@ from loadtest.overhead_stats import (
     overhead_figures,
     summarize,
 )
-from loadtest.procs import LegFailed, Proc, wait_http
-from loadtest.provenance import git_state, provenance
+from loadtest.common.procs import LegFailed, Proc, wait_http
+from loadtest.common.provenance import git_state, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -105,7 +105,7 @@ QUICK = (Level(1, 4, 25, 5.0), Level(16, 3, 120, 8.0), Level(64, 2, 320, 8.0))
 def start_fake_upstream(logdir: Path) -> tuple[Proc, int]:
     port = free_port()
     proc = Proc(
-        "fake-upstream", [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(port)], logdir
+        "fake-upstream", [sys.executable, "-m", "loadtest.common.fake_upstream", "--port", str(port)], logdir
     )
     wait_http(f"http://{HOST}:{port}/health", proc, 30)
     return proc, port

@@ -34,7 +34,7 @@ each surface are its capacity. The overload phase then sends Poisson arrivals at
 times that rate per surface for ``--duration-s``, open loop. Workloads: Tab requests carry a
 repository file prefix + cursor context (~1k tokens, 16 output tokens), Agent requests a long system
 prompt + repository context + a growing task history (~3-4k tokens, 64 output tokens); see
-:mod:`loadtest.workloads`.
+:mod:`loadtest.common.workloads`.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from deployments.launcher.local import free_port
-from loadtest.procs import quiet_collector
-from loadtest.provenance import git_state, provenance
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import (
+from loadtest.common.procs import quiet_collector
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import (
     MODEL,
     PROFILE,
     RESULTS,
@@ -72,7 +72,7 @@ from loadtest.sim_live import (
     stream_chat,
     warm_up,
 )
-from loadtest.workloads import SharedPrefixWorkload, merge, summary
+from loadtest.common.workloads import SharedPrefixWorkload, merge, summary
 
 APP = "llmc-overload"
 SURFACES = ("tab", "agent")
@@ -159,7 +159,7 @@ def workloads(
     shapes: dict[str, dict[str, int]] | None = None,
 ) -> list[RequestSpec]:
     """Tab and Agent requests at these rates (per second) for ``duration_s``; ``shapes``: the
-    surfaces' :class:`~loadtest.workloads.SharedPrefixWorkload` fields (default ``SHAPES``)."""
+    surfaces' :class:`~loadtest.common.workloads.SharedPrefixWorkload` fields (default ``SHAPES``)."""
     shapes = shapes or SHAPES
     out = []
     for i, (surface, rate) in enumerate(rates.items()):

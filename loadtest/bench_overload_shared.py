@@ -34,7 +34,7 @@ and ``gateway_loop_lag_ms_last_30s`` (the gateway replica's, from its status),
 ``gateway_refusal_ms_last_30s`` (the time its refusals spent inside the gateway), and
 ``engine_tab_ttft_ms`` (Tab's TTFT inside the engines, :class:`EngineTtft`), and
 ``floor_answer_ms``: a GET answered at once by a replica with no logic served as the gateway is
-(:mod:`loadtest.serve_floor`, deployed beside the variants as app ``floor``), sent every 50 ms by
+(:mod:`loadtest.common.serve_floor`, deployed beside the variants as app ``floor``), sent every 50 ms by
 the same client loop as the load: what any answer, a refusal included, costs on the machine at the
 time through HAProxy and Serve's direct ingress before the gateway's code. ``--engine vllm`` takes
 about 6 minutes here (the two variants, factors 1,2,3).
@@ -62,8 +62,8 @@ from loadtest.bench_overload import (
     per_surface,
     workloads,
 )
-from loadtest.provenance import git_state, provenance, write_report
-from loadtest.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
+from loadtest.common.provenance import git_state, provenance, write_report
+from loadtest.common.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up
 
 T = TypeVar("T")
 VARIANTS = ("off", "on")
@@ -290,7 +290,7 @@ def run_variant(variant: str, args: argparse.Namespace, capacity: float | None) 
     out: dict[str, Any] = {"load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
     served = local.start(cfg, port=args.port, route_prefix=f"/{variant}")
     if "floor" not in serve.status().applications:  # the first variant's: kept until local.stop()
-        from loadtest.serve_floor import deploy_floor
+        from loadtest.common.serve_floor import deploy_floor
 
         deploy_floor(served, "http://127.0.0.1:9/unused")  # only GETs reach it: answered at once
     try:

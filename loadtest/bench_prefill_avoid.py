@@ -52,8 +52,8 @@ from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityRouter
 from cluster.routing.view import BackendView, ReplicaInfo
 from loadtest.bench_overload import PROFILE, SHAPES, workloads
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import RESULTS, machine, ms, percentile
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import RESULTS, machine, ms, percentile
 
 OUT = RESULTS / "prefill_avoid.json"
 ENGINES = 3
@@ -253,7 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from cluster import tokens
-    from loadtest.provenance import git_state, provenance, write_report
+    from loadtest.common.provenance import git_state, provenance, write_report
 
     args = parse_args(argv)
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()

@@ -4,20 +4,20 @@ by side with the Rust ``vllm-router`` peer and the direct path.
     python -m loadtest.bench_relay [--quick] [--out PATH]
 
 Loopback only; every process is started here and stopped here (the overhead benchmark's machinery:
-:mod:`loadtest.bench_overhead`, :mod:`loadtest.overhead_cluster`, :mod:`loadtest.procs`).
+:mod:`loadtest.bench_overhead`, :mod:`loadtest.common.overhead_cluster`, :mod:`loadtest.common.procs`).
 
 Each answer is 200 content chunks 20 ms apart (50 tokens/s, an 8B model's per-stream decode
 speed), then the usage and ``[DONE]``, at 64, 128, 256 and 512 concurrent streams. Four legs, A/B
 interleaved (each round one batch per leg, the order rotating), each warmed alike before a level:
 
-* **direct**: the client straight to a paced fake OpenAI upstream (:mod:`loadtest.fake_upstream`);
+* **direct**: the client straight to a paced fake OpenAI upstream (:mod:`loadtest.common.fake_upstream`);
 * **peer**: ``vllm-router --policy round_robin`` (PyPI ``vllm-router==0.1.17``) in front of it;
 * **ours**: our cluster (``deployments.launcher.local.start``, its gateway replicas behind Serve's HAProxy)
   with one provider backend (OpenAI wire) pointing at the upstream: the provider path;
 * **engine**: the same cluster's sim engine replica (``llama-3.1-8b-h100`` profile, its clock slowed
   so that a step at 256 sequences takes 20 ms: ``sim_options.speedup``), streamed through the
   engine replica's internal stream: the engine path (no direct or peer leg can stand beside it);
-* **floor**: a relay with no logic at all served the way our gateway is (:mod:`loadtest.serve_floor`:
+* **floor**: a relay with no logic at all served the way our gateway is (:mod:`loadtest.common.serve_floor`:
   a Serve deployment behind the same HAProxy, the gateway's options), in front of the upstream:
   what the shape costs before any code of ours runs.
 
@@ -58,7 +58,7 @@ import aiohttp
 from cluster.config import ClusterConfig, parse_config
 from deployments.launcher.local import free_port
 from loadtest.bench_overhead import error_rate_problems, start_vllm_router, write_results
-from loadtest.overhead_client import (
+from loadtest.common.overhead_client import (
     HOST,
     MODEL,
     PROMPT,
@@ -67,10 +67,18 @@ from loadtest.overhead_client import (
     _loop_factory,
     client_session,
 )
-from loadtest.overhead_cluster import OursCluster, provider_config
-from loadtest.overhead_stats import _r, summarize
-from loadtest.procs import TICK, LegFailed, Proc, box_busy_s, quiet_collector, tagged_processes, wait_http
-from loadtest.provenance import git_state, provenance
+from loadtest.common.overhead_cluster import OursCluster, provider_config
+from loadtest.common.overhead_stats import _r, summarize
+from loadtest.common.procs import (
+    TICK,
+    LegFailed,
+    Proc,
+    box_busy_s,
+    quiet_collector,
+    tagged_processes,
+    wait_http,
+)
+from loadtest.common.provenance import git_state, provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "loadtest" / "results"
@@ -300,7 +308,8 @@ async def measure(legs: dict[str, Leg], levels: Sequence[Level]) -> dict[str, di
 
 def start_upstream(logdir: Path, chunks: int) -> tuple[Proc, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(port), "--chunks", str(chunks)]
+    cmd = [sys.executable, "-m", "loadtest.common.fake_upstream", "--port", str(port)]
+    cmd += ["--chunks", str(chunks)]
     proc = Proc("fake-upstream", [*cmd, "--interval-ms", str(INTERVAL_S * 1000)], logdir)
     wait_http(f"http://{HOST}:{port}/health", proc, 30)
     return proc, port

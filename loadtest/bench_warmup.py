@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, load_config
-from loadtest.stats import quantile
+from loadtest.common.stats import quantile
 
 ENGINES = {"vllm": "configs/local.yaml", "sim": "configs/sim-local.yaml"}
 
@@ -147,7 +147,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from deployments.launcher import local
-    from loadtest.provenance import git_state, provenance, write_report
+    from loadtest.common.provenance import git_state, provenance, write_report
 
     args = parse_args(argv)
     started, git, load = time.monotonic(), git_state(), os.getloadavg()

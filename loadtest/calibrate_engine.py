@@ -47,9 +47,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.procs import quiet_collector
-from loadtest.provenance import git_state, provenance
-from loadtest.real_engine import (
+from loadtest.common.procs import quiet_collector
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.real_engine import (
     DEFAULT_CONFIG,
     ROOT,
     CoreTimes,

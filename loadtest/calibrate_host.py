@@ -43,9 +43,9 @@ from typing import Any
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.replica_model import ReplicaModel, Workload
 from deployments.launcher.local import free_port
+from loadtest.common.procs import box_busy_s, engine_cores_s
+from loadtest.common.provenance import git_state, provenance
 from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
-from loadtest.procs import box_busy_s, engine_cores_s
-from loadtest.provenance import git_state, provenance
 
 OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
 PROMPT_LO, PROMPT_HI = 60, 140
@@ -126,7 +126,7 @@ def split_serving(levels: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtest.overhead_cluster import OursCluster
+    from loadtest.common.overhead_cluster import OursCluster
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--out", default=str(OUT))

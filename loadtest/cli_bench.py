@@ -11,13 +11,13 @@ side by side (each started in turn, the same schedule sent to each).
 ``python -m cluster.cli bench …``, or ``PYTHONPATH=. cluster bench …``.)
 
 Workloads (``--workload``): a surface (``tab``, ``chat``, ``agent``), ``mixed`` (6:3:1) or a mix
-``tab=6,chat=3,agent=1`` — shapes from :mod:`loadtest.surfaces` at arrival times from
-:mod:`loadtest.arrivals` (``--arrival poisson|gamma|uniform``, ``--rate``, ``--duration``,
+``tab=6,chat=3,agent=1`` — shapes from :mod:`loadtest.common.surfaces` at arrival times from
+:mod:`loadtest.common.arrivals` (``--arrival poisson|gamma|uniform``, ``--rate``, ``--duration``,
 ``--cv``, ``--seed``); a JSONL trace (``*.jsonl``: records of :class:`RequestSpec` with ``t``);
 or ``module:function`` / ``module:Class`` returning request specs
-(:class:`loadtest.request_spec.RequestSpec`) or records of them — called with whichever of ``seed, n,
+(:class:`loadtest.common.request_spec.RequestSpec`) or records of them — called with whichever of ``seed, n,
 rate, duration_s, times, scale, context_window, model`` it accepts, a class then asked to
-``generate(seed)``; ``shared-prefix`` is ``loadtest.workloads:SharedPrefixWorkload``. Specs
+``generate(seed)``; ``shared-prefix`` is ``loadtest.common.workloads:SharedPrefixWorkload``. Specs
 without an arrival time get the ``--arrival`` times in order.
 
 Variants YAML::
@@ -50,9 +50,9 @@ import yaml
 
 from cluster.config import ClusterConfig, parse_config
 from deployments.launcher.local import free_port
-from loadtest import arrivals, runner
-from loadtest.request_spec import RequestSpec
-from loadtest.surfaces import SHAPES, parse_mix, schedule
+from loadtest.common import arrivals, runner
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.surfaces import SHAPES, parse_mix, schedule
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -133,7 +133,7 @@ def build_workload(args: argparse.Namespace, model: str, context_window: int | N
     )
 
 
-ALIASES = {"shared-prefix": "loadtest.workloads:SharedPrefixWorkload"}
+ALIASES = {"shared-prefix": "loadtest.common.workloads:SharedPrefixWorkload"}
 
 
 def _from_function(

@@ -60,10 +60,9 @@ if __name__ == "__main__":
 from cluster.engine.model import EngineModel  # noqa: E402
 from cluster.engine.profiles import Profile, StepTimeModel  # noqa: E402
 from loadtest.calibrate_engine import RESULTS  # noqa: E402
-from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
-from loadtest.procs import quiet_collector  # noqa: E402
-from loadtest.provenance import git_state, provenance  # noqa: E402
-from loadtest.real_engine import (  # noqa: E402
+from loadtest.common.procs import quiet_collector  # noqa: E402
+from loadtest.common.provenance import git_state, provenance  # noqa: E402
+from loadtest.common.real_engine import (  # noqa: E402
     DEFAULT_CONFIG,
     CoreTimes,
     engine_facts,
@@ -74,6 +73,7 @@ from loadtest.real_engine import (  # noqa: E402
     start_engine,
     warm_up,
 )
+from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
 from loadtest.replay_fit import ScaledStepTime  # noqa: E402
 from loadtest.step_time_fit import FITS, WAKE_KEYS, ExtendedStepTime  # noqa: E402
 

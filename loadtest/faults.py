@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.actor_probe import (
+from loadtest.common.actor_probe import (
     GATEWAY,
     gateway_counters,
     gateway_policies,
@@ -50,8 +50,8 @@ from loadtest.actor_probe import (
     replica_ids,
     wait_idle,
 )
-from loadtest.provenance import git_state, provenance
-from loadtest.reliability import (
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.reliability import (
     ANTHROPIC_BACKEND,
     MIX_SHAPES,
     OPENAI_BACKEND,

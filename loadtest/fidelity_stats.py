@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.stats import quantile
+from loadtest.common.stats import quantile
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.stats import quantile
+from loadtest.common.stats import quantile
 
 
 def hedge_window(

@@ -49,7 +49,7 @@ from cluster.planner.host_cpu import backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.launcher.local import free_port
-from loadtest.procs import box_busy_s, engine_cores_s, quiet_collector
+from loadtest.common.procs import box_busy_s, engine_cores_s, quiet_collector
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -274,7 +274,7 @@ async def _engines(base: str, token: str) -> list[str]:
 
 def measure(quick: bool = False, host_calibration: Path | None = None) -> dict[str, Any]:
     """Start the deployment, predict, measure; everything this started is stopped again."""
-    from loadtest.overhead_cluster import OursCluster
+    from loadtest.common.overhead_cluster import OursCluster
 
     cfg = real_config(host_calibration=host_calibration)
     n_sat = 160 if quick else 320

@@ -39,7 +39,7 @@ from cluster.engine.model import EngineModel  # noqa: E402
 from cluster.engine.profiles import Profile, get_profile  # noqa: E402
 from cluster.planner.demand import RouteDemand  # noqa: E402
 from cluster.planner.replica_model import ReplicaModel, Workload  # noqa: E402
-from loadtest.provenance import git_state, provenance  # noqa: E402
+from loadtest.common.provenance import git_state, provenance  # noqa: E402
 
 OUT = ROOT / "loadtest" / "results" / "planner_validation.json"
 WARMUP = 0.25  # share of the arrivals before measuring

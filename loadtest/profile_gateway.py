@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.launcher.local import free_port
 from loadtest.bench_relay import SIM_MODEL, body, cluster_pids, relay_config
-from loadtest.overhead_client import HOST, MODEL, client_session, run_jobs
-from loadtest.overhead_cluster import OursCluster
-from loadtest.procs import Proc, wait_http
+from loadtest.common.overhead_client import HOST, MODEL, client_session, run_jobs
+from loadtest.common.overhead_cluster import OursCluster
+from loadtest.common.procs import Proc, wait_http
 
 
 def _py_spy() -> str:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     logdir = Path(tempfile.mkdtemp(prefix="llmc-profile-"))
     up_port, port = free_port(), free_port()
     with contextlib.ExitStack() as stack:
-        cmd = [sys.executable, "-m", "loadtest.fake_upstream", "--port", str(up_port)]
+        cmd = [sys.executable, "-m", "loadtest.common.fake_upstream", "--port", str(up_port)]
         cmd += ["--chunks", str(args.chunks), "--interval-ms", str(args.interval_ms)]
         up = stack.enter_context(Proc("fake-upstream", cmd, logdir))
         wait_http(f"http://{HOST}:{up_port}/health", up, 30)

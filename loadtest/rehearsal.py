@@ -45,7 +45,7 @@ import yaml
 from cluster.k8s.lab_plan import LabError, LabPlan
 from deployments.launcher import lab, lab_events, lab_net
 from loadtest import rehearsal_stats as rs
-from loadtest.provenance import git_state, provenance, write_report
+from loadtest.common.provenance import git_state, provenance, write_report
 from loadtest.rehearsal_streams import LongStreams, busiest_node, tally
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def rehearsal_config(provider_url: str, vllm: bool = False) -> dict[str, Any]:
     """configs/sim-local.yaml with two gateway replicas and a loopback OpenAI provider on the same
     route: provider first for Tab (hedged) and Chat, the engines first for Agent. ``vllm``: with
     configs/local.yaml's vLLM-CPU backend (one replica) too, the sim engines serving its model."""
-    from loadtest.reliability import provider_backend
+    from loadtest.common.reliability import provider_backend
 
     cfg = yaml.safe_load((ROOT / "configs/sim-local.yaml").read_text())
     if vllm:

@@ -22,9 +22,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from loadtest.actor_probe import actor_snapshot, wait_idle
-from loadtest.provenance import git_state, provenance
-from loadtest.reliability import MIX_SHAPES, Keys, Load, loopback_app
+from loadtest.common.actor_probe import actor_snapshot, wait_idle
+from loadtest.common.provenance import git_state, provenance
+from loadtest.common.reliability import MIX_SHAPES, Keys, Load, loopback_app
 
 RESULTS = Path(__file__).parent / "results"
 # An engine replica's token server (aiohttp) runs one task per open connection: the gateways keep

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
+from loadtest.common.actor_probe import find_in_logs, log_dir, metrics_text
 from loadtest.faults import FAULTS, LONG, SHORT, markdown, public, run_faults
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]

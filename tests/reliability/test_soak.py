@@ -13,7 +13,7 @@ import os
 import pytest
 
 from cluster.routing.affinity import REASONS
-from loadtest.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
+from loadtest.common.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
 from loadtest.soak import counted_tasks, run_soak
 
 SELF_HOSTED = {SIM_BACKEND: 2, STALL_BACKEND: 1}  # backend -> replicas (reliability_config)

@@ -12,8 +12,8 @@ from loadtest.bench_noisy_neighbour import (
     tenant_load,
     variant_config,
 )
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, _request
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import Result, _request
 
 
 def test_each_tenant_gets_its_own_sessions_and_header() -> None:

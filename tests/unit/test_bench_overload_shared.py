@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loadtest.bench_overload_shared import phase_report, variant_config
-from loadtest.sim_live import Result
+from loadtest.common.sim_live import Result
 
 
 def test_variants_differ_only_in_engine_priority_the_guard_and_prefill_avoidance() -> None:

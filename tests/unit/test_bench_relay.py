@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
 from loadtest import bench_relay as br
-from loadtest.fake_upstream import build_app
+from loadtest.common.fake_upstream import build_app
 
 
 def _batch(ttft: float, gaps: list[float], chunks: int, wall: float, cpu: dict[str, float]) -> br.LongBatch:

@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 
 from cluster.observability import prometheus
-from loadtest.client import EventStream
-from loadtest.procs import quiet_collector
-from loadtest.request_spec import RequestSpec
-from loadtest.stats import quantile
+from loadtest.common.client import EventStream
+from loadtest.common.procs import quiet_collector
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.stats import quantile
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What the reliability tier (``tests/reliability``) and its hand-run scripts (``loadtest/faults.py``,
 ``loadtest/soak.py``) share: the app under test, a bounded load of mixed surfaces in a thread of its
-own, and probes. The look inside every Ray actor is :mod:`loadtest.actor_probe`.
+own, and probes. The look inside every Ray actor is :mod:`loadtest.common.actor_probe`.
 
 The app (``reliability_config``): auth on, one client key per surface; a model ``rel-mix`` served by
 a loopback OpenAI server first and two simulated replicas second (self-hosted first for the agent
@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from cluster.config import ClusterConfig, parse_config
-from loadtest.client import EventStream
+from loadtest.common.client import EventStream
 
 SURFACE_DEADLINE_S = {"tab": 8.0, "chat": 12.0, "agent": 15.0}
 CLIENT_MARGIN_S = 10.0  # past deadline + margin, a request counts as hung

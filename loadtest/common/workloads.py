@@ -1,6 +1,6 @@
 """Seeded workload generators for the benchmarks: lists of request specs, usable outside Locust.
 
-Each request is a :class:`loadtest.request_spec.RequestSpec` (the one the surfaces' sessions make
+Each request is a :class:`loadtest.common.request_spec.RequestSpec` (the one the surfaces' sessions make
 too): a chat request, its session and group, and when to send it (``arrival_s``, seconds from the
 start). Everything here is pure: the same arguments
 and seed give the same specs on every machine, so several routers can be driven by exactly the same
@@ -33,8 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loadtest import arrivals
-from loadtest.request_spec import RequestSpec
+from loadtest.common import arrivals
+from loadtest.common.request_spec import RequestSpec
 
 # Common words of code and prose; almost all are one token of the tiny tokenizer (trained on
 # Python's standard library), the rest two.

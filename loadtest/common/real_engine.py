@@ -16,7 +16,7 @@ from typing import Any
 
 from cluster.engine.profiles import Profile, get_profile
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "local.yaml"
 
 # --------------------------------------------------------------------------------------------

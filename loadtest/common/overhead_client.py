@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 
 from cluster.observability.server_timing import NAMES, parse_server_timing
-from loadtest.overhead_stats import _r, percentile, summarize
-from loadtest.procs import quiet_collector
+from loadtest.common.overhead_stats import _r, percentile, summarize
+from loadtest.common.procs import quiet_collector
 
 HOST = "127.0.0.1"
 MODEL = "bench-model"

@@ -1,6 +1,6 @@
 """A fake OpenAI-compatible upstream that answers at once: the floor the overhead benchmark measures from.
 
-    python -m loadtest.fake_upstream --port 8101 [--host 127.0.0.1] [--chunks 32] [--interval-ms 0]
+    python -m loadtest.common.fake_upstream --port 8101 [--host 127.0.0.1] [--chunks 32] [--interval-ms 0]
 
 ``POST /v1/chat/completions`` with ``stream: true`` answers with ``--chunks`` ``data:
 {chat.completion.chunk}`` events (one content token each; the first also carries the role, the last

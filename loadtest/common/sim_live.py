@@ -1,7 +1,7 @@
 """The live half of the simulated-replica benchmarks (:mod:`loadtest.bench_affinity`,
 :mod:`loadtest.bench_overload`, :mod:`loadtest.bench_overload_shared`): streamed chat requests
 replayed at their arrival times through a real Serve app, what the client saw of each, and the
-figures' units. Read with the project's SSE decoder (:class:`loadtest.client.EventStream`)."""
+figures' units. Read with the project's SSE decoder (:class:`loadtest.common.client.EventStream`)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.client import EventStream
-from loadtest.procs import quiet_collector
-from loadtest.request_spec import RequestSpec
-from loadtest.stats import nearest_rank
+from loadtest.common.client import EventStream
+from loadtest.common.procs import quiet_collector
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.stats import nearest_rank
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "loadtest" / "results"
 MODEL = "sim-llama-8b"
 PROFILE = "llama-3.1-8b-h100"

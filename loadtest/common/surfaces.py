@@ -27,7 +27,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from loadtest.request_spec import Kind, RequestSpec
+from loadtest.common.request_spec import Kind, RequestSpec
 
 _WORDS = tuple(
     [

@@ -15,9 +15,9 @@ from typing import Any
 import yaml
 
 from cluster.config import ClusterConfig, load_config, parse_config
-from loadtest.overhead_client import HOST, MODEL
-from loadtest.overhead_stats import _r
-from loadtest.procs import LegFailed, Proc, port_free
+from loadtest.common.overhead_client import HOST, MODEL
+from loadtest.common.overhead_stats import _r
+from loadtest.common.procs import LegFailed, Proc, port_free
 
 # --- our cluster, in a child process ---------------------------------------------------------------
 
@@ -71,7 +71,7 @@ def provider_config(upstream_port: int, port: int) -> ClusterConfig:
 
 def serve_cluster(config_path: Path, port: int, ready_file: Path, floor_upstream: str | None = None) -> int:
     """The child side of :class:`OursCluster`: start (and the ``floor`` app beside it when given its
-    upstream: :mod:`loadtest.serve_floor`), say so in ``ready_file``, stop when stdin closes."""
+    upstream: :mod:`loadtest.common.serve_floor`), say so in ``ready_file``, stop when stdin closes."""
     import traceback
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that local.stop() still runs
@@ -80,7 +80,7 @@ def serve_cluster(config_path: Path, port: int, ready_file: Path, floor_upstream
 
         cfg = local.start(load_config(config_path), port=port, metrics_port=0)
         if floor_upstream:
-            from loadtest.serve_floor import deploy_floor
+            from loadtest.common.serve_floor import deploy_floor
 
             deploy_floor(cfg, floor_upstream)
     except BaseException as exc:
@@ -108,7 +108,7 @@ class OursCluster(Proc):
         self, name: str, cfg: ClusterConfig, port: int, logdir: Path, floor_upstream: str | None = None
     ) -> None:
         self.port = port
-        self.floor_upstream = floor_upstream  # also serve loadtest.serve_floor's relay to it at /floor
+        self.floor_upstream = floor_upstream  # also serve loadtest.common.serve_floor's relay to it at /floor
         self.ready_file = logdir / f"{name}.ready"
         config_path = logdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

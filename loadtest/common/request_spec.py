@@ -1,9 +1,9 @@
 """One request of a load test: what to send, for which session and surface, when, and when the client
-gives up. The surfaces' sessions (``loadtest/surfaces.py``), the shared-prefix workloads
-(``loadtest/workloads.py``), the trace files and every runner use this one type.
+gives up. The surfaces' sessions (``loadtest/common/surfaces.py``), the shared-prefix workloads
+(``loadtest/common/workloads.py``), the trace files and every runner use this one type.
 
 Its record (:meth:`RequestSpec.to_record`) is a plain dict, a line of a JSONL trace
-(:mod:`loadtest.arrivals`): the arrival offset is ``t`` there, as in every trace, and fields that
+(:mod:`loadtest.common.arrivals`): the arrival offset is ``t`` there, as in every trace, and fields that
 are None (and an empty ``group``) are left out.
 """
 

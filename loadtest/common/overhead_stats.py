@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.stats import quantile
+from loadtest.common.stats import quantile
 
 GOAL_ADDED_C1_MS = 1.0
 GOAL_C16_VS_PEER = 2.0

