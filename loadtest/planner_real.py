@@ -61,7 +61,7 @@ VOCAB_FIRST, VOCAB_END = 5, 2048  # the tiny tokenizer's ids past its special to
 
 def real_config(kv_bytes: int = KV_BYTES, host_calibration: Path | None = None) -> ClusterConfig:
     """configs/local.yaml with small KV caches and admission limits the sweep never reaches;
-    ``host_calibration``: a ``loadtest.calibrate_host`` result whose coefficients replace the
+    ``host_calibration``: a ``loadtest.calibration.calibrate_host`` result whose coefficients replace the
     config's ``host_cpu`` ones (measured on this machine, in this sitting, on its own workload)."""
     raw = load_config(LOCAL).model_dump(mode="json")
     raw["name"] = "llmc-planner-real"
@@ -78,7 +78,10 @@ def host_coefficients(path: Path) -> dict[str, Any]:
     """A calibrate_host result's coefficients as ``host_cpu`` config fields."""
     d = json.loads(Path(path).read_text())
     commit = d.get("provenance", {}).get("git_commit", "?")[:7]
-    return {**d["coefficients"], "measured": f"python -m loadtest.calibrate_host at {commit} ({path})"}
+    return {
+        **d["coefficients"],
+        "measured": f"python -m loadtest.calibration.calibrate_host at {commit} ({path})",
+    }
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -335,7 +338,8 @@ def measure(quick: bool = False, host_calibration: Path | None = None) -> dict[s
 
 
 def host_cpu_now() -> tuple[float, float, float]:
-    """(box busy CPU s, engine cores' CPU s, wall s) now, as loadtest/calibrate_host.py reads them."""
+    """(box busy CPU s, engine cores' CPU s, wall s) now, as loadtest/calibration/calibrate_host.py reads
+    them."""
     return box_busy_s(), sum(engine_cores_s().values()), time.perf_counter()
 
 

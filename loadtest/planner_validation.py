@@ -386,8 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--host-calibration",
         metavar="HOST_CPU_JSON",
-        help="predict the real deployment with this loadtest.calibrate_host result's coefficients "
-        "instead of configs/local.yaml's host_cpu (bench_all: the one it measured just before)",
+        help="predict the real deployment with this loadtest.calibration.calibrate_host result's "
+        "coefficients instead of configs/local.yaml's host_cpu (bench_all: the one it measured just before)",
     )
     return ap.parse_args(argv)
 

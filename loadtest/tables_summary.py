@@ -241,15 +241,15 @@ Row = tuple[str, str, str, str, Callable[[Results], str]]
 ROWS: list[Row] = [
     (
         "Engine model fidelity",
-        "`python -m loadtest.calibrate_engine` then `python -m loadtest.engine_fidelity`",
+        "`python -m loadtest.calibration.calibrate_engine` then `python -m loadtest.engine_fidelity`",
         "engine_calibration.json, engine_fidelity.json",
         "≤ 10 % median error",
         _fidelity,
     ),
     (
         "Planner validation",
-        "`python -m loadtest.calibrate_host` then `python -m loadtest.planner_validation --host-calibration "
-        "loadtest/results/host_cpu.json`",
+        "`python -m loadtest.calibration.calibrate_host` then `python -m loadtest.planner_validation "
+        "--host-calibration loadtest/results/host_cpu.json`",
         "host_cpu.json, planner_validation.json",
         "≤ 15 %",
         _planner,

@@ -1,7 +1,7 @@
 """The host-CPU coefficients of the planner (cluster/planner/host_cpu.py) for vLLM-CPU replicas on
 this box, measured from ``/proc`` on a workload of their own (not the planner validation's).
 
-    python -m loadtest.calibrate_host          # ~3 minutes; writes loadtest/results/host_cpu.json
+    python -m loadtest.calibration.calibrate_host          # ~3 minutes; writes loadtest/results/host_cpu.json
 
 The deployment is ``loadtest/planner_real.py``'s (configs/local.yaml: 2 vLLM-CPU replicas of the
 tiny model behind our gateway, small KV caches). The workload differs from the validation's: short
@@ -47,7 +47,7 @@ from loadtest.common.procs import box_busy_s, engine_cores_s
 from loadtest.common.provenance import git_state, provenance
 from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
 
-OUT = Path(__file__).resolve().parent / "results" / "host_cpu.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "host_cpu.json"
 PROMPT_LO, PROMPT_HI = 60, 140
 LEVELS = ((4, 160), (8, 160), (16, 160), (32, 160), (8, 32), (32, 32))  # (concurrency, answer tokens)
 

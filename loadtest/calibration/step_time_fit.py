@@ -1,5 +1,5 @@
 """Fitting the engine model's step time to measurements of the real engine
-(:mod:`loadtest.calibrate_engine` measures; this is pure: a saved results file can be refitted):
+(:mod:`loadtest.calibration.calibrate_engine` measures; this is pure: a saved results file can be refitted):
 the design matrix of step shapes, non-negative least squares, the request latency outside the
 step loop, and each fitted form's errors."""
 
