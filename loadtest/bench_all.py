@@ -1,5 +1,5 @@
 """Re-run every benchmark that writes a file in ``loadtest/results/``, one after the other, then
-rewrite BENCHMARKS.md's tables from the new files (``loadtest.bench_tables``).
+rewrite BENCHMARKS.md's tables from the new files (``loadtest.tables.bench_tables``).
 
     python -m loadtest.bench_all --dry-run          # print the plan, run nothing
     python -m loadtest.bench_all                    # quick sizes: about 30 min on 2 cores
@@ -222,7 +222,7 @@ def describe(steps: Sequence[Step], full: bool) -> str:
     for i, s in enumerate(steps, 1):
         cmd = " ".join(["python", "-m", s.module, *s.args(full)])
         lines.append(f"{i:2}. {s.name:<16} ~{s.est_s(full) / 60:4.1f} min  {cmd}  -> {', '.join(s.writes)}")
-    lines.append("then: python -m loadtest.bench_tables (BENCHMARKS.md's tables from the new files)")
+    lines.append("then: python -m loadtest.tables.bench_tables (BENCHMARKS.md's tables from the new files)")
     lines += [f"not re-run: {name}: {why}" for name, why in NOT_RERUN.items()]
     return "\n".join(lines)
 
@@ -308,7 +308,7 @@ def run_all(args: argparse.Namespace) -> int:
         return 0
     git = git_state()
     records = run_steps(steps, args.full)
-    from loadtest import bench_tables
+    from loadtest.tables import bench_tables
 
     try:
         tables_rc = bench_tables.main([])

@@ -23,7 +23,7 @@ NOT_STEPS = {
     "cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
     "gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
     "bench_all.py": "this runner",
-    "bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
+    "tables/bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
     "locustfile.py": "Locust's CSVs and summary where its caller says, on no table of the page",
     "calibration/calibrate_host.py": (
         "by hand: configs/local.yaml carries its coefficients (bench_all.NOT_RERUN)"

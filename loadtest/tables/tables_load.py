@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.table_format import Results, fixed, num, signed, table
+from loadtest.tables.table_format import Results, fixed, num, signed, table
 
 
 def overhead(r: Results) -> str:

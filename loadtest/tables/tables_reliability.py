@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadtest.faults import markdown as faults_markdown
-from loadtest.table_format import Results, fixed, num, signed, table
+from loadtest.tables.table_format import Results, fixed, num, signed, table
 
 
 def faults_final(r: Results) -> str:

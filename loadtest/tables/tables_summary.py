@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loadtest.table_format import Results, fixed, pct, signed, table
-from loadtest.tables_load import hung_requests, refusal_p99_inside, tab_beside_agent
-from loadtest.tables_prefill import gains
+from loadtest.tables.table_format import Results, fixed, pct, signed, table
+from loadtest.tables.tables_load import hung_requests, refusal_p99_inside, tab_beside_agent
+from loadtest.tables.tables_prefill import gains
 
 
 def _pct(ratio: float) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.table_format import Results, fixed, signed, table
+from loadtest.tables.table_format import Results, fixed, signed, table
 
 
 def _three(f: dict[str, Any], key: str, digits: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.table_format import Results, fixed, table
+from loadtest.tables.table_format import Results, fixed, table
 
 # How the page names each policy (the file's key otherwise), in the order the rows are shown;
 # each table shows the policies its scenario holds, known ones first.

@@ -8,7 +8,7 @@ from typing import Any
 from cluster.engine.profiles import BatchShape, get_profile
 from loadtest.planner_real import real_markdown
 from loadtest.planner_validation import markdown as planner_markdown
-from loadtest.table_format import Results, fixed, pct, table
+from loadtest.tables.table_format import Results, fixed, pct, table
 
 _FIDELITY_NAMES = {  # the file's variant keys, as the page names them
     "profile": "profile",
@@ -74,8 +74,8 @@ def gpu_profiles(_: Results) -> str:
         kv = p.num_kv_blocks() * p.engine.block_size
         rows.append([label, fixed(d1 * 1e3, 2), fixed(d64 * 1e3, 2), fixed(CHUNK / prefill, 0), f"{kv:,}"])
     caption = (
-        "Computed, not measured: `python -m loadtest.bench_tables` evaluates `cluster/engine/profiles.py`'s "
-        "step-time model for these rows (no result file holds them).\n\n"
+        "Computed, not measured: `python -m loadtest.tables.bench_tables` evaluates "
+        "`cluster/engine/profiles.py`'s step-time model for these rows (no result file holds them).\n\n"
     )
     header = ["profile", "decode ITL batch 1 (ms)", "decode ITL batch 64 (ms)", "prefill tokens/s"]
     return caption + table([*header, "KV capacity (tokens)"], "lrrrr", rows)

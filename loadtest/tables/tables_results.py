@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.table_format import Results, fixed, signed, table
-from loadtest.tables_load import tab_beside_agent
+from loadtest.tables.table_format import Results, fixed, signed, table
+from loadtest.tables.tables_load import tab_beside_agent
 
 HEADER = ["measure", "ours", "peer, same run", "ratio", "goal", "met", "source"]
 ALIGN = "lrrrlll"

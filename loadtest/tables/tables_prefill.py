@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.table_format import Results, fixed, num, table
+from loadtest.tables.table_format import Results, fixed, num, table
 
 
 def _by_load(d: dict[str, Any]) -> dict[tuple[str, float, int], list[dict[str, Any]]]:

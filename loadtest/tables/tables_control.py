@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from loadtest.table_format import Results, fixed, num, pct, table
+from loadtest.tables.table_format import Results, fixed, num, pct, table
 
 _DESIGNS = {"before": "before", "after": "after"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.table_format import Results, fixed, num, table
+from loadtest.tables.table_format import Results, fixed, num, table
 
 
 def _p50_p99(s: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadtest.rehearsal_stats import FLAT_KEYS
-from loadtest.table_format import Results, fixed, num, table
+from loadtest.tables.table_format import Results, fixed, num, table
 
 FLAT = ("nodes", "minutes", *FLAT_KEYS, "books_exact")  # the flat keys, in its order
 OUTCOMES = (

@@ -2,8 +2,8 @@
 (``loadtest/results/*.json``), so that a figure on the page is a figure a benchmark script wrote,
 not one copied by hand.
 
-    python -m loadtest.bench_tables            # rewrite every marked table in both pages
-    python -m loadtest.bench_tables --check    # exit 1 (and name them) if any table is stale
+    python -m loadtest.tables.bench_tables            # rewrite every marked table in both pages
+    python -m loadtest.tables.bench_tables --check    # exit 1 (and name them) if any table is stale
 
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; the prose around the
 markers is hand-written and left alone. ``PAGES`` maps each page's table names to the pure functions
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from loadtest import (
+from loadtest.tables import (
     tables_affinity,
     tables_control,
     tables_engine,
@@ -32,7 +32,7 @@ from loadtest import (
     tables_summary,
     tables_tenants,
 )
-from loadtest.table_format import ROOT, Results
+from loadtest.tables.table_format import ROOT, Results
 
 BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
 RESULTS_MD = ROOT / "RESULTS.md"
@@ -74,7 +74,7 @@ TABLES: dict[str, Callable[[Results], str]] = {
 }
 
 Renderers = dict[str, Callable[[Results], str]]
-# Each page and its tables: RESULTS.md's one-page answers (loadtest/tables_results.py), and here.
+# Each page and its tables: RESULTS.md's one-page answers (loadtest/tables/tables_results.py), and here.
 PAGES: dict[Path, Renderers] = {BENCHMARKS_MD: TABLES, RESULTS_MD: tables_results.TABLES}
 
 REGION = re.compile(r"<!-- table:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /table:(?P=name) -->", re.DOTALL)
@@ -134,7 +134,8 @@ def _page(path: Path, tables: Renderers, check: bool) -> int:
         names = stale(text, results, tables)
         for name in names:
             print(
-                f"stale: {path.name}'s table '{name}' (run python -m loadtest.bench_tables)", file=sys.stderr
+                f"stale: {path.name}'s table '{name}' (run python -m loadtest.tables.bench_tables)",
+                file=sys.stderr,
             )
         return 1 if names else 0
     failures: dict[str, str] = {}
