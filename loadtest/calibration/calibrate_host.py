@@ -3,7 +3,7 @@ this box, measured from ``/proc`` on a workload of their own (not the planner va
 
     python -m loadtest.calibration.calibrate_host          # ~3 minutes; writes loadtest/results/host_cpu.json
 
-The deployment is ``loadtest/planner_real.py``'s (configs/local.yaml: 2 vLLM-CPU replicas of the
+The deployment is ``loadtest/benchmarks/planner_real.py``'s (configs/local.yaml: 2 vLLM-CPU replicas of the
 tiny model behind our gateway, small KV caches). The workload differs from the validation's: short
 prompts (~100 tokens) and 160- or 32-token answers, closed loop at a few concurrency levels. Per level,
 over the whole level's run:
@@ -43,9 +43,16 @@ from typing import Any
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from cluster.planner.replica_model import ReplicaModel, Workload
 from deployments.launcher.local import free_port
+from loadtest.benchmarks.planner_real import (
+    VOCAB_END,
+    VOCAB_FIRST,
+    _engines,
+    closed_loop,
+    real_config,
+    vllm_profile,
+)
 from loadtest.common.procs import box_busy_s, engine_cores_s
 from loadtest.common.provenance import git_state, provenance
-from loadtest.planner_real import VOCAB_END, VOCAB_FIRST, _engines, closed_loop, real_config, vllm_profile
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "host_cpu.json"
 PROMPT_LO, PROMPT_HI = 60, 140
@@ -147,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         levels = asyncio.run(go())
     report = {
         "benchmark": "calibrate_host",
-        "deployment": "configs/local.yaml as loadtest/planner_real.py deploys it (2 vLLM-CPU replicas)",
+        "deployment": (
+            "configs/local.yaml as loadtest/benchmarks/planner_real.py deploys it (2 vLLM-CPU replicas)"
+        ),
         "workload": {
             "prompt_tokens": [PROMPT_LO, PROMPT_HI],
             "levels": [list(x) for x in LEVELS],

@@ -1,4 +1,4 @@
-"""How close the simulated engine came to the real one (:mod:`loadtest.engine_fidelity`): each
+"""How close the simulated engine came to the real one (:mod:`loadtest.benchmarks.engine_fidelity`): each
 request's observed times, the errors of a sim replay against them, and their Markdown table."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the ``finish_reason``), then, when ``stream_options.include_usage`` is set, a ch
 then ``data: [DONE]``. Each event is its own write (the server sets TCP_NODELAY), so a relay sees
 chunks the way a real engine sends them, only without the wait between tokens (``--interval-ms``
 paces the content chunks that far apart, on a fixed schedule from the first: a decoding engine's
-per-stream speed, for the relay benchmark :mod:`loadtest.bench_relay`). Without ``stream``
+per-stream speed, for the relay benchmark :mod:`loadtest.benchmarks.bench_relay`). Without ``stream``
 the same answer comes as one ``chat.completion`` object. The model name is echoed.
 
 So that ``vllm-router`` accepts it as a worker it also answers ``GET /health`` (200), ``/v1/models``,

@@ -1,5 +1,5 @@
-"""The overhead benchmark's load generator (:mod:`loadtest.bench_overhead`): one aiohttp session, SSE
-scanned by bytes (JSON only until the first content delta, so the client is not what is measured),
+"""The overhead benchmark's load generator (:mod:`loadtest.benchmarks.bench_overhead`): one aiohttp session,
+SSE scanned by bytes (JSON only until the first content delta, so the client is not what is measured),
 batches of streamed requests per leg, A/B interleaved rounds per concurrency level."""
 
 from __future__ import annotations

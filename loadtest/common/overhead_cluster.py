@@ -1,5 +1,5 @@
-"""Our cluster for the overhead benchmark (:mod:`loadtest.bench_overhead`): the provider config in
-front of the fake upstream, and the cluster in a child process (``python -m loadtest.bench_overhead
+"""Our cluster for the overhead benchmark (:mod:`loadtest.benchmarks.bench_overhead`): the provider config in
+front of the fake upstream, and the cluster in a child process (``python -m loadtest.benchmarks.bench_overhead
 --serve-cluster``) whose port must be free and whose processes must be gone after it stops."""
 
 from __future__ import annotations
@@ -117,7 +117,13 @@ class OursCluster(Proc):
 
     def command(self, config_path: Path) -> list[str]:
         """The child that serves ``config_path`` on ``self.port`` and writes "ok" to the ready file."""
-        cmd = [sys.executable, "-m", "loadtest.bench_overhead", "--serve-cluster", str(config_path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "loadtest.benchmarks.bench_overhead",
+            "--serve-cluster",
+            str(config_path),
+        ]
         cmd += ["--serve-port", str(self.port), "--ready-file", str(self.ready_file)]
         return cmd + (["--floor-upstream", self.floor_upstream] if self.floor_upstream else [])
 

@@ -1,4 +1,4 @@
-"""The overhead benchmark's figures (:mod:`loadtest.bench_overhead`), pure: percentiles, what a leg
+"""The overhead benchmark's figures (:mod:`loadtest.benchmarks.bench_overhead`), pure: percentiles, what a leg
 adds over the direct path, and the goals against the Rust peer."""
 
 from __future__ import annotations

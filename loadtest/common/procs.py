@@ -1,7 +1,7 @@
 """Child processes a benchmark starts on loopback and must stop: each in its own process group with a
 tag in its environment, dying with its parent; what outlives a stop is found by its tag and ended
-by PID. Used by :mod:`loadtest.bench_overhead`. Also the box's and vLLM engine cores' CPU time from
-``/proc`` (:mod:`loadtest.calibration.calibrate_host`, :mod:`loadtest.planner_real`)."""
+by PID. Used by :mod:`loadtest.benchmarks.bench_overhead`. Also the box's and vLLM engine cores' CPU time from
+``/proc`` (:mod:`loadtest.calibration.calibrate_host`, :mod:`loadtest.benchmarks.planner_real`)."""
 
 from __future__ import annotations
 

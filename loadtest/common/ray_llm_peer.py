@@ -1,5 +1,5 @@
 """Ray Serve LLM with its PrefixCacheAffinityRouter on vLLM-CPU: the peer of
-:mod:`loadtest.bench_affinity_vllm`, run in a child process as ``../shared/notes/peers.md`` says.
+:mod:`loadtest.benchmarks.bench_affinity_vllm`, run in a child process as ``../shared/notes/peers.md`` says.
 
     python -m loadtest.common.ray_llm_peer --config CFG.yaml --port P --metrics-port M --ready-file F
 

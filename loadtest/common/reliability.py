@@ -1,6 +1,7 @@
-"""What the reliability tier (``tests/reliability``) and its hand-run scripts (``loadtest/faults.py``,
-``loadtest/soak.py``) share: the app under test, a bounded load of mixed surfaces in a thread of its
-own, and probes. The look inside every Ray actor is :mod:`loadtest.common.actor_probe`.
+"""What the reliability tier (``tests/reliability``) and its hand-run scripts
+(``loadtest/benchmarks/faults.py``, ``loadtest/benchmarks/soak.py``) share: the app under test, a bounded load
+of mixed surfaces in a thread of its own, and probes. The look inside every Ray actor is
+:mod:`loadtest.common.actor_probe`.
 
 The app (``reliability_config``): auth on, one client key per surface; a model ``rel-mix`` served by
 a loopback OpenAI server first and two simulated replicas second (self-hosted first for the agent

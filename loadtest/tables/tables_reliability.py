@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.faults import markdown as faults_markdown
+from loadtest.benchmarks.faults import markdown as faults_markdown
 from loadtest.tables.table_format import Results, fixed, num, signed, table
 
 

@@ -1,4 +1,4 @@
-"""BENCHMARKS.md's table of the noisy neighbour (:mod:`loadtest.bench_noisy_neighbour`): a runaway
+"""BENCHMARKS.md's table of the noisy neighbour (:mod:`loadtest.benchmarks.bench_noisy_neighbour`): a runaway
 tenant ``a`` beside a light tenant ``b`` on the shared pool, ``a``'s budget off and on."""
 
 from __future__ import annotations

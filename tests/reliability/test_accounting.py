@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
+from loadtest.benchmarks.faults import provider_accounting
 from loadtest.common.actor_probe import gateway_counters, provider_totals, wait_idle
 from loadtest.common.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, Load
-from loadtest.faults import provider_accounting
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

@@ -288,7 +288,14 @@ def test_trace_records_are_json_plain() -> None:
 def test_variants_overrides_and_report(tmp_path) -> None:
     import argparse
 
-    from loadtest.cli_bench import Variant, add_bench_parser, coerce_spec, load_variants, markdown, set_path
+    from loadtest.benchmarks.cli_bench import (
+        Variant,
+        add_bench_parser,
+        coerce_spec,
+        load_variants,
+        markdown,
+        set_path,
+    )
 
     raw = {"backends": [{"routing": "cache_aware"}], "server": {}}
     set_path(raw, "backends.0.routing", "round_robin")

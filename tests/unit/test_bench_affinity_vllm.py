@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest import bench_affinity_vllm as b
+from loadtest.benchmarks import bench_affinity_vllm as b
 from loadtest.common.ray_llm_peer import _REPLICA, _SERIES
 
 

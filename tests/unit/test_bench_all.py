@@ -1,4 +1,4 @@
-"""``loadtest.bench_all``'s plan and its running logic, without running a benchmark: every result
+"""``loadtest.benchmarks.bench_all``'s plan and its running logic, without running a benchmark: every result
 file has a step (or a reason it has none), every script that writes one is a step, each step's
 options are its script's, the quick plan fits the ~40 minutes, a failed step does not stop the
 next, the load average is read around each, and a step past its limit is ended with its children."""
@@ -13,22 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import bench_all
-from loadtest.bench_all import NOT_RERUN, STEPS, failed, plan, run_process, run_steps
+from loadtest.benchmarks import bench_all
+from loadtest.benchmarks.bench_all import NOT_RERUN, STEPS, failed, plan, run_process, run_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADTEST = ROOT / "loadtest"
 # Scripts that write under loadtest/results but are not steps, and why (paths under loadtest/).
 NOT_STEPS = {
-    "cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
-    "gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
-    "bench_all.py": "this runner",
+    "benchmarks/cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
+    "benchmarks/gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
+    "benchmarks/bench_all.py": "this runner",
     "tables/bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
     "locustfile.py": "Locust's CSVs and summary where its caller says, on no table of the page",
     "calibration/calibrate_host.py": (
         "by hand: configs/local.yaml carries its coefficients (bench_all.NOT_RERUN)"
     ),
-    "rehearsal.py": "by hand, as root (network namespaces), ~15 min: past the quick plan's 45 (NOT_RERUN)",
+    "benchmarks/rehearsal.py": (
+        "by hand, as root (network namespaces), ~15 min: past the quick plan's 45 (NOT_RERUN)"
+    ),
 }
 
 
@@ -96,9 +98,14 @@ def test_a_failed_step_does_not_stop_the_next_and_load_is_read_around_each() -> 
     records = run_steps(steps, full=False, run=run, loadavg=lambda: next(loads), clock=lambda: next(clock))
     assert [r.step for r in records] == ["planner", "faults", "soak"]
     assert [c[2:] for c in ran] == [
-        ["loadtest.planner_validation", "--quick", "--host-calibration", "loadtest/results/host_cpu.json"],
-        ["loadtest.faults", "--markdown"],
-        ["loadtest.soak", "--minutes", "0.75"],
+        [
+            "loadtest.benchmarks.planner_validation",
+            "--quick",
+            "--host-calibration",
+            "loadtest/results/host_cpu.json",
+        ],
+        ["loadtest.benchmarks.faults", "--markdown"],
+        ["loadtest.benchmarks.soak", "--minutes", "0.75"],
     ]
     assert [(r.load_average_before[0], r.load_average_after[0]) for r in records] == [(1, 2), (3, 4), (5, 6)]
     assert failed(records) == ["faults", "soak"]

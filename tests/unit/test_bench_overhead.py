@@ -15,7 +15,7 @@ from openai import AsyncOpenAI
 
 from cluster.config import load_config, parse_config
 from deployments.providers.provider_http import aclose_shared_session
-from loadtest import bench_overhead as bo
+from loadtest.benchmarks import bench_overhead as bo
 from loadtest.common import fake_upstream as fu
 from loadtest.common import overhead_client as oc
 from loadtest.common import overhead_stats as ostats

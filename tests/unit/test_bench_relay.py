@@ -1,5 +1,5 @@
-"""The relay benchmark's pure parts (loadtest/bench_relay.py): a leg's figures from its batches, the
-flat keys against the direct leg, the goals against the peer, and the paced fake upstream."""
+"""The relay benchmark's pure parts (loadtest/benchmarks/bench_relay.py): a leg's figures from its batches,
+the flat keys against the direct leg, the goals against the peer, and the paced fake upstream."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
-from loadtest import bench_relay as br
+from loadtest.benchmarks import bench_relay as br
 from loadtest.common.fake_upstream import build_app
 
 

@@ -1,5 +1,5 @@
 """The calibration's pure fitting math (loadtest/calibration/calibrate_engine.py) and the fidelity benchmark's
-pure comparison (loadtest/engine_fidelity.py), on synthetic data: no engine, fast."""
+pure comparison (loadtest/benchmarks/engine_fidelity.py), on synthetic data: no engine, fast."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cluster.engine.profiles import BatchShape, LinearStepTime, get_profile
+from loadtest.benchmarks.engine_fidelity import make_workload, replay_sim
 from loadtest.calibration.fidelity_stats import Observed, compare, quantile
 from loadtest.calibration.step_time_fit import (
     COLUMNS,
@@ -23,7 +24,6 @@ from loadtest.calibration.step_time_fit import (
     nnls,
     predict,
 )
-from loadtest.engine_fidelity import make_workload, replay_sim
 
 TRUE_SHIPPED = {
     "overhead_s": 2.0e-3,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.hedge_bound import hedge_window
+from loadtest.benchmarks.hedge_bound import hedge_window
 from loadtest.tables.table_format import Results
 
 

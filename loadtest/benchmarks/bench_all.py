@@ -1,10 +1,10 @@
 """Re-run every benchmark that writes a file in ``loadtest/results/``, one after the other, then
 rewrite BENCHMARKS.md's tables from the new files (``loadtest.tables.bench_tables``).
 
-    python -m loadtest.bench_all --dry-run          # print the plan, run nothing
-    python -m loadtest.bench_all                    # quick sizes: about 30 min on 2 cores
-    python -m loadtest.bench_all --full             # the sizes the page's figures were made with (~50 min)
-    python -m loadtest.bench_all --only faults,soak # some steps only
+    python -m loadtest.benchmarks.bench_all --dry-run           # print the plan, run nothing
+    python -m loadtest.benchmarks.bench_all                     # quick sizes: about 30 min on 2 cores
+    python -m loadtest.benchmarks.bench_all --full              # the sizes the page's figures had (~50 min)
+    python -m loadtest.benchmarks.bench_all --only faults,soak  # some steps only
     cluster bench-all [same options]
 
 Quick sizes give each script its own quick / CI-sized option where it has one (``--quick``, the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from loadtest.common.provenance import git_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOG = ROOT / "loadtest" / "results" / "bench_all.json"
 
 
@@ -84,15 +84,15 @@ STEPS: tuple[Step, ...] = (
         75,
     ),
     # After the calibration: the fidelity replay reads engine_calibration.json.
-    Step("fidelity", "loadtest.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 70),
+    Step("fidelity", "loadtest.benchmarks.engine_fidelity", (), None, ("engine_fidelity.json",), 90, 70),
     # The host's CPU costs on this machine now (80 s on 2026-12-03), for the planner step after it.
     Step("host", "loadtest.calibration.calibrate_host", (), None, ("host_cpu.json",), 120, 100),
-    # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/planner_real.py),
+    # The simulator's cases (~1 min), then the real vLLM-CPU deployment (loadtest/benchmarks/planner_real.py),
     # predicted with the host costs just measured: configs/local.yaml's came from another machine
     # (ITL at 32 streams 14.7 ms there, 5.6 ms here on 2026-12-03).
     Step(
         "planner",
-        "loadtest.planner_validation",
+        "loadtest.benchmarks.planner_validation",
         _HOST,
         ("--quick", *_HOST),
         ("planner_validation.json",),
@@ -100,11 +100,17 @@ STEPS: tuple[Step, ...] = (
         150,
     ),
     Step(
-        "affinity-micro", "loadtest.bench_affinity_micro", (), ("--quick",), ("affinity_micro.json",), 20, 10
+        "affinity-micro",
+        "loadtest.benchmarks.bench_affinity_micro",
+        (),
+        ("--quick",),
+        ("affinity_micro.json",),
+        20,
+        10,
     ),
     Step(
         "affinity",
-        "loadtest.bench_affinity",
+        "loadtest.benchmarks.bench_affinity",
         ("--scenario", "groups,common-prompt"),
         ("--scenario", "groups,common-prompt", "--quick"),
         ("affinity.json",),
@@ -113,7 +119,7 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "affinity-offline",
-        "loadtest.bench_affinity",
+        "loadtest.benchmarks.bench_affinity",
         # --extra-seeds: the page's seeds table (virtual_clock_whatif.other_workload_seeds) needs
         # them; without, the first whole run rewrote kv_pressure with no seeds and the table failed.
         # Full sizes in the quick plan too: --quick's 8 groups fit in the replicas' KV, so
@@ -125,10 +131,18 @@ STEPS: tuple[Step, ...] = (
         190,
         190,
     ),
-    Step("affinity-kv-live", "loadtest.bench_affinity", _KV_LIVE, _KV_LIVE, ("affinity.json",), 300, 300),
+    Step(
+        "affinity-kv-live",
+        "loadtest.benchmarks.bench_affinity",
+        _KV_LIVE,
+        _KV_LIVE,
+        ("affinity.json",),
+        300,
+        300,
+    ),
     Step(
         "affinity-vllm",
-        "loadtest.bench_affinity_vllm",
+        "loadtest.benchmarks.bench_affinity_vllm",
         # Full: fits and kv_pressure, 3 rounds of 4 policies on fresh vLLM-CPU engines (~70 s a leg).
         (),
         ("--scenario", "kv_pressure", "--repeat", "1", "--policies", "ours,vllm_router_cache_aware"),
@@ -136,17 +150,25 @@ STEPS: tuple[Step, ...] = (
         1700,
         120,
     ),
-    Step("hedging", "loadtest.bench_hedging", (), None, ("hedging.json",), 120, 120),
-    Step("migration", "loadtest.bench_migration", (), None, ("migration.json",), 150, 45),
+    Step("hedging", "loadtest.benchmarks.bench_hedging", (), None, ("hedging.json",), 120, 120),
+    Step("migration", "loadtest.benchmarks.bench_migration", (), None, ("migration.json",), 150, 45),
     # A fresh replica's first requests with and without its warm-up (112 s on 2026-12-05, whole).
-    Step("warmup", "loadtest.bench_warmup", (), ("--first", "5", "--steady", "5"), ("warmup.json",), 150, 90),
-    Step("overhead", "loadtest.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
+    Step(
+        "warmup",
+        "loadtest.benchmarks.bench_warmup",
+        (),
+        ("--first", "5", "--steady", "5"),
+        ("warmup.json",),
+        150,
+        90,
+    ),
+    Step("overhead", "loadtest.benchmarks.bench_overhead", (), ("--quick",), ("overhead.json",), 260, 100),
     # Long streams at 64-512 at once through vllm-router and ours (issue 44; ~7 min whole).
-    Step("relay", "loadtest.bench_relay", (), ("--quick",), ("relay.json",), 450, 90),
-    Step("overload", "loadtest.bench_overload", (), None, ("overload.json",), 190, 150),
+    Step("relay", "loadtest.benchmarks.bench_relay", (), ("--quick",), ("relay.json",), 450, 90),
+    Step("overload", "loadtest.benchmarks.bench_overload", (), None, ("overload.json",), 190, 150),
     Step(
         "overload-shared",
-        "loadtest.bench_overload_shared",
+        "loadtest.benchmarks.bench_overload_shared",
         ("--factors", "1,3"),
         None,
         ("overload_shared.json",),
@@ -155,7 +177,7 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "overload-shared-vllm",
-        "loadtest.bench_overload_shared",
+        "loadtest.benchmarks.bench_overload_shared",
         ("--engine", "vllm", "--factors", "1,2,3"),
         ("--engine", "vllm", "--factors", "3"),
         ("overload_shared_vllm.json",),
@@ -166,7 +188,7 @@ STEPS: tuple[Step, ...] = (
     # plan's phases on 2026-12-03, the full ones three times as long).
     Step(
         "noisy-neighbour",
-        "loadtest.bench_noisy_neighbour",
+        "loadtest.benchmarks.bench_noisy_neighbour",
         (),
         ("--calib-s", "6", "--alone-s", "8", "--flood-s", "10"),
         ("noisy_neighbour.json",),
@@ -176,28 +198,50 @@ STEPS: tuple[Step, ...] = (
     # Tab kept off replicas mid-prefill, on the virtual clock (75 s on 2026-12-04; no cluster).
     Step(
         "prefill-avoid",
-        "loadtest.bench_prefill_avoid",
+        "loadtest.benchmarks.bench_prefill_avoid",
         (),
         ("--seeds", "1", "--duration-s", "30"),
         ("prefill_avoid.json",),
         120,
         40,
     ),
-    Step("faults", "loadtest.faults", ("--long", "--markdown"), ("--markdown",), ("faults.json",), 250, 70),
-    Step("soak", "loadtest.soak", ("--minutes", "5"), ("--minutes", "0.75"), ("soak.json",), 470, 160),
+    Step(
+        "faults",
+        "loadtest.benchmarks.faults",
+        ("--long", "--markdown"),
+        ("--markdown",),
+        ("faults.json",),
+        250,
+        70,
+    ),
+    Step(
+        "soak",
+        "loadtest.benchmarks.soak",
+        ("--minutes", "5"),
+        ("--minutes", "0.75"),
+        ("soak.json",),
+        470,
+        160,
+    ),
 )
 # Result files no step rewrites, and why (tests/unit/test_bench_all.py checks the two lists cover
 # every file in loadtest/results).
 NOT_RERUN = {
-    "soak_rest.json": "an earlier soak kept beside soak.json (python -m loadtest.soak --out ... by hand)",
-    "soak_long.json": "a 12-minute soak kept beside soak.json (loadtest.soak --minutes 12 --out ...)",
+    "soak_rest.json": (
+        "an earlier soak kept beside soak.json (python -m loadtest.benchmarks.soak --out ... by hand)"
+    ),
+    "soak_long.json": (
+        "a 12-minute soak kept beside soak.json (loadtest.benchmarks.soak --minutes 12 --out ...)"
+    ),
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
-    "rehearsal.json": "by hand, as root: python -m loadtest.rehearsal (the multi-node lab, 15 min)",
+    "rehearsal.json": (
+        "by hand, as root: python -m loadtest.benchmarks.rehearsal (the multi-node lab, 15 min)"
+    ),
     "control_plane.json": (
         "by hand: its before_ figures ran on the tree before issue 42's change (BENCHMARKS.md says how); "
-        "python -m loadtest.bench_control_plane --design after re-measures the current one"
+        "python -m loadtest.benchmarks.bench_control_plane --design after re-measures the current one"
     ),
 }
 

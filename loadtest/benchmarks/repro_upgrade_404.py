@@ -10,7 +10,7 @@ with ``serve deploy``, clients posting to it without pause, then ``serve deploy`
 with one environment variable changed (every replica restarts, as the rehearsal's upgrade does).
 It prints each status seen before, during and after the upgrade, and the 404s' bodies.
 
-    .venv/bin/python -m loadtest.repro_upgrade_404 [--upgrades 3]
+    .venv/bin/python -m loadtest.benchmarks.repro_upgrade_404 [--upgrades 3]
 
 It starts and stops its own Ray (``ray start --head --block`` on free ports, in a folder of its
 own; at the end that process group and whatever names the folder, never ``ray stop``).

@@ -54,7 +54,7 @@ from loadtest.common import arrivals, runner
 from loadtest.common.request_spec import RequestSpec
 from loadtest.common.surfaces import SHAPES, parse_mix, schedule
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 
 @dataclass

@@ -3,13 +3,13 @@
 same replicas, behind two gateway replicas; without a budget for ``a``, with one, and with one whose
 bucket holds only a few seconds of it, in one run.
 
-    python -m loadtest.bench_noisy_neighbour            # ~4.5 minutes
-    python -m loadtest.bench_noisy_neighbour --variants on_short_burst --capacity 11.5 --out /tmp/x.json
-                                                        # a probe of one variant (~1.5 minutes)
+    python -m loadtest.benchmarks.bench_noisy_neighbour            # ~4.5 minutes
+    python -m loadtest.benchmarks.bench_noisy_neighbour --variants on_short_burst --capacity 11.5 \
+        --out /tmp/x.json                                          # a probe of one variant (~1.5 minutes)
 
-The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
+The cluster is :func:`loadtest.benchmarks.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (three simulated H100 replicas of Llama-3.1-8B at their own speed that Tab and Agent share, the
-product limits of :data:`loadtest.bench_overload.SURFACE_LIMITS`, the engine's priority policy and
+product limits of :data:`loadtest.benchmarks.bench_overload.SURFACE_LIMITS`, the engine's priority policy and
 the SLO guard on, as the product ships) with the product's two gateway replicas, so that a tenant's
 budget is counted once across both (:mod:`deployments.budgets.tenant_budget`). Tenants (``x-tenant``):
 
@@ -23,7 +23,7 @@ Per variant: deploy, warm up, ``b`` alone for ``--alone-s`` (its own baseline), 
 flood for ``--flood-s``. Agent's capacity is measured once, in the first variant, closed loop at its
 concurrency limit, and used for both. The issue's goal: ``b``'s Tab p99 TTFT with the flood at most
 1.2x its p99 alone (``b_tab_p99_ratio``), and ``a`` answered 429 with ``Retry-After``. Keys per phase:
-``tenants.<t>.<surface>`` (the client's view, :func:`loadtest.bench_overload.per_surface`),
+``tenants.<t>.<surface>`` (the client's view, :func:`loadtest.benchmarks.bench_overload.per_surface`),
 ``tenants.b.agent.goodput_tok_s`` (output tokens/s of ``b``'s Agent requests answered 200 within
 Agent's 3 s objective), ``a_refusals`` (by reason: its budget, its queued place taken by ``b``
 (``pushed_out``, :mod:`cluster.policy.fair_queue`), admission), ``a_admitted_allowance`` (what the
@@ -56,8 +56,8 @@ from typing import Any
 
 from cluster.observability.server_timing import parse_server_timing
 from deployments.launcher.local import free_port, gateway_status
-from loadtest.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
-from loadtest.bench_overload_shared import agent_goodput, with_floor_probe
+from loadtest.benchmarks.bench_overload import APP, closed_loop, overload_config, per_surface, workloads
+from loadtest.benchmarks.bench_overload_shared import agent_goodput, with_floor_probe
 from loadtest.common.provenance import git_state, provenance, write_report
 from loadtest.common.request_spec import RequestSpec
 from loadtest.common.sim_live import RESULTS, Result, machine, ms, percentile, replay, warm_up

@@ -20,7 +20,7 @@ token-id prompts, ``ignore_eos`` so every answer is exactly ``max_tokens``):
   objective; the largest level that meets it, and its throughput.
 
 Errors are ``|planner - measured| / measured``; the goal is 15 %. Called by
-``loadtest/planner_validation.py`` (its ``real`` section); about 5 minutes on 2 cores.
+``loadtest/benchmarks/planner_validation.py`` (its ``real`` section); about 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.launcher.local import free_port
 from loadtest.common.procs import box_busy_s, engine_cores_s, quiet_collector
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
 KV_BYTES = 4 * 1024 * 1024  # 8,192 tokens of the tiny model (512 bytes of KV per token)
 OUTPUT = 64

@@ -1,6 +1,7 @@
 """What our gateway adds to a streamed request, side by side with the Rust ``vllm-router`` peer.
 
-    python -m loadtest.bench_overhead [--quick] [--legs direct,peer,ours,floor] [--vllm | --no-vllm]
+    python -m loadtest.benchmarks.bench_overhead [--quick] [--legs direct,peer,ours,floor] \
+        [--vllm | --no-vllm]
 
 Loopback only (127.0.0.1); every process is started here, in its own session, and stopped here.
 
@@ -57,7 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 from cluster.config import ClusterConfig, load_config
@@ -87,7 +88,7 @@ from loadtest.common.overhead_stats import (
 from loadtest.common.procs import LegFailed, Proc, wait_http
 from loadtest.common.provenance import git_state, provenance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "loadtest" / "results"
 OUT = RESULTS / "overhead.json"
 PARTIAL = RESULTS / "overhead.partial.json"

@@ -6,7 +6,7 @@ event after another, each after a steady state:
 * ``upgrade``: ``serve deploy`` of the config with an engine argument changed (every engine and
   gateway replica restarts);
 * ``node_loss``: SIGKILL of every process of the engine node that holds most of the event's own
-  long self-hosted streams (``loadtest/rehearsal_streams.py``: each then followed to its end and
+  long self-hosted streams (``loadtest/benchmarks/rehearsal_streams.py``: each then followed to its end and
   compared token for token with a reference run), then a replacement pod rejoins;
 * ``kv_feed_cut``: one engine replica's KV-event endpoint unreachable for 30 s while it serves
   (its fault hook, ``POST /kv_events/fault`` with the internal credential: this machine has no
@@ -16,12 +16,13 @@ event after another, each after a steady state:
 * ``provider_brownout``: the loopback provider's TTFT x10 for 60 s; ``provider_outage``: its 503s
   for 30 s.
 
-    sudo .venv/bin/python -m loadtest.rehearsal [--minutes 10] [--quick] [--events upgrade,node_loss]
+    sudo .venv/bin/python -m loadtest.benchmarks.rehearsal [--minutes 10] [--quick] \
+        [--events upgrade,node_loss]
 
-Linux, as root. Locust (``loadtest/rehearsal_users.py``: the project's per-surface users, one JSON
+Linux, as root. Locust (``loadtest/benchmarks/rehearsal_users.py``: the project's per-surface users, one JSON
 line per request) and the loopback OpenAI provider run inside the client namespace; nothing is
 sent from the host's namespace. The lab comes down at the end, whatever happened. Figures:
-``loadtest/rehearsal_stats.py``; the result file's flat keys are the issue's.
+``loadtest/benchmarks/rehearsal_stats.py``; the result file's flat keys are the issue's.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ import yaml
 
 from cluster.k8s.lab_plan import LabError, LabPlan
 from deployments.launcher import lab, lab_events, lab_net
-from loadtest import rehearsal_stats as rs
+from loadtest.benchmarks import rehearsal_stats as rs
+from loadtest.benchmarks.rehearsal_streams import LongStreams, busiest_node, tally
 from loadtest.common.provenance import git_state, provenance, write_report
-from loadtest.rehearsal_streams import LongStreams, busiest_node, tally
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("/tmp/llmc-rehearsal")
 ENGINES = "backend-sim-h100"
 SIM, PROVIDER = "sim-h100", "loop-openai"
@@ -230,7 +231,12 @@ class Endpoints:
 
 
 def start_locust(plan: LabPlan, users: int, run_s: float) -> subprocess.Popen[bytes]:
-    args = [str(Path(sys.executable).parent / "locust"), "-f", "loadtest/rehearsal_users.py", "--headless"]
+    args = [
+        str(Path(sys.executable).parent / "locust"),
+        "-f",
+        "loadtest/benchmarks/rehearsal_users.py",
+        "--headless",
+    ]
     args += [
         f"--users={users}",
         f"--spawn-rate={users}",
@@ -256,7 +262,7 @@ def _cpu_node_to_lose(plan: LabPlan) -> str:
 
 
 def lose_engine_node(plan: LabPlan, t: Timing, ev: dict[str, Any], endpoints: Endpoints) -> None:
-    """The node loss with long self-hosted streams in flight (:mod:`loadtest.rehearsal_streams`):
+    """The node loss with long self-hosted streams in flight (:mod:`loadtest.benchmarks.rehearsal_streams`):
     the streams run once as the reference, then again; once one engine node has
     ``LONG_STREAMS_ON_NODE`` of them in flight with tokens, it is killed, and each stream is
     followed to its end."""

@@ -1,6 +1,6 @@
-"""The rehearsal's Locust users (``loadtest/rehearsal.py`` runs them in the lab's client namespace):
-the project's per-surface users (``loadtest/locustfile.py``: Tab, Chat, Agent, their request shapes,
-think times and Tab's cancels; without ``ignore_eos``, which only engines honour), each request
+"""The rehearsal's Locust users (``loadtest/benchmarks/rehearsal.py`` runs them in the lab's client
+namespace): the project's per-surface users (``loadtest/locustfile.py``: Tab, Chat, Agent, their request
+shapes, think times and Tab's cancels; without ``ignore_eos``, which only engines honour), each request
 also written as one JSON line to ``LLMC_REHEARSAL_RECORDS`` (wall-clock start and end, surface,
 TTFT, the locustfile's error type and the error's code, type and message, whether the client
 cancelled, the answering backend and replica, prompt and cached tokens), so that outcomes can be
@@ -10,7 +10,7 @@ Requests are spread over the Serve addresses listed in ``LLMC_REHEARSAL_ENDPOINT
 base URL a line, re-read when it changes), as a Kubernetes Service spreads them over its ready pods:
 the rehearsal drops a node's address while the node is lost.
 
-    locust -f loadtest/rehearsal_users.py --headless -u 10 -r 10 -t 10m --host http://10.213.0.10:8000
+    locust -f loadtest/benchmarks/rehearsal_users.py --headless -u 10 -r 10 -t 10m --host http://10.213.0.10:8000
 """
 
 from __future__ import annotations

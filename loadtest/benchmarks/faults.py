@@ -20,7 +20,7 @@ point); ``restored_s``: until the killed deployment had all its replicas running
 
 The CI tier runs the short form (tests/reliability/test_faults.py); by hand, a longer one:
 
-    .venv/bin/python -m loadtest.faults [--long] [--out loadtest/results/faults.json]
+    .venv/bin/python -m loadtest.benchmarks.faults [--long] [--out loadtest/results/faults.json]
 
 starts its own local cluster and loopback providers on free ports, and writes the summary JSON and a
 Markdown table (``--markdown``).
@@ -88,7 +88,7 @@ OUTCOMES = [
     "hung",
 ]
 ERRORED = ("error_event", "error_status", "conn_error", "truncated")
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 
 
 @dataclass(frozen=True)

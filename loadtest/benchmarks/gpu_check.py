@@ -1,9 +1,9 @@
 """The pieces of ``scripts/gpu-check.sh`` that are Python: the GPU's memory, the cluster config for
 it, and the affinity benchmark's variants.
 
-    python -m loadtest.gpu_check gpu-memory              # GiB of GPU 0 (nvidia-smi), or exit 1
-    python -m loadtest.gpu_check config --model DIR --gpu-gib 141 --out work/gpu-check.yaml
-    python -m loadtest.gpu_check variants --config work/gpu-check.yaml --out work/variants.yaml
+    python -m loadtest.benchmarks.gpu_check gpu-memory              # GiB of GPU 0 (nvidia-smi), or exit 1
+    python -m loadtest.benchmarks.gpu_check config --model DIR --gpu-gib 141 --out work/gpu-check.yaml
+    python -m loadtest.benchmarks.gpu_check variants --config work/gpu-check.yaml --out work/variants.yaml
 
 The config serves a random-weight Llama (``cluster.engine.tiny_model --shape gpu-1b``) on vLLM GPU
 replicas: two on one GPU when each half holds the weights and a useful KV cache, else one.

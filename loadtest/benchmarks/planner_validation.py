@@ -16,7 +16,7 @@ requests drawn from the same distributions:
 Errors are |predicted - simulated| / simulated. Writes loadtest/results/planner_validation.json and
 prints a Markdown table. About a minute on one core.
 
-    .venv/bin/python loadtest/planner_validation.py
+    .venv/bin/python loadtest/benchmarks/planner_validation.py
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from cluster.engine.model import EngineModel  # noqa: E402
@@ -380,7 +380,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument(
-        "--no-real", action="store_true", help="skip the real vLLM-CPU deployment (loadtest/planner_real.py)"
+        "--no-real",
+        action="store_true",
+        help="skip the real vLLM-CPU deployment (loadtest/benchmarks/planner_real.py)",
     )
     ap.add_argument("--quick", action="store_true", help="fewer requests on the real deployment")
     ap.add_argument(
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
     real = None
     if not args.no_real:
-        from loadtest.planner_real import measure
+        from loadtest.benchmarks.planner_real import measure
 
         host = Path(args.host_calibration) if args.host_calibration else None
         real = measure(quick=args.quick, host_calibration=host)
@@ -444,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['seconds']:.0f} s. Wrote {args.out}"
     )
     if real:
-        from loadtest.planner_real import real_markdown
+        from loadtest.benchmarks.planner_real import real_markdown
 
         print(real_markdown(real))
     return 0

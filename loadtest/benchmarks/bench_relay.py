@@ -1,10 +1,11 @@
 """Tokens per core through the relay (issue 44): long streams at fleet concurrency, our gateway side
 by side with the Rust ``vllm-router`` peer and the direct path.
 
-    python -m loadtest.bench_relay [--quick] [--out PATH]
+    python -m loadtest.benchmarks.bench_relay [--quick] [--out PATH]
 
 Loopback only; every process is started here and stopped here (the overhead benchmark's machinery:
-:mod:`loadtest.bench_overhead`, :mod:`loadtest.common.overhead_cluster`, :mod:`loadtest.common.procs`).
+:mod:`loadtest.benchmarks.bench_overhead`, :mod:`loadtest.common.overhead_cluster`,
+:mod:`loadtest.common.procs`).
 
 Each answer is 200 content chunks 20 ms apart (50 tokens/s, an 8B model's per-stream decode
 speed), then the usage and ``[DONE]``, at 64, 128, 256 and 512 concurrent streams. Four legs, A/B
@@ -51,13 +52,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp
 
 from cluster.config import ClusterConfig, parse_config
 from deployments.launcher.local import free_port
-from loadtest.bench_overhead import error_rate_problems, start_vllm_router, write_results
+from loadtest.benchmarks.bench_overhead import error_rate_problems, start_vllm_router, write_results
 from loadtest.common.overhead_client import (
     HOST,
     MODEL,
@@ -80,7 +81,7 @@ from loadtest.common.procs import (
 )
 from loadtest.common.provenance import git_state, provenance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "loadtest" / "results"
 OUT, PARTIAL = RESULTS / "relay.json", RESULTS / "relay.partial.json"
 LEGS = ("direct", "peer", "ours", "engine", "floor")

@@ -3,7 +3,7 @@ the gateway's own routing view (:class:`cluster.routing.view.BackendView`, the c
 deciding for simulated engines (:class:`cluster.engine.model.EngineModel`, Llama-3.1-8B on H100s,
 1,024-token prefill chunks, the priority policy), with the threshold and without, in one run.
 
-    python -m loadtest.bench_prefill_avoid              # ~1 minute; loadtest/results/prefill_avoid.json
+    python -m loadtest.benchmarks.bench_prefill_avoid   # ~1 minute; loadtest/results/prefill_avoid.json
 
 Why a virtual clock: the effect is a matter of which engine step a Tab prompt lands in (a step
 holding a long prefill chunk takes ~25 ms on this profile, one of decodes a few), which the engine
@@ -13,7 +13,7 @@ noisy neighbour: ~110 Tab requests a phase, its p99 their second slowest).
 Two workloads (``WORKLOADS``), Tab at ``--tab-rate`` and Agent at each of its rates (requests/s,
 Poisson), for ``--duration-s`` virtual seconds, over ``--seeds``:
 
-* ``shared``: the shapes of :data:`loadtest.bench_overload.SHAPES`, as the live shared-pool
+* ``shared``: the shapes of :data:`loadtest.benchmarks.bench_overload.SHAPES`, as the live shared-pool
   benchmarks send them: Agent ~2.9k-token prompts in 8 repositories, ~90 % of their tokens cached
   once warm (the uncached part of a prompt is a few hundred tokens);
 * ``long_context``: Agent as an agent over a repository reads it: 64 repositories, 3,000 words of
@@ -51,7 +51,7 @@ from cluster.engine.model import EngineModel
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityRouter
 from cluster.routing.view import BackendView, ReplicaInfo
-from loadtest.bench_overload import PROFILE, SHAPES, workloads
+from loadtest.benchmarks.bench_overload import PROFILE, SHAPES, workloads
 from loadtest.common.request_spec import RequestSpec
 from loadtest.common.sim_live import RESULTS, machine, ms, percentile
 

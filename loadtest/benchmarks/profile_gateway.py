@@ -1,10 +1,10 @@
 """Where a gateway replica's CPU goes under relay load (issue 44: cut the per-chunk and per-request
 cost guided by a profile): py-spy samples every gateway replica while the relay benchmark's load runs.
 
-    python -m loadtest.profile_gateway [--path provider|engine] [--streams 256] [--chunks 200]
+    python -m loadtest.benchmarks.profile_gateway [--path provider|engine] [--streams 256] [--chunks 200]
         [--interval-ms 20] [--seconds 20] [--out /tmp/llmc-profile]
 
-Loopback only; the same processes as ``loadtest/bench_relay.py`` (a paced fake OpenAI upstream, our
+Loopback only; the same processes as ``loadtest/benchmarks/bench_relay.py`` (a paced fake OpenAI upstream, our
 cluster with its provider backend and a paced sim engine), started here and stopped here. The load
 is ``--streams`` workers sending one streamed request after another for the sampled time plus a
 warm-up. py-spy (``pip install py-spy``; it needs ptrace, so run as root or with
@@ -26,10 +26,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deployments.launcher.local import free_port
-from loadtest.bench_relay import SIM_MODEL, body, cluster_pids, relay_config
+from loadtest.benchmarks.bench_relay import SIM_MODEL, body, cluster_pids, relay_config
 from loadtest.common.overhead_client import HOST, MODEL, client_session, run_jobs
 from loadtest.common.overhead_cluster import OursCluster
 from loadtest.common.procs import Proc, wait_http

@@ -1,4 +1,4 @@
-"""The node-loss event's own long streams (issue 41, ``loadtest/rehearsal.py``): the Locust users'
+"""The node-loss event's own long streams (issue 41, ``loadtest/benchmarks/rehearsal.py``): the Locust users'
 self-hosted streams are Agent's, one user in ten and a few seconds long, so a kill at a fixed time
 found none of them on the lost node (the first full run: 0 in flight). The event therefore sends
 ``n`` long self-hosted streams of its own from the client namespace, waits until every one has

@@ -1,5 +1,5 @@
-"""The rehearsal's accounting (``loadtest/rehearsal.py``), pure: the Locust users' per-request
-records (``loadtest/rehearsal_users.py``) and the schedule's event times in, per-event figures and
+"""The rehearsal's accounting (``loadtest/benchmarks/rehearsal.py``), pure: the Locust users' per-request
+records (``loadtest/benchmarks/rehearsal_users.py``) and the schedule's event times in, per-event figures and
 the issue's flat result keys out.
 
 A record's outcome is one of: ``completed``; ``cancelled`` (the client gave up on purpose: Tab's

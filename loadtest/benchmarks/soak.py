@@ -8,7 +8,7 @@ Baseline and end are read at rest (nothing in flight), after a warm-up that fill
 caches; the samples in between give each actor's RSS trend. The CI tier runs 1-2 minutes
 (tests/reliability/test_soak.py); by hand, ten:
 
-    .venv/bin/python -m loadtest.soak [--minutes 10] [--out loadtest/results/soak.json]
+    .venv/bin/python -m loadtest.benchmarks.soak [--minutes 10] [--out loadtest/results/soak.json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from loadtest.common.actor_probe import actor_snapshot, wait_idle
 from loadtest.common.provenance import git_state, provenance
 from loadtest.common.reliability import MIX_SHAPES, Keys, Load, loopback_app
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parents[1] / "results"
 # An engine replica's token server (aiohttp) runs one task per open connection: the gateways keep
 # their connections to it alive between requests (their pools), so at rest each idle pooled
 # connection has its task. Those are counted apart, against the connections the server holds.

@@ -16,7 +16,7 @@ has ``--requests``. Per request: TTFT and the gateway's ``x-llmc-attempts`` / ``
 Upstream, from the engines' and the server's own counters: attempts received, finished, and the
 losing attempts cancelled (a loser not cancelled would finish: ``losers_not_cancelled``).
 
-    python -m loadtest.bench_hedging [--requests 1000] [--legs sim,provider]
+    python -m loadtest.benchmarks.bench_hedging [--requests 1000] [--legs sim,provider]
 
 Writes loadtest/results/hedging.json: the sim leg's ``p99_ttft_ms_no_fault``,
 ``p99_ttft_ms_hedge_off``, ``p99_ttft_ms_hedge_on``, ``extra_request_ratio`` at the top, and every
@@ -38,13 +38,13 @@ import httpx
 
 from cluster.config import ClusterConfig, parse_config
 from cluster.policy.hedging import HedgeConfig
+from loadtest.benchmarks.hedge_bound import hedge_window
 from loadtest.common.client import EventStream
 from loadtest.common.procs import quiet_collector
 from loadtest.common.provenance import git_state, provenance
 from loadtest.common.stats import quantile
-from loadtest.hedge_bound import hedge_window
 
-RESULTS = Path(__file__).parent / "results" / "hedging.json"
+RESULTS = Path(__file__).parents[1] / "results" / "hedging.json"
 SHARE = 0.05  # of calls slow
 FACTOR = 10.0  # slow calls' TTFT against the no-fault median
 VARIANTS = ("no_fault", "hedge_off", "hedge_on")
