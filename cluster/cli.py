@@ -3,9 +3,9 @@
 Each entry names a module and its ``add_<name>_parser(subparsers)``. The core's own (``check``,
 ``k8s``, ``plan``, ``status``) live in ``cluster/``; ``serve``
 (``deployments/launcher/cli_serve.py``), ``lab`` (``deployments/launcher/cli_lab.py``),
-``bench`` (``loadtest/cli_bench.py``) and ``bench-all`` (``loadtest/bench_all.py``) belong to the
-layers above, which the core never imports as code: they are names in this table, loaded when the
-command line is built. A subcommand whose module fails to import fails the command, naming it,
+``bench`` (``loadtest/benchmarks/cli_bench.py``) and ``bench-all`` (``loadtest/benchmarks/bench_all.py``)
+belong to the layers above, which the core never imports as code: they are names in this table, loaded when
+the command line is built. A subcommand whose module fails to import fails the command, naming it,
 instead of silently going missing.
 """
 
@@ -25,8 +25,8 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("cluster.k8s.cli_k8s", "add_k8s_parser"),
     ("cluster.planner.cli_plan", "add_plan_parser"),
     ("cluster.observability.cli_status", "add_status_parser"),
-    ("loadtest.cli_bench", "add_bench_parser"),
-    ("loadtest.bench_all", "add_bench_all_parser"),
+    ("loadtest.benchmarks.cli_bench", "add_bench_parser"),
+    ("loadtest.benchmarks.bench_all", "add_bench_all_parser"),
 )
 
 

@@ -145,7 +145,7 @@ class Autoscaling(Strict):
 class AffinityConfig(Strict):
     """The cache-aware policy's knobs (``routing: cache_aware``); cluster/routing/affinity.py says what
     each does. ``min_match_ratio`` 0.5 and ``new_prefix: home`` are the defaults here (not in the
-    pure AffinityParams) because loadtest/bench_affinity.py measured them better under KV pressure
+    pure AffinityParams) because loadtest/benchmarks/bench_affinity.py measured them better under KV pressure
     and no worse when the contexts fit, behind one gateway replica or two (BENCHMARKS.md, issue 17)."""
 
     min_match_tokens: int = Field(

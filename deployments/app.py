@@ -102,7 +102,7 @@ def build_graph(cfg: ClusterConfig) -> Application:
 
 def gateway_options(cfg: ClusterConfig) -> dict[str, object]:
     """Serve options of the gateway deployment (also given to the overhead benchmark's floor relay,
-    ``loadtest/serve_floor.py``, which must be served exactly as the gateway is)."""
+    ``loadtest/common/serve_floor.py``, which must be served exactly as the gateway is)."""
     actor = {"num_cpus": 0.1, "runtime_env": {"env_vars": GATEWAY_ENV}}
     return {
         "num_replicas": cfg.server.gateway_replicas,

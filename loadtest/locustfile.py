@@ -3,7 +3,7 @@
     locust -f loadtest/locustfile.py --headless -u 30 -r 5 -t 2m --host http://127.0.0.1:8000 \\
         --csv loadtest/results/locust [--llmc-scale 0.2] [TabUser ChatUser AgentUser]
 
-Each user is one person on one surface (request shapes from :mod:`loadtest.surfaces`), sending
+Each user is one person on one surface (request shapes from :mod:`loadtest.common.surfaces`), sending
 ``x-surface`` and ``x-session-id`` (one id per conversation or editing session), waiting its
 surface's think time between requests (closed loop). Chat and Agent users put the real reply in
 their conversation's history; Tab users cancel part of their requests mid-stream (the user kept
@@ -50,9 +50,9 @@ from locust import HttpUser, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `locust -f` from anywhere
 
-from loadtest.client import EventStream
-from loadtest.request_spec import RequestSpec
-from loadtest.surfaces import SHAPES, Session, iter_user_requests
+from loadtest.common.client import EventStream
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.surfaces import SHAPES, Session, iter_user_requests
 
 _OPTS: dict[str, Any] = {}
 _MODEL: dict[str, Any] = {}

@@ -67,14 +67,14 @@ fi
 run "building the $shape random-weight Llama" "$py" -m cluster.engine.tiny_model --shape "$shape" --quiet
 model="$("$py" -m cluster.engine.tiny_model --shape "$shape")"
 cfg="$work/gpu-check.yaml"
-run "writing the cluster config for the GPU" "$py" -m loadtest.gpu_check config --model "$model" \
+run "writing the cluster config for the GPU" "$py" -m loadtest.benchmarks.gpu_check config --model "$model" \
   --gpu-gib "$gib" --shape "$shape" --out "$cfg"
 run "checking it" "$py" -m cluster check --config "$cfg"
 say "$(awk '$1 == "replicas:" {print $2; exit}' "$cfg") vLLM replica(s) on the GPU: $cfg"
 variants="$work/variants.yaml"
-run "writing the affinity variants" "$py" -m loadtest.gpu_check variants --config "$cfg" --out "$variants"
+run "writing the affinity variants" "$py" -m loadtest.benchmarks.gpu_check variants --config "$cfg" --out "$variants"
 
-overhead=("$py" -m loadtest.bench_overhead --vllm --quick --vllm-config "$cfg"
+overhead=("$py" -m loadtest.benchmarks.bench_overhead --vllm --quick --vllm-config "$cfg"
   --out "$results/gpu_overhead.json")
 affinity=("$py" -m cluster bench --variants "$variants" --workload shared-prefix --rate 8
   --duration 45 --out-dir "$work" --tag gpu_affinity --fail-on-error)

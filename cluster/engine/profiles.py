@@ -371,7 +371,7 @@ PROFILES: dict[str, Profile] = {
         # wake from "idle_wake_fit" (a lone request after 0-1,000 ms idle). Step costs only: a
         # real request also spends ~2.4 ms + 0.54 us per prompt token outside the engine core (API
         # frontend, IPC), in its TTFT but not in the step loop; SimBackend adds it with
-        # sim_options extra_latency_s=0.0026, extra_latency_fraction=1. loadtest/engine_fidelity.py
+        # sim_options extra_latency_s=0.0026, extra_latency_fraction=1. loadtest/benchmarks/engine_fidelity.py
         # measures how close all of it comes on a workload the calibration did not see.
         # Engine: vLLM CPU defaults (arg_utils: max_num_batched_tokens 2048, max_num_seqs 128 for
         # the OpenAI server; block_size 128), KV 64 MiB as in the tests (kv_cache_memory_bytes).

@@ -17,7 +17,7 @@ in step, a step then lasts at least the CPU all of them ask for, spread over the
 
 for a step of bare time ``τ`` that decodes ``D`` sequences (one streamed token each). On a GPU the
 host's cores feed the GPU and this bound is far below the GPU's step: leave it out (no
-``host_cpu`` in the backend's config). ``loadtest/calibrate_host.py`` measures the four costs from
+``host_cpu`` in the backend's config). ``loadtest/calibration/calibrate_host.py`` measures the four costs from
 ``/proc`` on a workload of its own; BENCHMARKS.md (capacity planner) says how close the bound came
 on this box and why not closer.
 """

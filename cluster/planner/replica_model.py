@@ -22,7 +22,7 @@ output ``O``) keeps each one for ``k`` prefill chunks and ``O - 1`` decode steps
   host's CPU for CPU engines whose config describes their host: :mod:`cluster.planner.host_cpu`);
   replicas = peak QPS / (X(B*) · (1 - headroom)).
 
-``loadtest/planner_validation.py`` checks these predictions against the engine model.
+``loadtest/benchmarks/planner_validation.py`` checks these predictions against the engine model.
 
 Simplifications: one workload per replica (surfaces sharing a backend are sized apart and their
 fractional replicas summed); prompt and output lengths independent and log-normal when only

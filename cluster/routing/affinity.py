@@ -62,7 +62,7 @@ request does not pin its blocks, so behind a queue of other contexts' misses its
 is evicted before it runs and it misses too; served first, it hits, and its prefill is short
 (shortest job first: the queue drains faster). SGLang reorders its own waiting queue by prefix
 match for the same reason; vLLM's priority policy lets the gateway do it for vLLM.
-loadtest/bench_affinity.py's kv_pressure measured it (BENCHMARKS.md, issue 17). A miss waits
+loadtest/benchmarks/bench_affinity.py's kv_pressure measured it (BENCHMARKS.md, issue 17). A miss waits
 while hits of its surface wait: under a sustained flood of hits it waits longer (admission's
 limits bound the flood), never behind another surface's lower priority.
 """

@@ -15,7 +15,7 @@ tuple hash is a fixed xxHash-style mix, so unlike ``hash(str)`` it does *not* de
 (checked by a test that runs two interpreters with different seeds). It is 64-bit, not
 cryptographic: a collision or a crafted prompt can only mislead a routing hint, never the engine,
 which keeps its own hashes. ``algo="blake2b"`` is the portable alternative (any Python version),
-measured about 3x slower (see loadtest/bench_affinity_micro.py).
+measured about 3x slower (see loadtest/benchmarks/bench_affinity_micro.py).
 
 A request's cache salt (its tenant's cache group, :mod:`cluster.routing.cache_salt`) changes the
 chain's root, as vLLM's ``cache_salt`` enters only the first block's extra keys: every block of a

@@ -28,8 +28,8 @@ against each replica's cache, so each cache is asked to hold about the same shar
 hot, and when the working set exceeds the cluster's KV every replica sheds its own coldest. The
 load bound (applied by the caller) keeps a replica whose homes draw more traffic than its share
 from queueing past the others. Counting traffic instead (blocks *sent*, so a hot context weighs
-as much as several cold ones) placed worse: loadtest/bench_affinity.py's kv_pressure, BENCHMARKS.md.
-Requests, not seconds, are the clock: the decay is then the same on a live cluster and on a
+as much as several cold ones) placed worse: loadtest/benchmarks/bench_affinity.py's kv_pressure,
+BENCHMARKS.md. Requests, not seconds, are the clock: the decay is then the same on a live cluster and on a
 benchmark's virtual clock.
 
 Fed by the engines' ``BlocksQueued`` announcements (every gateway replica sees every request to

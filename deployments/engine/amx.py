@@ -13,8 +13,8 @@ starts without it, so this runs:
 * as a vLLM general plugin (entry point ``vllm.general_plugins`` in pyproject.toml), which vLLM
   loads in every process it starts for an engine (API server, engine core, workers), so the
   plain-vLLM peers of the benchmarks are covered too;
-* explicitly before an engine is built (``deployments/engine/vllm_replica.py``, ``loadtest/real_engine.py``),
-  for a vLLM started with ``VLLM_PLUGINS`` limiting its plugins.
+* explicitly before an engine is built (``deployments/engine/vllm_replica.py``,
+  ``loadtest/common/real_engine.py``), for a vLLM started with ``VLLM_PLUGINS`` limiting its plugins.
 
 A CPU without AMX (or not x86-64 Linux) is left alone. Each process says once what it found.
 """

@@ -1,8 +1,9 @@
 """What happens to a running lab (``deployments/launcher/lab.py``) during a rehearsal, shared by the CI
-acceptance test (tests/integration/lab_rehearsal_check.py) and the benchmark (loadtest/rehearsal.py):
-reading Serve's replicas by node, an in-place upgrade with ``serve deploy`` of a changed
-serveConfigV2, the loss and rejoin of a node, a gateway replica's SIGKILL, and the gateways' own
-status (admission books) read with the pods' internal credential from the client namespace.
+acceptance test (tests/integration/lab_rehearsal_check.py) and the benchmark
+(loadtest/benchmarks/rehearsal.py): reading Serve's replicas by node, an in-place upgrade with
+``serve deploy`` of a changed serveConfigV2, the loss and rejoin of a node, a gateway replica's SIGKILL,
+and the gateways' own status (admission books) read with the pods' internal credential from the client
+namespace.
 
 Each event function fills ``events`` (wall-clock times, ``time.time()``, to set beside the load's
 records) and returns once the lab is back to full strength, or raises ``LabError`` on a timeout.

@@ -23,7 +23,7 @@ from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.wire.requests import prompt_ids
 from fixtures.servers.anthropic_server import AnthropicServer
 from fixtures.servers.openai_server import OpenAIServer
-from loadtest.reliability import provider_backend
+from loadtest.common.reliability import provider_backend
 from tests.unit.test_capabilities import SAMPLES, _api
 
 pytestmark = pytest.mark.integration

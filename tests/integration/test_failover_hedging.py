@@ -19,7 +19,7 @@ from deployments.internal import debug_ids_headers
 from fixtures.replicas import kill_replica
 from fixtures.servers.anthropic_server import AnthropicServer
 from fixtures.servers.openai_server import OpenAIServer
-from loadtest.reliability import provider_backend
+from loadtest.common.reliability import provider_backend
 from tests.streamread import take_data_line
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from deployments.gateway import haproxy_errors
-from loadtest.actor_probe import gateway_counters, replica_ids
+from loadtest.common.actor_probe import gateway_counters, replica_ids
 from tests.integration.test_dataplane import MODEL, STALL_MODEL, _dp_cfg, _wait
 from tests.rawhttp import RawRequest
 

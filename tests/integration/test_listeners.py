@@ -30,7 +30,7 @@ from cluster.config import load_config
 from deployments.internal import internal_token
 from deployments.launcher import local
 from deployments.launcher.haproxy_launch import MARK, Limits, install
-from loadtest.actor_probe import find_in_logs, log_dir
+from loadtest.common.actor_probe import find_in_logs, log_dir
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.reliability import Keys, export_provider_key, new_secret, reliability_config
+from loadtest.common.reliability import Keys, export_provider_key, new_secret, reliability_config
 
 APP = "llmc-rel"
 PREFIX = "/rel"

@@ -12,9 +12,9 @@ from collections import Counter
 
 import pytest
 
-from loadtest.actor_probe import gateway_counters, provider_totals, wait_idle
-from loadtest.faults import provider_accounting
-from loadtest.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, Load
+from loadtest.benchmarks.faults import provider_accounting
+from loadtest.common.actor_probe import gateway_counters, provider_totals, wait_idle
+from loadtest.common.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, Load
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

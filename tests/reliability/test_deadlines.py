@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from loadtest.reliability import STALL, SURFACE_DEADLINE_S
+from loadtest.common.reliability import STALL, SURFACE_DEADLINE_S
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

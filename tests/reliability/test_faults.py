@@ -1,5 +1,5 @@
-"""Faults under load (the short form of ``loadtest/faults.py``): a gateway replica killed, an engine
-replica killed, a provider stalling mid-stream, 429/500/529 windows. Nobody hangs, every error is an
+"""Faults under load (the short form of ``loadtest/benchmarks/faults.py``): a gateway replica killed, an
+engine replica killed, a provider stalling mid-stream, 429/500/529 windows. Nobody hangs, every error is an
 OpenAI error, the cluster serves normally again, and the books balance: each gateway replica's
 counters, and the tokens the providers counted against the usage our clients were given."""
 
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
-from loadtest.faults import FAULTS, LONG, SHORT, markdown, public, run_faults
+from loadtest.benchmarks.faults import FAULTS, LONG, SHORT, markdown, public, run_faults
+from loadtest.common.actor_probe import find_in_logs, log_dir, metrics_text
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

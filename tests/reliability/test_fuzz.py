@@ -17,8 +17,8 @@ import socket
 import httpx
 import pytest
 
-from loadtest.actor_probe import gateway_counters, wait_idle
-from loadtest.reliability import CLAUDE, MIX, is_openai_error, our_id
+from loadtest.common.actor_probe import gateway_counters, wait_idle
+from loadtest.common.reliability import CLAUDE, MIX, is_openai_error, our_id
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

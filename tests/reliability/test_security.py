@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from loadtest.actor_probe import find_in_logs, log_dir, metrics_text
-from loadtest.reliability import CLAUDE, MIX, SIM_BACKEND, is_openai_error
+from loadtest.common.actor_probe import find_in_logs, log_dir, metrics_text
+from loadtest.common.reliability import CLAUDE, MIX, SIM_BACKEND, is_openai_error
 
 pytestmark = [pytest.mark.reliability, pytest.mark.integration]
 

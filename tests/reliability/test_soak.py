@@ -1,5 +1,5 @@
-"""Soak (the CI length of ``loadtest/soak.py``; ``LLMC_LONG=1`` runs ten minutes): a steady moderate
-load of mixed surfaces, then every actor of the app back at rest is compared with its baseline: no
+"""Soak (the CI length of ``loadtest/benchmarks/soak.py``; ``LLMC_LONG=1`` runs ten minutes): a steady
+moderate load of mixed surfaces, then every actor of the app back at rest is compared with its baseline: no
 asyncio task, socket or descriptor left behind, the gateways' per-request tables empty again (each
 routing view's in-flight entries, each provider adapter's flights) and their other tables within
 their bounds, no engine stream left open, resident memory within a small bound, and the counters
@@ -13,8 +13,8 @@ import os
 import pytest
 
 from cluster.routing.affinity import REASONS
-from loadtest.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
-from loadtest.soak import counted_tasks, run_soak
+from loadtest.benchmarks.soak import counted_tasks, run_soak
+from loadtest.common.reliability import ANTHROPIC_BACKEND, OPENAI_BACKEND, SIM_BACKEND, STALL_BACKEND
 
 SELF_HOSTED = {SIM_BACKEND: 2, STALL_BACKEND: 1}  # backend -> replicas (reliability_config)
 PROVIDERS = (OPENAI_BACKEND, ANTHROPIC_BACKEND)
@@ -27,7 +27,7 @@ DURATION_S = 600 if LONG else 30  # CI: 200-330 requests, enough for a leak per 
 # Per actor, baseline at rest to end at rest. Measured: a gateway grows about 18 MB in 5 minutes
 # (0.8-1.0 MB/min in the second half, both runs; its routing index and session tables fill up to
 # their bounds, which these figures cannot tell from a slow leak); engines and Serve's actors 2-5 MB.
-# A CI-length run cannot resolve 1 MB/min against that noise: loadtest/soak.py reports the slope.
+# A CI-length run cannot resolve 1 MB/min against that noise: loadtest/benchmarks/soak.py reports the slope.
 RSS_BOUND_MB = 60 if LONG else 30
 WORKERS = 4  # the load's concurrency
 

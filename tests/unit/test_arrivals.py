@@ -1,5 +1,6 @@
-"""Arrival processes and trace replay (loadtest/arrivals.py), the per-surface request shapes built
-on them (loadtest/surfaces.py) and the benchmark runner's pure statistics (loadtest/runner.py)."""
+"""Arrival processes and trace replay (loadtest/common/arrivals.py), the per-surface request shapes
+built on them (loadtest/common/surfaces.py) and the benchmark runner's pure statistics
+(loadtest/common/runner.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import random
 
 import pytest
 
-from loadtest import arrivals
-from loadtest.request_spec import RequestSpec
-from loadtest.runner import (
+from loadtest.common import arrivals
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.runner import (
     Result,
     goodput,
     histogram_quantiles,
@@ -22,7 +23,7 @@ from loadtest.runner import (
     server_summary,
     summarize,
 )
-from loadtest.surfaces import SHAPES, Session, parse_mix, schedule
+from loadtest.common.surfaces import SHAPES, Session, parse_mix, schedule
 
 
 # --- arrival processes ------------------------------------------------------------------------------
@@ -287,7 +288,14 @@ def test_trace_records_are_json_plain() -> None:
 def test_variants_overrides_and_report(tmp_path) -> None:
     import argparse
 
-    from loadtest.cli_bench import Variant, add_bench_parser, coerce_spec, load_variants, markdown, set_path
+    from loadtest.benchmarks.cli_bench import (
+        Variant,
+        add_bench_parser,
+        coerce_spec,
+        load_variants,
+        markdown,
+        set_path,
+    )
 
     raw = {"backends": [{"routing": "cache_aware"}], "server": {}}
     set_path(raw, "backends.0.routing", "round_robin")

@@ -3,7 +3,7 @@ row says which run measured it."""
 
 from __future__ import annotations
 
-from loadtest.bench_affinity import merge_policies, stamp_runs
+from loadtest.benchmarks.bench_affinity import merge_policies, stamp_runs
 
 PROV = {
     "git_commit": "abc",
@@ -11,7 +11,7 @@ PROV = {
     "timestamp": "2026-12-03T07:00:00+00:00",
     "load_average_before": [1.0, 1.0, 1.0],
     "load_average_after": [2.0, 1.0, 1.0],
-    "command": "python -m loadtest.bench_affinity",
+    "command": "python -m loadtest.benchmarks.bench_affinity",
 }
 
 

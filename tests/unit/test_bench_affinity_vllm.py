@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest import bench_affinity_vllm as b
-from loadtest.ray_llm_peer import _REPLICA, _SERIES
+from loadtest.benchmarks import bench_affinity_vllm as b
+from loadtest.common.ray_llm_peer import _REPLICA, _SERIES
 
 
 def test_unlimited_kv_counts_whole_blocks_seen_before() -> None:

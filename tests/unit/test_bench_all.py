@@ -1,4 +1,4 @@
-"""``loadtest.bench_all``'s plan and its running logic, without running a benchmark: every result
+"""``loadtest.benchmarks.bench_all``'s plan and its running logic, without running a benchmark: every result
 file has a step (or a reason it has none), every script that writes one is a step, each step's
 options are its script's, the quick plan fits the ~40 minutes, a failed step does not stop the
 next, the load average is read around each, and a step past its limit is ended with its children."""
@@ -13,21 +13,35 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import bench_all
-from loadtest.bench_all import NOT_RERUN, STEPS, failed, plan, run_process, run_steps
+from loadtest.benchmarks import bench_all
+from loadtest.benchmarks.bench_all import NOT_RERUN, STEPS, failed, plan, run_process, run_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 LOADTEST = ROOT / "loadtest"
-# Scripts that write under loadtest/results but are not steps, and why.
+# Scripts that write under loadtest/results but are not steps, and why (paths under loadtest/).
 NOT_STEPS = {
-    "cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
-    "gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
-    "bench_all.py": "this runner",
-    "bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
+    "benchmarks/cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
+    "benchmarks/gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
+    "benchmarks/bench_all.py": "this runner",
+    "tables/bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
     "locustfile.py": "Locust's CSVs and summary where its caller says, on no table of the page",
-    "calibrate_host.py": "by hand: configs/local.yaml carries its coefficients (bench_all.NOT_RERUN)",
-    "rehearsal.py": "by hand, as root (network namespaces), ~15 min: past the quick plan's 45 (NOT_RERUN)",
+    "calibration/calibrate_host.py": (
+        "by hand: configs/local.yaml carries its coefficients (bench_all.NOT_RERUN)"
+    ),
+    "benchmarks/rehearsal.py": (
+        "by hand, as root (network namespaces), ~15 min: past the quick plan's 45 (NOT_RERUN)"
+    ),
 }
+
+
+def modules() -> set[str]:
+    """Every module in loadtest/ and its packages, as its path under loadtest/."""
+    return {p.relative_to(LOADTEST).as_posix() for p in LOADTEST.rglob("*.py")}
+
+
+def source(module: str) -> Path:
+    """A step's module as its file: ``loadtest.a.b`` is loadtest/a/b.py."""
+    return ROOT / (module.replace(".", "/") + ".py")
 
 
 def test_every_result_file_is_rewritten_by_a_step_or_says_why_not() -> None:
@@ -38,21 +52,19 @@ def test_every_result_file_is_rewritten_by_a_step_or_says_why_not() -> None:
 
 
 def test_every_script_that_writes_a_result_file_is_a_step() -> None:
-    steps = {s.module.removeprefix("loadtest.") + ".py" for s in STEPS}
-    writers = {
-        p.name
-        for p in LOADTEST.glob("*.py")
-        if re.search(r"\bresults\b", p.read_text()) and "write_text" in p.read_text()
-    }
+    steps = {source(s.module).relative_to(LOADTEST).as_posix() for s in STEPS}
+    text = {p: (LOADTEST / p).read_text() for p in modules()}
+    writers = {p for p, t in text.items() if re.search(r"\bresults\b", t) and "write_text" in t}
     assert writers - steps - set(NOT_STEPS) == set()
-    assert steps <= {p.name for p in LOADTEST.glob("*.py")}
+    assert steps <= modules()
+    assert set(NOT_STEPS) <= modules()  # each exception names a module that is there
 
 
 @pytest.mark.parametrize("step", STEPS, ids=lambda s: s.name)
 def test_each_steps_options_are_its_scripts(step: bench_all.Step) -> None:
-    source = (LOADTEST / (step.module.removeprefix("loadtest.") + ".py")).read_text()
+    text = source(step.module).read_text()
     for opt in {a for a in (*step.full, *(step.quick or ())) if a.startswith("--")}:
-        assert f'"{opt}"' in source, f"{step.module} has no option {opt}"
+        assert f'"{opt}"' in text, f"{step.module} has no option {opt}"
 
 
 def test_the_quick_plan_fits_forty_five_minutes_and_full_is_never_smaller() -> None:
@@ -86,9 +98,14 @@ def test_a_failed_step_does_not_stop_the_next_and_load_is_read_around_each() -> 
     records = run_steps(steps, full=False, run=run, loadavg=lambda: next(loads), clock=lambda: next(clock))
     assert [r.step for r in records] == ["planner", "faults", "soak"]
     assert [c[2:] for c in ran] == [
-        ["loadtest.planner_validation", "--quick", "--host-calibration", "loadtest/results/host_cpu.json"],
-        ["loadtest.faults", "--markdown"],
-        ["loadtest.soak", "--minutes", "0.75"],
+        [
+            "loadtest.benchmarks.planner_validation",
+            "--quick",
+            "--host-calibration",
+            "loadtest/results/host_cpu.json",
+        ],
+        ["loadtest.benchmarks.faults", "--markdown"],
+        ["loadtest.benchmarks.soak", "--minutes", "0.75"],
     ]
     assert [(r.load_average_before[0], r.load_average_after[0]) for r in records] == [(1, 2), (3, 4), (5, 6)]
     assert failed(records) == ["faults", "soak"]
@@ -128,8 +145,8 @@ def test_a_step_past_its_limit_is_ended_with_its_children(tmp_path: Path) -> Non
 @pytest.mark.parametrize("module", sorted({s.module for s in STEPS}))
 def test_each_step_records_its_provenance(module: str) -> None:
     """Each result file says what it measured: commit, load average before and after, machine."""
-    source = (LOADTEST / (module.removeprefix("loadtest.") + ".py")).read_text()
-    assert "provenance(" in source and "git_state()" in source
+    text = source(module).read_text()
+    assert "provenance(" in text and "git_state()" in text
 
 
 def test_the_planner_predicts_with_the_host_costs_measured_just_before_it() -> None:

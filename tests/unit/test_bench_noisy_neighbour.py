@@ -3,7 +3,7 @@ refusal came, the per-tenant figures and the admission checks summed over gatewa
 
 from __future__ import annotations
 
-from loadtest.bench_noisy_neighbour import (
+from loadtest.benchmarks.bench_noisy_neighbour import (
     admission_checks,
     allowance,
     b_tab_p99_ratio,
@@ -12,8 +12,8 @@ from loadtest.bench_noisy_neighbour import (
     tenant_load,
     variant_config,
 )
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, _request
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import Result, _request
 
 
 def test_each_tenant_gets_its_own_sessions_and_header() -> None:
@@ -114,7 +114,7 @@ def test_the_ratio_is_bs_tab_p99_with_the_flood_over_alone() -> None:
 
 
 def test_slices_tell_the_floods_start_from_the_rest() -> None:
-    from loadtest.bench_noisy_neighbour import slices
+    from loadtest.benchmarks.bench_noisy_neighbour import slices
 
     def at(i: int, sent: float, surface: str, status: int, ttft: float | None = None) -> Result:
         r = Result(i, f"s{i}", surface, sent_s=sent, status=status, ttft_s=ttft)
@@ -135,7 +135,7 @@ def test_slices_tell_the_floods_start_from_the_rest() -> None:
 
 
 def test_the_slowest_tab_requests_say_where_their_time_went() -> None:
-    from loadtest.bench_noisy_neighbour import slowest_tab
+    from loadtest.benchmarks.bench_noisy_neighbour import slowest_tab
 
     def at(sent: float, surface: str, tenant: str, ttft: float | None, timing: str | None = None) -> tuple:
         r = Result(0, "s", surface, sent_s=sent, status=200, ttft_s=ttft, replica="r1")
@@ -161,7 +161,7 @@ def test_the_slowest_tab_requests_say_where_their_time_went() -> None:
 def test_a_probe_of_some_variants_needs_agents_capacity() -> None:
     import pytest
 
-    from loadtest.bench_noisy_neighbour import parse_args
+    from loadtest.benchmarks.bench_noisy_neighbour import parse_args
 
     assert parse_args([]).variants == ["off", "on", "on_short_burst"]
     assert parse_args(["--variants", "on_short_burst", "--capacity", "11.5"]).variants == ["on_short_burst"]
@@ -171,7 +171,7 @@ def test_a_probe_of_some_variants_needs_agents_capacity() -> None:
 
 
 def test_prefill_avoidance_is_counted_over_a_gateways_backends() -> None:
-    from loadtest.bench_noisy_neighbour import avoided_prefill
+    from loadtest.benchmarks.bench_noisy_neighbour import avoided_prefill
 
     status = {"routing": {"sim-shared": {"avoided_prefill": 5}, "other": {"avoided_prefill": 2}}}
     assert avoided_prefill(status) == 7

@@ -15,10 +15,10 @@ from openai import AsyncOpenAI
 
 from cluster.config import load_config, parse_config
 from deployments.providers.provider_http import aclose_shared_session
-from loadtest import bench_overhead as bo
-from loadtest import fake_upstream as fu
-from loadtest import overhead_client as oc
-from loadtest import overhead_stats as ostats
+from loadtest.benchmarks import bench_overhead as bo
+from loadtest.common import fake_upstream as fu
+from loadtest.common import overhead_client as oc
+from loadtest.common import overhead_stats as ostats
 
 # --- statistics --------------------------------------------------------------------------------------
 
@@ -289,8 +289,8 @@ async def test_fake_upstream_raw_bytes_non_stream_and_worker_probes() -> None:
 
 
 async def test_the_floor_relay_passes_the_upstreams_bytes_through_unchanged() -> None:
-    """loadtest.serve_floor's app (without Ray): the body to the upstream, every byte back as sent."""
-    from loadtest.serve_floor import PassThrough
+    """loadtest.common.serve_floor's app (without Ray): the body to the upstream, every byte back as sent."""
+    from loadtest.common.serve_floor import PassThrough
 
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     async with serving() as upstream, aiohttp.ClientSession() as s:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loadtest.bench_overload_shared import phase_report, variant_config
-from loadtest.sim_live import Result
+from loadtest.benchmarks.bench_overload_shared import phase_report, variant_config
+from loadtest.common.sim_live import Result
 
 
 def test_variants_differ_only_in_engine_priority_the_guard_and_prefill_avoidance() -> None:
@@ -58,8 +58,8 @@ def test_vllm_shapes_fit_the_tiny_models_context() -> None:
     """Agent's longest prompt plus its output stays inside the tiny model's 2,048 tokens, and
     Tab's prompts are short: the shapes of the issue's trial."""
     from cluster.tokens import load
-    from loadtest.bench_overload import workloads
-    from loadtest.bench_overload_shared import VLLM_SHAPES
+    from loadtest.benchmarks.bench_overload import workloads
+    from loadtest.benchmarks.bench_overload_shared import VLLM_SHAPES
 
     cfg = variant_config("on", "vllm")
     window = cfg.models[0].context_window
@@ -83,7 +83,7 @@ async def test_the_floor_probe_times_each_answer_beside_the_work_and_stops_with_
 
     from aiohttp import web
 
-    from loadtest.bench_overload_shared import with_floor_probe
+    from loadtest.benchmarks.bench_overload_shared import with_floor_probe
 
     hits = {"ok": 0, "bad": 0}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_prefill_avoid import THRESHOLD, WORKLOADS, load, parse_args, replay
+from loadtest.benchmarks.bench_prefill_avoid import THRESHOLD, WORKLOADS, load, parse_args, replay
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_the_workloads_differ_in_agents_prefills() -> None:
 def test_two_gateways_gain_only_when_every_engines_count_is_shared_at_once(
     long_context: tuple[list, list],
 ) -> None:
-    from loadtest.bench_prefill_avoid import engine_prefill
+    from loadtest.benchmarks.bench_prefill_avoid import engine_prefill
 
     specs, ids = long_context
     own = replay(specs, ids, THRESHOLD, 2)
@@ -56,7 +56,7 @@ def test_two_gateways_gain_only_when_every_engines_count_is_shared_at_once(
     assert fresh["tab"]["ttft_p99_ms"] <= own["tab"]["ttft_p99_ms"]
 
     from cluster.engine.model import EngineModel
-    from loadtest.bench_prefill_avoid import profile
+    from loadtest.benchmarks.bench_prefill_avoid import profile
 
     e = EngineModel(profile(), scheduling_policy="priority")
     e.add_request("a", list(range(1, 3001)), 4)

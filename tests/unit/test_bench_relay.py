@@ -1,5 +1,5 @@
-"""The relay benchmark's pure parts (loadtest/bench_relay.py): a leg's figures from its batches, the
-flat keys against the direct leg, the goals against the peer, and the paced fake upstream."""
+"""The relay benchmark's pure parts (loadtest/benchmarks/bench_relay.py): a leg's figures from its batches,
+the flat keys against the direct leg, the goals against the peer, and the paced fake upstream."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 
-from loadtest import bench_relay as br
-from loadtest.fake_upstream import build_app
+from loadtest.benchmarks import bench_relay as br
+from loadtest.common.fake_upstream import build_app
 
 
 def _batch(ttft: float, gaps: list[float], chunks: int, wall: float, cpu: dict[str, float]) -> br.LongBatch:

@@ -1,5 +1,5 @@
 """Every figure in BENCHMARKS.md's tables comes from a result file: each table sits in a marked
-region that is exactly what ``loadtest.bench_tables`` renders from the files (so a hand-edited
+region that is exactly what ``loadtest.tables.bench_tables`` renders from the files (so a hand-edited
 figure fails here), no table lies outside a region, and every number in a rendered data cell is a
 number of the result files that table reads, at the cell's own rounding (so a renderer cannot
 carry a figure of its own either)."""
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from loadtest import tables_results
-from loadtest.bench_tables import BENCHMARKS_MD, REGION, RESULTS_MD, TABLES, regions, render, rewrite
-from loadtest.table_format import CommitMissing, Results
+from loadtest.tables import tables_results
+from loadtest.tables.bench_tables import BENCHMARKS_MD, REGION, RESULTS_MD, TABLES, regions, render, rewrite
+from loadtest.tables.table_format import CommitMissing, Results
 
 TEXT = BENCHMARKS_MD.read_text()
 RESULTS = Results()
@@ -41,7 +41,7 @@ def _render(name: str, results: Results) -> str:
 def test_every_marked_table_is_what_its_result_files_render(name: str) -> None:
     assert regions(TEXT).get(name) == _render(name, RESULTS), (
         f"BENCHMARKS.md's table '{name}' differs from its result files. A table's figures come from "
-        "loadtest/results/*.json: run python -m loadtest.bench_tables (never edit a figure by hand)"
+        "loadtest/results/*.json: run python -m loadtest.tables.bench_tables (never edit a figure by hand)"
     )
 
 
@@ -141,7 +141,8 @@ RESULTS_TEXT = RESULTS_MD.read_text()
 @pytest.mark.parametrize("name", sorted(tables_results.TABLES))
 def test_every_results_md_table_is_what_its_result_files_render(name: str) -> None:
     assert regions(RESULTS_TEXT).get(name) == render(name, RESULTS, tables_results.TABLES), (
-        f"RESULTS.md's table '{name}' differs from its result files: run python -m loadtest.bench_tables"
+        f"RESULTS.md's table '{name}' differs from its result files: "
+        "run python -m loadtest.tables.bench_tables"
     )
 
 

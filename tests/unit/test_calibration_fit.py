@@ -1,5 +1,5 @@
-"""The calibration's pure fitting math (loadtest/calibrate_engine.py) and the fidelity benchmark's
-pure comparison (loadtest/engine_fidelity.py), on synthetic data: no engine, fast."""
+"""The calibration's pure fitting math (loadtest/calibration/calibrate_engine.py) and the fidelity benchmark's
+pure comparison (loadtest/benchmarks/engine_fidelity.py), on synthetic data: no engine, fast."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from cluster.engine.profiles import BatchShape, LinearStepTime, get_profile
-from loadtest.engine_fidelity import make_workload, replay_sim
-from loadtest.fidelity_stats import Observed, compare, quantile
-from loadtest.step_time_fit import (
+from loadtest.benchmarks.engine_fidelity import make_workload, replay_sim
+from loadtest.calibration.fidelity_stats import Observed, compare, quantile
+from loadtest.calibration.step_time_fit import (
     COLUMNS,
     EXTENDED_FORM,
     SHIPPED_FORM,
@@ -279,7 +279,7 @@ def test_idle_wake_fit_of_a_flat_curve_is_no_wake() -> None:
 def test_loaded_trace_fit_recovers_the_scale_and_offset_it_was_made_with() -> None:
     """A trace the model itself produced with steps 12 % slower and requests 0.5 ms later: the
     replay fit finds both (and starts from a worse place)."""
-    from loadtest.replay_fit import ScaledStepTime, TraceRequest, fit_loaded, replay
+    from loadtest.calibration.replay_fit import ScaledStepTime, TraceRequest, fit_loaded, replay
 
     coefficients = {**TRUE_SHIPPED, "request_latency_s": 1.5e-3, "request_latency_s_per_token": 5e-7}
     wake = {"idle_wake_s": 2e-3, "idle_wake_from_s": 0.005, "idle_wake_to_s": 0.05, "warm_offset_s": 0.0}

@@ -13,7 +13,7 @@ import yaml
 
 from cluster.config import ClusterConfig
 from cluster.engine.tiny_model import GEOMETRY, SHAPES, kv_geometry, llama_config, param_count
-from loadtest.gpu_check import affinity_variants, gpu_config, plan_replicas
+from loadtest.benchmarks.gpu_check import affinity_variants, gpu_config, plan_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
 

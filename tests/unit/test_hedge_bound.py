@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.hedge_bound import hedge_window
-from loadtest.table_format import Results
+from loadtest.benchmarks.hedge_bound import hedge_window
+from loadtest.tables.table_format import Results
 
 
 def test_a_tight_tail_leaves_no_delay_that_meets_the_goal() -> None:

@@ -241,9 +241,9 @@ def test_gpu_pods_are_counted_for_the_machine_to_refuse() -> None:
 
 
 def test_the_rehearsals_vllm_node_config_pins_one_engine_kind_per_pod(tmp_path: Path) -> None:
-    """``loadtest.rehearsal --vllm-node``: configs/local.yaml's vLLM-CPU backend beside the sim
+    """``loadtest.benchmarks.rehearsal --vllm-node``: configs/local.yaml's vLLM-CPU backend beside the sim
     engines on one route and one model, each held to its own engine pod."""
-    from loadtest import rehearsal
+    from loadtest.benchmarks import rehearsal
 
     cfg = rehearsal.rehearsal_config("http://10.213.0.2:18101/v1", vllm=True)
     path = tmp_path / "config.yaml"

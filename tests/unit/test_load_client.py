@@ -1,4 +1,4 @@
-"""The load tests' one SSE reader (loadtest/client.py, on the project's SSE decoder) and the runner's
+"""The load tests' one SSE reader (loadtest/common/client.py, on the project's SSE decoder) and the runner's
 timing of one streamed request over it, against canned byte streams split at awkward places."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from loadtest.client import EventStream
-from loadtest.request_spec import RequestSpec
-from loadtest.runner import stream_one
+from loadtest.common.client import EventStream
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.runner import stream_one
 
 
 def _sse(*objs: object, done: bool = True) -> bytes:

@@ -1,4 +1,4 @@
-"""The real planner validation's deployment config (loadtest/planner_real.py): the host's CPU
+"""The real planner validation's deployment config (loadtest/benchmarks/planner_real.py): the host's CPU
 costs come from a calibration of this machine when one is given, else from configs/local.yaml."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest.planner_real import KV_BYTES, real_config
+from loadtest.benchmarks.planner_real import KV_BYTES, real_config
 
 
 def test_host_costs_come_from_the_calibration_given(tmp_path: Path) -> None:

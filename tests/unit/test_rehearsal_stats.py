@@ -1,11 +1,11 @@
-"""The rehearsal's per-event accounting (loadtest/rehearsal_stats.py): outcomes, windows and the
+"""The rehearsal's per-event accounting (loadtest/benchmarks/rehearsal_stats.py): outcomes, windows and the
 issue's flat keys from hand-made records and events."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loadtest import rehearsal_stats as rs
+from loadtest.benchmarks import rehearsal_stats as rs
 
 
 def rec(t0: float, t_end: float, surface: str = "chat", **kw: Any) -> dict[str, Any]:

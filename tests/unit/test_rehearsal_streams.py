@@ -1,11 +1,11 @@
-"""The node-loss event's own long streams (loadtest/rehearsal_streams.py): reading a stream's
+"""The node-loss event's own long streams (loadtest/benchmarks/rehearsal_streams.py): reading a stream's
 lines, picking the node that holds most of them, and counting the ones in flight on the lost node
 at the kill (completed, token for token the reference's, hung) from hand-made streams."""
 
 from __future__ import annotations
 
-from loadtest import rehearsal_stats as rs
-from loadtest.rehearsal_streams import Seen, _line, body, busiest_node, tally
+from loadtest.benchmarks import rehearsal_stats as rs
+from loadtest.benchmarks.rehearsal_streams import Seen, _line, body, busiest_node, tally
 
 
 def done(replica: str, ids: list[int], t0: float = 0.0, t_end: float = 20.0) -> Seen:
@@ -67,7 +67,7 @@ def test_flat_keys_add_the_events_streams() -> None:
 
 
 def test_the_kill_waits_for_streams_in_flight_on_one_node() -> None:
-    from loadtest.rehearsal_streams import LongStreams
+    from loadtest.benchmarks.rehearsal_streams import LongStreams
 
     ls = LongStreams(lambda fn, t: fn(), ["http://x"], "t", "m", n=4)
     node_of = {"a": "engine-0", "b": "engine-1"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from loadtest.fake_upstream import build_app
-from loadtest.request_spec import RequestSpec
-from loadtest.sim_live import Result, session, stream_chat, warm_up
+from loadtest.common.fake_upstream import build_app
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.sim_live import Result, session, stream_chat, warm_up
 
 
 async def _serve(chunks: int = 1, app: web.Application | None = None) -> tuple[web.AppRunner, int]:
@@ -52,7 +52,7 @@ async def test_stream_chat_records_ttft_tokens_usage_and_finish() -> None:
 
 
 async def test_open_connections_leaves_that_many_keep_alive_connections_in_the_pool() -> None:
-    from loadtest.sim_live import open_connections
+    from loadtest.common.sim_live import open_connections
 
     peers: set[int] = set()
 

@@ -1,4 +1,4 @@
-"""Workload generators (loadtest/workloads.py): seeded, pure, shaped as asked."""
+"""Workload generators (loadtest/common/workloads.py): seeded, pure, shaped as asked."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from loadtest.request_spec import RequestSpec
-from loadtest.workloads import (
+from loadtest.common.request_spec import RequestSpec
+from loadtest.common.workloads import (
     VOCAB,
     SharedPrefixWorkload,
     merge,

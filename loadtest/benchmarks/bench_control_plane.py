@@ -1,0 +1,790 @@
+"""The KV-event control plane at fleet scale (issue 42): N engines' events into M gateways' indexes.
+
+A simulation, since a fleet does not fit on 2 cores. A script, not a test:
+``python -m loadtest.benchmarks.bench_control_plane [--quick]`` writes
+``loadtest/results/control_plane.json``.
+
+Engines (``EngineSource``): what one replica of a GPU profile (``cluster/engine/profiles.py``,
+default ``llama-3.1-8b-h100``) publishes at a stated utilisation: one ``KVEventBatch`` per engine
+step; ``BlockStored`` for the blocks its prefill and decode compute (runs of blocks chained to a
+parent, 16 token ids a block, vLLM's 64-bit engine hashes), as many ``BlockRemoved`` once its cache
+is full (KV pressure: a steady state stores as much as it evicts), and a ``BlocksQueued`` for each
+arriving request (its whole prompt's router hashes: agent contexts that recur, prefix reuse). The
+engine replica's server (``KVEventEndpoint``) turns them into what it publishes: the router's
+hashes of the anchors alone (``affinity.claim_stride_blocks``, ``cluster/routing/event_hashes.py``).
+
+Transport: in-process, on a virtual clock. Each engine appends to a real ``KVEventLog``; each of
+the M gateways asks each engine for its page every ``MIN_POLL_S`` as ``deployments/gateway/kv_feed.py``
+does (under load an engine has new events at every step, so the long poll answers at once): the
+engine side runs ``KVEventLog.since`` + ``page_to_wire`` + ``json.dumps`` (what
+``kv_endpoint``'s ``web.json_response`` does), the gateway side ``page_from_json``
++ ``BackendView.apply_kv_page`` + ``FeedCursor.advance`` (what ``kv_feed`` does after
+``resp.read()``) on the gateway's own ``BackendView``/``AffinityRouter`` (the classes and config
+defaults the gateway builds). Both sides' CPU is ``time.thread_time`` of that work, divided by the
+virtual seconds simulated: CPU seconds per wall second at the real rates. A gateway is one event
+loop: a single-server queue whose service times are the measured CPU times, which gives the event
+-> index lag (event's step end -> its page applied). The HTTP layer itself (aiohttp's request
+handling on both sides) is measured apart, on loopback with the real ``KVEventEndpoint`` and
+``KVEventFeed`` (``--http``), and added per poll.
+
+Index memory (a ``sys.getsizeof`` walk of the router's structures) and the routing decision
+(``BackendView.choose`` with N live replicas) are measured at the steady-state size, the index
+filled directly to what full caches hold (``min(index_capacity_blocks, N x KV blocks)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import heapq
+import inspect
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cluster.config import AffinityConfig
+from cluster.engine import kv_events
+from cluster.engine.kv_events import (
+    BlockRemoved,
+    BlocksQueued,
+    BlockStored,
+    FeedCursor,
+    KVEventBatch,
+    KVEventLog,
+    KVEventPage,
+    page_from_wire,
+    page_to_wire,
+)
+from cluster.engine.profiles import BatchShape, Profile, get_profile
+from cluster.policy.failover import ReplicaEjector
+from cluster.routing.affinity import AffinityParams, AffinityRouter
+from cluster.routing.block_hash import BlockHasher
+from cluster.routing.view import BackendView, ReplicaInfo
+from deployments.engine.kv_endpoint import KVEventEndpoint
+from deployments.gateway.kv_feed import MIN_POLL_S
+from loadtest.common.provenance import git_state, provenance, write_report
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+TOKEN = "bench-token"
+BLOCK = 16
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+# -- what one engine publishes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rates:
+    """One engine's event rates, from its profile at a utilisation (see ``engine_rates``)."""
+
+    step_s: float
+    computed_tokens_per_s: float
+    stored_blocks_per_s: float
+    requests_per_s: float
+    prompt_blocks: int
+    reuse: float
+
+    def scaled(self, k: float) -> Rates:
+        """The same engine at ``k`` times the rates (same steps, fewer tokens and requests)."""
+        return dataclasses.replace(
+            self,
+            computed_tokens_per_s=self.computed_tokens_per_s * k,
+            stored_blocks_per_s=self.stored_blocks_per_s * k,
+            requests_per_s=self.requests_per_s * k,
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(float(v), 4) for k, v in self.__dict__.items()}
+
+
+def engine_rates(
+    profile: Profile, utilisation: float, prompt_tokens: int, reuse: float, decode_seqs: int
+) -> Rates:
+    """A step that fills ``utilisation`` of the token budget with prefill of ``prompt_tokens``
+    prompts (``reuse`` of each cached: only the rest is computed and stored) next to
+    ``decode_seqs`` decoding sequences; rates are per second of such steps."""
+    e = profile.engine
+    chunk = int(e.max_num_batched_tokens * utilisation)
+    ctx = prompt_tokens // 2  # a chunk's average context so far
+    shape = BatchShape(
+        prefill_tokens=chunk,
+        decode_tokens=decode_seqs,
+        kv_read_tokens=chunk + ctx + decode_seqs * prompt_tokens,
+        attn_pairs=chunk * (ctx + chunk // 2) + decode_seqs * prompt_tokens,
+    )
+    step_s = profile.step_time_model().step_time(shape)
+    computed = (chunk + decode_seqs) / step_s
+    requests = chunk / step_s / (prompt_tokens * (1 - reuse))
+    return Rates(step_s, computed, computed / BLOCK, requests, prompt_tokens // BLOCK, reuse)
+
+
+class EngineSource:
+    """One engine replica's KV events on the virtual clock, into its own ``KVEventLog``."""
+
+    def __init__(self, i: int, rates: Rates, cache_blocks: int, contexts: int, seed: int) -> None:
+        self.name = f"engine-{i}"
+        self.log = KVEventLog(max_batches=8192, epoch=i + 1)
+        # the replica's server: whatever it makes of the log (today, the router's hashes of the
+        # anchors the gateways look up: every claim_stride_blocks-th block of a chain and its last)
+        self.endpoint = KVEventEndpoint(self.log, TOKEN, BlockHasher(BLOCK, MODEL), *_stride())
+        self.rng = random.Random(seed)
+        self.rates = rates
+        self.cache_blocks = cache_blocks
+        self._next = (i + 1) << 40  # the engine's own block hashes: unique per engine
+        self._held: deque[int] = deque()
+        self._parent: int | None = None
+        self._debt = 0.0
+        self._arrivals = 0.0
+        rng = self.rng  # the agent contexts that recur on this engine: their router hashes
+        self.contexts = [[rng.getrandbits(63) for _ in range(rates.prompt_blocks)] for _ in range(contexts)]
+        self.tokens = [rng.randrange(128_000) for _ in range(BLOCK * 64)]
+        self.keep = int(rates.prompt_blocks * rates.reuse)  # a request's blocks its context holds
+
+    def warm(self, view: BackendView) -> None:
+        """A gateway that has seen each of this engine's contexts once (the steady state the
+        simulated seconds are too short to reach): one page announcing them, applied untimed."""
+        queued = tuple(BlocksQueued(c[: self.keep], f"s{i}") for i, c in enumerate(self.contexts))
+        view.apply_kv_page(self.name, KVEventPage(0, [KVEventBatch(1, 0.0, queued)], 0, True), 0.0)
+
+    def step(self, now: float) -> float:
+        """One engine step ending at ``now``: its events appended to the log. Returns the CPU
+        seconds of the append (the replica's server's part: the events are made up here)."""
+        r, rng, ev = self.rates, self.rng, []
+        self._arrivals += r.requests_per_s * r.step_s
+        while self._arrivals >= 1:
+            self._arrivals -= 1
+            ctx = rng.randrange(len(self.contexts))  # an agent's next turn: its context, a new tail
+            tail = [rng.getrandbits(63) for _ in range(r.prompt_blocks - self.keep)]
+            ev.append(BlocksQueued(self.contexts[ctx][: self.keep] + tail, f"s{ctx}"))
+        self._debt += r.stored_blocks_per_s * r.step_s
+        new = int(self._debt)
+        self._debt -= new
+        while new > 0:  # a request's chunk: up to 32 blocks chained to the engine's last ones
+            k = min(new, rng.randint(1, 32))
+            new -= k
+            parent = self._parent if self._parent is not None and rng.random() < 0.9 else None
+            hashes = list(range(self._next, self._next + k))
+            self._next += k
+            ev.append(BlockStored(hashes, parent, self.tokens[: k * BLOCK], BLOCK))
+            self._held.extend(hashes)
+            self._parent = hashes[-1]
+        over = len(self._held) - self.cache_blocks
+        if over > 0:  # KV pressure: one BlockRemoved for the step's evictions, oldest first
+            ev.append(BlockRemoved([self._held.popleft() for _ in range(over)]))
+        c0 = time.thread_time()
+        self.log.append(ev, now)
+        return time.thread_time() - c0
+
+
+# -- a gateway's side ----------------------------------------------------------------------------
+
+
+def _stride() -> tuple[int, ...]:
+    """The endpoint's anchor stride, the config's (the tree before issue 42's anchors has none)."""
+    params = inspect.signature(KVEventEndpoint).parameters
+    return (AffinityConfig().claim_stride_blocks,) if "stride" in params else ()
+
+
+def gateway_view(replicas: Sequence[str], index_capacity: int) -> BackendView:
+    """The view and policy a gateway builds for a cache-aware backend (config defaults)."""
+    params = AffinityParams(**{**AffinityConfig().params(), "index_capacity_blocks": index_capacity})
+    view = BackendView("b", AffinityRouter(BLOCK, MODEL, params), ReplicaEjector(), 64)
+    view.sync([ReplicaInfo(r, f"http://{r}", kv_events=True, kv_blocks=25_000) for r in replicas])
+    return view
+
+
+@dataclass
+class Gateway:
+    view: BackendView
+    cursors: dict[str, FeedCursor]
+    cpu_s: float = 0.0
+    busy_until: float = 0.0
+    lags: list[float] = field(default_factory=list)
+    polls: int = 0
+    events: int = 0
+
+
+def serve_page(src: EngineSource, cursor: FeedCursor) -> tuple[KVEventPage, bytes]:
+    """What ``KVEventEndpoint.handle`` computes for one poll (less aiohttp): the page and its body."""
+    page = src.log.since(cursor.after, cursor.epoch)
+    encoder = getattr(src.endpoint, "encoder", None)  # the tree before issue 42's change has none
+    return page, encoder.encode(page) if encoder is not None else json.dumps(page_to_wire(page)).encode()
+
+
+def apply_page(gw: Gateway, replica: str, body: bytes, now: float) -> KVEventPage:
+    """What ``KVEventFeed._follow`` does with one answer (less aiohttp)."""
+    from_json = getattr(kv_events, "page_from_json", None)  # the tree before it parsed in two passes
+    page = from_json(body) if from_json is not None else page_from_wire(json.loads(body))
+    gw.view.apply_kv_page(replica, page, now)
+    gw.cursors[replica].advance(page)
+    return page
+
+
+def expire_recent(view: BackendView, now: float) -> float:
+    """The recent sends' expiry that the gateway's next decision runs (``AffinityRouter.decide``):
+    control-plane work too, since the events' ``BlocksQueued`` filled it. Returns its CPU seconds."""
+    policy = view.policy
+    assert policy is not None
+    c0 = time.thread_time()
+    if policy.index._recent_log:
+        policy.index.expire_recent(now - policy.params.recent_ttl_s)
+    return time.thread_time() - c0
+
+
+# -- the simulation ------------------------------------------------------------------------------
+
+
+def simulate(
+    n: int, m: int, rates: Rates, seconds: float, cache_blocks: int, seed: int, applying: int = 2
+) -> dict[str, Any]:
+    """N engines and M gateways for ``seconds`` of virtual time; per-role CPU and lag. Every
+    gateway polls every engine (the engine serves all M); the first ``applying`` of them also
+    apply the pages (every gateway applies the same pages, so the others would only repeat it)."""
+    rng = random.Random(seed)
+    engines = [EngineSource(i, rates, cache_blocks, 32, seed * 1000 + i) for i in range(n)]
+    names = [e.name for e in engines]
+    gws = [Gateway(gateway_view(names, 1_000_000), {r: FeedCursor() for r in names}) for _ in range(m)]
+    for gw in gws[:applying]:
+        for e in engines:
+            e.warm(gw.view)
+    # every (gateway, engine) pair polls every MIN_POLL_S at its own phase
+    polls = [(rng.uniform(0, MIN_POLL_S), g, e) for g in range(m) for e in range(n)]
+    heapq.heapify(polls)
+    engine_cpu, clock, t = 0.0, time.thread_time, 0.0
+    while t < seconds:
+        t += rates.step_s
+        while polls[0][0] < t:  # the polls before this step's end see the events until the last one
+            due, g, ei = heapq.heappop(polls)
+            heapq.heappush(polls, (due + MIN_POLL_S, g, ei))
+            src, gw = engines[ei], gws[g]
+            c0 = clock()
+            served, body = serve_page(src, gw.cursors[src.name])
+            c1 = clock()
+            engine_cpu += c1 - c0
+            gw.polls += 1
+            if g >= applying:
+                gw.cursors[src.name].advance(served)  # a gateway that only polls
+                continue
+            page = apply_page(gw, src.name, body, due)
+            c2 = clock()
+            gw.cpu_s += c2 - c1
+            gw.events += sum(len(b.events) for b in page.batches)
+            gw.cpu_s += expire_recent(gw.view, due)
+            gw.busy_until = max(due, gw.busy_until) + (c2 - c1)
+            gw.lags.extend(gw.busy_until - b.ts for b in page.batches)
+        for e in engines:
+            engine_cpu += e.step(t)
+    return summarise(n, m, t, engines, gws[: min(m, applying)], engine_cpu)
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarise(
+    n: int, m: int, seconds: float, engines: Sequence[EngineSource], gws: Sequence[Gateway], engine_cpu: float
+) -> dict[str, Any]:
+    lags = [x for g in gws for x in g.lags]
+    batches = sum(e.log.last_seq for e in engines)
+    events = sum(g.events for g in gws) / len(gws)
+    polled = sum(g.polls for g in gws)
+    policy = gws[0].view.policy
+    assert policy is not None
+    return {
+        "kv_map_bytes_per_entry": round(per_entry(policy).get("kv_maps", 0.0), 1),
+        "n": n,
+        "m": m,
+        "gateways_applying": len(gws),
+        "virtual_s": round(seconds, 3),
+        "gateway_cpu_share": round(sum(g.cpu_s for g in gws) / len(gws) / seconds, 5),
+        "engine_serialize_cpu_share": round(engine_cpu / n / seconds, 6),
+        "lag_p50_ms": round(pct(lags, 0.5) * 1000, 2),
+        "lag_p99_ms": round(pct(lags, 0.99) * 1000, 2),
+        "polls_per_gateway_per_s": round(polled / len(gws) / seconds, 1),
+        "polls_per_engine_per_s": round(polled / len(gws) * m / n / seconds, 1),
+        "events_per_gateway_per_s": round(events / seconds, 1),
+        "batches_per_engine_per_s": round(batches / n / seconds, 1),
+        "gateway_cpu_us_per_event": round(sum(g.cpu_s for g in gws) / len(gws) / max(events, 1) * 1e6, 3),
+        "connections_per_gateway": n,
+        "connections_per_engine": m,
+        "connections_total": n * m,
+    }
+
+
+# -- index memory and the decision at the steady-state size ---------------------------------------
+
+
+def _int_bytes(d: dict[Any, Any]) -> int:
+    """A dict's table plus its int keys and int (or tuple-of-shared-str-and-int) values."""
+    total = sys.getsizeof(d)
+    for k, v in d.items():
+        total += sys.getsizeof(k) + sys.getsizeof(v)
+        if isinstance(v, tuple):
+            total += sum(sys.getsizeof(x) for x in v if isinstance(x, int))
+    return total
+
+
+def router_bytes(policy: AffinityRouter) -> dict[str, int]:
+    """The index's structures, by a ``sys.getsizeof`` walk (replica names are shared, not counted)."""
+    idx = policy.index
+    return {
+        "index_map": _int_bytes(idx._map),
+        "recent": _int_bytes(idx._recent) + sum(sys.getsizeof(x) for x in idx._recent_log),
+        "stored_by": _int_bytes(policy._stored_by),
+        "homes": _int_bytes(policy.homes._home),
+        "kv_maps": sum(_int_bytes(getattr(m, "_map", m)) for m in policy._kv_maps.values()),
+    }
+
+
+def per_entry(policy: AffinityRouter) -> dict[str, float]:
+    """Bytes per entry of each structure, from a filled router."""
+    sizes = router_bytes(policy)
+    counts = {
+        "index_map": len(policy.index._map),
+        "stored_by": len(policy._stored_by),
+        "homes": len(policy.homes._home),
+        "kv_maps": sum(len(m) for m in policy._kv_maps.values()),
+    }
+    return {k: sizes[k] / counts[k] for k in counts if counts[k]}
+
+
+def _anchors(chain: list[int], stride: int) -> list[int]:
+    """``block_hash.strided`` (every k-th block and the last), which the tree before it lacks."""
+    if stride <= 1:
+        return chain
+    return chain[stride - 1 :: stride] + ([chain[-1]] if len(chain) % stride else [])
+
+
+def fill_steady(n: int, kv_blocks: int, cap: int, seed: int) -> tuple[BackendView, list[list[int]], int]:
+    """A gateway view of N replicas whose index holds what N full caches hold (at most the index's
+    capacity): 256-block chains (4k-token contexts) stored by random replicas, as their events
+    would (index, last-stored-by, homes; with an anchor stride k, the chains' anchors: N caches
+    are k times fewer entries). Returns the view, some chains, the entries."""
+    rng = random.Random(seed)
+    names = [f"engine-{i}" for i in range(n)]
+    view = gateway_view(names, cap)
+    policy = view.policy
+    assert policy is not None
+    stride = getattr(policy.index, "stride", 1) if _stride() else 1  # what the engines publish
+    target = min(cap, -(-n * kv_blocks // stride))
+    chains: list[list[int]] = []
+    while len(policy.index) < target:
+        chain = [rng.getrandbits(63) for _ in range(256)]
+        anchors = _anchors(chain, stride)
+        r = names[rng.randrange(n)]
+        policy.event_fed.add(r)
+        policy.index.on_block_stored(r, anchors)
+        policy.homes.claim(r, chain)
+        if getattr(policy, "_last_homes", True):  # kept only for new_prefix least_loaded (issue 42)
+            for h in anchors:
+                policy._stored_by[h] = r
+        if len(chains) < 4096:
+            chains.append(chain)
+    return view, chains, target
+
+
+def decision_times(view: BackendView, chains: Sequence[list[int]], n: int, seed: int) -> dict[str, float]:
+    """``BackendView.choose`` for 4k-token prompts, half of them a held context plus a new turn,
+    half new: microseconds p50/p99 over ``n`` decisions (after a warm-up). Timed as configured
+    (``decision_candidates``: a bounded set over more replicas, cluster/routing/candidates.py)
+    and, where the config has the knob, scoring every replica (``decision_full_``) on the same
+    index, with the bounded decisions' matched blocks over the full ones' (the hits kept)."""
+    policy = view.policy
+    assert policy is not None
+    configured = policy.params
+    runs = [("", configured)]
+    if getattr(configured, "decision_candidates", 0):  # the tree before issue 42's change has none
+        runs.append(("full_", dataclasses.replace(configured, decision_candidates=0)))
+    out: dict[str, float] = {}
+    matched: dict[str, int] = {}
+    for name, params in runs:
+        policy.params = params
+        view.rng = random.Random(seed)
+        samples, matched[name] = _time_choices(view, chains, n, seed)
+        out[f"decision_{name}p50_us"] = round(pct(samples, 0.5), 2)
+        out[f"decision_{name}p99_us"] = round(pct(samples, 0.99), 2)
+    policy.params = configured
+    if "full_" in matched:
+        out["decision_matched_ratio"] = round(matched[""] / max(1, matched["full_"]), 4)
+    return out
+
+
+def _time_choices(
+    view: BackendView, chains: Sequence[list[int]], n: int, seed: int
+) -> tuple[list[float], int]:
+    """Microseconds per ``choose`` after 200 warm-up decisions, and the blocks matched in all."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n + 200):
+        base = chains[rng.randrange(len(chains))][: rng.randint(64, 240)] if i % 2 else []
+        reqs.append(
+            (base + [rng.getrandbits(63) for _ in range(256 - len(base))], f"s{rng.randrange(10_000)}")
+        )
+    samples, clock, hits = [], time.perf_counter_ns, 0
+    for i, (hashes, session) in enumerate(reqs):
+        t0 = clock()
+        choice = view.choose(hashes, 1.0 + i * 1e-3, session)
+        t1 = clock()
+        if i >= 200:
+            samples.append((t1 - t0) / 1000)
+            hits += choice.decision.matched_blocks if choice is not None else 0
+    return samples, hits
+
+
+def steady_state(n: int, kv_blocks: int, cap: int, kv_bytes: float, seed: int) -> dict[str, Any]:
+    """Index memory and decision time at the steady-state size for N engines. ``kv_bytes``: bytes
+    per entry of the engine-hash maps (measured in the simulation), which hold N x min(KV blocks,
+    ``kv_map_capacity``) entries in all."""
+    view, chains, entries = fill_steady(n, kv_blocks, cap, seed)
+    policy = view.policy
+    assert policy is not None
+    stride = getattr(policy.index, "stride", 1) if _stride() else 1
+    sizes = router_bytes(policy)
+    kv_entries = n * min(kv_blocks, policy.params.kv_map_capacity)
+    total = sum(sizes.values()) + kv_bytes * kv_entries
+    out = {
+        "n": n,
+        "index_entries": entries,
+        "index_capacity_blocks": cap,
+        "index_stride": stride,  # entries are anchors: each stands for this many cached blocks
+        "index_blocks_covered": entries * stride,
+        "kv_map_entries": kv_entries,
+        "index_mb": round(total / 2**20, 1),
+        "index_bytes_per_block": round(total / max(1, entries)),
+        "index_mb_parts": {k: round(v / 2**20, 1) for k, v in sizes.items()}
+        | {"kv_maps": round(kv_bytes * kv_entries / 2**20, 1)},
+        **decision_times(view, chains, 2000, seed),
+    }
+    del view, chains
+    return out
+
+
+# -- the real HTTP long poll on loopback (kv_endpoint <-> kv_feed), small N ----------------------
+
+
+def _proc_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def _serve(n: int, rates: Rates, cache_blocks: int, port: int, seconds: float) -> None:
+    """N engines' ``KVEventEndpoint`` on one aiohttp server (``/e{i}/kv_events``), their events
+    generated in real time; ``/cpu`` answers this process's CPU seconds and the polls served."""
+    from aiohttp import web
+
+    engines = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]
+    served = [0]
+    app = web.Application()
+    for i, e in enumerate(engines):
+        ep = e.endpoint
+
+        async def handle(request: web.Request, ep: KVEventEndpoint = ep) -> web.Response:
+            served[0] += 1
+            return await ep.handle(request)
+
+        app.router.add_get(f"/e{i}/kv_events", handle)
+
+    async def cpu(_: web.Request) -> web.Response:
+        return web.json_response({"cpu_s": _proc_cpu(), "polls": served[0]})
+
+    app.router.add_get("/cpu", cpu)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    start = time.monotonic()
+    t = 0.0
+    while time.monotonic() - start < seconds:
+        t += rates.step_s
+        await asyncio.sleep(max(0.0, start + t - time.monotonic()))
+        for e in engines:
+            e.step(time.time())
+    await runner.cleanup()
+
+
+class _Picker:
+    async def refresh(self) -> None:  # the replica list is fixed: nothing to ask Serve
+        return None
+
+
+async def _consume(
+    n: int, m: int, rates: Rates, cache_blocks: int, port: int, seconds: float
+) -> dict[str, Any]:
+    """M gateways' real ``KVEventFeed`` (one aiohttp session each, as a gateway has) following N
+    engines for ``seconds``; CPU of this process and of the engines' server, polls served."""
+    import aiohttp
+
+    from deployments.gateway.kv_feed import KVEventFeed
+
+    base = f"http://127.0.0.1:{port}"
+    names = [f"engine-{i}" for i in range(n)]
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in range(m)]
+    twins = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]  # the server's contexts
+    feeds = []
+    for g in range(m):
+        view = gateway_view(names, 1_000_000)
+        view.sync([ReplicaInfo(r, f"{base}/e{i}", kv_events=True) for i, r in enumerate(names)])
+        for e in twins:
+            e.warm(view)
+        feeds.append(KVEventFeed(view, _Picker(), lambda s=sessions[g]: s, TOKEN))
+    async with aiohttp.ClientSession() as probe:
+        for _ in range(120):  # the server's child is up (slow to start on a busy box) ...
+            try:
+                async with probe.get(base + "/cpu") as r:
+                    break
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)  # ... and publishing
+        async with probe.get(base + "/cpu") as r:
+            before = await r.json()
+        c0 = _proc_cpu()
+        tasks = [asyncio.create_task(f.run()) for f in feeds]
+        await asyncio.sleep(seconds)
+        client_cpu = _proc_cpu() - c0
+        async with probe.get(base + "/cpu") as r:
+            after = await r.json()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for s in sessions:
+        await s.close()
+    events = sum(c.events for f in feeds for c in f.cursors.values())
+    return {
+        "client_cpu_s": client_cpu,
+        "server_cpu_s": after["cpu_s"] - before["cpu_s"],
+        "polls": after["polls"] - before["polls"] - 1,
+        "events_applied": events,
+        "feed_errors": sum(f.errors for f in feeds),
+    }
+
+
+def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, port: int) -> dict[str, Any]:
+    """The loopback run: the engines' server in a child process, the gateways here."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest.benchmarks.bench_control_plane",
+        "--serve",
+        str(n),
+        "--port",
+        str(port),
+    ]
+    cmd += ["--serve-seconds", str(seconds + 3), "--rate-scale", str(RATE_SCALE_HTTP)]
+    child = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2])
+    try:
+        raw = asyncio.run(_consume(n, m, rates, cache_blocks, port, seconds))
+    finally:
+        child.wait(timeout=30)
+    polls = max(raw["polls"], 1)
+    return {
+        "n": n,
+        "m": m,
+        "seconds": seconds,
+        "rate_scale": RATE_SCALE_HTTP,
+        **raw,
+        "gateway_cpu_share": round(raw["client_cpu_s"] / m / seconds, 4),
+        "engine_cpu_share": round(raw["server_cpu_s"] / n / seconds, 5),
+        "polls_per_engine_per_s": round(polls / n / seconds, 1),
+        "server_cpu_us_per_poll": round(raw["server_cpu_s"] / polls * 1e6, 1),
+        "client_cpu_us_per_poll": round(raw["client_cpu_s"] / polls * 1e6, 1),
+    }
+
+
+RATE_SCALE_HTTP = 0.25  # the loopback runs publish a quarter of the rates: both sides fit on 2 cores
+
+
+# -- the sweep, the fits, the report -------------------------------------------------------------
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares exponent b of y = a * x^b."""
+    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-12)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
+
+
+def fits(sweep: Sequence[dict[str, Any]], ns: Sequence[int], ms: Sequence[int]) -> dict[str, Any]:
+    """Growth exponents, and the N at which a gateway's control plane fills the 5 % goal and one
+    whole core (its event loop: beyond it the lag grows without bound), whatever the node's cores."""
+    m0, n0 = ms[-1], ns[-1]
+    gw = [next(r for r in sweep if r["n"] == n and r["m"] == m0) for n in ns]
+    en = [next(r for r in sweep if r["n"] == n0 and r["m"] == m) for m in ms]
+    b = slope(ns, [r["gateway_cpu_share"] for r in gw])
+    a = gw[-1]["gateway_cpu_share"] / ns[-1] ** b
+    return {
+        "gateway_cpu_share_exponent_in_n": round(b, 3),
+        "gateway_cpu_share_exponent_in_m": round(
+            slope(ms, [r["gateway_cpu_share"] for r in en]) if len(ms) > 1 else 0.0, 3
+        ),
+        "engine_cpu_share_exponent_in_m": round(slope(ms, [r["engine_cpu_share"] for r in en]), 3),
+        "engine_cpu_share_exponent_in_n": round(slope(ns, [r["engine_cpu_share"] for r in gw]), 3),
+        "index_mb_exponent_in_n": round(slope(ns, [r["index_mb"] for r in gw]), 3),
+        "decision_p99_us_exponent_in_n": round(slope(ns, [r["decision_p99_us"] for r in gw]), 3),
+        "gateway_n_at_5pct_core": round((0.05 / a) ** (1 / b), 1),
+        "gateway_n_at_one_core": round((1.0 / a) ** (1 / b), 1),
+        "gateway_replicas_per_32_core_node_at_max_n": round(32 / gw[-1]["gateway_cpu_share"], 1),
+    }
+
+
+def run_sweep(
+    args: argparse.Namespace, rates: Rates, kv_blocks: int, http: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The N x M sweep; ``http``: the HTTP layer's CPU per poll on each side (µs), added per poll."""
+    rows = []
+    for n in args.n:
+        state = None
+        for m in args.m:
+            t0 = time.monotonic()
+            r = simulate(n, m, rates, args.seconds, args.sim_cache_blocks, args.seed)
+            if state is None:
+                kv_bytes = r["kv_map_bytes_per_entry"]
+                state = steady_state(n, kv_blocks, args.index_capacity, kv_bytes, args.seed)
+            r.update({k: v for k, v in state.items() if k != "n"})
+            r["gateway_apply_cpu_share"] = r["gateway_cpu_share"]
+            r["gateway_http_cpu_share"] = round(r["polls_per_gateway_per_s"] * http["client_us"] / 1e6, 5)
+            r["gateway_cpu_share"] = round(r["gateway_apply_cpu_share"] + r["gateway_http_cpu_share"], 5)
+            r["engine_http_cpu_share"] = round(r["polls_per_engine_per_s"] * http["server_us"] / 1e6, 6)
+            r["engine_cpu_share"] = round(r["engine_serialize_cpu_share"] + r["engine_http_cpu_share"], 6)
+            r["gateway_saturated"] = r["gateway_cpu_share"] >= 1.0
+            r["wall_s"] = round(time.monotonic() - t0, 1)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    return rows
+
+
+def http_overhead(args: argparse.Namespace, rates: Rates) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Loopback runs at small N; the HTTP layer's CPU per poll on each side is the run's CPU per
+    poll less the in-process simulation's (same N, M and scaled rates) for the same work."""
+    scaled = rates.scaled(RATE_SCALE_HTTP)
+    runs, server, client = [], [], []
+    for n, m in args.http:
+        h = http_run(n, m, scaled, args.sim_cache_blocks, args.http_seconds, args.port)
+        sim = simulate(n, m, scaled, 3.0, args.sim_cache_blocks, args.seed, applying=m)
+        sim_polls = sim["polls_per_engine_per_s"] * n * sim["virtual_s"]
+        h["inprocess_server_us_per_poll"] = round(
+            sim["engine_serialize_cpu_share"] * n * sim["virtual_s"] / sim_polls * 1e6, 1
+        )
+        h["inprocess_client_us_per_poll"] = round(
+            sim["gateway_cpu_share"] * m * sim["virtual_s"] / sim_polls * 1e6, 1
+        )
+        h["http_server_us_per_poll"] = round(
+            h["server_cpu_us_per_poll"] - h["inprocess_server_us_per_poll"], 1
+        )
+        h["http_client_us_per_poll"] = round(
+            h["client_cpu_us_per_poll"] - h["inprocess_client_us_per_poll"], 1
+        )
+        print(json.dumps(h), flush=True)
+        runs.append(h)
+        server.append(h["http_server_us_per_poll"])
+        client.append(h["http_client_us_per_poll"])
+    return runs, {"server_us": max(0.0, min(server)), "client_us": max(0.0, min(client))}
+
+
+def flat_keys(prefix: str, row: dict[str, Any]) -> dict[str, Any]:
+    keys = ("gateway_cpu_share", "engine_cpu_share", "lag_p99_ms", "decision_p99_us", "index_mb")
+    return {f"{prefix}_{k}": row[k] for k in keys}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--profile", default="llama-3.1-8b-h100")
+    ap.add_argument(
+        "--utilisation", type=float, default=0.5, help="share of each step's token budget in prefill"
+    )
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--reuse", type=float, default=0.8, help="share of a prompt's tokens cached (prefix reuse)"
+    )
+    ap.add_argument("--decode-seqs", type=int, default=64)
+    ap.add_argument("--n", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--m", type=int, nargs="+", default=[2, 8, 16])
+    ap.add_argument("--seconds", type=float, default=1.5, help="virtual seconds per sweep point")
+    ap.add_argument("--sim-cache-blocks", type=int, default=1024, help="an engine's cache in the simulation")
+    ap.add_argument(
+        "--index-capacity",
+        type=int,
+        default=getattr(AffinityConfig(), "index_capacity_blocks", 1_000_000),
+        help="the index's bound in blocks (default: the config's index_capacity_blocks)",
+    )
+    ap.add_argument(
+        "--http", type=lambda s: tuple(map(int, s.split("x"))), nargs="*", default=[(16, 2), (64, 2)]
+    )
+    ap.add_argument("--http-seconds", type=float, default=8.0)
+    ap.add_argument("--port", type=int, default=18642)
+    ap.add_argument(
+        "--design", default="before", help="the key prefix the N-max, M-max point is written under"
+    )
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--code-note", default="", help="what code ran, when not the checkout's (provenance)")
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (not for the result file)")
+    ap.add_argument("--out", default=str(RESULTS / "control_plane.json"))
+    ap.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # the loopback child
+    ap.add_argument("--serve-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--rate-scale", type=float, default=1.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds, args.http_seconds, args.http = 0.5, 3.0, [(16, 2)]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile = get_profile(args.profile)
+    rates = engine_rates(profile, args.utilisation, args.prompt_tokens, args.reuse, args.decode_seqs)
+    if args.serve:
+        run = _serve(
+            args.serve, rates.scaled(args.rate_scale), args.sim_cache_blocks, args.port, args.serve_seconds
+        )
+        asyncio.run(run)
+        return 0
+    started, git, load = time.monotonic(), git_state(), os.getloadavg()
+    http_runs, http = http_overhead(args, rates) if args.http else ([], {"server_us": 0.0, "client_us": 0.0})
+    sweep = run_sweep(args, rates, profile.num_kv_blocks(), http)
+    top = next(r for r in sweep if r["n"] == max(args.n) and r["m"] == max(args.m))
+    path = Path(args.out)
+    report: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    report.update(flat_keys(args.design, top))
+    report[f"{args.design}_sweep"] = sweep
+    if len(args.n) > 1 and len(args.m) > 1:
+        report[f"{args.design}_fits"] = fits(sweep, args.n, args.m)
+    report[f"{args.design}_http_loopback"] = {"runs": http_runs, "per_poll_us": http}
+    report[f"{args.design}_provenance"] = provenance(argv or sys.argv[1:], git, load, started)
+    if args.code_note:
+        report[f"{args.design}_provenance"]["code"] = args.code_note
+    report["provenance"] = report[f"{args.design}_provenance"]  # the last run's (RESULTS.md's source)
+    report["workload"] = {
+        "profile": args.profile,
+        "kv_blocks_per_engine": profile.num_kv_blocks(),
+        "utilisation": args.utilisation,
+        "prompt_tokens": args.prompt_tokens,
+        "reuse": args.reuse,
+        "decode_seqs": args.decode_seqs,
+        "block_size": BLOCK,
+        "min_poll_s": MIN_POLL_S,
+        "anchor_stride": (_stride() or (1,))[0],  # engines publish every k-th block of a chain and its last
+        "rates_per_engine": rates.as_dict(),
+    }
+    if args.quick:
+        print(json.dumps(report, indent=2))
+        return 0
+    write_report(report, path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

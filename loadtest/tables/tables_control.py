@@ -1,0 +1,70 @@
+"""BENCHMARKS.md's control-plane tables (issue 42): ``control_plane.json``, today's design
+(``before_``) and the changed one (``after_``), side by side."""
+
+from __future__ import annotations
+
+from loadtest.tables.table_format import Results, fixed, num, pct, table
+
+_DESIGNS = {"before": "before", "after": "after"}
+
+
+def control_plane(r: Results) -> str:
+    """Each sweep point: gateway CPU in cores (2 decimals), its HTTP share, engine CPU as a share of
+    a core (2 decimals of a %), lag ms (1 decimal), decision µs (1 decimal), index MB (whole)."""
+    d = r.get("control_plane")
+    rows = []
+    for key, label in _DESIGNS.items():
+        for p in d.get(f"{key}_sweep", []):
+            rows.append(
+                [
+                    f"{label}, N {p['n']}, M {p['m']}",
+                    fixed(p["gateway_cpu_share"], 2),
+                    fixed(p["gateway_http_cpu_share"], 2),
+                    pct(p["engine_cpu_share"], 2),
+                    f"{fixed(p['lag_p50_ms'], 1)} / {fixed(p['lag_p99_ms'], 1)}",
+                    f"{fixed(p['decision_p50_us'], 1)} / {fixed(p['decision_p99_us'], 1)}",
+                    fixed(p["index_mb"], 0),
+                    num(p["connections_total"]),
+                ]
+            )
+    header = [
+        "design, engines N, gateways M",
+        "gateway CPU (cores)",
+        "of it HTTP",
+        "engine CPU",
+        "lag p50 / p99 ms",
+        "decision p50 / p99 µs",
+        "index MB",
+        "connections",
+    ]
+    return table(header, "lrrrrrrr", rows)
+
+
+def control_plane_fits(r: Results) -> str:
+    """The growth exponents (3 decimals) and where a gateway's control plane reaches 5 % of a core
+    and a whole core (engines, 1 decimal)."""
+    d = r.get("control_plane")
+    rows = []
+    for key, label in _DESIGNS.items():
+        f = d.get(f"{key}_fits")
+        if f is None:
+            continue
+        rows.append(
+            [
+                label,
+                fixed(f["gateway_cpu_share_exponent_in_n"], 3),
+                fixed(f["engine_cpu_share_exponent_in_m"], 3),
+                fixed(f["index_mb_exponent_in_n"], 3),
+                fixed(f["gateway_n_at_5pct_core"], 1),
+                fixed(f["gateway_n_at_one_core"], 1),
+            ]
+        )
+    header = [
+        "design",
+        "gateway CPU ~ N^b: b",
+        "engine CPU ~ M^b: b",
+        "index MB ~ N^b: b",
+        "N at 5 % of a core",
+        "N at one core",
+    ]
+    return table(header, "lrrrrr", rows)
