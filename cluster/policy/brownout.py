@@ -71,6 +71,14 @@ class BrownoutConfig(Strict):
     probe_timeout_s: float = Field(
         10.0, gt=0, description="A probe with no verdict by then lets the next one go."
     )
+    recheck_s: float = Field(
+        0.1,
+        gt=0,
+        description=(
+            "A request past its hedge delay that the hedge budget refused looks this often whether "
+            "its backend has been demoted meanwhile; then it races the next candidate outside the budget."
+        ),
+    )
 
 
 @dataclass(slots=True)

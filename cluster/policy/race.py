@@ -56,6 +56,9 @@ class RaceHooks:
     hedge_delay: Callable[[PlannedAttempt], float | None] = lambda _: None  # None: no hedging
     may_hedge: Callable[[float, int], bool] = lambda _elapsed, _sent: False  # spends the hedge budget
     hedge_unsent: Callable[[], None] = lambda: None  # may_hedge said yes but no candidate was left
+    # after may_hedge said no, ask again this often (None: hedging closes): the first hedge may
+    # become due later without its budget (the primary's backend demoted in a brownout meanwhile)
+    hedge_recheck_s: float | None = None
     verdict: Callable[[Attempt, Verdict, BaseException | None, float], None] = lambda *_: None
     wrap_error: Callable[[BaseException, PlannedAttempt], ClusterError] | None = None
     clock: Callable[[], float] = time.monotonic
@@ -154,16 +157,22 @@ def _launch(hooks: RaceHooks, result: RaceResult, planned: PlannedAttempt, hedge
 
 
 def _wait_timeout(
-    hooks: RaceHooks, result: RaceResult, first: PlannedAttempt, t0: float, deadline: float | None
+    hooks: RaceHooks,
+    result: RaceResult,
+    first: PlannedAttempt,
+    t0: float,
+    deadline: float | None,
+    not_before: float = 0.0,
 ) -> tuple[float | None, bool]:
-    """How long to wait for the next event, and whether hedging is still open."""
+    """How long to wait for the next event, and whether hedging is still open (``not_before``:
+    no hedge is asked for again before then)."""
     timeout: float | None = None
     hedging_open = True
     delay = hooks.hedge_delay(first)
     if delay is None:
         hedging_open = False
     else:
-        timeout = max(0.0, t0 + delay * (result.hedges + 1) - hooks.clock())
+        timeout = max(0.0, max(t0 + delay * (result.hedges + 1), not_before) - hooks.clock())
     if deadline is not None:
         left = max(0.0, deadline - hooks.clock())
         timeout = left if timeout is None else min(timeout, left)
@@ -187,7 +196,7 @@ async def first_token(
         active[att.task] = att
 
     launch(first, False)
-    hedging_open = True
+    hedging_open, recheck_at = True, 0.0
     try:
         while True:
             if not active:
@@ -196,7 +205,7 @@ async def first_token(
                     raise result.errors[-1] if result.errors else BackendUnavailable("no attempt succeeded")
                 launch(nxt, False)
                 continue
-            timeout, still_open = _wait_timeout(hooks, result, first, t0, deadline)
+            timeout, still_open = _wait_timeout(hooks, result, first, t0, deadline, recheck_at)
             hedging_open = hedging_open and still_open
             done, _ = await asyncio.wait(
                 active,
@@ -213,6 +222,9 @@ async def first_token(
                         launch(nxt, True)
                         continue
                     hooks.hedge_unsent()  # nowhere to send it: its budget token goes back
+                elif hedging_open and hooks.hedge_recheck_s is not None and result.hedges == 0:
+                    recheck_at = clock() + hooks.hedge_recheck_s  # not yet: ask again then
+                    continue
                 hedging_open = False
                 continue
             winner = _settle(hooks, result, active, done, wrap)

@@ -129,7 +129,7 @@ class AttemptRunner:
                 backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until, candidates
             )
 
-        hedge_delay, may_hedge = self._hedging(req.surface, hedging, slots, cont)
+        hedge_delay, may_hedge, hedge_unsent = self._hedging(req.surface, hedging, slots, cont)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt, cont is None, slots[0])  # a re-prefill is no TTFT
@@ -142,19 +142,24 @@ class AttemptRunner:
             cancel=close_stream,
             hedge_delay=hedge_delay,
             may_hedge=may_hedge,
-            hedge_unsent=self.hedge.unsent,
+            hedge_unsent=hedge_unsent,
+            hedge_recheck_s=self.brownout.cfg.recheck_s if hedging and self.brownout.cfg.enabled else None,
             verdict=verdict,
         )
         return hooks, mono_deadline
 
     def _hedging(
         self, surface: str, hedging: bool, slots: list[str], cont: Continuing | None
-    ) -> tuple[Callable[[PlannedAttempt], float | None], Callable[[float, int], bool]]:
-        """The race's hedge delay and budget check. A brownout's probe races the next candidate once
-        it is as slow as a brownout, on any surface and outside the hedge budget: no client waits a
-        slow backend's probe out (:meth:`Brownout.probe_hedge_delay`)."""
+    ) -> tuple[Callable[[PlannedAttempt], float | None], Callable[[float, int], bool], Callable[[], None]]:
+        """The race's hedge delay, its hedge check and what an unsent hedge gives back. Outside the
+        hedge budget: a brownout's probe races the next candidate once it is as slow as a brownout,
+        on any surface (:meth:`Brownout.probe_hedge_delay`); and a request past its hedge delay
+        that the budget refused races it as soon as its backend is demoted (the race asks again
+        every ``brownout.recheck_s``): the requests sent to a backend in the moments before its
+        brownout was seen do not wait it out."""
         primary = backend_of_slot(slots[0]) if slots else ""
         probe = None if cont is not None else self.brownout.probe_hedge_delay(surface, primary)
+        paid = [False, False]  # the budget paid for the hedge; the budget refused once already
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if probe is not None:
@@ -166,9 +171,19 @@ class AttemptRunner:
         def may_hedge(elapsed: float, sent: int) -> bool:
             if probe is not None:
                 return sent == 0
-            return self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
+            if sent == 0 and self.brownout.demoted(primary, time.monotonic()):
+                return True
+            if paid[1]:
+                return False  # asked again only to see a demotion: the budget said no already
+            paid[0] = self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
+            paid[1] = not paid[0]
+            return paid[0]
 
-        return hedge_delay, may_hedge
+        def hedge_unsent() -> None:
+            if paid[0]:  # only a hedge the budget paid for gives its token back
+                self.hedge.unsent()
+
+        return hedge_delay, may_hedge, hedge_unsent
 
     def _new_request(self, cont: Continuing | None) -> None:
         """A request starts: the budgets count it (a continuation is no new request)."""

@@ -124,6 +124,30 @@ async def test_no_hedge_without_budget() -> None:
     assert out[0] == "a1" and res.hedges == 0 and streams["b"].sent == 0
 
 
+async def test_a_refused_hedge_is_asked_again_when_the_caller_rechecks() -> None:
+    """The budget says no at the hedge delay; with ``hedge_recheck_s`` the race asks again and
+    hedges once the caller says yes (a brownout seen meanwhile), where without it hedging closes."""
+    asked: list[float] = []
+
+    def may_hedge(elapsed: float, sent: int) -> bool:
+        asked.append(elapsed)
+        return elapsed >= 0.12  # "its backend was demoted" from 0.12 s on
+
+    streams = {"a": FakeStream("a", delay=5.0), "b": FakeStream("b")}
+    h, _ = hooks_for(
+        streams, ["a", "b"], hedge_delay=lambda _: 0.02, may_hedge=may_hedge, hedge_recheck_s=0.03
+    )
+    out, res = await collect(h)
+    assert out[0] == "b1" and res.hedges == 1 and streams["a"].cancelled
+    assert len(asked) >= 3 and asked[0] < 0.12 <= asked[-1] < 0.3
+
+    streams = {"a": FakeStream("a", delay=0.3), "b": FakeStream("b")}
+    asked.clear()
+    h, _ = hooks_for(streams, ["a", "b"], hedge_delay=lambda _: 0.02, may_hedge=may_hedge)
+    out, res = await collect(h)
+    assert out[0] == "a1" and res.hedges == 0 and len(asked) == 1  # no recheck: asked once
+
+
 async def test_a_hedge_with_no_candidate_left_is_handed_back() -> None:
     streams = {"a": FakeStream("a", delay=0.08)}
     unsent: list[int] = []

@@ -1,0 +1,49 @@
+"""The gateway's hedge check for one request (``AttemptRunner._hedging``): the hedge budget is asked
+once; a request the budget refused still races the next candidate, outside the budget, as soon as
+its backend is demoted in a brownout; a hedge the budget did not pay for gives nothing back."""
+
+from __future__ import annotations
+
+import time
+
+from cluster.config import load_config
+from cluster.policy.failover import BreakerBoard
+from deployments.gateway.attempts import AttemptRunner
+
+BACKEND = "sim-llama-8b"
+
+
+def _runner() -> AttemptRunner:
+    cfg = load_config("configs/cpu-dev.yaml")
+    return AttemptRunner(cfg, {}, {}, lambda: None, "", BreakerBoard())  # type: ignore[arg-type,return-value]
+
+
+def test_a_refused_hedge_goes_out_once_its_backend_is_demoted_and_costs_no_budget() -> None:
+    run = _runner()
+    _, may_hedge, unsent = run._hedging("chat", True, run.slots([BACKEND, "sim-fallback"]), None)
+    assert run.hedge.budget.tokens == 0  # the budget starts empty
+    assert may_hedge(0.5, 0) is False
+    assert may_hedge(0.6, 0) is False
+    assert run.hedge.stats.hedges_refused == 1  # asked once: the rechecks look for a demotion only
+    now = time.monotonic()  # the gateway's clock, which the check reads
+    for i in range(12):  # a baseline of fast first tokens, then two hedges that beat the backend
+        run.brownout.observe("chat", BACKEND, 0.1, now - 1.0 + i / 100)
+    run.brownout.hedge_won("chat", BACKEND, now)
+    run.brownout.hedge_won("chat", BACKEND, now)
+    assert run.brownout.demoted(BACKEND, now)
+    assert may_hedge(0.7, 0) is True  # demoted: it races the next candidate now
+    assert may_hedge(0.8, 1) is False  # one such hedge per request
+    unsent()  # that hedge found no candidate: the budget, which never paid, gets nothing
+    assert run.hedge.budget.tokens == 0
+
+
+def test_a_hedge_the_budget_paid_for_gives_its_token_back_when_unsent() -> None:
+    run = _runner()
+    for _ in range(40):  # 5 % a request: two tokens
+        run.hedge.on_request()
+    _, may_hedge, unsent = run._hedging("chat", True, run.slots([BACKEND, "sim-fallback"]), None)
+    before = run.hedge.budget.tokens
+    assert may_hedge(0.5, 0) is True
+    assert run.hedge.budget.tokens == before - 1
+    unsent()
+    assert run.hedge.budget.tokens == before
