@@ -171,6 +171,11 @@ class Brownout:
         st = self._states.get(backend)
         if not self.cfg.enabled or st is None or st.until is None or st.probe_at is None:
             return None
+        return self.slow_threshold(surface, backend)
+
+    def slow_threshold(self, surface: str, backend: str) -> float | None:
+        """The TTFT from which ``backend``'s first token on ``surface`` is slow (None: no baseline
+        yet): a hedge delay above it waits out what is already a brownout's first token."""
         base = self.baseline(surface, backend)
         return None if base is None else self._slow_from(base)
 

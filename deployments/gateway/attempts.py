@@ -151,11 +151,13 @@ class AttemptRunner:
     def _hedging(
         self, surface: str, hedging: bool, slots: list[str], cont: Continuing | None
     ) -> tuple[Callable[[PlannedAttempt], float | None], Callable[[float, int], bool], Callable[[], None]]:
-        """The race's hedge delay, its hedge check and what an unsent hedge gives back. Outside the
-        hedge budget: a brownout's probe races the next candidate once it is as slow as a brownout,
-        on any surface (:meth:`Brownout.probe_hedge_delay`); and a request past its hedge delay
-        that the budget refused races it as soon as its backend is demoted (the race asks again
-        every ``brownout.recheck_s``): the requests sent to a backend in the moments before its
+        """The race's hedge delay, its hedge check and what an unsent hedge gives back. The delay is
+        the TTFT quantile, at most the brownout's slow threshold (in a brownout the quantile climbs
+        to the slow first tokens themselves). Outside the hedge budget: a brownout's probe races
+        the next candidate once it is as slow as a brownout, on any surface
+        (:meth:`Brownout.probe_hedge_delay`); and a request past its hedge delay that the budget
+        refused races it as soon as its backend is demoted (the race asks again every
+        ``brownout.recheck_s``): the requests sent to a backend in the moments before its
         brownout was seen do not wait it out."""
         primary = backend_of_slot(slots[0]) if slots else ""
         probe = None if cont is not None else self.brownout.probe_hedge_delay(surface, primary)
@@ -166,7 +168,10 @@ class AttemptRunner:
                 return probe
             if not hedging:
                 return None
-            return self.hedge.delay(surface, backend_of_slot(first.backend), time.monotonic())
+            backend = backend_of_slot(first.backend)
+            delay = self.hedge.delay(surface, backend, time.monotonic())
+            cap = self.brownout.slow_threshold(surface, backend) if self.brownout.cfg.enabled else None
+            return delay if delay is None or cap is None else min(delay, cap)
 
         def may_hedge(elapsed: float, sent: int) -> bool:
             if probe is not None:

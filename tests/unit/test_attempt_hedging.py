@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from cluster.config import load_config
-from cluster.policy.failover import BreakerBoard
+from cluster.policy.failover import BreakerBoard, PlannedAttempt
 from deployments.gateway.attempts import AttemptRunner
 
 BACKEND = "sim-llama-8b"
@@ -47,3 +49,19 @@ def test_a_hedge_the_budget_paid_for_gives_its_token_back_when_unsent() -> None:
     assert run.hedge.budget.tokens == before - 1
     unsent()
     assert run.hedge.budget.tokens == before
+
+
+def test_the_hedge_delay_is_at_most_the_brownout_slow_threshold() -> None:
+    """In a brownout the TTFT quantile climbs to the slow first tokens themselves (here 1 s); the
+    delay stays at the brownout's threshold (3x a 0.1 s baseline), where a race still helps."""
+    run = _runner()
+    now = time.monotonic()
+    for i in range(40):
+        run.hedge.observe_ttft("chat", BACKEND, 1.0, now - 5 + i / 100)
+    delay, _, _ = run._hedging("chat", True, run.slots([BACKEND, "sim-fallback"]), None)
+    first = run.slots([BACKEND])[0]
+    planned = PlannedAttempt(first, 0, False)
+    assert delay(planned) == pytest.approx(1.0, abs=0.05)  # no baseline yet: the quantile
+    for i in range(12):
+        run.brownout.observe("chat", BACKEND, 0.1, now - 1.0 + i / 100)
+    assert delay(planned) == pytest.approx(0.3)
