@@ -186,6 +186,7 @@ def flat_keys(
         out["node_loss_hung"] = _count(window, "hung")
         if "kill" in ev:
             on_lost = in_flight_on(records, ev["kill"], ev.get("lost_replicas", ()))
+            on_lost = [r for r in on_lost if not _on_lost_pod(r, ev)]  # their connection died too
             own = ev.get("long_streams") or {}  # the event's own long streams (rehearsal_streams)
             out["node_loss_streams_in_flight"] = len(on_lost) + own.get("in_flight_on_lost", 0)
             out["node_loss_streams_completed"] = _count(on_lost, "completed") + own.get("completed", 0)

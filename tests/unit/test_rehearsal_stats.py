@@ -106,3 +106,30 @@ def test_kv_feed_cut_keys() -> None:
     out = rs.flat_keys(records, {"kv_feed_cut": ev}, "sim")
     assert out["kv_feed_cut_failed"] == 1 and out["kv_feed_cut_catch_up_s"] == 0.5
     assert out["kv_feed_cut_hit_rate_points"] == -10.0  # 60 % before, 50 % during
+
+
+def test_node_loss_counts_the_lost_pods_own_connections_apart() -> None:
+    """A client connected to the lost pod's own HAProxy loses that connection with the pod: such
+    requests are node_loss_cut_on_lost_pod, not failures before the first token, hung or streams
+    in flight that could have completed elsewhere."""
+    lost = "http://10.0.0.13:8000"
+    records = [
+        rec(28, 31, replica="r-lost", url=lost, error="ChunkedEncodingError"),  # cut with the pod
+        rec(29.5, 30.5, url=lost, error="ConnectionError", ttft_s=None),  # its connect died too
+        rec(28, 40, replica="r-lost", url="http://10.0.0.11:8000"),  # via another pod: migrated
+        rec(31, 32, url="http://10.0.0.11:8000", error="ConnectionError", ttft_s=None),  # a failure
+    ]
+    events = {
+        "node_loss": {
+            "steady": [25, 30],
+            "during": [30, 45],
+            "after": [45, 48],
+            "kill": 30.0,
+            "lost_replicas": ["r-lost"],
+            "lost_url": lost,
+        }
+    }
+    out = rs.flat_keys(records, events, "sim")
+    assert out["node_loss_cut_on_lost_pod"] == 2
+    assert out["node_loss_failed_before_first_token"] == 1
+    assert out["node_loss_streams_in_flight"] == 1 and out["node_loss_streams_completed"] == 1
