@@ -28,11 +28,14 @@ a dead replica (every call raises ``BackendUnavailable``). Request deadlines are
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 import zlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cluster.config import BackendConfig, ModelConfig
@@ -90,6 +93,24 @@ def eos_after(seed: int, start: int, max_tokens: int, p: float) -> int | None:
 _EOS_SALT = 0x5EED_E05
 
 
+def served_vocab(model: ModelConfig | None) -> int | None:
+    """The vocabulary size of the model a sim replica serves, from its weights' ``config.json``
+    (``@tiny``: the local model's), or None when it has no weights at hand. The sim draws its fake
+    token ids below it: a stream continued on a real engine of that model after the sim's replica
+    died (mid-stream migration) feeds those ids back as its prompt, which an 8B profile's ids past
+    the model's vocabulary would make the engine refuse."""
+    if model is None or model.path is None:
+        return None
+    if model.path == "@tiny":
+        from cluster.engine.tiny_model import VOCAB
+
+        return VOCAB
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        vocab = json.loads((Path(model.path) / "config.json").read_text()).get("vocab_size")
+        return int(vocab) if vocab else None
+    return None
+
+
 class SimBackend:
     """A simulated engine replica behind the EngineBackend protocol."""
 
@@ -140,8 +161,9 @@ class SimBackend:
         are set laid over it (block_size, max_num_seqs, max_model_len, kv_cache_memory_bytes,
         gpu_memory_utilization, a tensor_parallel_size other than 1, max_num_batched_tokens), the
         engine's scheduling policy, the model's context window as max_model_len unless the engine
-        sets one, and ``sim_options``. Raises ValueError if the KV cache cannot hold
-        max_model_len, pydantic's ValidationError for bad options."""
+        sets one, the model's vocabulary when it is smaller (:func:`served_vocab`), and
+        ``sim_options``. Raises ValueError if the KV cache cannot hold max_model_len, pydantic's
+        ValidationError for bad options."""
         profile = get_profile(backend.sim_profile or DEFAULT_PROFILE)
         e = backend.engine
         changes: dict[str, Any] = {
@@ -155,6 +177,11 @@ class SimBackend:
         if e.tensor_parallel_size != 1:
             changes["tensor_parallel_size"] = e.tensor_parallel_size
         profile = profile.with_engine(**{k: v for k, v in changes.items() if v is not None})
+        vocab = served_vocab(model)
+        if vocab is not None and vocab < profile.model.vocab_size:
+            profile = profile.model_copy(
+                update={"model": profile.model.model_copy(update={"vocab_size": vocab})}
+            )
         return cls(
             profile,
             options=backend.sim_options,

@@ -363,3 +363,19 @@ async def test_the_engine_queues_by_the_requests_engine_priority() -> None:
     assert b.engine.requests[req.route_key].priority == req.engine_priority == 5
     assert len([c async for c in gen]) == 39
     assert await settled(b)
+
+
+def test_a_sim_serving_a_model_draws_its_token_ids_below_that_models_vocabulary(tmp_path) -> None:
+    """The rehearsal's sim (an 8B profile, vocab 128,256) served the tiny model (vocab 2,048): a
+    stream migrated from it to vLLM fed vLLM ids past its vocabulary, and every such continuation
+    failed. The served model's vocabulary now bounds the fake ids; a bigger one changes nothing."""
+    cfg = BackendConfig(name="s", kind="sim", model="tiny-llama", sim_profile="llama-3.1-8b-h100")
+    tiny = ModelConfig(name="tiny-llama", tokenizer="@tiny", path="@tiny", context_window=2048)
+    assert SimBackend.from_config(cfg, tiny).vocab_size == 2048
+    (tmp_path / "config.json").write_text('{"vocab_size": 32000}')
+    folder = ModelConfig(name="m", tokenizer="@tiny", path=str(tmp_path), context_window=2048)
+    assert SimBackend.from_config(cfg, folder).vocab_size == 32000
+    (tmp_path / "config.json").write_text('{"vocab_size": 200000}')
+    assert SimBackend.from_config(cfg, folder).vocab_size == 128_256
+    no_weights = ModelConfig(name="m", tokenizer="@tiny", context_window=2048)
+    assert SimBackend.from_config(cfg, no_weights).vocab_size == 128_256
