@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import ray
 from aiohttp import web
 from ray import serve
 
@@ -48,6 +49,7 @@ from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from cluster.wire.tool_stream import ToolEvents
+from deployments import haproxy_errors
 from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_warmup
 from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
 from deployments.internal import internal_token, token_ok
@@ -77,8 +79,6 @@ def node_host() -> str:
     host = os.environ.get(HOST_ENV)
     if host:
         return host
-    import ray
-
     ip: str = ray.util.get_node_ip_address()
     return ip
 
@@ -121,6 +121,10 @@ class EngineReplica:
             stride = self.cfg.affinity.claim_stride_blocks  # the gateways' anchors: no more is sent
             self.kv_events = KVEventEndpoint(log, self._token, hasher, stride)
         self._runner, self.url = await self._serve_http()
+        # this node's HAProxy takes clients too (deployments/haproxy_errors.py): its error page ours
+        node = ray.get_runtime_context().get_node_id()
+        haproxy_errors.install(node)
+        self._errpage_task = asyncio.get_running_loop().create_task(haproxy_errors.keep_installed(node))
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
         # Last: the engine, its model and tokenizer are built (cluster/observability/gc_pauses.py).
         self.gc_frozen = gc_pauses.freeze_startup_heap() if gc_freeze else 0

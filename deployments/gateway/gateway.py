@@ -48,10 +48,10 @@ from cluster.wire.protocol import (
     GenerateRequest,
     Usage,
 )
-from deployments import cpu_sched, metrics
+from deployments import cpu_sched, haproxy_errors, metrics
 from deployments.budgets.tenant_budget import tenant_budgets as shared_tenant_budgets
-from deployments.gateway import haproxy_errors, native_api
 from deployments.gateway import http_api as h
+from deployments.gateway import native_api
 from deployments.gateway.attempts import AttemptRunner
 from deployments.gateway.callers import Callers
 from deployments.gateway.context import RequestContext

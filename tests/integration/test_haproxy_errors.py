@@ -2,7 +2,7 @@
 
 Ray's HAProxy answers a request whose gateway died before a byte of answer with its own error page,
 which Ray writes as a ``text/plain`` "Internal Server Error" 500 (seen in the faults run). The
-gateway replaces that page (deployments/gateway/haproxy_errors.py); here the app's only gateway replica is
+gateway replaces that page (deployments/haproxy_errors.py); here the app's only gateway replica is
 killed while a request waits in its admission queue, and that request's client reads the answer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import httpx
 import pytest
 import ray
 
-from deployments.gateway import haproxy_errors
+from deployments import haproxy_errors
 from loadtest.common.actor_probe import gateway_counters, replica_ids
 from tests.integration.test_dataplane import MODEL, STALL_MODEL, _dp_cfg, _wait
 from tests.rawhttp import RawRequest

@@ -110,7 +110,7 @@ def test_provider_tokens_billed_equal_our_usage(fault_run) -> None:
     # A request the provider finished whose id our client never saw: only one the killed gateway
     # held before any byte of answer, at most one per such record. Its client saw the connection
     # break, or HAProxy's answer for a server that died before answering, which is our OpenAI 503
-    # `gateway_unavailable` (deployments/gateway/haproxy_errors.py). A CI run at ceaf140 had one finished
+    # `gateway_unavailable` (deployments/haproxy_errors.py). A CI run at ceaf140 had one finished
     # request whose id its client never saw, one such 503 in the gateway kill's window, and no
     # broken connection without an id.
     no_id = [r for r in fault_run["_records"] if not r.request_id and _gateway_died_holding(r)]

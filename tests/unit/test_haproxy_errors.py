@@ -1,4 +1,4 @@
-"""HAProxy's error page in the OpenAI shape (deployments/gateway/haproxy_errors.py): a whole, valid HTTP
+"""HAProxy's error page in the OpenAI shape (deployments/haproxy_errors.py): a whole, valid HTTP
 response, and it replaces only Ray's own file where Ray put it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from deployments.gateway import haproxy_errors as he
+from deployments import haproxy_errors as he
 
 RAY_PAGE = (
     b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\n"

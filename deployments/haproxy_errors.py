@@ -8,7 +8,9 @@ per node, ``<config dir>/<node id>/500.http``, and maps HAProxy's 502, 503 and 5
 under load answered a request it had just been handed with exactly that, the one error a client
 got that was not an OpenAI error object.
 
-Each gateway replica replaces the page on its node, before it serves (HAProxy reads it when it
+Each gateway replica and each engine replica replaces the page on its node, before it serves
+(Serve runs HAProxy on every node that holds a replica, and the manifest's Service sends clients to
+every worker pod whose proxy is healthy, engine pods included) (HAProxy reads it when it
 (re)loads, and it reloads when a replica joins): a 503 with ``Retry-After`` and the OpenAI error
 object, so that a client sees the same kind of error as any other overload, and the official SDKs,
 which retry a 503, retry it. Only Ray's own file is replaced, where Ray put it: on a node without
