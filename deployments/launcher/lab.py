@@ -433,10 +433,10 @@ def addresses(plan: LabPlan) -> list[str]:
     the Serve port would send to it, and how to reach it."""
     lines = [f"dashboard  {plan.dashboard_url}  (Ray's token: {Path(plan.root) / 'ray_auth_token'})"]
     service = {n.name for n in plan.service_nodes()}
-    serving = {n.name for n in proxied(plan)}
+    serving = {n.name for n in ready_pods(plan)}  # KubeRay's readiness probe: /-/healthz answers 200
     for n in plan.nodes:
         note = "" if n.name in service else "  (not in the Serve Service: excludeHeadPodFromServeSvc)"
-        note = note if n.name in serving else "  (no Serve proxy: it holds no replica)"
+        note = note if n.name in serving else "  (not ready: no Serve proxy, or /-/healthz not 200)"
         lines.append(f"{n.name:<10} {n.group:<8} http://{n.ip}:{plan.serve_port}/v1{note}")
     first = next((n for n in plan.service_nodes() if n.name in serving), plan.head)
     lines.append(
