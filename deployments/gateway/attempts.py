@@ -143,7 +143,9 @@ class AttemptRunner:
             hedge_delay=hedge_delay,
             may_hedge=may_hedge,
             hedge_unsent=hedge_unsent,
-            hedge_recheck_s=self.brownout.cfg.recheck_s if hedging and self.brownout.cfg.enabled else None,
+            hedge_recheck_s=self.brownout.cfg.recheck_s
+            if cont is None and self.brownout.cfg.enabled
+            else None,
             verdict=verdict,
         )
         return hooks, mono_deadline
@@ -157,28 +159,29 @@ class AttemptRunner:
         the next candidate once it is as slow as a brownout, on any surface
         (:meth:`Brownout.probe_hedge_delay`); and a request past its hedge delay that the budget
         refused races it as soon as its backend is demoted (the race asks again every
-        ``brownout.recheck_s``): the requests sent to a backend in the moments before its
-        brownout was seen do not wait it out."""
+        ``brownout.recheck_s``), on any surface, hedging or not, as a probe does: the requests
+        sent to a backend in the moments before its brownout was seen do not wait it out."""
         primary = backend_of_slot(slots[0]) if slots else ""
         probe = None if cont is not None else self.brownout.probe_hedge_delay(surface, primary)
+        brownout = cont is None and self.brownout.cfg.enabled
         paid = [False, False]  # the budget paid for the hedge; the budget refused once already
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if probe is not None:
                 return probe
-            if not hedging:
-                return None
             backend = backend_of_slot(first.backend)
+            cap = self.brownout.slow_threshold(surface, backend) if brownout else None
+            if not hedging:
+                return cap  # no hedges here: only a demoted backend's race, from the slow threshold
             delay = self.hedge.delay(surface, backend, time.monotonic())
-            cap = self.brownout.slow_threshold(surface, backend) if self.brownout.cfg.enabled else None
             return delay if delay is None or cap is None else min(delay, cap)
 
         def may_hedge(elapsed: float, sent: int) -> bool:
             if probe is not None:
                 return sent == 0
-            if sent == 0 and self.brownout.demoted(primary, time.monotonic()):
+            if sent == 0 and brownout and self.brownout.demoted(primary, time.monotonic()):
                 return True
-            if paid[1]:
+            if not hedging or paid[1]:
                 return False  # asked again only to see a demotion: the budget said no already
             paid[0] = self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
             paid[1] = not paid[0]

@@ -65,3 +65,26 @@ def test_the_hedge_delay_is_at_most_the_brownout_slow_threshold() -> None:
     for i in range(12):
         run.brownout.observe("chat", BACKEND, 0.1, now - 1.0 + i / 100)
     assert delay(planned) == pytest.approx(0.3)
+
+
+def test_a_surface_without_hedging_races_only_a_demoted_backend_and_never_spends_the_budget() -> None:
+    """Tab in this config does not hedge: no budget hedge, but a request still waiting on its
+    backend once that backend is demoted in a brownout races the next candidate, as a probe does
+    (the rehearsal's Chat, without hedging, waited the brownout out: p99 3-4x steady)."""
+    run = _runner()
+    for _ in range(100):
+        run.hedge.on_request()
+    tokens = run.hedge.budget.tokens
+    delay, may_hedge, unsent = run._hedging("tab", False, run.slots([BACKEND, "sim-fallback"]), None)
+    first = PlannedAttempt(run.slots([BACKEND])[0], 0, False)
+    assert delay(first) is None  # no baseline yet: nothing to race from
+    now = time.monotonic()
+    for i in range(12):
+        run.brownout.observe("tab", BACKEND, 0.1, now - 1.0 + i / 100)
+    assert delay(first) == pytest.approx(0.3)  # from the brownout's slow threshold
+    assert may_hedge(0.5, 0) is False  # slow, but not demoted: no hedge on this surface
+    run.brownout.hedge_won("tab", BACKEND, now)
+    run.brownout.hedge_won("tab", BACKEND, now)
+    assert may_hedge(0.6, 0) is True
+    unsent()
+    assert run.hedge.budget.tokens == tokens and run.hedge.stats.hedges_refused == 0
