@@ -85,6 +85,13 @@ def install(node_id: str, config_loc: str | None = None) -> bool:
         return False
 
 
+def start(node_id: str) -> asyncio.Task[None]:
+    """What a replica does as it starts (gateway and engine alike): our page in place on its node
+    now, and kept there (:func:`keep_installed`); the task is the replica's to hold."""
+    install(node_id)
+    return asyncio.get_running_loop().create_task(keep_installed(node_id))
+
+
 async def keep_installed(node_id: str, period_s: float = 10.0) -> None:
     """``install`` again every ``period_s`` (the replica installed it once as it started): on a node
     where HAProxy starts after this replica, Ray's page is written after ours; HAProxy takes ours at

@@ -122,9 +122,7 @@ class EngineReplica:
             self.kv_events = KVEventEndpoint(log, self._token, hasher, stride)
         self._runner, self.url = await self._serve_http()
         # this node's HAProxy takes clients too (deployments/haproxy_errors.py): its error page ours
-        node = ray.get_runtime_context().get_node_id()
-        haproxy_errors.install(node)
-        self._errpage_task = asyncio.get_running_loop().create_task(haproxy_errors.keep_installed(node))
+        self._errpage_task = haproxy_errors.start(ray.get_runtime_context().get_node_id())
         self._reporter = asyncio.get_running_loop().create_task(self._report_metrics())
         # Last: the engine, its model and tokenizer are built (cluster/observability/gc_pauses.py).
         self.gc_frozen = gc_pauses.freeze_startup_heap() if gc_freeze else 0

@@ -134,9 +134,7 @@ class Gateway:
         self._gauges_task = asyncio.get_event_loop().create_task(self._report_gauges())
         self._guard_task = asyncio.get_event_loop().create_task(self._drive_guard(backends))
         # HAProxy's own error page on this node in the OpenAI shape, before this replica serves
-        node = ray.get_runtime_context().get_node_id()
-        haproxy_errors.install(node)
-        self._errpage_task = asyncio.get_event_loop().create_task(haproxy_errors.keep_installed(node))
+        self._errpage_task = haproxy_errors.start(ray.get_runtime_context().get_node_id())
         nice = cfg.server.gateway_nice  # this replica and its node's HAProxy, ahead of Ray's 15
         self.niceness = None if nice is None else cpu_sched.renice_gateway(nice)
         self._routes = self._route_table()
