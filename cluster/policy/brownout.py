@@ -8,18 +8,20 @@ the rest wait the slow backend out; failover acts on errors only. The rehearsal'
 provider's TTFT x10 for 60 s) put Tab's p99 TTFT at 9x its steady state that way.
 
 Per (surface, backend) a baseline: the median of the last ``baseline_samples`` first tokens that
-were not slow. A first token is *slow* when its TTFT is at least ``slow_factor`` x the baseline and
-``min_excess_s`` above it; an attempt given up before its first token (it lost a hedge race, the
-client left) counts as slow when it had waited ``given_up_factor`` x the baseline, and so does a
-hedge that won against it (a hedge starts past the primary's own high TTFT quantile: in steady
-state a rare tail, in a brownout every hedged request, so the hedged requests, not the unhedged
-ones, reveal it). At least ``slow_samples``
-slow ones among its last ``recent_samples`` first tokens judged within ``window_s``, and at least
-``slow_share`` of them (a brownout slows every answer; a tail of slow ones is the hedge's to
-race), demote the backend for ``hold_s``, doubled for each demotion that follows
-within ``forget_s`` of the last (up to ``max_hold_s``). When the hold is over the backend is on
-probation: one request at a time keeps it in its place (a probe); the probe's fast first token
-restores it, a slow one demotes it again.
+were not slow; a surface with fewer than ``min_baseline`` of its own on a backend is judged against
+the backend's first tokens of every surface (a surface that rarely reaches a backend, the one its
+route sends elsewhere first, would else never be judged there: its probe's slow answer restored the
+backend, and its requests never raced). A first token is *slow* when its TTFT is at least
+``slow_factor`` x the baseline and ``min_excess_s`` above it; an attempt given up before its first
+token (it lost a hedge race, the client left) counts as slow when it had waited ``given_up_factor``
+x the baseline, and so does a hedge that won against it (a hedge starts past the primary's own high
+TTFT quantile: in steady state a rare tail, in a brownout every hedged request, so the hedged
+requests, not the unhedged ones, reveal it). At least ``slow_samples`` slow ones among its last
+``recent_samples`` first tokens judged within ``window_s``, and at least ``slow_share`` of them (a
+brownout slows every answer; a tail of slow ones is the hedge's to race), demote the backend for
+``hold_s``, doubled for each demotion that follows within ``forget_s`` of the last (up to
+``max_hold_s``). When the hold is over the backend is on probation: one request at a time keeps it
+in its place (a probe); the probe's fast first token restores it, a slow one demotes it again.
 
 Demoted backends go after the others, each list in its own order; when every candidate is demoted
 the order stands. Pure: the clock (``now``, monotonic seconds) is passed in.
@@ -30,10 +32,13 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import Field
 
 from cluster.base import Strict
+
+K = TypeVar("K")
 
 
 class BrownoutConfig(Strict):
@@ -81,6 +86,14 @@ class BrownoutConfig(Strict):
     )
 
 
+def _push(samples: dict[K, deque[float]], key: K, value: float, keep: int) -> None:
+    """Append ``value`` to ``samples[key]``, which keeps the last ``keep``."""
+    d = samples.get(key)
+    if d is None:
+        d = samples[key] = deque(maxlen=keep)
+    d.append(value)
+
+
 @dataclass(slots=True)
 class _State:
     recent: deque[tuple[float, bool]] = field(default_factory=deque)  # (time, slow), the last judged
@@ -95,12 +108,17 @@ class Brownout:
     def __init__(self, cfg: BrownoutConfig | None = None) -> None:
         self.cfg = cfg or BrownoutConfig()
         self._baseline: dict[tuple[str, str], deque[float]] = {}
+        self._pooled: dict[str, deque[float]] = {}  # per backend, every surface's: the fallback
         self._states: dict[str, _State] = {}
 
     def baseline(self, surface: str, backend: str) -> float | None:
-        """The median of the recent first tokens that were not slow (None: too few yet)."""
+        """The median of the recent first tokens that were not slow, the surface's own or, with too
+        few of them, the backend's on every surface (None: too few of those too)."""
+        n = self.cfg.min_baseline
         b = self._baseline.get((surface, backend))
-        return statistics.median(b) if b is not None and len(b) >= self.cfg.min_baseline else None
+        if b is None or len(b) < n:
+            b = self._pooled.get(backend)
+        return statistics.median(b) if b is not None and len(b) >= n else None
 
     def observe(self, surface: str, backend: str, ttft_s: float, now: float, complete: bool = True) -> None:
         """An attempt's first token after ``ttft_s``; ``complete`` False: it was given up after
@@ -119,8 +137,8 @@ class Brownout:
         if slow:
             self._slow(st, now)
         elif complete:
-            b = self._baseline.setdefault((surface, backend), deque(maxlen=cfg.baseline_samples))
-            b.append(ttft_s)
+            _push(self._baseline, (surface, backend), ttft_s, cfg.baseline_samples)
+            _push(self._pooled, backend, ttft_s, cfg.baseline_samples)
             if st.until is not None and now >= st.until:  # on probation: a fast answer restores it
                 st.until, st.probe_at = None, None
 
@@ -194,13 +212,18 @@ class Brownout:
             first.probe_at = now  # on probation, and this request is its probe
         return candidates
 
-    def status(self, now: float) -> dict[str, dict[str, float | int | bool | None]]:
-        """Per backend seen: demoted now, seconds left, demotions so far (operators' status)."""
-        return {
-            name: {
+    def status(self, now: float) -> dict[str, dict[str, float | int | bool | dict[str, float] | None]]:
+        """Per backend seen: demoted now, seconds left, whether a probe is out, demotions so far,
+        and per surface the first token (ms) from which it is slow (operators' status)."""
+        out: dict[str, dict[str, float | int | bool | dict[str, float] | None]] = {}
+        for name, st in self._states.items():
+            surfaces = sorted(s for s, b in self._baseline if b == name)
+            slow_from = {s: self.slow_threshold(s, name) for s in surfaces}
+            out[name] = {
                 "demoted": self.demoted(name, now),
                 "left_s": None if st.until is None else round(max(0.0, st.until - now), 2),
+                "probe_out": st.probe_at is not None,
                 "demotions": st.demotions,
+                "slow_from_ms": {s: round(1000 * v, 1) for s, v in slow_from.items() if v is not None},
             }
-            for name, st in self._states.items()
-        }
+        return out

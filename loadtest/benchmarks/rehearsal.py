@@ -60,6 +60,7 @@ PROVIDER_PORT = 18101
 PROVIDER_STEADY = "slow_first:0.1"  # a provider's first token 100 ms after the request
 PROVIDER_BROWNOUT = "slow_first:1.0"  # x10
 PROVIDER_OUTAGE = "503"
+WATCH_S = 2.0  # the gateways' brownout state is sampled this often during a provider fault
 EVENTS = (
     "upgrade",
     "node_loss",
@@ -313,11 +314,32 @@ def _most_replicas(replica_nodes: dict[str, str]) -> str:
 
 
 def _provider_fault(plan: LabPlan, ev: dict[str, Any], spec: str, seconds: float) -> None:
+    """The provider's fault for ``seconds``, meanwhile every gateway's brownout state and hedge
+    delays sampled every ``WATCH_S`` (``ev["gateways"]``: why a request still went to the provider)."""
     ev["fault"], ev["start"] = spec, time.time()
     provider_call(plan, "POST", "faults", {"default": spec})
-    time.sleep(seconds)
+    ev["gateways"] = watch_gateways(plan, lab_events.internal_token(plan), ev["start"] + seconds)
     provider_call(plan, "POST", "faults", {"default": PROVIDER_STEADY})
     ev["end"] = time.time()
+
+
+def watch_gateways(plan: LabPlan, token: str, until: float) -> list[dict[str, Any]]:
+    """Every ``WATCH_S`` until ``until``: per gateway replica its brownout state and hedge delays
+    (a sample no gateway answered is left out; the fault's length does not depend on it)."""
+    import httpx
+
+    samples: list[dict[str, Any]] = []
+    while (left := until - time.time()) > 0:
+        t = time.time()
+        with contextlib.suppress(LabError, OSError, httpx.HTTPError):
+            seen = lab_events.every_gateway_status(plan, token, plan.head.name, 2, tries=6)
+            by = {
+                rid: {k: st["policy"].get(k) for k in ("brownout", "hedge_delay_s")}
+                for rid, st in seen.items()
+            }
+            samples.append({"t": round(t, 3), "gateways": by})
+        time.sleep(max(0.0, min(left, WATCH_S - (time.time() - t))))
+    return samples
 
 
 def apply_event(

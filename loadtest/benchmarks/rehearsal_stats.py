@@ -101,7 +101,19 @@ def summary(records: Sequence[Record], backend: str | None = None) -> dict[str, 
         },
         "hit_rate": hit_rate(records, backend),
         "failures": [why(r) for r in records if failed(r)][:MAX_LISTED],
+        "slowest": {s: slowest(records, s) for s in sorted(ttft)},
     }
+
+
+def slowest(records: Iterable[Record], surface: str) -> dict[str, Any]:
+    """The request of ``surface`` with the slowest first token (a small window's p99): when, where,
+    and the race that got it there."""
+    r = max(
+        (r for r in records if r["surface"] == surface and r.get("ttft_s") is not None),
+        key=lambda r: r["ttft_s"],
+    )
+    keys = ("url", "gateway", "backend", "replica", "attempts", "hedge_won", "timing")
+    return {"t0": round(float(r["t0"]), 3), "ttft_ms": _ms(1000 * r["ttft_s"]), **{k: r.get(k) for k in keys}}
 
 
 def _ms(x: float | None) -> float | None:

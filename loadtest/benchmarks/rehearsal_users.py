@@ -3,7 +3,8 @@ namespace): the project's per-surface users (``loadtest/locustfile.py``: Tab, Ch
 shapes, think times and Tab's cancels; without ``ignore_eos``, which only engines honour), each request
 also written as one JSON line to ``LLMC_REHEARSAL_RECORDS`` (wall-clock start and end, surface,
 TTFT, the locustfile's error type and the error's code, type and message, whether the client
-cancelled, the answering backend and replica, prompt and cached tokens), so that outcomes can be
+cancelled, the answering gateway, backend and replica, the race's attempts and whether a hedge won,
+the Server-Timing header, prompt and cached tokens), so that outcomes can be
 set beside the schedule's events.
 
 Requests are spread over the Serve addresses listed in ``LLMC_REHEARSAL_ENDPOINTS`` (a file, one
@@ -28,6 +29,15 @@ _LOCK = threading.Lock()
 _OUT = os.environ.get("LLMC_REHEARSAL_RECORDS", "")
 _ENDPOINTS = Path(os.environ.get("LLMC_REHEARSAL_ENDPOINTS", "/nonexistent"))
 _seen: dict[str, Any] = {"mtime": None, "urls": []}
+# the gateway's answer: who served it and the race to its first token, as a record's fields
+HEADERS = {
+    "replica": "x-llmc-replica",
+    "backend": "x-llmc-backend",
+    "gateway": "x-llmc-gateway",
+    "attempts": "x-llmc-attempts",
+    "hedge_won": "x-llmc-hedge-won",
+    "timing": "server-timing",
+}
 
 
 def endpoints() -> list[str]:
@@ -83,8 +93,8 @@ class _Recorded(lf._SurfaceUser):
         super().stream(sess, _AnyBackend(spec))
 
     def _read(self, resp: Any, obs: Any) -> None:
-        self._meta["replica"] = resp.headers.get("x-llmc-replica")
-        self._meta["backend"] = resp.headers.get("x-llmc-backend")
+        for key, header in HEADERS.items():
+            self._meta[key] = resp.headers.get(header)
         raw: list[bytes] = []
         inner = resp.iter_content
 

@@ -103,3 +103,21 @@ def test_a_probe_races_the_next_candidate_once_it_is_as_slow_as_a_brownout() -> 
     assert b.probe_hedge_delay("tab", "engine") is None
     b.observe("tab", "provider", 0.11, 6.3)  # a fast probe: restored, no more probing
     assert b.probe_hedge_delay("tab", "provider") is None
+
+
+def test_a_surface_without_its_own_baseline_is_judged_against_the_backends() -> None:
+    """Chat rarely reaching the provider (few first tokens of its own there) still races it from a
+    brownout's threshold, and its slow probe demotes the provider again instead of restoring it."""
+    b = Brownout(BrownoutConfig(hold_s=1.0))
+    steady(b)
+    b.observe("chat", "provider", 0.12, 0.5)  # one of its own: too few
+    assert b.baseline("chat", "provider") == b.baseline("tab", "provider") == 0.1
+    assert b.slow_threshold("chat", "provider") == pytest.approx(0.3)
+    slow(b, 1.0, 1.0, 1.0)  # demoted until 2.0
+    assert b.order(CANDS, 2.1) == CANDS  # the hold is over: a chat request is the probe
+    assert b.probe_hedge_delay("chat", "provider") == pytest.approx(0.3)
+    b.observe("chat", "provider", 1.0, 3.1)  # its first token as slow as the brownout's
+    assert b.order(CANDS, 3.2) == ["engine", "provider"]  # held again, not restored
+    assert b.baseline("chat", "engine") == 0.04 and b.baseline("agent", "nowhere") is None
+    st = b.status(3.2)["provider"]
+    assert st["demoted"] and not st["probe_out"] and st["slow_from_ms"] == {"chat": 300.0, "tab": 300.0}

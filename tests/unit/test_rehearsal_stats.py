@@ -31,6 +31,12 @@ def test_summary_counts_codes_and_percentiles() -> None:
     assert s["outcomes"] == {"completed": 100, "failed_before_first_token": 2}
     assert s["failed_before_first_token_by_code"] == {"http_502:bad_gateway": 2}
     assert s["ttft_ms"]["chat"] == {"n": 100, "p50": 51.0, "p99": 100.0}
+    records.append(
+        rec(7, 9, surface="tab", ttft_s=0.9, gateway="g1", backend="sim", attempts="2", hedge_won="1")
+    )
+    slow = rs.summary(records)["slowest"]
+    assert slow["chat"]["ttft_ms"] == 100.0 and slow["chat"]["t0"] == 0
+    assert slow["tab"] | {"ttft_ms": 900.0, "gateway": "g1", "attempts": "2", "hedge_won": "1"} == slow["tab"]
 
 
 def test_every_failure_says_why() -> None:
