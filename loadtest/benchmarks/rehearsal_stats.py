@@ -174,9 +174,9 @@ def _count(records: Iterable[Record], *names: str) -> int:
     return sum(1 for r in records if outcome(r) in names)
 
 
-def _tab_p99(records: Iterable[Record]) -> float | None:
+def _p99(records: Iterable[Record], surface: str) -> float | None:
     return percentile(
-        [1000 * r["ttft_s"] for r in records if r["surface"] == "tab" and r.get("ttft_s")], 0.99
+        [1000 * r["ttft_s"] for r in records if r["surface"] == surface and r.get("ttft_s")], 0.99
     )
 
 
@@ -215,10 +215,9 @@ def flat_keys(
         new = [r for ev in gateway for r in started(records, ev["kill"] + 2.0, _window(ev, "after")[1])]
         out["gateway_loss_new_failures_after_2s"] = sum(failed(r) for r in new)
     if ev := events.get("provider_brownout"):
-        during = started(records, *_window(ev, "during"))
-        out["brownout_tab_p99_ratio"] = ratio(
-            _tab_p99(during), _tab_p99(started(records, *_window(ev, "steady")))
-        )
+        during, steady = started(records, *_window(ev, "during")), started(records, *_window(ev, "steady"))
+        for surface in ("tab", "chat"):  # the goal names both
+            out[f"brownout_{surface}_p99_ratio"] = ratio(_p99(during, surface), _p99(steady, surface))
     if ev := events.get("kv_feed_cut"):
         out["kv_feed_cut_failed"] = sum(failed(r) for r in overlapping(records, *_window(ev, "during")))
         steady = hit_rate(started(records, *_window(ev, "steady")), backend)
@@ -242,6 +241,7 @@ FLAT_KEYS = (
     "node_loss_cut_on_lost_pod",
     "gateway_loss_new_failures_after_2s",
     "brownout_tab_p99_ratio",
+    "brownout_chat_p99_ratio",
     "outage_client_failures",
     "hit_rate_recovery_s",
     "kv_feed_cut_failed",

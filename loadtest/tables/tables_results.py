@@ -305,6 +305,12 @@ def _rehearsal_rows(d: dict[str, Any]) -> list[Row]:
             lambda v: v <= 2,
         ),
         row(
+            "rehearsal: Chat TTFT p99 in a provider brownout ÷ steady",
+            "brownout_chat_p99_ratio",
+            "≤ 2",
+            lambda v: v <= 2,
+        ),
+        row(
             "rehearsal: client failures in a provider outage", "outage_client_failures", "0", lambda v: v == 0
         ),
         row(

@@ -80,6 +80,8 @@ def test_flat_keys() -> None:
         rec(54, 55, error="http_502:bad_gateway", ttft_s=None),  # 4 s after: counted
         rec(70, 71, "tab", ttft_s=0.1),
         rec(81, 82, "tab", ttft_s=0.15),
+        rec(72, 73, ttft_s=0.2),  # Chat: steady 0.2 s, 0.5 s in the brownout
+        rec(83, 84, ttft_s=0.5),
     ]
     events = {
         "upgrade": {"steady": [0, 10], "during": [10, 20], "after": [20, 25]},
@@ -100,6 +102,7 @@ def test_flat_keys() -> None:
     assert out["node_loss_hung"] == 1 and out["node_loss_failed_before_first_token"] == 0
     assert out["gateway_loss_new_failures_after_2s"] == 1
     assert out["brownout_tab_p99_ratio"] == 1.5
+    assert out["brownout_chat_p99_ratio"] == 2.5
     assert out["outage_client_failures"] is None  # not run
     assert set(out) == set(rs.FLAT_KEYS)
 
