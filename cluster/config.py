@@ -188,6 +188,14 @@ class AffinityConfig(Strict):
             "publishes the same), so it holds what each replica has cached; off: the routed-record guess."
         ),
     )
+    kv_transport: Literal["push", "poll"] = Field(
+        "push",
+        description=(
+            "How the engine replicas' KV events reach the gateways: push, each page sent once on a ZMQ "
+            "PUB socket every gateway subscribes to (the log asked only after a miss); poll, every "
+            "gateway long-polls every engine's log (N x M HTTP asks; control_plane.json)."
+        ),
+    )
     recent_ttl_s: float = Field(
         5.0,
         gt=0,
@@ -231,7 +239,7 @@ class AffinityConfig(Strict):
 
     def params(self) -> dict[str, Any]:
         """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""
-        return self.model_dump(exclude={"kv_events"})
+        return self.model_dump(exclude={"kv_events", "kv_transport"})
 
 
 class HostCpuConfig(Strict):

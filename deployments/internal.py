@@ -28,6 +28,17 @@ def internal_token() -> str:
     )
 
 
+def curve_keys(token: str) -> tuple[bytes, bytes]:
+    """The KV-event publishers' CURVE key pair (public, secret; Z85), derived from the internal
+    credential: a gateway needs the credential to know the publishers' public key, without which
+    its handshake fails (:mod:`deployments.engine.kv_pub`)."""
+    import zmq
+    from zmq.utils import z85
+
+    secret = z85.encode(hashlib.sha256(b"llmc-kv-pub:" + token.encode()).digest())
+    return zmq.curve_public(secret), secret
+
+
 def token_ok(presented: str | None, expected: str) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 

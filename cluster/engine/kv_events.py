@@ -9,16 +9,16 @@ the engine's own (vLLM's are seeded per process, the sim's are SHA-256): a route
 its own hash of the token ids and keeps the map
 (:meth:`cluster.routing.affinity.AffinityRouter.apply_kv_stored`).
 
-Transport: pull, with sequence numbers. Each engine replica appends its batches to a bounded
-:class:`KVEventLog` (sequence numbers from 1, an ``epoch`` drawn at start); each gateway replica
-asks every live engine replica for the batches after the last one it applied (a long poll on the
-replica's own HTTP server, ``GET /kv_events?after=N``). Every gateway therefore applies the same
-batches in the same order, whenever it started; a gateway that fell behind the log's window, or an
-engine that restarted (new epoch), gets ``reset``: the gateway drops that replica's entries and
-continues from what the log still holds (the index may under-report, never over-report). Why pull
-rather than an engine-side push (vLLM's ZMQ PUB socket straight to the gateways): the engine does
-not need to know the gateways (they scale and restart on their own), a slow gateway cannot make
-the engine drop events for the others, and it reuses the replica's authenticated HTTP server.
+Transport: a log with sequence numbers. Each engine replica appends its batches to a bounded
+:class:`KVEventLog` (sequence numbers from 1, an ``epoch`` drawn at start) and pushes each page of
+new batches once to every gateway that subscribes (``deployments/engine/kv_pub.py``); a gateway
+applies a pushed page when it follows on from the last batch it applied
+(:meth:`FeedCursor.accept`) and otherwise asks the log for the batches after that one (``GET
+/kv_events?after=N`` on the replica's own HTTP server; ``affinity.kv_transport: poll``: it only
+asks, a long poll). Every gateway therefore applies the same batches in the same order, whenever it
+started; a gateway that fell behind the log's window, or an engine that restarted (new epoch), gets
+``reset``: the gateway drops that replica's entries and continues from what the log still holds
+(the index may under-report, never over-report).
 The replica's server publishes stores and evictions in the router's hashes (``IndexStored``,
 ``IndexRemoved``: :mod:`cluster.routing.event_hashes`), hashed once there rather than on every
 gateway replica, and with ``affinity.claim_stride_blocks`` k > 1 only their anchors and the
@@ -351,6 +351,20 @@ class FeedCursor:
     resets: int = 0
     batches: int = 0
     events: int = 0
+
+    def accept(self, page: KVEventPage) -> KVEventPage | None:
+        """A page pushed to every subscriber (:mod:`deployments.engine.kv_pub`: the batches after
+        the last one pushed, or none, a heartbeat with the log's head), as this reader may apply
+        it: the batches it has not applied yet (an empty page: nothing new); None when it missed
+        some (a new epoch, a batch after a gap, a head past it, or no ask yet): it must ask the
+        log for what it missed (``since``) before it applies pushed pages again."""
+        if self.epoch is None or page.epoch != self.epoch or page.reset:
+            return None
+        first = page.batches[0].seq if page.batches else page.last_seq + 1
+        if first > self.after + 1 or (not page.batches and page.last_seq > self.after):
+            return None
+        fresh = [b for b in page.batches if b.seq > self.after]
+        return KVEventPage(page.epoch, fresh, max(page.last_seq, self.after))
 
     def advance(self, page: KVEventPage) -> None:
         if page.reset:

@@ -45,6 +45,7 @@ class ReplicaInfo:
     kv_usage: float = 0.0
     healthy: bool = True
     kv_events: bool = False  # the replica serves its engine's KV events (GET /kv_events)
+    kv_pub: str | None = None  # ... and pushes them from this ZMQ address (deployments/engine/kv_pub.py)
     kv_blocks: int = 0  # its KV cache in blocks (0: unknown)
     ttft: tuple[
         tuple[int, float, int, float], ...

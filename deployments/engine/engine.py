@@ -52,6 +52,7 @@ from cluster.wire.tool_stream import ToolEvents
 from deployments import haproxy_errors
 from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_warmup
 from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
+from deployments.engine.kv_pub import KVEventPublisher
 from deployments.internal import internal_token, token_ok
 from deployments.json_types import JSONObject
 
@@ -120,6 +121,9 @@ class EngineReplica:
             hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
             stride = self.cfg.affinity.claim_stride_blocks  # the gateways' anchors: no more is sent
             self.kv_events = KVEventEndpoint(log, self._token, hasher, stride)
+        self.kv_pub: KVEventPublisher | None = None  # the log pushed to every gateway (kv_transport)
+        if self.kv_events is not None and self.cfg.affinity.kv_transport == "push":
+            self.kv_pub = KVEventPublisher(self.kv_events, self.replica_id, node_host(), self._token)
         self._runner, self.url = await self._serve_http()
         # this node's HAProxy takes clients too (deployments/haproxy_errors.py): its error page ours
         self._errpage_task = haproxy_errors.start(ray.get_runtime_context().get_node_id())
@@ -183,6 +187,7 @@ class EngineReplica:
             "kv_usage": s.kv_usage,
             "healthy": s.healthy,  # a dead engine leaves the routing view before Serve replaces it
             "kv_events": self.kv_events is not None,  # the gateways follow GET /kv_events
+            "kv_pub": self.kv_pub.address if self.kv_pub is not None else None,  # ... pushed from here
             "kv_blocks": int(s.extra.get("num_kv_blocks", 0)),
             "ttft": self.ttft.report(time.monotonic()),  # every gateway's SLO guard reads them
         }
@@ -201,6 +206,9 @@ class EngineReplica:
         # Drained: the engine stops first, so that every open stream ends with an error frame
         # that says so (the gateway continues it elsewhere), then the server waits for them.
         self.draining = True
+        if self.kv_pub is not None:
+            with contextlib.suppress(Exception):
+                self.kv_pub.close()
         with contextlib.suppress(Exception):
             self.backend.shutdown()
         with contextlib.suppress(Exception):

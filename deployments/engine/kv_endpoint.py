@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -33,11 +34,17 @@ class KVEventEndpoint:
     def __init__(self, log: KVEventLog, token: str, hasher: BlockHasher, stride: int = 1) -> None:
         self.log, self._token, self.hasher = log, token, hasher
         self._new = asyncio.Event()
-        log.on_append = self._new.set  # appended on this loop (vLLM's thread hands over to it)
+        self.on_append: list[Callable[[], None]] = []  # told of each batch too (the publisher)
+        log.on_append = self._appended  # appended on this loop (vLLM's thread hands over to it)
         self.router_hashes = RouterHashes(hasher, stride=stride)
         log.translate = self.router_hashes.translate
         self.encoder = PageEncoder()  # each batch's JSON made once, for every gateway that asks
         self.cut_until = 0.0  # a rehearsed feed cut (``fault``): polls stall until then
+
+    def _appended(self) -> None:
+        self._new.set()
+        for fn in self.on_append:
+            fn()
 
     def announce(self, req: GenerateRequest) -> None:
         """A request arrived: every gateway learns where its prompt's blocks are going (and its

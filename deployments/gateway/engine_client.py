@@ -100,6 +100,7 @@ class _Pick:
                     float(st.get("kv_usage", 0.0)),
                     healthy=bool(st.get("healthy", True)),
                     kv_events=bool(st.get("kv_events", False)),
+                    kv_pub=st.get("kv_pub"),
                     kv_blocks=int(st.get("kv_blocks", 0)),
                     ttft=tuple(tuple(x) for x in st.get("ttft", ())),
                 )

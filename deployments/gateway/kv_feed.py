@@ -2,13 +2,16 @@
 
 One background task per self-hosted backend (never per request or chunk). Once a second it asks
 Serve for the backend's live replicas (``ReplicaPicker.refresh``: the same list decisions use) and
-keeps one follower task per replica that publishes events; a follower long-polls the replica's
-``GET /kv_events?after=N&epoch=E&wait=S`` (at most every ``MIN_POLL_S``) and applies each page to the
-view in order. Every gateway replica runs its own feed on the same logs, so all of them hold the
-same index (see :mod:`cluster.engine.kv_events` for why the gateways pull). A replica whose
-connection is refused or cut (its process died) loses its entries at once, before Serve's health
-check notices; one Serve drops loses its follower here and its entries in the view at the next
-decision, whichever comes first.
+keeps one follower task per replica that publishes events. A replica that pushes its pages
+(``kv_pub`` in its routing stats: :mod:`deployments.engine.kv_pub`, ``affinity.kv_transport:
+push``) is followed on the feed's one ZMQ subscriber (:mod:`deployments.gateway.kv_sub`): its
+follower asks the log (``GET /kv_events?after=N&epoch=E``) once, and again only when a pushed page
+shows it missed one (:meth:`FeedCursor.accept`). Otherwise the follower long-polls that URL (at most
+every ``MIN_POLL_S``). Either way each page is applied to the view in order. Every gateway replica
+runs its own feed on the same logs, so all of them hold the same index. A replica whose connection
+is refused or cut (its process died) loses its entries at once, before Serve's health check
+notices; one Serve drops loses its follower here and its entries in the view at the next decision,
+whichever comes first.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from cluster.engine.kv_events import FeedCursor, page_from_json
+from cluster.engine.kv_events import FeedCursor, KVEventPage, page_from_json
 from cluster.routing.view import BackendView
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
+from deployments.gateway.kv_sub import KVSubscriber
 
 log = logging.getLogger("ray.serve")
 REFRESH_S = 1.0  # how often the replica list is re-read
@@ -38,6 +43,15 @@ RETRY_S = 0.5  # after a failed poll
 MIN_POLL_S = 0.1
 
 
+@dataclass
+class _Pushed:
+    """A replica followed on the subscriber: its pushed pages wait while the log is asked."""
+
+    gap: asyncio.Event = field(default_factory=asyncio.Event)
+    asking: bool = True
+    pending: list[KVEventPage] = field(default_factory=list)
+
+
 class KVEventFeed:
     def __init__(
         self, view: BackendView, picker: Any, session: Callable[[], aiohttp.ClientSession], token: str
@@ -48,6 +62,10 @@ class KVEventFeed:
         self.errors = 0
         self.lost = 0  # connections to a replica refused or cut (its entries were dropped)
         self.no_events: set[str] = set()  # replicas that answered 404: their engines do not publish
+        self.sub: KVSubscriber | None = None  # made for the first replica that pushes
+        self._sub_task: asyncio.Task[None] | None = None
+        self.pushed: dict[str, _Pushed] = {}
+        self.asks = 0  # asks of a log (catch-ups, or every poll of a replica that does not push)
 
     async def run(self) -> None:
         try:
@@ -61,6 +79,10 @@ class KVEventFeed:
         finally:
             for t in self.followers.values():
                 t.cancel()
+            if self._sub_task is not None:
+                self._sub_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._sub_task
 
     def _follow_live(self) -> None:
         live = self.view.live
@@ -70,56 +92,141 @@ class KVEventFeed:
         for r, info in live.items():
             if info.kv_events and info.url and r not in self.followers and r not in self.no_events:
                 self.cursors[r] = FeedCursor()
-                self.followers[r] = asyncio.get_running_loop().create_task(
-                    self._follow(r, info.url), name=f"kv-feed-{r}"
+                follow = (
+                    self._follow_pushed(r, info.url, info.kv_pub)
+                    if info.kv_pub
+                    else self._follow(r, info.url)
                 )
+                self.followers[r] = asyncio.get_running_loop().create_task(follow, name=f"kv-feed-{r}")
 
     async def _follow(self, replica: str, url: str) -> None:
-        cursor = self.cursors[replica]
-        headers = {INTERNAL_TOKEN_HEADER: self._token}
-        timeout = aiohttp.ClientTimeout(total=WAIT_S + 10)
+        """A replica that does not push: its log long-polled, at most every ``MIN_POLL_S``."""
         clock = time.monotonic
         asked = -MIN_POLL_S
         while True:
             if (pause := asked + MIN_POLL_S - clock()) > 0:
                 await asyncio.sleep(pause)
             asked = clock()
-            params = {"after": str(cursor.after), "wait": "0"}  # the first ask: at once
-            if cursor.epoch is not None:
-                params.update(epoch=str(cursor.epoch), wait=str(WAIT_S))
-            try:
-                async with self._session().get(
-                    url + "/kv_events", params=params, headers=headers, timeout=timeout
-                ) as resp:
-                    if resp.status == 404:
-                        self.no_events.add(replica)
-                        return
-                    resp.raise_for_status()
-                    page = page_from_json(await resp.read())
-            except asyncio.CancelledError:
-                raise
-            except aiohttp.ClientConnectionError as exc:
-                # Refused or cut: the replica's process is gone or going. Its entries go now, before
-                # Serve's health check drops it from the list; if it answers again, its next page
-                # starts afresh.
-                self.errors += 1
-                self.lost += 1
-                self.view.replica_lost(replica)
-                cursor = self.cursors[replica] = FeedCursor()
-                log.debug("KV-event feed of %s: %s", replica, exc)
+            got = await self._ask(replica, url, WAIT_S)
+            if got is None:
+                return
+            if not got:
                 await asyncio.sleep(RETRY_S)
-                continue
-            except Exception as exc:  # slow or garbled: keep what the index holds, ask again
-                self.errors += 1
-                log.debug("KV-event feed of %s: %s", replica, exc)
-                await asyncio.sleep(RETRY_S)
-                continue
-            self.view.apply_kv_page(replica, page, time.monotonic())  # the clock decisions use
-            cursor.advance(page)
+
+    async def _ask(self, replica: str, url: str, wait: float) -> bool | None:
+        """One ask of the replica's log, its page applied: True; False: it failed (a refused or
+        cut connection dropped the replica's entries); None: the replica publishes no events."""
+        cursor = self.cursors[replica]
+        params = {"after": str(cursor.after), "wait": "0"}  # the first ask: at once
+        if cursor.epoch is not None:
+            params.update(epoch=str(cursor.epoch), wait=str(wait))
+        headers = {INTERNAL_TOKEN_HEADER: self._token}
+        self.asks += 1
+        try:
+            timeout = aiohttp.ClientTimeout(total=WAIT_S + 10)
+            async with self._session().get(
+                url + "/kv_events", params=params, headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status == 404:
+                    self.no_events.add(replica)
+                    return None
+                resp.raise_for_status()
+                page = page_from_json(await resp.read())
+        except asyncio.CancelledError:
+            raise
+        except aiohttp.ClientConnectionError as exc:
+            # Refused or cut: the replica's process is gone or going. Its entries go now, before
+            # Serve's health check drops it from the list; if it answers again, its next page
+            # starts afresh.
+            self.errors += 1
+            self._lost(replica)
+            log.debug("KV-event feed of %s: %s", replica, exc)
+            return False
+        except Exception as exc:  # slow or garbled: keep what the index holds, ask again
+            self.errors += 1
+            log.debug("KV-event feed of %s: %s", replica, exc)
+            return False
+        self.view.apply_kv_page(replica, page, time.monotonic())  # the clock decisions use
+        self.cursors[replica].advance(page)
+        return True
+
+    def _lost(self, replica: str) -> None:
+        self.lost += 1
+        self.view.replica_lost(replica)
+        if replica in self.cursors:
+            self.cursors[replica] = FeedCursor()
+
+    async def _follow_pushed(self, replica: str, url: str, address: str) -> None:
+        """A replica that pushes: its pages from the subscriber; its log asked at the start, and
+        again each time a pushed page (or a lost connection) shows that the index missed some."""
+        st = self.pushed[replica] = _Pushed()
+        sub = self._subscriber()
+        sub.follow(
+            replica, address, lambda body: self._on_pushed(replica, body), lambda: self._on_lost(replica)
+        )
+        try:
+            while True:
+                st.asking, st.pending = True, []
+                got = await self._ask(replica, url, 0.0)
+                if got is None:
+                    return
+                st.asking = False
+                st.gap.clear()
+                for page in st.pending:
+                    self._take(replica, st, page)
+                if not got:
+                    await asyncio.sleep(RETRY_S)
+                    continue
+                await st.gap.wait()
+        finally:
+            sub.unfollow(replica)
+            if self.pushed.get(replica) is st:
+                del self.pushed[replica]
+
+    def _subscriber(self) -> KVSubscriber:
+        if self.sub is None:
+            self.sub = KVSubscriber(self._token)
+            self._sub_task = asyncio.get_running_loop().create_task(self.sub.run(), name="kv-sub")
+        return self.sub
+
+    def _on_pushed(self, replica: str, body: bytes) -> None:
+        st = self.pushed.get(replica)
+        if st is None:
+            return
+        try:
+            page = page_from_json(body)
+        except ValueError as exc:  # pydantic's ValidationError: garbled, ask the log instead
+            self.errors += 1
+            log.debug("KV-event feed of %s: %s", replica, exc)
+            st.gap.set()
+            return
+        if st.asking:
+            st.pending.append(page)
+        else:
+            self._take(replica, st, page)
+
+    def _take(self, replica: str, st: _Pushed, page: KVEventPage) -> None:
+        cursor = self.cursors.get(replica)
+        fresh = None if cursor is None else cursor.accept(page)
+        if cursor is None or fresh is None:
+            st.gap.set()  # missed some: the follower asks the log
+            return
+        if fresh.batches:
+            self.view.apply_kv_page(replica, fresh, time.monotonic())
+        cursor.advance(fresh)
+
+    def _on_lost(self, replica: str) -> None:
+        """The publisher's connection closed or went silent: the replica's entries go now."""
+        self._lost(replica)
+        if (st := self.pushed.get(replica)) is not None:
+            st.gap.set()
 
     def status(self) -> dict[str, Any]:
         return {
             "followed": sorted(self.followers),
+            "pushed": sorted(self.pushed),
+            "subscriber": self.sub.status() if self.sub is not None else None,
+            "asks": self.asks,
             "errors": self.errors,
             "lost": self.lost,
             "replicas": {

@@ -246,20 +246,58 @@ def expire_recent(view: BackendView, now: float) -> float:
 
 
 def simulate(
-    n: int, m: int, rates: Rates, seconds: float, cache_blocks: int, seed: int, applying: int = 2
+    n: int,
+    m: int,
+    rates: Rates,
+    seconds: float,
+    cache_blocks: int,
+    seed: int,
+    applying: int = 2,
+    push: bool = False,
 ) -> dict[str, Any]:
-    """N engines and M gateways for ``seconds`` of virtual time; per-role CPU and lag. Every
-    gateway polls every engine (the engine serves all M); the first ``applying`` of them also
-    apply the pages (every gateway applies the same pages, so the others would only repeat it)."""
-    rng = random.Random(seed)
+    """N engines and M gateways for ``seconds`` of virtual time; per-role CPU and lag. Polled: every
+    gateway polls every engine (the engine serves all M); pushed (``push``): each engine encodes
+    each page once, ``FLUSH_S`` after its step, and every gateway takes it (ZMQ copies it to each:
+    measured apart, see ``transport_overhead``). The first ``applying`` gateways also apply the
+    pages (every gateway applies the same pages, so the others would only repeat it)."""
     engines = [EngineSource(i, rates, cache_blocks, 32, seed * 1000 + i) for i in range(n)]
     names = [e.name for e in engines]
     gws = [Gateway(gateway_view(names, 1_000_000), {r: FeedCursor() for r in names}) for _ in range(m)]
     for gw in gws[:applying]:
         for e in engines:
             e.warm(gw.view)
-    # every (gateway, engine) pair polls every MIN_POLL_S at its own phase
-    polls = [(rng.uniform(0, MIN_POLL_S), g, e) for g in range(m) for e in range(n)]
+    run = _run_pushed if push else _run_polled
+    engine_cpu, t, pages = run(engines, gws, rates, seconds, applying, random.Random(seed))
+    out = summarise(n, m, t, engines, gws[: min(m, applying)], engine_cpu)
+    out["transport"] = "push" if push else "poll"
+    if push:  # one page per engine push, to every gateway (no empty answers to long polls)
+        out["polls_per_gateway_per_s"] = round(pages / t, 1)
+        out["polls_per_engine_per_s"] = round(pages / n / t, 1)
+    return out
+
+
+def _gateway_takes(gw: Gateway, replica: str, body: bytes, due: float) -> None:
+    """One gateway applying one page at ``due``: its CPU, and the lag of the page's batches."""
+    c1 = time.thread_time()
+    page = apply_page(gw, replica, body, due)
+    c2 = time.thread_time()
+    gw.cpu_s += c2 - c1
+    gw.events += sum(len(b.events) for b in page.batches)
+    gw.cpu_s += expire_recent(gw.view, due)
+    gw.busy_until = max(due, gw.busy_until) + (c2 - c1)
+    gw.lags.extend(gw.busy_until - b.ts for b in page.batches)
+
+
+def _run_polled(
+    engines: list[EngineSource],
+    gws: list[Gateway],
+    rates: Rates,
+    seconds: float,
+    applying: int,
+    rng: random.Random,
+) -> tuple[float, float, int]:
+    """Every (gateway, engine) pair polls every MIN_POLL_S at its own phase."""
+    polls = [(rng.uniform(0, MIN_POLL_S), g, e) for g in range(len(gws)) for e in range(len(engines))]
     heapq.heapify(polls)
     engine_cpu, clock, t = 0.0, time.thread_time, 0.0
     while t < seconds:
@@ -270,22 +308,46 @@ def simulate(
             src, gw = engines[ei], gws[g]
             c0 = clock()
             served, body = serve_page(src, gw.cursors[src.name])
-            c1 = clock()
-            engine_cpu += c1 - c0
+            engine_cpu += clock() - c0
             gw.polls += 1
             if g >= applying:
                 gw.cursors[src.name].advance(served)  # a gateway that only polls
                 continue
-            page = apply_page(gw, src.name, body, due)
-            c2 = clock()
-            gw.cpu_s += c2 - c1
-            gw.events += sum(len(b.events) for b in page.batches)
-            gw.cpu_s += expire_recent(gw.view, due)
-            gw.busy_until = max(due, gw.busy_until) + (c2 - c1)
-            gw.lags.extend(gw.busy_until - b.ts for b in page.batches)
+            _gateway_takes(gw, src.name, body, due)
         for e in engines:
             engine_cpu += e.step(t)
-    return summarise(n, m, t, engines, gws[: min(m, applying)], engine_cpu)
+    return engine_cpu, t, 0
+
+
+def _run_pushed(
+    engines: list[EngineSource],
+    gws: list[Gateway],
+    rates: Rates,
+    seconds: float,
+    applying: int,
+    rng: random.Random,
+) -> tuple[float, float, int]:
+    """Each engine pushes what its step appended (``KVEventPublisher.flush``: the log's page since
+    the last push, encoded once) ``FLUSH_S`` after the step; the applying gateways take it then."""
+    from deployments.engine.kv_pub import FLUSH_S
+
+    pushed = [0] * len(engines)
+    engine_cpu, clock, t, pages = 0.0, time.thread_time, 0.0, 0
+    while t < seconds:
+        t += rates.step_s
+        for i, e in enumerate(engines):
+            engine_cpu += e.step(t)
+            if e.log.last_seq == pushed[i]:
+                continue
+            c0 = clock()
+            page = e.log.since(pushed[i], e.log.epoch)
+            body = e.endpoint.encoder.encode(page)
+            engine_cpu += clock() - c0
+            pushed[i], pages = page.last_seq, pages + 1
+            for gw in gws[:applying]:
+                gw.polls += 1
+                _gateway_takes(gw, e.name, body, t + FLUSH_S)
+    return engine_cpu, t, pages
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -481,12 +543,18 @@ def _proc_cpu() -> float:
     return t.user + t.system
 
 
-async def _serve(n: int, rates: Rates, cache_blocks: int, port: int, seconds: float) -> None:
+async def _serve(
+    n: int, rates: Rates, cache_blocks: int, port: int, seconds: float, push: bool = False
+) -> None:
     """N engines' ``KVEventEndpoint`` on one aiohttp server (``/e{i}/kv_events``), their events
-    generated in real time; ``/cpu`` answers this process's CPU seconds and the polls served."""
+    generated in real time; ``/cpu`` answers this process's CPU seconds and the polls served (with
+    ``push``: the pages their ``KVEventPublisher``s pushed, and ``/pubs`` their addresses)."""
     from aiohttp import web
 
+    from deployments.engine.kv_pub import KVEventPublisher
+
     engines = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]
+    pubs = [KVEventPublisher(e.endpoint, e.name, "127.0.0.1", TOKEN) for e in engines] if push else []
     served = [0]
     app = web.Application()
     for i, e in enumerate(engines):
@@ -499,9 +567,14 @@ async def _serve(n: int, rates: Rates, cache_blocks: int, port: int, seconds: fl
         app.router.add_get(f"/e{i}/kv_events", handle)
 
     async def cpu(_: web.Request) -> web.Response:
-        return web.json_response({"cpu_s": _proc_cpu(), "polls": served[0]})
+        pages = sum(p.pages + p.heartbeats for p in pubs)
+        return web.json_response({"cpu_s": _proc_cpu(), "polls": pages if push else served[0]})
+
+    async def addresses(_: web.Request) -> web.Response:
+        return web.json_response([p.address for p in pubs])
 
     app.router.add_get("/cpu", cpu)
+    app.router.add_get("/pubs", addresses)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -512,6 +585,8 @@ async def _serve(n: int, rates: Rates, cache_blocks: int, port: int, seconds: fl
         await asyncio.sleep(max(0.0, start + t - time.monotonic()))
         for e in engines:
             e.step(time.time())
+    for p in pubs:
+        p.close()
     await runner.cleanup()
 
 
@@ -521,7 +596,7 @@ class _Picker:
 
 
 async def _consume(
-    n: int, m: int, rates: Rates, cache_blocks: int, port: int, seconds: float
+    n: int, m: int, rates: Rates, cache_blocks: int, port: int, seconds: float, push: bool = False
 ) -> dict[str, Any]:
     """M gateways' real ``KVEventFeed`` (one aiohttp session each, as a gateway has) following N
     engines for ``seconds``; CPU of this process and of the engines' server, polls served."""
@@ -534,19 +609,24 @@ async def _consume(
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in range(m)]
     twins = [EngineSource(i, rates, cache_blocks, 32, 7000 + i) for i in range(n)]  # the server's contexts
     feeds = []
-    for g in range(m):
-        view = gateway_view(names, 1_000_000)
-        view.sync([ReplicaInfo(r, f"{base}/e{i}", kv_events=True) for i, r in enumerate(names)])
-        for e in twins:
-            e.warm(view)
-        feeds.append(KVEventFeed(view, _Picker(), lambda s=sessions[g]: s, TOKEN))
     async with aiohttp.ClientSession() as probe:
         for _ in range(120):  # the server's child is up (slow to start on a busy box) ...
             try:
-                async with probe.get(base + "/cpu") as r:
+                async with probe.get(base + "/pubs") as r:
+                    pubs = await r.json()
                     break
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.5)
+        for g in range(m):
+            view = gateway_view(names, 1_000_000)
+            infos = [
+                ReplicaInfo(r, f"{base}/e{i}", kv_events=True, kv_pub=pubs[i] if push else None)
+                for i, r in enumerate(names)
+            ]
+            view.sync(infos)
+            for e in twins:
+                e.warm(view)
+            feeds.append(KVEventFeed(view, _Picker(), lambda s=sessions[g]: s, TOKEN))
         await asyncio.sleep(1.0)  # ... and publishing
         async with probe.get(base + "/cpu") as r:
             before = await r.json()
@@ -568,10 +648,14 @@ async def _consume(
         "polls": after["polls"] - before["polls"] - 1,
         "events_applied": events,
         "feed_errors": sum(f.errors for f in feeds),
+        "log_asks": sum(f.asks for f in feeds),
+        "pushed_messages": sum(f.sub.messages for f in feeds if f.sub is not None),
     }
 
 
-def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, port: int) -> dict[str, Any]:
+def http_run(
+    n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, port: int, push: bool = False
+) -> dict[str, Any]:
     """The loopback run: the engines' server in a child process, the gateways here."""
     import subprocess
 
@@ -585,15 +669,18 @@ def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, po
         str(port),
     ]
     cmd += ["--serve-seconds", str(seconds + 3), "--rate-scale", str(RATE_SCALE_HTTP)]
+    cmd += ["--transport", "push" if push else "poll"]
     child = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2])
     try:
-        raw = asyncio.run(_consume(n, m, rates, cache_blocks, port, seconds))
+        raw = asyncio.run(_consume(n, m, rates, cache_blocks, port, seconds, push))
     finally:
         child.wait(timeout=30)
-    polls = max(raw["polls"], 1)
+    polls = max(raw["polls"], 1)  # pushed: the pages (each reaches all M gateways)
+    deliveries = polls * (m if push else 1)
     return {
         "n": n,
         "m": m,
+        "transport": "push" if push else "poll",
         "seconds": seconds,
         "rate_scale": RATE_SCALE_HTTP,
         **raw,
@@ -601,7 +688,7 @@ def http_run(n: int, m: int, rates: Rates, cache_blocks: int, seconds: float, po
         "engine_cpu_share": round(raw["server_cpu_s"] / n / seconds, 5),
         "polls_per_engine_per_s": round(polls / n / seconds, 1),
         "server_cpu_us_per_poll": round(raw["server_cpu_s"] / polls * 1e6, 1),
-        "client_cpu_us_per_poll": round(raw["client_cpu_s"] / polls * 1e6, 1),
+        "client_cpu_us_per_poll": round(raw["client_cpu_s"] / deliveries * 1e6, 1),
     }
 
 
@@ -650,7 +737,9 @@ def run_sweep(
         state = None
         for m in args.m:
             t0 = time.monotonic()
-            r = simulate(n, m, rates, args.seconds, args.sim_cache_blocks, args.seed)
+            r = simulate(
+                n, m, rates, args.seconds, args.sim_cache_blocks, args.seed, push=args.transport == "push"
+            )
             if state is None:
                 kv_bytes = r["kv_map_bytes_per_entry"]
                 state = steady_state(n, kv_blocks, args.index_capacity, kv_bytes, args.seed)
@@ -658,7 +747,8 @@ def run_sweep(
             r["gateway_apply_cpu_share"] = r["gateway_cpu_share"]
             r["gateway_http_cpu_share"] = round(r["polls_per_gateway_per_s"] * http["client_us"] / 1e6, 5)
             r["gateway_cpu_share"] = round(r["gateway_apply_cpu_share"] + r["gateway_http_cpu_share"], 5)
-            r["engine_http_cpu_share"] = round(r["polls_per_engine_per_s"] * http["server_us"] / 1e6, 6)
+            per_poll = http["server_us"] + http.get("server_us_per_m", 0.0) * m
+            r["engine_http_cpu_share"] = round(r["polls_per_engine_per_s"] * per_poll / 1e6, 6)
             r["engine_cpu_share"] = round(r["engine_serialize_cpu_share"] + r["engine_http_cpu_share"], 6)
             r["gateway_saturated"] = r["gateway_cpu_share"] >= 1.0
             r["wall_s"] = round(time.monotonic() - t0, 1)
@@ -668,19 +758,22 @@ def run_sweep(
 
 
 def http_overhead(args: argparse.Namespace, rates: Rates) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Loopback runs at small N; the HTTP layer's CPU per poll on each side is the run's CPU per
-    poll less the in-process simulation's (same N, M and scaled rates) for the same work."""
+    """Loopback runs at small N; the transport's CPU per poll (pushed: per page an engine sends, per
+    page a gateway takes) on each side is the run's less the in-process simulation's (same N, M
+    and scaled rates) for the same work. An engine's per page grows with M when pushed (ZMQ copies
+    it to each gateway): ``server_us`` + ``server_us_per_m`` x M, fitted over the runs' M."""
+    push = args.transport == "push"
     scaled = rates.scaled(RATE_SCALE_HTTP)
-    runs, server, client = [], [], []
+    runs, server, client, ms = [], [], [], []
     for n, m in args.http:
-        h = http_run(n, m, scaled, args.sim_cache_blocks, args.http_seconds, args.port)
-        sim = simulate(n, m, scaled, 3.0, args.sim_cache_blocks, args.seed, applying=m)
+        h = http_run(n, m, scaled, args.sim_cache_blocks, args.http_seconds, args.port, push)
+        sim = simulate(n, m, scaled, 3.0, args.sim_cache_blocks, args.seed, applying=m, push=push)
         sim_polls = sim["polls_per_engine_per_s"] * n * sim["virtual_s"]
         h["inprocess_server_us_per_poll"] = round(
             sim["engine_serialize_cpu_share"] * n * sim["virtual_s"] / sim_polls * 1e6, 1
         )
         h["inprocess_client_us_per_poll"] = round(
-            sim["gateway_cpu_share"] * m * sim["virtual_s"] / sim_polls * 1e6, 1
+            sim["gateway_cpu_share"] * m * sim["virtual_s"] / (sim_polls * (m if push else 1)) * 1e6, 1
         )
         h["http_server_us_per_poll"] = round(
             h["server_cpu_us_per_poll"] - h["inprocess_server_us_per_poll"], 1
@@ -692,7 +785,16 @@ def http_overhead(args: argparse.Namespace, rates: Rates) -> tuple[list[dict[str
         runs.append(h)
         server.append(h["http_server_us_per_poll"])
         client.append(h["http_client_us_per_poll"])
-    return runs, {"server_us": max(0.0, min(server)), "client_us": max(0.0, min(client))}
+        ms.append(m)
+    per_m = 0.0
+    if push and len(set(ms)) > 1:  # least squares of server = a + b M
+        mm, sm = sum(ms) / len(ms), sum(server) / len(server)
+        per_m = sum((x - mm) * (y - sm) for x, y in zip(ms, server, strict=True)) / sum(
+            (x - mm) ** 2 for x in ms
+        )
+        per_m = max(0.0, per_m)
+    base = min(y - per_m * x for x, y in zip(ms, server, strict=True)) if server else 0.0
+    return runs, {"server_us": max(0.0, base), "server_us_per_m": per_m, "client_us": max(0.0, min(client))}
 
 
 def flat_keys(prefix: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -722,12 +824,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the index's bound in blocks (default: the config's index_capacity_blocks)",
     )
     ap.add_argument(
-        "--http", type=lambda s: tuple(map(int, s.split("x"))), nargs="*", default=[(16, 2), (64, 2)]
+        "--http", type=lambda s: tuple(map(int, s.split("x"))), nargs="*", default=[(16, 2), (16, 8), (64, 2)]
     )
     ap.add_argument("--http-seconds", type=float, default=8.0)
     ap.add_argument("--port", type=int, default=18642)
     ap.add_argument(
         "--design", default="before", help="the key prefix the N-max, M-max point is written under"
+    )
+    ap.add_argument(
+        "--transport",
+        choices=["push", "poll"],
+        default=getattr(AffinityConfig(), "kv_transport", "poll"),
+        help="how events reach the gateways (default: the config's affinity.kv_transport)",
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--code-note", default="", help="what code ran, when not the checkout's (provenance)")
@@ -748,12 +856,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = engine_rates(profile, args.utilisation, args.prompt_tokens, args.reuse, args.decode_seqs)
     if args.serve:
         run = _serve(
-            args.serve, rates.scaled(args.rate_scale), args.sim_cache_blocks, args.port, args.serve_seconds
+            args.serve,
+            rates.scaled(args.rate_scale),
+            args.sim_cache_blocks,
+            args.port,
+            args.serve_seconds,
+            args.transport == "push",
         )
         asyncio.run(run)
         return 0
     started, git, load = time.monotonic(), git_state(), os.getloadavg()
     http_runs, http = http_overhead(args, rates) if args.http else ([], {"server_us": 0.0, "client_us": 0.0})
+    print(json.dumps({"transport": args.transport, "per_poll_us": http}), flush=True)
     sweep = run_sweep(args, rates, profile.num_kv_blocks(), http)
     top = next(r for r in sweep if r["n"] == max(args.n) and r["m"] == max(args.m))
     path = Path(args.out)
@@ -763,6 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.n) > 1 and len(args.m) > 1:
         report[f"{args.design}_fits"] = fits(sweep, args.n, args.m)
     report[f"{args.design}_http_loopback"] = {"runs": http_runs, "per_poll_us": http}
+    report[f"{args.design}_transport"] = args.transport
     report[f"{args.design}_provenance"] = provenance(argv or sys.argv[1:], git, load, started)
     if args.code_note:
         report[f"{args.design}_provenance"]["code"] = args.code_note

@@ -1,11 +1,12 @@
-"""BENCHMARKS.md's control-plane tables (issue 42): ``control_plane.json``, today's design
-(``before_``) and the changed one (``after_``), side by side."""
+"""BENCHMARKS.md's control-plane tables (issue 42): ``control_plane.json``, the design before the
+issue (``before_``), the changed index on the long poll (``poll_``) and pushed (``after_``), side by
+side."""
 
 from __future__ import annotations
 
 from loadtest.tables.table_format import Results, fixed, num, pct, table
 
-_DESIGNS = {"before": "before", "after": "after"}
+_DESIGNS = {"before": "before", "poll": "after, polled", "after": "after, pushed"}
 
 
 def control_plane(r: Results) -> str:
@@ -30,7 +31,7 @@ def control_plane(r: Results) -> str:
     header = [
         "design, engines N, gateways M",
         "gateway CPU (cores)",
-        "of it HTTP",
+        "of it transport",
         "engine CPU",
         "lag p50 / p99 ms",
         "decision p50 / p99 µs",

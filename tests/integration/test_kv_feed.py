@@ -181,3 +181,82 @@ async def test_a_busy_engine_is_polled_at_most_every_min_poll_s() -> None:
     assert batches > 2 * polls, (batches, polls)
     assert kv_feed.MIN_POLL_S >= 0.05  # a bound of a few ms would be the per-step polling again
     assert 3 <= polls <= elapsed / kv_feed.MIN_POLL_S + 2, (polls, elapsed)
+
+
+async def test_pushed_pages_reach_every_gateway_and_a_missed_one_is_asked_for() -> None:
+    """Issue 42's transport: engines push each page once on a ZMQ socket; two gateways' feeds apply
+    them (asking each log only to start), ask a log again when a page was lost on the way, drop a
+    replica's entries when its process dies, and a subscriber without the credential hears nothing."""
+    from deployments.engine.kv_pub import KVEventPublisher
+    from deployments.gateway.kv_sub import KVSubscriber
+
+    engines = [await _engine("A"), await _engine("B")]
+    pubs = [KVEventPublisher(e.endpoint, e.name, "127.0.0.1", TOKEN, heartbeat_s=0.2) for e in engines]
+
+    class Pushing(Picker):
+        async def refresh(self) -> None:
+            self.view.sync(
+                [
+                    ReplicaInfo(e.name, e.url, kv_events=True, kv_pub=p.address)
+                    for e, p in zip(self.engines, pubs, strict=True)
+                ]
+            )
+
+    session = aiohttp.ClientSession()
+    views, feeds = [], []
+    for _ in range(2):
+        view = BackendView("sim", AffinityRouter(16, "sim-llama-8b", AffinityParams()), ReplicaEjector(), 64)
+        feeds.append(KVEventFeed(view, Pushing(view, engines), lambda: session, TOKEN))
+        views.append(view)
+    tasks = [asyncio.create_task(f.run()) for f in feeds]
+    stranger = KVSubscriber("not-the-credential")
+    heard: list[bytes] = []
+    stranger.follow("A", pubs[0].address, heard.append, lambda: None)
+    listening = asyncio.create_task(stranger.run())
+    a = engines[0]
+
+    async def serve(i: int, first: int) -> list[int]:
+        prompt = list(range(first, first + 1200))
+        req = GenerateRequest(f"r{i}", "sim-llama-8b", "completion", prompt, Sampling(max_tokens=2))
+        a.endpoint.announce(req)
+        async for _ in a.sim.generate(req):
+            pass
+        return views[0].policy.hash(prompt)
+
+    def held(n: int) -> bool:
+        return all(v.policy.index.held_blocks("A") >= n for v in views)
+
+    try:
+        await _until(lambda: all(set(f.pushed) == {"A", "B"} and f.asks >= 2 for f in feeds))
+        first = await serve(1, 7)
+        await _until(lambda: held(len(first)))
+        assert held(len(first)) and all(f.sub is not None and f.sub.messages > 0 for f in feeds)
+        assert all(f.asks == 2 for f in feeds), [f.asks for f in feeds]  # one ask per replica: to start
+
+        send = pubs[0]._send
+        pubs[0]._send = lambda body: None  # type: ignore[method-assign]  # this page is lost on the way
+        second = await serve(2, 5000)
+        await asyncio.sleep(0.05)
+        pubs[0]._send = send  # type: ignore[method-assign]
+        await _until(lambda: held(len(first) + len(second)))  # the next heartbeat shows the gap
+        assert held(len(first) + len(second)) and all(f.asks > 2 for f in feeds)
+        assert views[0].choose(second, time.monotonic()).decision.reason == "prefix"
+        assert heard == [] and stranger.messages == 0  # no handshake without the credential
+
+        pubs[0].close()  # A's process died: its publisher's socket and its server went with it
+        await a.runner.cleanup()
+        await _until(
+            lambda: all(f.lost for f in feeds) and all(v.policy.index.held_blocks("A") == 0 for v in views)
+        )
+        assert all(f.lost for f in feeds) and all(v.policy.index.held_blocks("A") == 0 for v in views)
+    finally:
+        for t in [*tasks, listening]:
+            t.cancel()
+        await asyncio.gather(*tasks, listening, return_exceptions=True)
+        await session.close()
+        for p in pubs[1:]:
+            p.close()
+        for e in engines:
+            await e.sim.close()
+            with contextlib.suppress(RuntimeError):
+                await e.runner.cleanup()

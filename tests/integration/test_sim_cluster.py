@@ -108,6 +108,10 @@ def test_the_gateway_index_is_fed_by_the_engines_kv_events(sim) -> None:
     assert idx["replicas"][holder]["blocks"] >= 1000 // 16, idx  # ~1.2k prompt tokens, 16-token blocks
     assert all(v["event_fed"] for v in idx["replicas"].values()), idx
     assert idx["feed"]["replicas"][holder]["events"] > 0, idx
+    # issue 42: pushed over each replica's ZMQ publisher (the config's default), the logs asked
+    # only to start and after a miss
+    feed = idx["feed"]
+    assert set(feed["pushed"]) == set(idx["replicas"]) and feed["subscriber"]["messages"] > 0, feed
 
 
 async def test_hot_prefix_does_not_overload_its_replica(sim) -> None:

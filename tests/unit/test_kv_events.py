@@ -122,6 +122,30 @@ def test_log_answers_reset_to_a_gap_or_another_epoch():
     assert log.since(9, epoch=7).reset  # ahead of the log: not this log's numbers
 
 
+def test_a_pushed_page_is_applied_once_in_order_and_a_gap_asks_the_log():
+    log = KVEventLog(epoch=7)
+    for i in range(3):
+        log.append([BlockRemoved([i])], 0.0)
+    cursor = FeedCursor()
+    assert cursor.accept(log.since(0)) is None  # never asked the log: it must first
+    cursor.advance(log.since(0, epoch=None))
+    log.append([BlockRemoved([3])], 0.0)
+    pushed = log.since(3, epoch=7)
+    fresh = cursor.accept(pushed)
+    assert fresh is not None and [b.seq for b in fresh.batches] == [4] and fresh.last_seq == 4
+    cursor.advance(fresh)
+    again = cursor.accept(pushed)  # a batch already applied (its catch-up ask had it): nothing new
+    assert again is not None and again.batches == [] and again.last_seq == 4
+    assert cursor.accept(log.since(4, epoch=7)) == again  # a heartbeat at the head: nothing new
+    for i in range(2):
+        log.append([BlockRemoved([5 + i])], 0.0)
+    assert cursor.accept(log.since(5, epoch=7)) is None  # batch 5 was lost on the way: ask
+    assert cursor.accept(log.since(6, epoch=7)) is None  # a heartbeat past it: ask
+    assert cursor.accept(KVEventLog(epoch=8).since(0)) is None  # the engine restarted: ask
+    overlap = cursor.accept(log.since(3, epoch=7))  # pushed after a catch-up that had some of it
+    assert overlap is not None and [b.seq for b in overlap.batches] == [5, 6]
+
+
 def test_wire_round_trip_and_validation():
     log = KVEventLog(epoch=1)
     log.append([BlockStored([b"\x01\x02", 5], None, [1, 2, 3, 4, 5, 6, 7, 8], 4), AllBlocksCleared()], 1.5)
