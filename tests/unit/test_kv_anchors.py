@@ -48,9 +48,10 @@ def test_the_replica_publishes_its_chains_anchors_and_what_they_stand_for():
         [BlockStored([1, 2, 3, 4], None, toks[:16], BS), BlockStored([5, 6, 7, 8, 9, 10], 4, toks[16:], BS)]
     )
     assert all(isinstance(e, IndexStored) and e.stride == K for e in out)
-    # depths 3 and 6, 9 (every K-th of the chain, across the two events) and each event's last
-    assert [[depth[h] for h in e.block_hashes] for e in out] == [[3, 4], [6, 9, 10]]
-    assert [e.blocks for e in out if isinstance(e, IndexStored)] == [4, 6]
+    # depths 3 and 6, 9 (every K-th of the chain, across the two events) and each event's last, in
+    # one event for the step (coalesced: event_hashes.coalesce)
+    assert [[depth[h] for h in e.block_hashes] for e in out] == [[3, 4, 6, 9, 10]]
+    assert [e.blocks for e in out if isinstance(e, IndexStored)] == [10]
     queued = rh.translate([BlocksQueued(full, "s")])
     assert queued == [BlocksQueued(strided(full, K), "s", K)]
     gone = rh.translate([BlockRemoved([9, 10, 11])])  # 11: never stored, not counted

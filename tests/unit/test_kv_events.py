@@ -449,3 +449,33 @@ def test_page_encoder_writes_json_dumps_bytes_and_encodes_each_batch_once():
     other = KVEventLog(epoch=4)  # a restarted engine: its seqs start over
     other.append([IndexRemoved([1])], 0.0)
     assert enc.encode(other.since(0)) == json.dumps(page_to_wire(other.since(0))).encode()
+
+
+def test_a_steps_stores_and_evictions_go_out_as_one_event_each_in_their_order():
+    """issue 42: each stored chunk was its own event, and a gateway's cost went with the events it
+    applied; consecutive stores (of one stride) and consecutive evictions are one event, with all
+    their hashes and blocks, and a store after an eviction stays after it."""
+    from cluster.routing.event_hashes import coalesce
+
+    t = prompt(4, 20)
+    rh = RouterHashes(BlockHasher(BS, "m"), stride=2)
+    out = rh.translate(
+        [BlockStored([b"a0", b"a1"], None, t[:8], BS), BlockStored([b"a2", b"a3", b"a4"], b"a1", t[8:20], BS)]
+    )
+    assert len(out) == 1 and isinstance(out[0], IndexStored) and out[0].blocks == 5 and out[0].stride == 2
+    assert len(out[0].block_hashes) == 3  # depths 2, 4 and the chain's end at 5
+    s1, s2, r1 = IndexStored([1, 2]), IndexStored([3]), IndexRemoved([9], 4)
+    merged = coalesce(
+        [s1, s2, r1, IndexRemoved([8], 2), IndexStored([5]), BlocksQueued([7]), IndexStored([6])]
+    )
+    assert merged == [
+        IndexStored([1, 2, 3]),
+        IndexRemoved([9, 8], 6),
+        IndexStored([5]),
+        BlocksQueued([7]),
+        IndexStored([6]),
+    ]
+    assert coalesce([IndexStored([1], 2, 2), IndexStored([2], 4, 4)]) == [
+        IndexStored([1], 2, 2),
+        IndexStored([2], 4, 4),
+    ]
