@@ -10,12 +10,17 @@ _DESIGNS = {"before": "before", "poll": "after, polled", "after": "after, pushed
 
 
 def control_plane(r: Results) -> str:
-    """Each sweep point: gateway CPU in cores (2 decimals), its HTTP share, engine CPU as a share of
-    a core (2 decimals of a %), lag ms (1 decimal), decision µs (1 decimal), index MB (whole)."""
+    """Each sweep point at the largest N or M: gateway CPU in cores (2 decimals), its transport
+    share, engine CPU as a share of a core (2 decimals of a %), lag ms (1 decimal), decision µs
+    (1 decimal), index MB (whole)."""
     d = r.get("control_plane")
     rows = []
     for key, label in _DESIGNS.items():
-        for p in d.get(f"{key}_sweep", []):
+        sweep = d.get(f"{key}_sweep", [])
+        n_max, m_max = max((p["n"] for p in sweep), default=0), max((p["m"] for p in sweep), default=0)
+        for p in sweep:  # growth in N at the most gateways, in M at the most engines (the file has all)
+            if p["n"] != n_max and p["m"] != m_max:
+                continue
             rows.append(
                 [
                     f"{label}, N {p['n']}, M {p['m']}",
