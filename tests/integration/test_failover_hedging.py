@@ -95,6 +95,10 @@ def mix(deploy, servers):
             "policies": {
                 "hedging": {"quantile": None, "fixed_delay_s": 0.3, "budget_ratio": 0.25, "budget_burst": 1},
                 "failover": {"breaker": {"consecutive_failures": 1, "base_ejection_s": 1.0}},
+                # The hedge's delay and budget alone: with brownout on, the provider slowed here would
+                # be demoted after a few slow first tokens and the hedge delay capped at its slow
+                # threshold (tests/unit/test_brownout.py and the rehearsal cover those).
+                "brownout": {"enabled": False},
             },
         }
     )
