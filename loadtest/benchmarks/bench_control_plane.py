@@ -482,6 +482,36 @@ def decision_times(view: BackendView, chains: Sequence[list[int]], n: int, seed:
     policy.params = configured
     if "full_" in matched:
         out["decision_matched_ratio"] = round(matched[""] / max(1, matched["full_"]), 4)
+    out.update(timing_floor(out["decision_p50_us"], n))
+    return out
+
+
+def timing_floor(p50_us: float, n: int) -> dict[str, float]:
+    """The box's own tail at the decision's size: one fixed piece of pure Python (the same work
+    every time) of about the decisions' p50, timed ``n`` times as they are. Its p99 is what this
+    machine adds to any such call; the decisions' p99 above it is their own."""
+    clock, k = time.perf_counter_ns, 256
+
+    def work(k: int) -> int:
+        return sum(i * i for i in range(k))
+
+    for _ in range(12):  # calibrate: k so that the work's median is the decisions' p50
+        t = sorted(_timed(work, k, 51, clock))[25]
+        k = max(16, int(k * p50_us / max(t, 0.1)))
+    samples = _timed(work, k, n + 200, clock)[200:]
+    return {
+        "decision_floor_p50_us": round(pct(samples, 0.5), 2),
+        "decision_floor_p99_us": round(pct(samples, 0.99), 2),
+    }
+
+
+def _timed(fn: Any, arg: int, n: int, clock: Any) -> list[float]:
+    """Microseconds of ``fn(arg)``, ``n`` times."""
+    out = []
+    for _ in range(n):
+        t0 = clock()
+        fn(arg)
+        out.append((clock() - t0) / 1000)
     return out
 
 
