@@ -264,6 +264,13 @@ class FaultRun:
             "victim_waiting": victim.get("waiting"),  # queued for admission: their connections too
             "process_gone_s": None if t_gone is None else round(t_gone - t_kill, 3),
             "sent_between_read_and_gone": sum(1 for r in cohort if t_read <= r.t0 <= gone),
+            # sent before the read and not answered yet: maybe in a gateway's door (parsed, checked,
+            # not admitted), which its in-flight and waiting counts do not include
+            "unanswered_at_read": sum(1 for r in cohort if r.t0 < t_read and _unanswered(r, t_read)),
+            "conn_error_answered_by_other": sum(
+                1 for r in broken if r.gateway and r.gateway != self.gateway_killed
+            ),
+            "conn_error_unanswered": sum(1 for r in broken if r.t_headers is None),
             "conn_error_sent_after_gone": sum(1 for r in broken if r.t0 > gone),
             "conn_error_ended_before_kill": sum(1 for r in broken if r.t1 is not None and r.t1 < t_kill),
             # start_s: from the ray.kill call (< 0: sent before it)
@@ -329,6 +336,11 @@ def summarize(
 SERVED = ("completed", "failed_over")
 
 
+def _unanswered(r: Record, t: float) -> bool:
+    """No response headers yet at ``t``, and not ended before it."""
+    return (r.t_headers is None or r.t_headers > t) and (r.t1 is None or r.t1 >= t)
+
+
 def describe(r: Record, t_ref: float) -> dict[str, Any]:
     """One request, for a report: what it was and how far it got."""
     return {
@@ -337,6 +349,8 @@ def describe(r: Record, t_ref: float) -> dict[str, Any]:
         "request_id": r.request_id,
         "status": r.status,
         "backend": r.backend,
+        "gateway": r.gateway,
+        "headers_s": None if r.t_headers is None else round(r.t_headers - t_ref, 2),
         "chunks": r.chunks,
         "start_s": round(r.t0 - t_ref, 2),
         "took_s": None if r.t1 is None else round(r.t1 - r.t0, 2),

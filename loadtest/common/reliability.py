@@ -235,6 +235,8 @@ class Record:
     request_id: str = ""  # our id (the body's "id" without its chatcmpl-/cmpl- prefix); "" if none came
     x_request_id: str = ""  # the x-request-id header: the client's own, echoed by Serve (never ours)
     backend: str = ""
+    gateway: str = ""  # x-llmc-gateway: the gateway replica that answered ("" before headers or none)
+    t_headers: float | None = None  # when the response's headers arrived
     error_code: str | None = None
     error_text: str = ""  # error messages/events as the client got them (scanned for leaks)
     shape_ok: bool = True  # every error in the OpenAI shape
@@ -295,6 +297,8 @@ async def _exchange(
     body = body_for(shape, i)
     async with client.stream("POST", base + shape.path, json=body, headers=keys.headers(shape.surface)) as r:
         rec.status = r.status_code
+        rec.t_headers = time.monotonic()
+        rec.gateway = r.headers.get("x-llmc-gateway", "")
         # Serve's middleware echoes (or makes) exactly one x-request-id; our own id is only in the body.
         rec.x_request_id = ",".join(r.headers.get_list("x-request-id"))
         rec.backend = r.headers.get("x-llmc-backend", "")

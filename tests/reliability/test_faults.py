@@ -46,9 +46,12 @@ def test_streams_end_cleanly_and_errors_are_openai_errors(fault_run) -> None:
         # The gateway replica is the process that holds its clients' HTTP connections (behind
         # HAProxy): killed, it takes the streams it was serving with it, and nothing is left to
         # write them an error event. Only those may break: every broken connection was on the victim
-        # at the kill (at most its in-flight and queued counts read just before, plus what was sent
-        # from that read until its process was gone), and no request sent once it was gone lost its
-        # connection (HAProxy retries a refused connection on the other replica).
+        # at the kill, and no request sent once it was gone lost its connection (HAProxy retries a
+        # refused connection on the other replica). One answered names its gateway (x-llmc-gateway):
+        # the victim. One not answered yet: at most the victim's in-flight and queued counts read
+        # just before the kill, plus what was sent from that read until its process was gone, plus
+        # what was sent before and unanswered at the read (in a gateway's door, not yet admitted:
+        # a CI run at 3414733 broke 3 where in-flight + queued + sent after the read were 2).
         k = f["kill"]
         # One of the two replicas, never the last one standing: a repeat that trusted Serve's status
         # (a killed replica counted RUNNING until its health check fails) killed the only live
@@ -56,8 +59,9 @@ def test_streams_end_cleanly_and_errors_are_openai_errors(fault_run) -> None:
         assert len(k["replicas_at_kill"]) == 2, k
         assert k["victim_in_flight"] is not None and k["process_gone_s"] is not None, k
         assert k["conn_error_sent_after_gone"] == 0 and k["conn_error_ended_before_kill"] == 0, k
+        assert k["conn_error_answered_by_other"] == 0, k
         held = k["victim_in_flight"] + k["victim_waiting"] + k["sent_between_read_and_gone"]
-        assert f["conn_error"] <= held, (f, k)
+        assert k["conn_error_unanswered"] <= held + k["unanswered_at_read"], (f, k)
 
 
 def test_the_cluster_recovers_from_every_fault(fault_run) -> None:
