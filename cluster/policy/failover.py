@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
@@ -469,17 +469,24 @@ class FailoverPlan:
     stop_reason: str | None = None
 
     def next(
-        self, now: float, breakers: Mapping[str, CircuitBreaker], *, hedge: bool = False
+        self,
+        now: float,
+        breakers: Mapping[str, CircuitBreaker],
+        *,
+        hedge: bool = False,
+        skip: Callable[[str], bool] | None = None,
     ) -> PlannedAttempt | None:
         """The next attempt (its breaker's probe slot already taken), or None. Candidates with no
-        breaker in ``breakers`` count as closed."""
+        breaker in ``breakers`` count as closed; ``skip``: candidates passed over this time."""
         attempt = len(self.tried)
         limit = self.config.max_attempts
         if limit is not None and attempt >= limit:
             return self._stop("max_attempts")
         if self.deadline is not None and self.deadline - now < self.config.min_attempt_s:
             return self._stop("deadline")
-        untried = [c for c in dict.fromkeys(self.candidates) if c not in self.tried]
+        untried = [
+            c for c in dict.fromkeys(self.candidates) if c not in self.tried and not (skip and skip(c))
+        ]
         if not untried:
             return self._stop("exhausted")
         chosen = next((c for c in untried if c not in breakers or breakers[c].available(now)), None)
