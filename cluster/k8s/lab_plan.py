@@ -171,7 +171,12 @@ def lab_env(node: str, root: Path, repo: Path) -> dict[str, str]:
     """What running every pod on one machine needs beyond the pod's env: the tag that finds the
     node's processes, the project on the path (the image has it installed), one Ray token for
     the whole lab, and Serve's HAProxy files in a folder of the node's (a pod has its own /tmp;
-    here Serve's defaults would be one file for every node)."""
+    here Serve's defaults would be one file for every node). The config's location is the head's
+    on every node, as a manifest gives every pod the same env: Serve's controller passes its own
+    value to every node's HAProxy manager, which keeps its files under ``<that folder>/<node id>``,
+    and the replicas put our error page there (deployments/haproxy_errors.py) from their own
+    node's value; with one folder per node, they wrote nowhere and clients of a killed gateway got
+    Ray's plain-text 500 page (14th rehearsal, 4 requests)."""
     hap = root / node / "hap"
     return {
         TAG_ENV: LAB,
@@ -179,7 +184,7 @@ def lab_env(node: str, root: Path, repo: Path) -> dict[str, str]:
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(root / "ray_auth_token"),
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(hap / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(root / "head" / "hap" / "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": str(hap / "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(hap),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(hap / "server-state"),

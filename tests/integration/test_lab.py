@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -155,6 +156,66 @@ def test_lab_serves_through_every_node_and_places_by_the_manifest(lab_up) -> Non
     refused = _cluster("up", "--config", CONFIG, timeout=60)  # a second `up` is refused, changes nothing
     assert refused.returncode == 1 and "cluster lab down" in refused.stderr, refused.stderr
     assert all(lab.node_health(plan, n) == 200 for n in plan.nodes)
+
+
+def _haproxy_socket(node: LabNode) -> Path:
+    """The admin socket of the HAProxy that serves ``node``'s Serve port (in its namespace)."""
+    ns = os.stat(f"/run/netns/{node.netns}").st_ino
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        with contextlib.suppress(OSError):
+            if "-f" in cmd and "haproxy" in " ".join(cmd) and os.stat(f"/proc/{p.pid}/ns/net").st_ino == ns:
+                config = Path(cmd[cmd.index("-f") + 1]).read_text()
+                return Path(next(ln.split()[2] for ln in config.splitlines() if "stats socket" in ln))
+    raise AssertionError(f"no HAProxy in {node.netns}")
+
+
+def _admin(sock: Path, command: str) -> str:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(sock))
+        s.sendall(command.encode() + b"\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out.decode()
+
+
+def _error_page(plan: LabPlan, node: LabNode) -> tuple[int, bytes]:
+    """What ``node``'s HAProxy answers when no server of the app can take a request: every server
+    of its backends set to maintenance through its admin socket for one request, then back."""
+    from deployments.launcher import lab
+
+    sock = _haproxy_socket(node)
+    rows = [ln.split() for ln in _admin(sock, "show servers state").splitlines()]
+    servers = [f"{r[1]}/{r[3]}" for r in rows if len(r) > 3 and r[1].startswith("http-")]
+    assert servers, rows
+    url = f"http://{node.ip}:{plan.serve_port}/v1/chat/completions"
+    body = {"model": "sim-llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        for s in servers:
+            _admin(sock, f"disable server {s}")
+        r = lab.from_client(plan, lambda: httpx.post(url, json=body, timeout=10))
+        return r.status_code, r.content
+    finally:
+        for s in servers:
+            _admin(sock, f"enable server {s}")
+
+
+def test_every_worker_pods_haproxy_answers_with_our_error_page(lab_up) -> None:
+    """A request no gateway answers (the one it reached died) gets our OpenAI 503 from every worker
+    pod's HAProxy, engine pods included: the replicas replace Ray's plain-text page and have Serve
+    reload HAProxy (deployments/haproxy_errors.py; the 14th rehearsal's killed gateway left 4
+    clients with Ray's page, on the gateway pod and on both engine pods)."""
+    plan, _ = lab_up
+    for node in [n for n in plan.nodes if not n.head]:  # the head holds no replica: Ray's page
+        deadline = time.monotonic() + 45  # an engine pod's HAProxy starts after its replicas
+        while (got := _error_page(plan, node))[0] != 503 and time.monotonic() < deadline:
+            time.sleep(1)
+        status, raw = got
+        assert status == 503, (node.name, status, raw[:200])
+        assert json.loads(raw)["error"]["code"] == "gateway_unavailable", (node.name, raw[:300])
+    _chat(plan, plan.nodes[1])  # served again
 
 
 def test_upgrade_and_node_loss_under_load(lab_up, tmp_path: Path) -> None:

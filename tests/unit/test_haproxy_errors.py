@@ -38,16 +38,16 @@ def test_install_replaces_rays_page_where_ray_put_it(tmp_path: Path) -> None:
     page.parent.mkdir(parents=True)
     page.write_bytes(RAY_PAGE)
     assert he.error_file_path("node-1", loc) == page
-    assert he.install("node-1", loc) is True
+    assert he.install("node-1", loc) is he.Installed.REPLACED  # HAProxy takes it at a reload
     assert page.read_bytes() == he.error_response()
-    assert he.install("node-1", loc) is True  # again: nothing to do, still ours
+    assert he.install("node-1", loc) is he.Installed.OURS  # again: nothing to do, no reload
     assert sorted(p.name for p in page.parent.iterdir()) == ["500.http"]  # no temporary left
 
 
 def test_install_writes_nothing_where_ray_wrote_no_page(tmp_path: Path) -> None:
     loc = str(tmp_path / "hap" / "haproxy.cfg")
-    assert he.install("node-1", loc) is False
+    assert he.install("node-1", loc) is he.Installed.ABSENT
     assert not (tmp_path / "hap").exists()
     (tmp_path / "hap" / "node-2").mkdir(parents=True)  # another node's folder, or Ray moved it
-    assert he.install("node-1", loc) is False
+    assert he.install("node-1", loc) is he.Installed.ABSENT
     assert list((tmp_path / "hap" / "node-2").iterdir()) == []
