@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -43,6 +43,9 @@ from cluster.base import Strict
 
 if TYPE_CHECKING:
     from cluster.config import BackendConfig
+
+
+CHANGES_KEPT = 32  # cap changes the status page shows
 
 
 class SloGuardConfig(Strict):
@@ -93,6 +96,15 @@ class GuardState:
     reason: str  # "quiet", "pressure", "recovered", "hold", "uncapped"
 
 
+@dataclass(frozen=True, slots=True)
+class GuardChange:
+    """One change of a cap, kept for the status page: why deferrable work was refused, and when."""
+
+    at: float  # the clock ``update`` was given
+    state: GuardState
+    samples: int  # the protected first tokens the quantile was taken over
+
+
 class SloGuard:
     def __init__(
         self, cfg: SloGuardConfig, surfaces: Mapping[str, tuple[int, float]], backends: Iterable[str]
@@ -108,6 +120,7 @@ class SloGuard:
         self._backends = {b: _Backend() for b in backends}
         self._last_protected = -math.inf
         self.last: dict[str, GuardState] = {}
+        self.changes: deque[GuardChange] = deque(maxlen=CHANGES_KEPT)  # the latest cap changes
 
     @classmethod
     def for_surfaces(cls, cfg: SloGuardConfig, surfaces: Iterable[Any], backends: Iterable[str]) -> SloGuard:
@@ -188,12 +201,21 @@ class SloGuard:
         if q >= cfg.pressure_fraction:
             base = b.cap if b.cap is not None else low
             b.cap = max(cfg.min_cap, math.floor(base * cfg.decrease_factor))
-            b.changed_at = now
-            return GuardState(name, b.cap, q, "pressure")
+            return self._changed(b, GuardState(name, b.cap, q, "pressure"), now, len(ratios))
         if q < cfg.recover_fraction and b.cap is not None:
             b.cap += cfg.increase_step
-            b.changed_at = now
             if (ceiling is not None and b.cap >= ceiling) or b.cap > low + cfg.increase_step:
                 b.cap = None  # at the static limit, or no longer binding: deferrable demand fell
-            return GuardState(name, b.cap, q, "recovered")
+            return self._changed(b, GuardState(name, b.cap, q, "recovered"), now, len(ratios))
         return GuardState(name, b.cap, q, "hold" if b.cap is not None else "uncapped")
+
+    def _changed(self, b: _Backend, state: GuardState, now: float, samples: int) -> GuardState:
+        b.changed_at = now
+        self.changes.append(GuardChange(now, state, samples))
+        return state
+
+    def recent_changes(self, now: float) -> list[dict[str, Any]]:
+        """The latest cap changes, oldest first, each with its age in seconds (the status page)."""
+        return [
+            {"age_s": round(now - c.at, 1), "samples": c.samples, **asdict(c.state)} for c in self.changes
+        ]

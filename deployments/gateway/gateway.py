@@ -478,6 +478,7 @@ class Gateway:
             "policy": self.attempts.snapshot(),
             "slo_guard": {b: asdict(st) for b, st in self.guard.last.items()},
             "slo_guard_samples": self.guard.sample_counts(),
+            "slo_guard_changes": self.guard.recent_changes(time.monotonic()),
             "loop_lag": {f"last_{n}s": self.loop_lag.summary(float(n)) for n in (10, 30, 60)},
             "gc": {"frozen": self.gc_frozen, **self.gc.summary(60.0, time.perf_counter())},
             "niceness": self.niceness,

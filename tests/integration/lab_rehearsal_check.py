@@ -117,6 +117,7 @@ def check_upgrade_and_node_loss_under_load(plan: LabPlan, tmp_path: Path) -> Non
         "node_loss_streams_in_flight": _tally(on_lost),
         "migrations": status["policy"].get("migrations"),
         "slo_guard": status.get("slo_guard"),  # why a deferrable request got a 429, if one did
+        "slo_guard_changes": status.get("slo_guard_changes"),  # and when the caps changed
         "admission": status["admission"],
     }
     print(f"[rehearsal] {json.dumps(summary, indent=1, default=str)}", file=sys.stderr)

@@ -51,6 +51,14 @@ def test_pressure_halves_then_recovery_raises_then_quiet_lifts() -> None:
     # Tab goes quiet: the cap goes at once, spare capacity is Agent's again.
     assert g.update(5.0, {"gpu": 6}, {"gpu": 64}) == {"gpu": None}
     assert g.last["gpu"].reason == "quiet"
+    # The status page's record of the changes: the two cuts and the raise, holds and quiet left out.
+    changes = g.recent_changes(6.0)
+    assert [(c["age_s"], c["reason"], c["cap"], c["samples"]) for c in changes] == [
+        (5.0, "pressure", 8, 2),
+        (4.0, "pressure", 4, 2),
+        (3.5, "recovered", 6, 2),
+    ]
+    assert changes[0]["quantile_ratio"] == pytest.approx(0.9)
 
 
 def test_the_cap_goes_once_it_no_longer_binds_or_reaches_the_static_limit() -> None:
