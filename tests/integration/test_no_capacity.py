@@ -126,7 +126,10 @@ def test_every_replica_dead_is_a_503_with_retry_after_then_served_again(nocap) -
         codes(only, killed_at, replaced_at),
         codes(only, replaced_at + 1.0, float("inf")),
     )
-    assert set(codes(only, 0, killed_at)) == {(200, "")}
+    # Before the kills: every request that had ended by then was served. (One sent just before them
+    # may still wait for a replica as they die, and get the outage's 503: a CI run at 7ab7e4d.)
+    ended_before = {(s, c) for t, s, c, _, _, took in only.seen if t + took < killed_at}
+    assert ended_before == {(200, "")}, Counter((s, c) for t, s, c, *_ in only.seen if t < killed_at)
 
     # A request already running on a replica as it was killed broke mid-answer (a sim-first stream
     # has no other replica to continue on): a clean 502 stream_interrupted, never before a token.
