@@ -53,7 +53,14 @@ class SloGuardConfig(Strict):
     interval_s: float = Field(0.5, gt=0, description="How often the caps are revised.")
     window_s: float = Field(10.0, gt=0, description="TTFT samples older than this are forgotten.")
     quantile: float = Field(0.9, gt=0, le=1, description="TTFT quantile compared with the objective.")
-    min_samples: int = Field(4, gt=0, description="Samples since the last change needed to act on them.")
+    min_samples: int = Field(
+        10,
+        gt=0,
+        description=(
+            "Samples since the last change needed to act on them. 10: the fewest whose 0.9 quantile "
+            "is not their slowest one (with 4, one slow first token of four halved the cap)."
+        ),
+    )
     pressure_fraction: float = Field(
         0.8, gt=0, description="Cap deferrable work when the quantile reaches this share of the SLO."
     )

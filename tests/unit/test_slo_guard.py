@@ -61,6 +61,20 @@ def test_pressure_halves_then_recovery_raises_then_quiet_lifts() -> None:
     assert changes[0]["quantile_ratio"] == pytest.approx(0.9)
 
 
+def test_by_default_one_slow_first_token_is_not_pressure() -> None:
+    """The default asks for 10 samples, the fewest whose 0.9 quantile is not their slowest one: a
+    CI lab run at 7ab7e4d had a new gateway halve Chat's cap on 4 samples (then the default), one
+    of them 105 ms, and refuse 287 Chat requests in the 2.5 s before it recovered."""
+    g = SloGuard(SloGuardConfig(), SURFACES, ["gpu"])
+    tab_ttfts(g, 1.0, 0.02, 0.02, 0.02, 0.105)
+    assert g.update(1.0, {"gpu": 4}, {"gpu": 64}) == {"gpu": None}  # too few to judge
+    tab_ttfts(g, 1.5, *[0.02] * 6)
+    assert g.update(1.5, {"gpu": 4}, {"gpu": 64}) == {"gpu": None}  # 10: one slow of ten is a tail
+    assert g.last["gpu"].quantile_ratio == pytest.approx(0.2)  # judged: the 0.9 quantile is 20 ms
+    tab_ttfts(g, 2.0, 0.105)
+    assert g.update(2.0, {"gpu": 4}, {"gpu": 64}) == {"gpu": 2}  # two of eleven: the 0.9 quantile
+
+
 def test_the_cap_goes_once_it_no_longer_binds_or_reaches_the_static_limit() -> None:
     g = guard()
     tab_ttfts(g, 1.0, 0.09, 0.09)
