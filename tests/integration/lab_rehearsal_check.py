@@ -6,7 +6,8 @@ upgrade (``serve deploy`` of the same serveConfigV2 with one engine argument cha
 replica restarts, and the gateway's) and the loss of an engine node (every process SIGKILLed, then
 it rejoins).
 
-Asserted: no request failed before its first token; every request during the upgrade completed;
+Asserted: no request failed before its first token; every request during the upgrade completed
+(the SLO guard's deferrals aside, each inside a capped period the gateway recorded);
 every stream in flight on the lost node completed on another replica (all are self-hosted and
 can migrate: a stream that cannot would end with one error event, which any other request may
 too); nothing hung; the gateway's admission books balance; and after ``cluster lab down`` nothing
@@ -63,7 +64,30 @@ def _lose_node(plan: LabPlan, events: dict[str, Any]) -> None:
     lab_events.lose_node(plan, events, ENGINES)
 
 
+def _deferred(rec: dict[str, Any]) -> bool:
+    """The SLO guard's deliberate answer: a 429 before any token that says the surface is deferred
+    (Tab near its objective on every backend this request could use)."""
+    said = " ".join(str(e) for e in rec["errors"])
+    return rec["status"] == 429 and rec["t_first"] is None and "is deferred" in said
+
+
+def _capped(changes: list[dict[str, Any]], read_at: float) -> list[tuple[float, float]]:
+    """When the guard capped deferrable work (wall clock): from each pressure decision until the
+    cap went, from the gateway's record of its latest cap changes (ages at ``read_at``)."""
+    periods, start = [], None
+    for c in changes:
+        at = read_at - c["age_s"]
+        if c["reason"] == "pressure" and start is None:
+            start = at
+        elif c["cap"] is None and start is not None:
+            periods.append((start, at))
+            start = None
+    return periods + ([(start, read_at)] if start is not None else [])
+
+
 def _outcome(rec: dict[str, Any]) -> str:
+    if _deferred(rec):
+        return "deferred"
     if rec["t_first"] is None:
         return "hung" if "Timeout" in rec.get("exception", "") else "failed_before_first_token"
     if "Timeout" in rec.get("exception", ""):
@@ -104,6 +128,7 @@ def check_upgrade_and_node_loss_under_load(plan: LabPlan, tmp_path: Path) -> Non
         rc = load.wait(90)
     assert rc == 0
     status = lab_events.gateway_status(plan, token)
+    read_at = time.time()
     records = json.loads((tmp_path / "load.json").read_text())
     upgrade = _during(records, events["upgrade_start"], events["upgrade_end"])
     after_kill = _during(records, events["kill"], events["rejoined"])
@@ -123,10 +148,20 @@ def check_upgrade_and_node_loss_under_load(plan: LabPlan, tmp_path: Path) -> Non
     print(f"[rehearsal] {json.dumps(summary, indent=1, default=str)}", file=sys.stderr)
     assert len(records) > 50 and len(upgrade) > 5 and len(after_kill) > 5, summary
     for rec in records:  # nothing hung; no stream cut without its error event
-        assert _outcome(rec) in ("completed", "one_error_event"), rec
+        assert _outcome(rec) in ("completed", "one_error_event", "deferred"), rec
+    # The SLO guard's deferrals are the product's deliberate answer to Tab near its objective, which
+    # this 2-core box reaches while an upgrade restarts every replica (CI at bc14b25: Tab's p90 at
+    # 0.83 of 100 ms over 26 samples, Chat capped for 0.5 s, 7 Chat 429s). Accepted only inside a
+    # capped period the gateway recorded (0.5 s either side: its revisions' cadence); anything else
+    # that failed before its first token fails the test. The full rehearsal counts them as failed.
+    periods = _capped(status.get("slo_guard_changes") or [], read_at)
+    unexplained = [
+        r for r in records if _deferred(r) and not any(a - 0.5 <= r["t0"] <= b + 0.5 for a, b in periods)
+    ]
+    assert not unexplained, (unexplained[:3], periods)
     failed = [r for r in upgrade + after_kill if _outcome(r) == "failed_before_first_token"]
     assert not failed, failed
-    assert all(_outcome(r) == "completed" for r in upgrade), summary["upgrade"]
+    assert all(_outcome(r) in ("completed", "deferred") for r in upgrade), summary["upgrade"]
     assert on_lost, "no stream was in flight on the lost node: the kill tested nothing"
     assert all(_outcome(r) == "completed" for r in on_lost), [r for r in on_lost if r["errors"]]
     assert events["books_before"] and status["admission"]["balanced"], status["admission"]
