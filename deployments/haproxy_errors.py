@@ -103,9 +103,9 @@ def install(node_id: str, config_loc: str | None = None) -> Installed:
         return Installed.ABSENT
 
 
-def request_reload(node_id: str) -> bool:
-    """Ask this node's HAProxy manager for Serve's graceful reload (it re-reads the page); True
-    when asked. Not waited for: the manager reloads once its HAProxy is up."""
+def request_reload(node_id: str) -> None:
+    """Ask this node's HAProxy manager for Serve's graceful reload (it re-reads the page). Not
+    waited for: the manager reloads once its HAProxy is up."""
     import ray
 
     try:
@@ -113,15 +113,11 @@ def request_reload(node_id: str) -> bool:
         manager._reload_haproxy.remote()
     except Exception as exc:  # no such actor (Serve's Python proxy), or Ray's private method moved
         log.warning("HAProxy error page: could not ask node %s's HAProxy to reload: %r", node_id, exc)
-        return False
-    return True
 
 
-def _install_and_load(node_id: str) -> Installed:
-    done = install(node_id)
-    if done is Installed.REPLACED:
+def _install_and_load(node_id: str) -> None:
+    if install(node_id) is Installed.REPLACED:
         request_reload(node_id)
-    return done
 
 
 def start(node_id: str) -> asyncio.Task[None]:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import psutil
 import pytest
 
 from cluster.k8s.lab_plan import LAB, ROOT, SUBNET, LabNode, LabPlan
+from fixtures.haproxy_admin import admin
 
 
 def _can_make_namespaces() -> bool:
@@ -170,36 +170,25 @@ def _haproxy_socket(node: LabNode) -> Path:
     raise AssertionError(f"no HAProxy in {node.netns}")
 
 
-def _admin(sock: Path, command: str) -> str:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(str(sock))
-        s.sendall(command.encode() + b"\n")
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    return out.decode()
-
-
 def _error_page(plan: LabPlan, node: LabNode) -> tuple[int, bytes]:
     """What ``node``'s HAProxy answers when no server of the app can take a request: every server
     of its backends set to maintenance through its admin socket for one request, then back."""
     from deployments.launcher import lab
 
     sock = _haproxy_socket(node)
-    rows = [ln.split() for ln in _admin(sock, "show servers state").splitlines()]
+    rows = [ln.split() for ln in admin(sock, "show servers state").splitlines()]
     servers = [f"{r[1]}/{r[3]}" for r in rows if len(r) > 3 and r[1].startswith("http-")]
     assert servers, rows
     url = f"http://{node.ip}:{plan.serve_port}/v1/chat/completions"
     body = {"model": "sim-llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     try:
         for s in servers:
-            _admin(sock, f"disable server {s}")
+            admin(sock, f"disable server {s}")
         r = lab.from_client(plan, lambda: httpx.post(url, json=body, timeout=10))
         return r.status_code, r.content
     finally:
         for s in servers:
-            _admin(sock, f"enable server {s}")
+            admin(sock, f"enable server {s}")
 
 
 def test_every_worker_pods_haproxy_answers_with_our_error_page(lab_up) -> None:

@@ -31,6 +31,7 @@ from cluster.config import load_config
 from deployments.internal import internal_token
 from deployments.launcher import local
 from deployments.launcher.haproxy_launch import MARK, Limits, install
+from fixtures.haproxy_admin import admin
 from loadtest.common.actor_probe import find_in_logs, log_dir
 
 pytestmark = pytest.mark.integration
@@ -220,26 +221,10 @@ def _connect(port: int) -> socket.socket | None:
 
 def _counted(hap: Hap) -> int:
     """The open connections HAProxy's per-client table counts now, from its admin socket."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(2)
-        s.connect(str(hap.socket))
-        s.sendall(b"show table\n")
-        names = re.findall(rb"# table: (\S+),", _read_all(s))
     total = 0
-    for name in names:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(2)
-            s.connect(str(hap.socket))
-            s.sendall(b"show table " + name + b"\n")
-            total += sum(int(n) for n in re.findall(rb"conn_cur=(\d+)", _read_all(s)))
+    for name in re.findall(r"# table: (\S+),", admin(hap.socket, "show table")):
+        total += sum(int(n) for n in re.findall(r"conn_cur=(\d+)", admin(hap.socket, f"show table {name}")))
     return total
-
-
-def _read_all(s: socket.socket) -> bytes:
-    buf = b""
-    while chunk := s.recv(65536):
-        buf += chunk
-    return buf
 
 
 def test_one_client_address_holds_at_most_its_cap_of_connections(hap: Hap) -> None:
