@@ -26,7 +26,8 @@ Rejections carry the errors of :mod:`cluster.wire.errors`:
 * ``RateLimited`` (429) when the surface's queue is full, or a waiter's deadline passed;
   ``retry_after_s`` is the predicted wait when there is an estimate, else ``(waiting in that surface
   + 1) / recent completion rate of that surface`` (completions over the last ``rate_window_s``),
-  else the surface's queue deadline; at most ``max_retry_after_s``.
+  else the surface's queue deadline; at most ``max_retry_after_s``, and for a refusal by the SLO
+  guard's cap at most ``guard_retry_after_s`` (the guard revises its caps every half second).
 * ``Overloaded`` (503) instead when the whole cluster is *saturated*: every surface is blocked — at
   its own concurrency limit, or every capped backend is at its cap — and cannot queue a new
   request usefully (a full queue, or a predicted wait past its deadline). Then no surface can
@@ -86,6 +87,7 @@ class AdmissionController:
         tenant_weights: Mapping[str, float] | None = None,
         guard_floor: int = 0,
         queue_while_capped: bool = False,
+        guard_retry_after_s: float = 2.0,
     ) -> None:
         if router_replicas < 1:
             raise ValueError("router_replicas must be >= 1")
@@ -100,6 +102,7 @@ class AdmissionController:
         self._deferrable = frozenset(s.name for s in self._order if s.priority != top)
         self._guard = GuardCaps(self._deferrable, guard_floor)
         self.queue_while_capped = queue_while_capped
+        self.guard_retry_after_s = guard_retry_after_s  # a cap lasts seconds, not a queue's wait
         self._caps: dict[str, int] = {}
         self._backend_in_flight: dict[str, int] = {}
         self._backends = tuple(backend_caps or ())  # every backend a request could name
@@ -128,6 +131,7 @@ class AdmissionController:
             tenant_weights=weights,
             guard_floor=cfg.policies.slo_guard.min_cap,
             queue_while_capped=cfg.policies.slo_guard.queue_while_capped,
+            guard_retry_after_s=cfg.policies.slo_guard.retry_after_s,
             **kwargs,
         )
 
@@ -481,6 +485,8 @@ class AdmissionController:
             retry = min(self.max_retry_after_s, (len(s.queue) + 1) / rate)
         else:
             retry = min(self.max_retry_after_s, s.deadline_s)
+        if reason == "guard":  # the guard revises its cap every interval: back then, not after a queue
+            retry = min(retry, self.guard_retry_after_s)
         saturated = self.saturated(now)
         if saturated:
             s.counters.rejected_overloaded += 1

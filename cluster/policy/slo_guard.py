@@ -77,6 +77,15 @@ class SloGuardConfig(Strict):
         False,
         description="Queue deferrable requests behind a binding cap (False: refuse them at once, 429).",
     )
+    retry_after_s: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "Most Retry-After a refusal by the cap gets: a cap is revised every interval_s on new "
+            "samples (those of the rehearsals lasted 0.5-2.5 s), so admission's queue estimate "
+            "(15-30 s there) would keep a client away long after the cap is gone."
+        ),
+    )
 
 
 def guarded_backends(backends: Iterable[BackendConfig]) -> list[str]:

@@ -251,6 +251,30 @@ def test_precheck_refuses_before_parsing_when_the_guard_binds_on_every_backend()
     assert queueing.precheck("agent", 0.2) is None
 
 
+def test_a_guard_refusal_asks_for_a_retry_when_the_cap_is_revised_not_after_the_queue() -> None:
+    """Admission's estimate is the queue's wait (15-30 s in the rehearsals, where the caps lasted
+    0.5-2.5 s): a 429 the guard's cap gave says at most ``guard_retry_after_s``; any other 429
+    keeps its estimate."""
+    agent = SurfaceConfig(
+        name="agent", priority=2, max_concurrency=100, max_queue=100, queue_deadline_ms=30_000
+    )
+    c = AdmissionController([_surf("tab", 0), agent], {"gpu": 100}, guard_retry_after_s=2.0)
+    for _ in range(40):  # an agent backlog, no completion yet: the estimate is its queue deadline
+        assert isinstance(c.try_admit("agent", 0.0, ["gpu"]), Ticket)
+    c.set_guard_caps({"gpu": 2}, 1.0)
+    for _ in range(3):
+        assert isinstance(c.try_admit("tab", 1.0, ["gpu"]), Ticket)
+    r = c.try_admit("agent", 1.1, ["gpu"])
+    assert isinstance(r, Rejection) and r.reason == "guard"
+    assert 0 < r.error.retry_after_s <= 2.0
+    unbounded = AdmissionController([_surf("tab", 0), agent], {"gpu": 100}, guard_retry_after_s=1e9)
+    for _ in range(40):
+        assert isinstance(unbounded.try_admit("agent", 0.0, ["gpu"]), Ticket)
+    unbounded.set_guard_caps({"gpu": 2}, 1.0)
+    r2 = unbounded.try_admit("agent", 1.1, ["gpu"])
+    assert isinstance(r2, Rejection) and r2.error.retry_after_s == pytest.approx(30.0)  # the deadline
+
+
 def test_providers_are_never_guarded() -> None:
     """A provider's TTFT does not depend on our deferrable work there: only the engines are guarded.
     The rehearsal's upgrade: a loopback provider's steady 100 ms first token held Tab's p90 at its
