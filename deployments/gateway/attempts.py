@@ -63,15 +63,25 @@ def _capacity_wait_until(surface: SurfaceConfig | None) -> float:
     return time.monotonic() + wait
 
 
+@dataclass(slots=True)
+class HedgeState:
+    """One race's hedge, written by its hedge check (``may_hedge``) alone and read by its next
+    attempt and its unsent hedge."""
+
+    escape: bool = False  # the hedge is a brownout's race: to another backend than the first's
+    paid: bool = False  # the hedge budget paid for it
+    refused: bool = False  # the hedge budget said no once already
+
+
 def _next_attempts(
-    plan: FailoverPlan, breakers: Mapping[str, CircuitBreaker], slots: list[str], escape: list[bool]
+    plan: FailoverPlan, breakers: Mapping[str, CircuitBreaker], slots: list[str], state: HedgeState
 ) -> Callable[[bool], PlannedAttempt | None]:
-    """The race's next attempt from ``plan``; a brownout's race (``escape[0]``, set by the hedge
+    """The race's next attempt from ``plan``; a brownout's race (``state.escape``, set by the hedge
     check) passes over the first backend's other slots: it escapes the backend, not its replica."""
     first = backend_of_slot(slots[0]) if slots else ""
 
     def next_attempt(hedge: bool) -> PlannedAttempt | None:
-        skip = (lambda x: backend_of_slot(x) == first) if hedge and escape[0] else None
+        skip = (lambda x: backend_of_slot(x) == first) if hedge and state.escape else None
         return plan.next(time.monotonic(), breakers, hedge=hedge, skip=skip)
 
     return next_attempt
@@ -143,8 +153,8 @@ class AttemptRunner:
                 backend, attempt_req, body, hashes(backend), prior, spans, at, avoid, wait_until, candidates
             )
 
-        escape = [False]  # the hedge is a brownout's race: it goes to another backend than the first's
-        hedge_delay, may_hedge, hedge_unsent = self._hedging(req.surface, hedging, slots, cont, escape)
+        state = HedgeState()
+        hedge_delay, may_hedge, hedge_unsent = self._hedging(req.surface, hedging, slots, cont, state)
 
         def verdict(att: Attempt, v: Verdict, err: BaseException | None, dt: float) -> None:
             self._verdict(req, att, v, err, dt, cont is None, slots[0])  # a re-prefill is no TTFT
@@ -152,7 +162,7 @@ class AttemptRunner:
             spans.ended(id(att.planned), v, code, time.time_ns())
 
         hooks = RaceHooks(
-            next_attempt=_next_attempts(plan, breakers, slots, escape),
+            next_attempt=_next_attempts(plan, breakers, slots, state),
             start=start,
             cancel=close_stream,
             hedge_delay=hedge_delay,
@@ -171,7 +181,7 @@ class AttemptRunner:
         hedging: bool,
         slots: list[str],
         cont: Continuing | None,
-        escape: list[bool] | None = None,
+        state: HedgeState | None = None,
     ) -> tuple[Callable[[PlannedAttempt], float | None], Callable[[float, int], bool], Callable[[], None]]:
         """The race's hedge delay, its hedge check and what an unsent hedge gives back. The delay is
         the TTFT quantile, at most the brownout's slow threshold (in a brownout the quantile climbs
@@ -189,7 +199,7 @@ class AttemptRunner:
         # fits: hit rate 0.80 -> 0.71)
         escapes = any(backend_of_slot(x) != primary for x in slots)
         brownout = cont is None and self.brownout.cfg.enabled
-        paid = [False, False]  # the budget paid for the hedge; the budget refused once already
+        st = state if state is not None else HedgeState()
 
         def hedge_delay(first: PlannedAttempt) -> float | None:
             if probe is not None:
@@ -205,17 +215,16 @@ class AttemptRunner:
             if probe is not None:
                 return sent == 0
             if sent == 0 and brownout and escapes and self.brownout.demoted(primary, time.monotonic()):
-                if escape is not None:
-                    escape[0] = True  # the race's next slot: another backend's (hooks' next_attempt)
+                st.escape = True  # the race's next slot: another backend's (hooks' next_attempt)
                 return True
-            if not hedging or paid[1]:
+            if not hedging or st.refused:
                 return False  # asked again only to see a demotion: the budget said no already
-            paid[0] = self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
-            paid[1] = not paid[0]
-            return paid[0]
+            st.paid = self.hedge.should_hedge(hedging, elapsed, elapsed, sent)
+            st.refused = not st.paid
+            return st.paid
 
         def hedge_unsent() -> None:
-            if paid[0]:  # only a hedge the budget paid for gives its token back
+            if st.paid:  # only a hedge the budget paid for gives its token back
                 self.hedge.unsent()
 
         return hedge_delay, may_hedge, hedge_unsent

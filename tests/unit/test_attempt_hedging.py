@@ -10,7 +10,7 @@ import pytest
 
 from cluster.config import load_config
 from cluster.policy.failover import BreakerBoard, FailoverPlan, PlannedAttempt
-from deployments.gateway.attempts import AttemptRunner
+from deployments.gateway.attempts import AttemptRunner, HedgeState
 
 BACKEND = "sim-llama-8b"
 
@@ -107,9 +107,9 @@ def test_a_demoted_backend_alone_on_its_route_is_not_raced_to_its_own_other_repl
     assert may_hedge(0.7, 0) is False  # demoted, but nowhere else to go
     both = run.slots([BACKEND, "sim-fallback"])
     assert both[1] == slots[1]  # with another backend further on, its second replica comes next ...
-    escape = [False]
-    _, may_hedge, _ = run._hedging("tab", False, both, None, escape)
-    assert may_hedge(0.7, 0) is True and escape == [True]  # ... and the race passes it over:
+    state = HedgeState()
+    _, may_hedge, _ = run._hedging("tab", False, both, None, state)
+    assert may_hedge(0.7, 0) is True and state.escape  # ... and the race passes it over:
     plan = FailoverPlan(both)
     assert plan.next(now, {}) == PlannedAttempt(both[0], 0)
     same = lambda x: x.split("#")[0] == BACKEND  # noqa: E731
