@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.json_types import JSON
 
 
 class Strict(BaseModel):
@@ -25,7 +27,7 @@ M = TypeVar("M", bound=BaseModel)
 
 def read_yaml(
     path: str | os.PathLike[str], error: type[ConfigError] = ConfigError, expand_env: bool = False
-) -> Any:
+) -> JSON:
     """The parsed document of a YAML file (``$VAR`` expanded first with ``expand_env``); a missing
     file or bad YAML is ``error`` naming the file."""
     p = Path(path)
@@ -38,7 +40,7 @@ def read_yaml(
         raise error(f"{p}: not valid YAML: {exc}") from exc
 
 
-def validate(model: type[M], raw: Any, source: str, what: str, error: type[ConfigError] = ConfigError) -> M:
+def validate(model: type[M], raw: JSON, source: str, what: str, error: type[ConfigError] = ConfigError) -> M:
     """``raw`` (a mapping) as ``model``, or ``error`` naming ``source`` and each bad field."""
     if not isinstance(raw, dict):
         raise error(f"{source}: the top level must be a mapping, got {type(raw).__name__}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -17,6 +17,7 @@ from cluster.base import ConfigError as ConfigError
 from cluster.base import Strict, read_yaml, validate
 from cluster.engine.args import EngineArgs as EngineArgs
 from cluster.engine.sim_options import SimOptions
+from cluster.json_types import JSON, JSONObject
 from cluster.policy.brownout import BrownoutConfig
 from cluster.policy.failover import FailoverConfig
 from cluster.policy.hedging import HedgeConfig
@@ -237,7 +238,7 @@ class AffinityConfig(Strict):
         ),
     )
 
-    def params(self) -> dict[str, Any]:
+    def params(self) -> JSONObject:
         """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""
         return self.model_dump(exclude={"kv_events", "kv_transport"})
 
@@ -475,8 +476,8 @@ class ClusterConfig(Strict):
         return [b.name for b in self.backends if b.model == model]
 
 
-def _by_name(what: str, items: list[Any]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
+def _by_name(what: str, items: list[JSON]) -> JSONObject:
+    seen: JSONObject = {}
     for item in items:
         if item.name in seen:
             raise ValueError(f"{what}: duplicate name '{item.name}'")
@@ -488,5 +489,5 @@ def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
     return parse_config(read_yaml(path, expand_env=True), source=str(Path(path)))
 
 
-def parse_config(raw: Any, source: str = "<config>") -> ClusterConfig:
+def parse_config(raw: JSON, source: str = "<config>") -> ClusterConfig:
     return validate(ClusterConfig, raw, source, "config")

@@ -11,9 +11,9 @@ local launcher and the RayService manifests set them; Serve reads them at import
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from cluster.config import BackendConfig, ClusterConfig
+from cluster.json_types import JSONObject
 
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -52,7 +52,7 @@ GATEWAY_ENV: dict[str, str] = {
 # relay benchmark; the gateway's own metrics count every request), and nothing under WARNING (Serve
 # still formats and hands an access record to the logger for each request; at INFO its handlers ran
 # for each one too). The gateway's own warnings and errors still log.
-GATEWAY_LOGGING: dict[str, Any] = {"enable_access_log": False, "log_level": "WARNING"}
+GATEWAY_LOGGING: JSONObject = {"enable_access_log": False, "log_level": "WARNING"}
 
 
 def budget_deployment(b: BackendConfig) -> str | None:
@@ -74,14 +74,14 @@ def target_ongoing_requests(b: BackendConfig) -> float:
     return max(1.0, math.floor(0.75 * (b.engine.max_num_seqs or 256)))
 
 
-def deployment_options(b: BackendConfig) -> dict[str, Any]:
+def deployment_options(b: BackendConfig) -> JSONObject:
     """Serve options of one engine backend's deployment, as plain data: the app builder passes them
     to ``.options()`` and the k8s generator writes them into ``serveConfigV2``."""
-    actor: dict[str, Any] = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
+    actor: JSONObject = {"num_cpus": b.resources.num_cpus, "num_gpus": b.resources.num_gpus}
     if b.resources.memory_bytes:
         actor["memory"] = b.resources.memory_bytes
     # b.env is applied by the replica itself at start: Ray's runtime_env agent logs env_vars in full.
-    opts: dict[str, Any] = {
+    opts: JSONObject = {
         "name": f"backend-{b.name}",
         "request_router_config": {
             "request_router_class": SHIM_ROUTER,

@@ -3,12 +3,13 @@ engine and the capacity planner read too, and how a vLLM replica's processes sha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from cluster.base import Strict
 from cluster.engine.warmup import WarmupConfig
+from cluster.json_types import JSONObject
 
 
 class EngineArgs(Strict):
@@ -61,7 +62,7 @@ class EngineArgs(Strict):
         default_factory=WarmupConfig,
         description="What a replica runs before it takes traffic (cluster/engine/warmup.py).",
     )
-    extra: dict[str, Any] = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
+    extra: JSONObject = Field(default_factory=dict, description="Further AsyncEngineArgs, passed as is.")
 
     @model_validator(mode="after")
     def _no_shadowed_extra(self) -> EngineArgs:

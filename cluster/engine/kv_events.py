@@ -34,10 +34,11 @@ import random
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.json_types import JSON, JSONObject
 from cluster.routing.block_hash import BlockHash
 
 
@@ -174,10 +175,10 @@ def _hash_to_wire(h: Hashable) -> int | str:
     return str(h)
 
 
-def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
+def event_to_wire(ev: KVCacheEvent) -> JSONObject:
     if isinstance(ev, BlockStored):
         parent = ev.parent_block_hash
-        out: dict[str, Any] = {
+        out: JSONObject = {
             "type": "BlockStored",
             "block_hashes": [_hash_to_wire(h) for h in ev.block_hashes],
             "parent_block_hash": None if parent is None else _hash_to_wire(parent),
@@ -204,11 +205,11 @@ def event_to_wire(ev: KVCacheEvent) -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
-def batch_to_wire(b: KVEventBatch) -> dict[str, Any]:
+def batch_to_wire(b: KVEventBatch) -> JSONObject:
     return {"seq": b.seq, "ts": b.ts, "events": [event_to_wire(e) for e in b.events]}
 
 
-def page_to_wire(page: KVEventPage) -> dict[str, Any]:
+def page_to_wire(page: KVEventPage) -> JSONObject:
     return {
         "epoch": page.epoch,
         "last_seq": page.last_seq,
@@ -304,7 +305,7 @@ class WirePage(_Strict):
     batches: list[WireBatch] = Field(default_factory=list)
 
 
-def page_from_wire(data: Any) -> KVEventPage:
+def page_from_wire(data: JSON) -> KVEventPage:
     """Parse and validate a page (pydantic's ValidationError on a malformed one)."""
     return _page(WirePage.model_validate(data))
 

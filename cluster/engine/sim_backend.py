@@ -45,6 +45,7 @@ from cluster.engine.model import EngineModel, SimRequest, TokenEvent, fake_token
 from cluster.engine.profiles import Profile, get_profile
 from cluster.engine.request_queue import SchedulingPolicy
 from cluster.engine.sim_options import SimOptions
+from cluster.json_types import JSONObject
 from cluster.wire.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -62,7 +63,7 @@ _ABORT = object()  # stream sentinel: aborted through abort()
 @dataclass(eq=False)
 class _Stream:
     req: SimRequest
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)  # Any: token events or _ABORT
 
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "do", "fe", "gi", "ho", "ju")
@@ -118,7 +119,7 @@ class SimBackend:
         self,
         profile: Profile,
         *,
-        options: SimOptions | dict[str, Any] | None = None,
+        options: SimOptions | JSONObject | None = None,
         replica: str = "sim-0",
         backend: str = "sim",
         enable_prefix_caching: bool = True,
@@ -166,7 +167,7 @@ class SimBackend:
         ValidationError for bad options."""
         profile = get_profile(backend.sim_profile or DEFAULT_PROFILE)
         e = backend.engine
-        changes: dict[str, Any] = {
+        changes: JSONObject = {
             "block_size": e.block_size,
             "max_num_seqs": e.max_num_seqs,
             "max_model_len": e.max_model_len or (model.context_window if model else None),

@@ -141,7 +141,7 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def llama_config(shape: str = "tiny", **extra: Any) -> Any:
+def llama_config(shape: str = "tiny", **extra: Any) -> Any:  # Any: transformers' LlamaConfig and its kwargs
     """The ``LlamaConfig`` of one of :data:`SHAPES` (``extra``: token ids, dtype)."""
     from transformers import LlamaConfig
 

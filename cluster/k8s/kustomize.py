@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-Doc = dict[str, Any]
+from cluster.json_types import JSON, JSONObject
+
+Doc = JSONObject
 
 KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 FIELDS = {"apiVersion", "kind", "resources", "namespace", "patches", "configMapGenerator"}
@@ -143,7 +144,7 @@ def _add(docs: list[Doc], new: list[Doc], where: Path) -> None:
         docs.append(d)
 
 
-def _config_map(folder: Path, gen: dict[str, Any], where: Path) -> Doc:
+def _config_map(folder: Path, gen: JSONObject, where: Path) -> Doc:
     opts = gen.get("options") or {}
     bad = sorted(set(gen) - {"name", "files", "options"}) + sorted(
         f"options.{o}" for o in set(opts) - {"disableNameSuffixHash", "labels", "annotations"}
@@ -181,7 +182,7 @@ def _apply(docs: list[Doc], patch: Doc, where: str) -> None:
         docs[targets[0]] = merged
 
 
-def _merge(base: Any, patch: Any, builtin: bool, field: str) -> Any:
+def _merge(base: JSON, patch: JSON, builtin: bool, field: str) -> JSON:
     if patch is None:
         return _DELETE
     if isinstance(patch, dict):
@@ -213,13 +214,13 @@ def _merge(base: Any, patch: Any, builtin: bool, field: str) -> Any:
 _OK = (None, "merge", "delete", "replace")
 
 
-def _merge_key(field: str, items: list[Any]) -> str:
+def _merge_key(field: str, items: list[JSON]) -> str:
     if field == "ports" and not all(isinstance(i, dict) and "containerPort" in i for i in items):
         return "port"
     return MERGE_KEYS[field]
 
 
-def _merge_list(base: list[Any], patch: list[Any], key: str, field: str) -> list[Any]:
+def _merge_list(base: list[JSON], patch: list[JSON], key: str, field: str) -> list[JSON]:
     """Kustomize's order: the patch's elements (merged into the base's of the same key), then the
     base's other elements."""
     if not all(isinstance(i, dict) and key in i for i in base + patch):
@@ -230,7 +231,7 @@ def _merge_list(base: list[Any], patch: list[Any], key: str, field: str) -> list
     return out + [i for i in base if i[key] not in patched]
 
 
-def _copy(node: Any) -> Any:
+def _copy(node: JSON) -> JSON:
     """A deep copy that also un-shares YAML aliases (`*id001`), as kustomize does."""
     if isinstance(node, dict):
         return {k: _copy(v) for k, v in node.items()}

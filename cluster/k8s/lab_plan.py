@@ -22,11 +22,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from cluster.base import ConfigError
+from cluster.json_types import JSON, JSONObject
 from cluster.k8s.settings import quantity
 
 LAB = "llmc-lab0"  # the bridge, and the prefix of every namespace: llmc-lab0-head, llmc-lab0-cpu-0, …
@@ -94,12 +94,12 @@ class LabPlan:
 
 
 # KubeRay's reading of a group --------------------------------------------------------------
-def _container(group: Mapping[str, Any]) -> Mapping[str, Any]:
-    container: Mapping[str, Any] = group["template"]["spec"]["containers"][0]  # Any: a YAML manifest
+def _container(group: Mapping[str, JSON]) -> Mapping[str, JSON]:
+    container: Mapping[str, JSON] = group["template"]["spec"]["containers"][0]  # a YAML manifest's
     return container
 
 
-def ray_params(group: Mapping[str, Any], head: bool) -> dict[str, str]:
+def ray_params(group: Mapping[str, JSON], head: bool) -> dict[str, str]:
     """``ray start`` parameters of a group's pods: its ``rayStartParams`` plus KubeRay's defaults."""
     params = {k: str(v) for k, v in (group.get("rayStartParams") or {}).items()}
     res = _container(group).get("resources") or {}
@@ -120,7 +120,7 @@ def ray_params(group: Mapping[str, Any], head: bool) -> dict[str, str]:
 
 
 def pod_env(
-    group: Mapping[str, Any], secrets: Mapping[str, str], volumes: Mapping[str, str]
+    group: Mapping[str, JSON], secrets: Mapping[str, str], volumes: Mapping[str, str]
 ) -> dict[str, str]:
     """The container's env: values as they are, Secret keys from ``secrets`` (a missing optional
     one is left out, a missing required one is an error, as the kubelet refuses the pod), and a
@@ -149,7 +149,7 @@ def _moved(value: str, volumes: Mapping[str, str]) -> str:
     return value
 
 
-def volume_folders(group: Mapping[str, Any], node_root: Path, shared_root: Path) -> dict[str, str]:
+def volume_folders(group: Mapping[str, JSON], node_root: Path, shared_root: Path) -> dict[str, str]:
     """Mount path → the lab's folder for it: an emptyDir on disk is the node's own, a claim is one
     folder shared by every node (as a ReadWriteMany claim is); in-memory ones (/dev/shm) stay."""
     spec = group["template"]["spec"]
@@ -210,7 +210,7 @@ def start_args(node: LabNode, plan: LabPlan) -> list[str]:
 
 
 def make_plan(
-    manifest: Mapping[str, Any], secrets: Mapping[str, str], repo: Path, root: Path = ROOT
+    manifest: Mapping[str, JSON], secrets: Mapping[str, str], repo: Path, root: Path = ROOT
 ) -> LabPlan:
     """The lab of a rendered RayService: a namespace, an address and a Ray node per pod."""
     if manifest.get("kind") != "RayService":
@@ -250,7 +250,7 @@ def _offers(params: Mapping[str, str]) -> dict[str, float]:
     return out | {k: float(v) for k, v in json.loads(params.get("resources", "{}")).items()}
 
 
-def _asks(actor: Mapping[str, Any]) -> dict[str, float]:
+def _asks(actor: Mapping[str, JSON]) -> dict[str, float]:
     want = {"CPU": float(actor.get("num_cpus", 1)), "GPU": float(actor.get("num_gpus", 0))}
     if actor.get("memory"):
         want["memory"] = float(actor["memory"])
@@ -323,7 +323,7 @@ def is_lab_link(name: str) -> bool:
     return name == LAB or name.startswith((VETH_PREFIX, PEER_PREFIX))
 
 
-def state_of(plan: LabPlan, source: Mapping[str, str]) -> dict[str, Any]:
+def state_of(plan: LabPlan, source: Mapping[str, str]) -> JSONObject:
     """What ``cluster lab down`` and ``status`` need, written before anything is created."""
     return {
         "source": dict(source),

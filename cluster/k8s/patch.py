@@ -4,18 +4,18 @@ deterministic YAML the generated manifests are written in."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import yaml
 
 from cluster.base import ConfigError
+from cluster.json_types import JSON, JSONObject
 
 
-def merge_patch(base: Any, target: Any) -> Any:
+def merge_patch(base: JSON, target: JSON) -> JSON:
     """The smallest patch that turns ``base`` into ``target``: maps merge, lists are replaced."""
     if not (isinstance(base, dict) and isinstance(target, dict)):
         return copy.deepcopy(target)
-    patch: dict[str, Any] = {k: None for k in base if k not in target}
+    patch: JSONObject = {k: None for k in base if k not in target}
     for k, v in target.items():
         if k not in base:
             patch[k] = copy.deepcopy(v)
@@ -24,7 +24,7 @@ def merge_patch(base: Any, target: Any) -> Any:
     return patch
 
 
-def apply_merge_patch(base: Any, patch: Any) -> Any:
+def apply_merge_patch(base: JSON, patch: JSON) -> JSON:
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     out = copy.deepcopy(base) if isinstance(base, dict) else {}
@@ -36,7 +36,7 @@ def apply_merge_patch(base: Any, patch: Any) -> Any:
     return out
 
 
-def rayservice_patch(base: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+def rayservice_patch(base: JSONObject, target: JSONObject) -> JSONObject:
     """A kustomize patch for ``base`` (a RayService) that yields ``target``; identity kept."""
     if (base["apiVersion"], base["kind"], base["metadata"]["name"]) != (
         target["apiVersion"],
@@ -65,6 +65,6 @@ def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def to_yaml(obj: Any, header: str = "") -> str:
+def to_yaml(obj: JSON, header: str = "") -> str:
     """Deterministic YAML with multi-line strings (serveConfigV2) as literal blocks."""
     return header + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=110, allow_unicode=True)

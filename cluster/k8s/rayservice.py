@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import yaml
 
@@ -42,6 +41,7 @@ from cluster.dataplane import (
     deployment_options,
     tenant_budget_deployment,
 )
+from cluster.json_types import JSON, JSONObject
 from cluster.k8s.settings import (
     CpuGroupSettings,
     EngineGroupSettings,
@@ -68,11 +68,11 @@ def uses_gpu(b: BackendConfig) -> bool:
     return b.kind.caps.gpus and b.resources.num_gpus > 0
 
 
-def _cpu_side(options: dict[str, Any]) -> dict[str, Any]:
+def _cpu_side(options: JSONObject) -> JSONObject:
     return {**options, "resources": {CPU_NODE_RESOURCE: CPU_NODE_RESOURCE_PER_REPLICA}}
 
 
-def _placed(b: BackendConfig, s: K8sSettings, actor: dict[str, Any]) -> dict[str, Any]:
+def _placed(b: BackendConfig, s: K8sSettings, actor: JSONObject) -> JSONObject:
     """An engine's actor options with where it runs: a GPU pod (its GPUs say so), an engine pod
     when the settings have that group, else a cpu pod."""
     if uses_gpu(b):
@@ -82,7 +82,7 @@ def _placed(b: BackendConfig, s: K8sSettings, actor: dict[str, Any]) -> dict[str
     return _cpu_side(actor)
 
 
-def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
+def backend_deployment(b: BackendConfig, s: K8sSettings) -> JSONObject:
     """The app builder's options for the backend (:func:`cluster.dataplane.deployment_options`),
     plus the settings' autoscaling delays and drain timeout, on the pod group it needs."""
     d = deployment_options(b)
@@ -99,8 +99,8 @@ def backend_deployment(b: BackendConfig, s: K8sSettings) -> dict[str, Any]:
     return d
 
 
-def _gateway_deployment(replicas: int, num_cpus: float, s: K8sSettings) -> dict[str, Any]:
-    d: dict[str, Any] = {"name": "Gateway", "num_replicas": replicas}
+def _gateway_deployment(replicas: int, num_cpus: float, s: K8sSettings) -> JSONObject:
+    d: JSONObject = {"name": "Gateway", "num_replicas": replicas}
     if s.serve.graceful_shutdown_timeout_s is not None:
         d["graceful_shutdown_timeout_s"] = s.serve.graceful_shutdown_timeout_s  # streams pass here too
     d["ray_actor_options"] = _cpu_side({"num_cpus": num_cpus})
@@ -124,12 +124,12 @@ def gateway_spread(replicas: int, s: K8sSettings) -> int | None:
     return -(-replicas // pods)
 
 
-def _budget_deployment(name: str, s: K8sSettings) -> dict[str, Any]:
+def _budget_deployment(name: str, s: K8sSettings) -> JSONObject:
     """A provider backend's shared budget (one replica that only counts): on a CPU pod, no CPU."""
     return {"name": name, "num_replicas": 1, "ray_actor_options": _cpu_side({"num_cpus": 0})}
 
 
-def serve_config(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
+def serve_config(cfg: ClusterConfig, s: K8sSettings) -> JSONObject:
     """``serveConfigV2`` as a mapping (Ray's ServeDeploySchema)."""
     deployments = [
         _gateway_deployment(cfg.server.gateway_replicas, s.serve.gateway_num_cpus, s),
@@ -178,22 +178,22 @@ def gpu_groups(cfg: ClusterConfig) -> dict[int, tuple[int, int]]:
     return dict(sorted(groups.items()))
 
 
-def _resources(cpu: str, memory: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _resources(cpu: str, memory: str, extra: Mapping[str, JSON] | None = None) -> JSONObject:
     r = {"cpu": cpu, "memory": memory, **(extra or {})}
     return {"requests": dict(r), "limits": dict(r)}
 
 
-def _serve_env(s: K8sSettings) -> list[dict[str, Any]]:
+def _serve_env(s: K8sSettings) -> list[JSONObject]:
     """The data plane's Serve settings and the internal credential, on every pod."""
-    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(SERVE_ENV.items())]
+    env: list[JSONObject] = [{"name": k, "value": v} for k, v in sorted(SERVE_ENV.items())]
     if s.internal_token_key:
         ref = {"name": s.secret_name, "key": s.internal_token_key}
         env.append({"name": INTERNAL_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
-def _secret_env(cfg: ClusterConfig, s: K8sSettings, providers: bool) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = _serve_env(s)
+def _secret_env(cfg: ClusterConfig, s: K8sSettings, providers: bool) -> list[JSONObject]:
+    env: list[JSONObject] = _serve_env(s)
     if providers:
         keys = sorted({b.provider.api_key_env for b in cfg.backends if b.provider and b.provider.api_key_env})
         env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": s.secret_name, "key": k}}} for k in keys]
@@ -206,12 +206,12 @@ def _secret_env(cfg: ClusterConfig, s: K8sSettings, providers: bool) -> list[dic
 def _container(
     name: str,
     s: K8sSettings,
-    resources: dict[str, Any],
-    ports: list[dict[str, Any]],
-    env: list[dict[str, Any]],
-    mounts: list[dict[str, Any]],
-) -> dict[str, Any]:
-    c: dict[str, Any] = {
+    resources: JSONObject,
+    ports: list[JSONObject],
+    env: list[JSONObject],
+    mounts: list[JSONObject],
+) -> JSONObject:
+    c: JSONObject = {
         "name": name,
         "image": s.image,
         "imagePullPolicy": s.image_pull_policy,
@@ -227,11 +227,11 @@ def _container(
 
 def _pod(
     labels: dict[str, str],
-    container: dict[str, Any],
+    container: JSONObject,
     p: PodSettings,
-    volumes: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    spec: dict[str, Any] = {"containers": [container]}
+    volumes: list[JSONObject] | None = None,
+) -> JSONObject:
+    spec: JSONObject = {"containers": [container]}
     if volumes:
         spec["volumes"] = volumes
     if p.node_selector:
@@ -248,14 +248,14 @@ def _labels(s: K8sSettings, component: str | None = None) -> dict[str, str]:
     return labels
 
 
-def _port(name: str, port: int) -> dict[str, Any]:
+def _port(name: str, port: int) -> JSONObject:
     return {"name": name, "containerPort": port}
 
 
 _SHM_MOUNT = {"name": "dshm", "mountPath": "/dev/shm"}
 
 
-def _shm_volume(p: PodSettings) -> dict[str, Any]:
+def _shm_volume(p: PodSettings) -> JSONObject:
     # A pod's own /dev/shm is 64 MiB: too small for NCCL, vLLM's workers and Ray's object store.
     return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": p.shm_size}}
 
@@ -266,14 +266,14 @@ def _start_params(cfg: ClusterConfig, p: PodSettings) -> dict[str, str]:
     return {"object-store-memory": str(store), "metrics-export-port": str(cfg.server.metrics_port)}
 
 
-def _worker_preamble(name: str, lo: int, hi: int, s: K8sSettings) -> dict[str, Any]:
-    g: dict[str, Any] = {"groupName": name, "replicas": lo, "minReplicas": lo, "maxReplicas": hi}
+def _worker_preamble(name: str, lo: int, hi: int, s: K8sSettings) -> JSONObject:
+    g: JSONObject = {"groupName": name, "replicas": lo, "minReplicas": lo, "maxReplicas": hi}
     if s.autoscaler.version == "v2":
         g["idleTimeoutSeconds"] = s.autoscaler.idle_timeout_seconds
     return g
 
 
-def _head(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
+def _head(cfg: ClusterConfig, s: K8sSettings) -> JSONObject:
     ports = [
         _port("gcs-server", 6379),
         _port("dashboard", 8265),
@@ -291,17 +291,17 @@ def _head(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
     }
 
 
-def _cpu_group(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
+def _cpu_group(cfg: ClusterConfig, s: K8sSettings) -> JSONObject:
     return _cpu_pods("cpu", CPU_NODE_RESOURCE, s.cpu, cfg, s)
 
 
-def _engine_group(cfg: ClusterConfig, s: K8sSettings, e: EngineGroupSettings) -> dict[str, Any]:
+def _engine_group(cfg: ClusterConfig, s: K8sSettings, e: EngineGroupSettings) -> JSONObject:
     return _cpu_pods("engine", ENGINE_NODE_RESOURCE, e, cfg, s)
 
 
 def _cpu_pods(
     name: str, resource: str, p: CpuGroupSettings | EngineGroupSettings, cfg: ClusterConfig, s: K8sSettings
-) -> dict[str, Any]:
+) -> JSONObject:
     """A group of pods without GPU, marked by its custom resource; provider keys only on cpu pods
     (the provider adapters run in the gateways)."""
     g = _worker_preamble(name, p.min_replicas, p.max_replicas, s)
@@ -317,7 +317,7 @@ def _cpu_pods(
     return g
 
 
-def _gpu_group(cfg: ClusterConfig, s: K8sSettings, tp: int, lo: int, hi: int) -> dict[str, Any]:
+def _gpu_group(cfg: ClusterConfig, s: K8sSettings, tp: int, lo: int, hi: int) -> JSONObject:
     g = _worker_preamble(f"gpu-tp{tp}", lo, hi, s)
     gp = s.gpu
     g["rayStartParams"] = _start_params(cfg, gp)
@@ -334,10 +334,10 @@ def _gpu_group(cfg: ClusterConfig, s: K8sSettings, tp: int, lo: int, hi: int) ->
     return g
 
 
-def _upgrade_strategy(u: UpgradeSettings) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": u.type}
+def _upgrade_strategy(u: UpgradeSettings) -> JSONObject:
+    out: JSONObject = {"type": u.type}
     if u.type == "NewClusterWithIncrementalUpgrade":
-        opts: dict[str, Any] = {
+        opts: JSONObject = {
             "gatewayClassName": u.gateway_class_name,
             "stepSizePercent": u.step_size_percent,
             "intervalSeconds": u.interval_seconds,
@@ -376,11 +376,11 @@ def check_fits(cfg: ClusterConfig, s: K8sSettings) -> None:
             raise ConfigError(f"serve.{what} {n:g} does not fit a cpu pod (cpu.cpu = {s.cpu.cpu})")
 
 
-def render_rayservice(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
+def render_rayservice(cfg: ClusterConfig, s: K8sSettings) -> JSONObject:
     """The whole ``ray.io/v1`` RayService object."""
     check_fits(cfg, s)
     a = s.autoscaler
-    cluster: dict[str, Any] = {
+    cluster: JSONObject = {
         "rayVersion": s.ray_version,
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {
@@ -397,13 +397,13 @@ def render_rayservice(cfg: ClusterConfig, s: K8sSettings) -> dict[str, Any]:
             *(_gpu_group(cfg, s, tp, lo, hi) for tp, (lo, hi) in gpu_groups(cfg).items()),
         ],
     }
-    spec: dict[str, Any] = {"upgradeStrategy": _upgrade_strategy(s.upgrade)}
+    spec: JSONObject = {"upgradeStrategy": _upgrade_strategy(s.upgrade)}
     if s.upgrade.cluster_deletion_delay_seconds is not None:
         spec["rayClusterDeletionDelaySeconds"] = s.upgrade.cluster_deletion_delay_seconds
     spec["excludeHeadPodFromServeSvc"] = True
     spec["serveConfigV2"] = yaml.safe_dump(serve_config(cfg, s), sort_keys=False, width=100)
     spec["rayClusterConfig"] = cluster
-    metadata: dict[str, Any] = {
+    metadata: JSONObject = {
         "name": s.name,
         "labels": _labels(s),
         "annotations": {INITIALIZING_TIMEOUT_ANNOTATION: s.initializing_timeout},

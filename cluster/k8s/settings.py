@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from cluster.base import Strict, read_yaml, validate
+from cluster.json_types import JSONObject
 
 _IMAGE = re.compile(r"^(?P<repo>[^@\s]+?)(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@sha256:[0-9a-f]{64})?$")
 _DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$|^[1-9][0-9]*$")
@@ -47,7 +48,7 @@ class PodSettings(Strict):
     memory: str = Field(description="Memory of the Ray container (request = limit), /dev/shm included.")
     shm_size: str = Field("2Gi", description="In-memory /dev/shm; Ray's object store takes half of it.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    tolerations: list[JSONObject] = Field(default_factory=list, description="Pod tolerations.")
 
     @field_validator("cpu", "memory", "shm_size")
     @classmethod
@@ -93,7 +94,7 @@ class GpuGroupSettings(PodSettings):
     model_cache_path: str = Field(
         "/home/ray/.cache/huggingface", description="Where it is mounted (HF_HOME)."
     )
-    tolerations: list[dict[str, Any]] = Field(
+    tolerations: list[JSONObject] = Field(
         default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         description="Pod tolerations (default: the usual taint on GPU nodes).",
     )

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
 
 from cluster.config import load_config
 from cluster.observability.prometheus import parse
 from cluster.observability.status import P, Scrape, Status, Window
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 
 def metrics_urls(args: argparse.Namespace) -> list[str]:
@@ -43,7 +46,7 @@ def _f(v: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def render(status: Status, source: str) -> Any:
+def render(status: Status, source: str) -> Group:
     """The status as rich renderables (a group of three tables)."""
     from rich.console import Group
     from rich.table import Table
@@ -112,7 +115,7 @@ def _status(args: argparse.Namespace) -> int:
                 return 0
 
 
-def add_status_parser(sub: Any) -> None:
+def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="live table of gateway and engine replicas, from the metrics endpoint")
     p.add_argument("--config", default="configs/local.yaml", help="its server.metrics_port, without --url")
     p.add_argument(

@@ -22,8 +22,8 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from typing import Any
 
+from cluster.json_types import JSONObject
 from cluster.observability.loop_lag import SampleWindow
 
 TIMED_GENERATIONS = (1, 2)
@@ -49,7 +49,7 @@ class GcPauses:
         if started is not None and generation in self.windows:
             self.windows[generation].add(now, now - started)
 
-    def summary(self, last_s: float, now: float) -> dict[str, Any]:
+    def summary(self, last_s: float, now: float) -> JSONObject:
         """Counts since the start, and each timed generation's p50/p99/max over ``last_s`` seconds."""
         return {
             "collections": {f"gen{g}": n for g, n in enumerate(self.counts)},
@@ -60,7 +60,7 @@ class GcPauses:
 def install(pauses: GcPauses, clock: Callable[[], float] = time.perf_counter) -> Callable[..., None]:
     """Feed ``pauses`` from this process's collector; returns the callback (to remove it again)."""
 
-    def callback(phase: str, info: dict[str, Any]) -> None:
+    def callback(phase: str, info: JSONObject) -> None:
         pauses.on_event(phase, info.get("generation", -1), clock())
 
     gc.callbacks.append(callback)

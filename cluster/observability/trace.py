@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
+from cluster.json_types import JSONObject
 from cluster.wire.protocol import GenerateRequest, Usage
 
 OPERATION = {"chat": "chat", "completion": "text_completion"}
-Attrs = dict[str, Any]
+Attrs = JSONObject
 SpanEvents = tuple[tuple[str, int, Attrs], ...]  # (name, time in ns, attributes)
 
 

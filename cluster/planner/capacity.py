@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from cluster.config import (
     ClusterConfig,
@@ -16,6 +15,7 @@ from cluster.config import (
 )
 from cluster.cost import Prices
 from cluster.engine.profiles import Profile
+from cluster.json_types import JSON, JSONObject
 from cluster.planner.demand import Demand, DemandError, RouteDemand
 from cluster.planner.host_cpu import HostCpu, backend_host
 from cluster.planner.replica_model import ReplicaModel, Workload, backend_profile
@@ -141,14 +141,14 @@ class Plan:
     backends: list[BackendPlan]
     providers: list[ProviderPlan]
     totals: dict[str, float]
-    assumptions: dict[str, Any]
+    assumptions: JSONObject
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = _clean(asdict(self))  # Any: asdict gives any field's value
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = _clean(asdict(self))  # asdict gives any field's value
         return out
 
 
-def _clean(x: Any) -> Any:
+def _clean(x: JSON) -> JSON:
     if isinstance(x, float):
         return round(x, 6) if math.isfinite(x) else None
     if isinstance(x, dict):

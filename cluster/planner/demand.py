@@ -9,12 +9,12 @@ import math
 import os
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from cluster.base import ConfigError, Strict, read_yaml, validate
 from cluster.engine.profiles import PROFILES
+from cluster.json_types import JSON, JSONObject
 
 
 class TokenDist(Strict):
@@ -34,7 +34,7 @@ class TokenDist(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _number_is_constant(cls, data: Any) -> Any:
+    def _number_is_constant(cls, data: JSON) -> JSON:
         if isinstance(data, int | float) and not isinstance(data, bool):
             return {"mean": data}
         return data
@@ -174,7 +174,7 @@ class Demand(Strict):
 
     @field_validator("profiles", "gpu_hourly_usd_by_profile")
     @classmethod
-    def _known_profiles(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
+    def _known_profiles(cls, v: JSONObject, info: ValidationInfo) -> JSONObject:
         names = v.values() if info.field_name == "profiles" else v.keys()
         for name in names:
             if name not in PROFILES:
@@ -190,5 +190,5 @@ def load_demand(path: str | os.PathLike[str]) -> Demand:
     return parse_demand(read_yaml(path, DemandError), source=str(Path(path)))
 
 
-def parse_demand(raw: Any, source: str = "<demand>") -> Demand:
+def parse_demand(raw: JSON, source: str = "<demand>") -> Demand:
     return validate(Demand, raw, source, "demand", DemandError)

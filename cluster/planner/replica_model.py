@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from cluster.config import (
     BackendConfig,
@@ -51,6 +50,7 @@ from cluster.engine.profiles import (
     StepTimeModel,
     get_profile,
 )
+from cluster.json_types import JSONObject
 from cluster.planner.demand import Demand, DemandError, RouteDemand
 from cluster.planner.host_cpu import HostBoundStepTime, HostCpu
 
@@ -450,7 +450,7 @@ def _matching_profile(backend: BackendConfig, model: ModelConfig) -> str:
 
 def _with_model(profile: Profile, model: ModelConfig) -> Profile:
     """The config's KV geometry (e.g. an fp8 KV cache) and parameter count over the profile's."""
-    changes: dict[str, Any] = {}
+    changes: JSONObject = {}
     if model.kv is not None:
         changes.update(
             layers=model.kv.layers,
@@ -470,7 +470,7 @@ def _with_engine(profile: Profile, backend: BackendConfig, model: ModelConfig) -
     # The same overlay as cluster.engine.sim_backend.SimBackend.from_config, so that a plan and a sim
     # replica of one backend agree.
     e = backend.engine
-    changes: dict[str, Any] = {
+    changes: JSONObject = {
         "block_size": e.block_size,
         "max_num_seqs": e.max_num_seqs,
         "max_model_len": e.max_model_len or model.context_window,

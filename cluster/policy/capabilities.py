@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from cluster.backend_kind import BackendKind
+from cluster.json_types import JSON
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
 
 Kind = Literal["vllm", "sim", "openai", "anthropic"]
@@ -118,7 +119,7 @@ def backend_kind(kind: str, api: str | None) -> Kind:
     return _ENGINE_KINDS[BackendKind(kind)]
 
 
-def _asks(name: str, value: Any) -> bool:
+def _asks(name: str, value: JSON) -> bool:
     # ``{}`` asks for something in some fields (``web_search_options: {}`` turns search on).
     if name in ("logprobs", "prompt_logprobs") and type(value) is int:  # 0: the tokens' own
         return True

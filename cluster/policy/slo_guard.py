@@ -35,14 +35,15 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from cluster.base import Strict
+from cluster.json_types import JSONObject
 
 if TYPE_CHECKING:
-    from cluster.config import BackendConfig
+    from cluster.config import BackendConfig, SurfaceConfig
 
 
 CHANGES_KEPT = 32  # cap changes the status page shows
@@ -139,7 +140,9 @@ class SloGuard:
         self.changes: deque[GuardChange] = deque(maxlen=CHANGES_KEPT)  # the latest cap changes
 
     @classmethod
-    def for_surfaces(cls, cfg: SloGuardConfig, surfaces: Iterable[Any], backends: Iterable[str]) -> SloGuard:
+    def for_surfaces(
+        cls, cfg: SloGuardConfig, surfaces: Iterable[SurfaceConfig], backends: Iterable[str]
+    ) -> SloGuard:
         """From ``SurfaceConfig``-like objects (name, priority, ttft_slo_ms)."""
         return cls(cfg, {s.name: (s.priority, s.ttft_slo_ms / 1000.0) for s in surfaces}, backends)
 
@@ -230,7 +233,7 @@ class SloGuard:
         self.changes.append(GuardChange(now, state, samples))
         return state
 
-    def recent_changes(self, now: float) -> list[dict[str, Any]]:
+    def recent_changes(self, now: float) -> list[JSONObject]:
         """The latest cap changes, oldest first, each with its age in seconds (the status page)."""
         return [
             {"age_s": round(now - c.at, 1), "samples": c.samples, **asdict(c.state)} for c in self.changes

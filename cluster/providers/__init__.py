@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.protocol import Usage
 
 
@@ -21,20 +21,20 @@ class StreamDelta:
     """
 
     text: str = ""
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
-    thinking: list[dict[str, Any]] | None = None  # ``delta.thinking_blocks`` items (cluster.wire.thinking)
-    logprobs: list[dict[str, Any]] | None = None  # the tokens' logprobs entries (cluster.wire.logprobs)
+    tool_calls: list[JSONObject] | None = None  # OpenAI ``delta.tool_calls`` items (with index)
+    thinking: list[JSONObject] | None = None  # ``delta.thinking_blocks`` items (cluster.wire.thinking)
+    logprobs: list[JSONObject] | None = None  # the tokens' logprobs entries (cluster.wire.logprobs)
     finish_reason: str | None = None
     usage: Usage | None = None
     done: bool = False
     index: int = 0  # the choice (``n`` > 1: an OpenAI-compatible provider's choices interleave)
-    error: dict[str, Any] | None = None
+    error: JSONObject | None = None
 
 
-def error_value(body: bytes | dict[str, Any] | None) -> Any:
+def error_value(body: bytes | JSONObject | None) -> JSON:
     """The ``error`` member of a provider's error body (both APIs put it there), or None when the
     body is not a JSON object."""
-    obj: Any = body
+    obj: JSON = body
     if isinstance(body, bytes | bytearray):
         try:
             obj = json.loads(body)

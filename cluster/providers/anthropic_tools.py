@@ -18,17 +18,17 @@ among content blocks, as OpenAI's ``index`` counts).
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.tokens import content_text
 from cluster.wire.errors import InvalidRequest
 
 
-def tools(openai_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def tools(openai_tools: list[JSONObject]) -> list[JSONObject]:
     out = []
     for t in openai_tools:
         fn = t["function"]
-        tool: dict[str, Any] = {
+        tool: JSONObject = {
             "name": fn["name"],
             "input_schema": fn.get("parameters") or {"type": "object", "properties": {}},
         }
@@ -38,12 +38,12 @@ def tools(openai_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_choice(choice: Any, parallel: bool | None) -> dict[str, Any] | None:
+def tool_choice(choice: JSON, parallel: bool | None) -> JSONObject | None:
     """OpenAI's tool_choice (and parallel_tool_calls) as Anthropic's; None when neither was sent."""
     if choice is None and parallel is None:
         return None
     if isinstance(choice, dict):
-        out: dict[str, Any] = {"type": "tool", "name": choice["function"]["name"]}
+        out: JSONObject = {"type": "tool", "name": choice["function"]["name"]}
     else:
         out = {"type": {"required": "any", "none": "none"}.get(choice or "auto", "auto")}
     if parallel is False and out["type"] != "none":
@@ -51,7 +51,7 @@ def tool_choice(choice: Any, parallel: bool | None) -> dict[str, Any] | None:
     return out
 
 
-def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+def _arguments(call: JSONObject) -> JSONObject:
     raw = call["function"].get("arguments") or "{}"
     try:
         value = json.loads(raw)
@@ -65,7 +65,7 @@ def _arguments(call: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-def _image(part: dict[str, Any]) -> dict[str, Any]:
+def _image(part: JSONObject) -> JSONObject:
     url = str((part.get("image_url") or {}).get("url") or "")
     if url.startswith("data:") and ";base64," in url:
         media, data = url[5:].split(";base64,", 1)
@@ -77,12 +77,12 @@ def _image(part: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _content_blocks(content: Any) -> list[dict[str, Any]]:
+def _content_blocks(content: JSON) -> list[JSONObject]:
     """Text and image parts as blocks; adjacent text parts join, except at a cache breakpoint."""
     if not isinstance(content, list):
         text = content_text(content)
         return [{"type": "text", "text": text}] if text else []
-    blocks: list[dict[str, Any]] = []
+    blocks: list[JSONObject] = []
     for p in content:
         if p.get("type") == "image_url":
             blocks.append(_image(p))
@@ -98,10 +98,10 @@ def _content_blocks(content: Any) -> list[dict[str, Any]]:
     return blocks
 
 
-def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
+def _blocks(m: JSONObject) -> list[JSONObject]:
     """One OpenAI message as Anthropic content blocks."""
     if m.get("role") == "tool":
-        result: dict[str, Any] = {"type": "tool_result", "tool_use_id": m["tool_call_id"]}
+        result: JSONObject = {"type": "tool_result", "tool_use_id": m["tool_call_id"]}
         text = content_text(m.get("content"))
         if text:
             result["content"] = text
@@ -121,12 +121,12 @@ def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def translate_messages(
-    messages: list[dict[str, Any]],
-) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    messages: list[JSONObject],
+) -> tuple[str | list[JSONObject], list[JSONObject]]:
     """(system prompt, Messages turns) for OpenAI chat messages. The system prompt is a string, or
     text blocks when it holds a ``cache_control`` breakpoint (kept where the client put it)."""
-    system: list[dict[str, Any]] = []
-    out: list[dict[str, Any]] = []
+    system: list[JSONObject] = []
+    out: list[JSONObject] = []
     for m in messages:
         role = m.get("role")
         if role in ("system", "developer"):
@@ -143,7 +143,7 @@ def translate_messages(
     return "\n\n".join(b["text"] for b in system), out
 
 
-def _merge(into: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> None:
+def _merge(into: list[JSONObject], blocks: list[JSONObject]) -> None:
     """Adds a message's blocks to the turn before it: tool results stay first, text runs join."""
     for b in blocks:
         if b["type"] == "tool_result":
@@ -155,11 +155,11 @@ def _merge(into: list[dict[str, Any]], blocks: list[dict[str, Any]]) -> None:
             into.append(b)
 
 
-def _breakpoint(*blocks: dict[str, Any]) -> bool:
+def _breakpoint(*blocks: JSONObject) -> bool:
     return any("cache_control" in b for b in blocks)
 
 
-def response_tool_calls(content: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+def response_tool_calls(content: list[JSONObject]) -> list[JSONObject] | None:
     """A non-streaming message's ``tool_use`` blocks as OpenAI ``tool_calls``."""
     calls = [
         {
@@ -181,14 +181,14 @@ class ToolStream:
     def __init__(self) -> None:
         self._index: dict[int, int] = {}  # content block index -> tool call index
 
-    def start(self, block_index: int, block: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def start(self, block_index: int, block: JSONObject) -> list[JSONObject] | None:
         if block.get("type") != "tool_use":
             return None
         i = self._index[block_index] = len(self._index)
         fn = {"name": block.get("name", ""), "arguments": ""}
         return [{"index": i, "id": block.get("id", ""), "type": "function", "function": fn}]
 
-    def delta(self, block_index: int, partial_json: str) -> list[dict[str, Any]] | None:
+    def delta(self, block_index: int, partial_json: str) -> list[JSONObject] | None:
         i = self._index.get(block_index)
         if i is None:
             raise ValueError("input_json_delta outside a tool_use block")

@@ -16,8 +16,7 @@ writes as ``cache_creation_tokens`` (priced apart: :mod:`cluster.cost`).
 
 from __future__ import annotations
 
-from typing import Any
-
+from cluster.json_types import JSON, JSONObject
 from cluster.providers import StreamDelta, anthropic_tools, error_value
 from cluster.wire.openai_format import loads, usage_dict
 from cluster.wire.protocol import GenerateRequest, Usage
@@ -42,13 +41,13 @@ def finish_reason(stop_reason: str | None) -> str | None:
     return FINISH_REASONS.get(stop_reason, "stop")
 
 
-def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> dict[str, Any]:
+def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> JSONObject:
     s = req.sampling
     if req.kind == "chat":
         system, messages = anthropic_tools.translate_messages(req.messages or [])
     else:
         system, messages = "", [{"role": "user", "content": req.prompt_text or ""}]
-    body: dict[str, Any] = {"model": upstream_model, "max_tokens": s.max_tokens, "messages": messages}
+    body: JSONObject = {"model": upstream_model, "max_tokens": s.max_tokens, "messages": messages}
     if system:
         body["system"] = system
     if s.stop:
@@ -70,7 +69,7 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
     return body
 
 
-def parse_usage(obj: Any, base: Usage | None = None) -> Usage | None:
+def parse_usage(obj: JSON, base: Usage | None = None) -> Usage | None:
     """Anthropic usage -> ours. ``base`` carries message_start's numbers: message_delta's usage is
     cumulative but may hold only ``output_tokens``."""
     if not isinstance(obj, dict):
@@ -146,12 +145,12 @@ class StreamState:
         return StreamDelta()  # ping, content_block_stop, and event types added later
 
 
-def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+def response_to_openai(msg: JSONObject, model: str | None = None) -> JSONObject:
     """A non-streaming Messages response as an OpenAI chat completion object."""
     content = msg.get("content") or []
     text = "".join(b.get("text", "") for b in content if b.get("type") == "text")
     usage = parse_usage(msg.get("usage")) or Usage()
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message: JSONObject = {"role": "assistant", "content": text}
     if calls := anthropic_tools.response_tool_calls(content):
         message = {"role": "assistant", "content": text or None, "tool_calls": calls}
     if thinking := [b for b in content if b.get("type") in KINDS]:
@@ -172,7 +171,7 @@ def response_to_openai(msg: dict[str, Any], model: str | None = None) -> dict[st
     }
 
 
-def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
+def error_fields(body: bytes | JSONObject | None) -> JSONObject:
     """The ``error`` object of an Anthropic error body ``{"type": "error", "error": {...}}``."""
     err = error_value(body)
     return err if isinstance(err, dict) else {}

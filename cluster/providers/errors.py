@@ -15,10 +15,10 @@ from __future__ import annotations
 import email.utils
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import httpx
 
+from cluster.json_types import JSONObject
 from cluster.providers import anthropic_wire, openai_wire
 from cluster.providers.sse import SSEError
 from cluster.wire.errors import (
@@ -83,7 +83,7 @@ def scrub(text: str, secret: str | None) -> str:
 
 def _from_status(
     status: int,
-    err: dict[str, Any],
+    err: JSONObject,
     headers: Mapping[str, str],
     *,
     backend: str,
@@ -149,7 +149,7 @@ def from_anthropic_status(
 
 
 def from_stream_error(
-    err: dict[str, Any], *, provider: str, backend: str, started: bool, secret: str | None = None
+    err: JSONObject, *, provider: str, backend: str, started: bool, secret: str | None = None
 ) -> ClusterError:
     """An error event inside a 200 stream: before content it is mapped like the HTTP status its type
     stands for; after content it ends the stream."""

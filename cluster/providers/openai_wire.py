@@ -7,8 +7,7 @@ arrives in the last chunk.
 
 from __future__ import annotations
 
-from typing import Any
-
+from cluster.json_types import JSON, JSONObject
 from cluster.providers import StreamDelta, error_value
 from cluster.wire.logprobs import from_openai
 from cluster.wire.openai_format import loads
@@ -23,9 +22,9 @@ def endpoint(req: GenerateRequest) -> str:
     return "/chat/completions" if req.kind == "chat" else "/completions"
 
 
-def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> dict[str, Any]:
+def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = True) -> JSONObject:
     s = req.sampling
-    body: dict[str, Any] = {"model": upstream_model}
+    body: JSONObject = {"model": upstream_model}
     if req.kind == "chat":
         body["messages"] = [_message(m) for m in req.messages or []]
         key = (
@@ -56,12 +55,12 @@ def request_body(req: GenerateRequest, upstream_model: str, *, stream: bool = Tr
     return body
 
 
-def _message(m: dict[str, Any]) -> dict[str, Any]:
+def _message(m: JSONObject) -> JSONObject:
     # Pass the client's message through, minus fields some compatible servers reject when null.
     return {k: v for k, v in m.items() if v is not None}
 
 
-def parse_usage(obj: Any) -> Usage | None:
+def parse_usage(obj: JSON) -> Usage | None:
     if not isinstance(obj, dict):
         return None
     details = obj.get("prompt_tokens_details") or {}
@@ -79,7 +78,7 @@ def parse_stream_data(data: str | bytes) -> StreamDelta:
     return parse_stream_obj(loads(data))
 
 
-def plain_text(data: bytes) -> str | Any:
+def plain_text(data: bytes) -> str | JSON:
     """The common chunk read fast: a ``str`` when ``data`` is a plain text delta (content only, no
     finish, usage, tool calls or error), else the parsed object for :func:`parse_stream_obj`
     (or None for ``[DONE]``). Raises ValueError when malformed."""
@@ -105,7 +104,7 @@ def plain_text(data: bytes) -> str | Any:
     return obj
 
 
-def parse_stream_obj(obj: Any) -> StreamDelta:
+def parse_stream_obj(obj: JSON) -> StreamDelta:
     """:func:`parse_stream_data` on a payload already read as JSON."""
     if not isinstance(obj, dict):
         raise ValueError("stream chunk is not a JSON object")
@@ -137,7 +136,7 @@ def parse_stream_obj(obj: Any) -> StreamDelta:
     return out
 
 
-def parse_response(obj: dict[str, Any]) -> tuple[str, str | None, Usage | None]:
+def parse_response(obj: JSONObject) -> tuple[str, str | None, Usage | None]:
     """A non-streaming chat or text completion: (text, finish_reason, usage)."""
     choice = (obj.get("choices") or [{}])[0]
     message = choice.get("message")
@@ -145,7 +144,7 @@ def parse_response(obj: dict[str, Any]) -> tuple[str, str | None, Usage | None]:
     return text or "", choice.get("finish_reason"), parse_usage(obj.get("usage"))
 
 
-def error_fields(body: bytes | dict[str, Any] | None) -> dict[str, Any]:
+def error_fields(body: bytes | JSONObject | None) -> JSONObject:
     """The ``error`` object of an OpenAI-style error body, or {} when the body is not one."""
     err = error_value(body)
     if isinstance(err, dict):

@@ -19,8 +19,9 @@ import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
+from cluster.json_types import JSONObject
 from cluster.tokens.counters import (
     ANTHROPIC_CHARS_PER_TOKEN,
     DEFAULT_ENCODING,
@@ -43,11 +44,11 @@ class Tokenizer(Protocol):
 
     def count(self, text: str) -> int: ...
 
-    def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+    def chat_ids(self, messages: Sequence[JSONObject]) -> list[int]: ...
 
-    def count_chat(self, messages: Sequence[dict[str, Any]]) -> int: ...
+    def count_chat(self, messages: Sequence[JSONObject]) -> int: ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str: ...
+    def render_chat(self, messages: Sequence[JSONObject]) -> str: ...
 
 
 class HFTokenizer(ChatCounting):
@@ -66,18 +67,18 @@ class HFTokenizer(ChatCounting):
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[JSONObject]) -> str:
         return str(self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True))
 
-    def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[JSONObject]) -> list[int]:
         # The template already holds the BOS token: encoding the rendered text without special
         # tokens gives exactly the ids the engine would compute itself.
         return self.encode(self.render_chat(messages))
 
     def tool_chat_ids(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
+        messages: Sequence[JSONObject],
+        tools: list[JSONObject] | None,
         chat_template: str | None = None,
     ) -> list[int]:
         """The prompt with the tool definitions rendered by a tool-aware template (the model's own,

@@ -35,6 +35,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from cluster.json_types import JSON, JSONObject
+
 log = logging.getLogger(__name__)
 
 OPENAI_CHARS_PER_TOKEN = 4.0
@@ -55,7 +57,7 @@ _NEEDS_BLOB = {"o200k_harmony": "o200k_base"}  # encodings built on another's vo
 DEFAULT_ENCODING = "o200k_base"  # unknown OpenAI-style model names: the current family
 
 
-def content_text(content: Any) -> str:
+def content_text(content: JSON) -> str:
     """The text of an OpenAI message content: a string or a list of parts (non-text parts dropped)."""
     if content is None:
         return ""
@@ -84,10 +86,10 @@ class ChatCounting:
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+    def render_chat(self, messages: Sequence[JSONObject]) -> str:
         return "".join(f"{m.get('role', '')}: {content_text(m.get('content'))}\n" for m in messages)
 
-    def chat_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[JSONObject]) -> list[int]:
         """Ids in the right number; the framing ids are placeholders (providers tokenize for themselves)."""
         ids: list[int] = []
         for m in messages:
@@ -99,7 +101,7 @@ class ChatCounting:
         ids += [self.frame_id] * self.reply_priming
         return ids
 
-    def count_chat(self, messages: Sequence[dict[str, Any]]) -> int:
+    def count_chat(self, messages: Sequence[JSONObject]) -> int:
         return len(self.chat_ids(messages))
 
 
@@ -112,7 +114,7 @@ class TiktokenTokenizer(ChatCounting):
     reply_priming = 3
     count_role = True
 
-    def __init__(self, encoding: Any) -> None:
+    def __init__(self, encoding: Any) -> None:  # Any: tiktoken's Encoding (imported lazily)
         self._enc = encoding
         self.name = str(encoding.name)
         self.frame_id = int(encoding.eot_token)

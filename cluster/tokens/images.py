@@ -16,7 +16,8 @@ import binascii
 import math
 import struct
 from collections.abc import Iterable
-from typing import Any
+
+from cluster.json_types import JSONObject
 
 OPENAI_LOW = 85
 OPENAI_MAX = 170 * 8 + 85  # 768 x 2048 after scaling: 2 x 4 tiles
@@ -99,7 +100,7 @@ def anthropic_tokens(size: tuple[int, int] | None) -> int:
     return min(math.ceil(w * fit * h * fit / 750), ANTHROPIC_MAX)
 
 
-def image_parts(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def image_parts(messages: Iterable[JSONObject]) -> list[JSONObject]:
     """The ``image_url`` objects of chat messages (as dumped: dicts)."""
     out = []
     for m in messages:
@@ -110,7 +111,7 @@ def image_parts(messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def image_tokens(messages: Iterable[dict[str, Any]], api: str) -> int:
+def image_tokens(messages: Iterable[JSONObject], api: str) -> int:
     """The prompt tokens of a chat's images for a provider API (``openai`` or ``anthropic``)."""
     total = 0
     for image in image_parts(messages):

@@ -11,8 +11,7 @@ the completion tokens of all choices together (OpenAI's count, and what provider
 
 from __future__ import annotations
 
-from typing import Any
-
+from cluster.json_types import JSONObject
 from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import ResponseMeta, full_response, sse, stream_chunk
 from cluster.wire.protocol import Chunk, Usage
@@ -72,7 +71,7 @@ class ChoiceEvents:
             return "length"
         return reasons[0] if reasons else "stop"
 
-    def whole(self) -> list[dict[str, Any]]:
+    def whole(self) -> list[JSONObject]:
         """The choices as the end frame carries them (collecting): index order."""
         return [
             {
@@ -85,9 +84,9 @@ class ChoiceEvents:
         ]
 
 
-def whole_response(meta: ResponseMeta, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+def whole_response(meta: ResponseMeta, choices: list[JSONObject], usage: Usage) -> JSONObject:
     """The whole answer of ``n`` choices (each as :meth:`ChoiceEvents.whole` gives it)."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for i, c in enumerate(choices):
         body = full_response(
             meta, c.get("text") or "", c.get("finish_reason") or "stop", usage, c.get("tool_calls") or None,

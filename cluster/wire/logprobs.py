@@ -16,14 +16,15 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.errors import InvalidRequest
 
-Entry = dict[str, Any]
+Entry = JSONObject
 MAX_TOP = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 FLOOR = -9999.0  # -inf as JSON can say it (vLLM's own server clamps the same way)
 
 
-def asked(kind: str, logprobs: Any, top_logprobs: int | None = None) -> int | None:
+def asked(kind: str, logprobs: JSON, top_logprobs: int | None = None) -> int | None:
     """The engine's top-k count for a request (None: no logprobs), or a 400: chat takes
     ``logprobs: true`` with ``top_logprobs`` 0..20 (which needs it), completions an int 0..20."""
     if kind == "chat":
@@ -54,7 +55,10 @@ def entry(token: str, logprob: float, top: Iterable[tuple[str, float]] = ()) -> 
 
 
 def from_engine(
-    token_ids: Sequence[int], logprobs: Sequence[dict[int, Any]], k: int, text: str | None = None
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, Any]],  # Any: vLLM's Logprob (its types are skipped)
+    k: int,
+    text: str | None = None,
 ) -> list[Entry]:
     """vLLM's per-token ``{token_id: Logprob(logprob, rank, decoded_token)}`` (the sampled token
     and the ``k`` most likely) as chat-shape entries, the top ones by rank. ``text``: what the
@@ -76,7 +80,7 @@ def from_engine(
     return out
 
 
-def _own(chosen: Any) -> str:
+def _own(chosen: Any) -> str:  # Any: vLLM's Logprob
     return (chosen.decoded_token or "") if chosen is not None else ""
 
 
@@ -98,7 +102,7 @@ def names(own: list[str], text: str | None) -> list[str]:
     return out
 
 
-def prompt_shape(positions: Iterable[Any]) -> list[dict[str, dict[str, Any]] | None]:
+def prompt_shape(positions: Iterable[JSON]) -> list[dict[str, JSONObject] | None]:
     """vLLM's ``prompt_logprobs`` as its own server writes them: per prompt token ``None`` (the
     first: nothing before it) or ``{token_id: {"logprob", "rank", "decoded_token"}}`` (the token
     itself and the top alternatives)."""
@@ -113,7 +117,7 @@ def prompt_shape(positions: Iterable[Any]) -> list[dict[str, dict[str, Any]] | N
     ]
 
 
-def with_prompt(body: dict[str, Any], prompt: list[Any]) -> dict[str, Any]:
+def with_prompt(body: JSONObject, prompt: list[JSON]) -> JSONObject:
     """A whole answer with the prompt's logprobs where vLLM's server puts them: chat at the top,
     completions on each choice."""
     if body.get("object") == "chat.completion":
@@ -124,7 +128,7 @@ def with_prompt(body: dict[str, Any], prompt: list[Any]) -> dict[str, Any]:
     return body
 
 
-def from_openai(lp: Any) -> list[Entry] | None:
+def from_openai(lp: JSON) -> list[Entry] | None:
     """An OpenAI-compatible provider's ``choices[].logprobs`` (chat's ``content`` items as they
     are, or the completions shape) as entries; None when it sent none or a shape we do not know."""
     if not isinstance(lp, dict):
@@ -142,7 +146,7 @@ def from_openai(lp: Any) -> list[Entry] | None:
     return out
 
 
-def completion_shape(entries: list[Entry], offset: int = 0) -> dict[str, Any]:
+def completion_shape(entries: list[Entry], offset: int = 0) -> JSONObject:
     """The legacy completions shape; ``offset``: the text's length before these tokens."""
     offsets = []
     for e in entries:
@@ -156,7 +160,7 @@ def completion_shape(entries: list[Entry], offset: int = 0) -> dict[str, Any]:
     }
 
 
-def shape(kind: str, entries: list[Entry], offset: int = 0) -> dict[str, Any]:
+def shape(kind: str, entries: list[Entry], offset: int = 0) -> JSONObject:
     """A choice's ``logprobs`` for these entries in the route's shape."""
     if kind == "chat":
         return {"content": entries, "refusal": None}
@@ -181,7 +185,7 @@ class LogprobsFraming:
             if self.kept is not None:
                 self.kept.extend(entries)
 
-    def take(self) -> dict[str, Any] | None:
+    def take(self) -> JSONObject | None:
         """The pending entries as the next event's ``logprobs`` (None: none pending)."""
         if not self.pending:
             return None
@@ -190,6 +194,6 @@ class LogprobsFraming:
         self.pending = []
         return out
 
-    def whole(self) -> dict[str, Any] | None:
+    def whole(self) -> JSONObject | None:
         """The whole answer's ``logprobs`` (collecting, and some were produced)."""
         return shape(self.kind, self.kept) if self.kept else None

@@ -16,8 +16,8 @@ them. Refused with a 400 naming the field, never dropped: ``top_k`` (no OpenAI c
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.errors import InvalidRequest
 from cluster.wire.thinking import KINDS as THINKING
 
@@ -64,7 +64,7 @@ def _bad(message: str, param: str) -> InvalidRequest:
     return InvalidRequest(message, param=param)
 
 
-def check_types(body: dict[str, Any], types: dict[str, tuple[type, ...]]) -> None:
+def check_types(body: JSONObject, types: dict[str, tuple[type, ...]]) -> None:
     """The top-level shapes a translation walks (the chat schema checks the rest afterwards)."""
     for key, allowed in types.items():
         if body.get(key) is not None and not isinstance(body[key], allowed):
@@ -74,7 +74,7 @@ def check_types(body: dict[str, Any], types: dict[str, tuple[type, ...]]) -> Non
             raise _bad(f"{key}: Input should be a valid {names}", key)
 
 
-def to_chat(body: Any) -> dict[str, Any]:
+def to_chat(body: JSON) -> JSONObject:
     """A Messages request body as an OpenAI chat completions body (validated by the gateway next)."""
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.", "body")
@@ -91,8 +91,8 @@ def to_chat(body: Any) -> dict[str, Any]:
         max_tokens = int(max_tokens)  # 1024.0 is an integer in JSON (and to the API's validation)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
         raise _bad("max_tokens: Input should be a valid integer", "max_tokens")
-    out: dict[str, Any] = {"model": body.get("model"), "max_tokens": max_tokens}
-    messages: list[dict[str, Any]] = []
+    out: JSONObject = {"model": body.get("model"), "max_tokens": max_tokens}
+    messages: list[JSONObject] = []
     system = body.get("system")
     if system:
         messages.append({"role": "system", "content": _system(system)})
@@ -119,7 +119,7 @@ def to_chat(body: Any) -> dict[str, Any]:
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
 
 
-def count_tokens_to_chat(body: Any) -> dict[str, Any]:
+def count_tokens_to_chat(body: JSON) -> JSONObject:
     """A ``/v1/messages/count_tokens`` body as the chat body its Messages request would become (a
     placeholder ``max_tokens``, which counts nothing): the same translation, so the same tokens."""
     if not isinstance(body, dict):
@@ -130,7 +130,7 @@ def count_tokens_to_chat(body: Any) -> dict[str, Any]:
     return to_chat({**body, "max_tokens": 1})
 
 
-def _text_only(content: Any, where: str) -> str:
+def _text_only(content: JSON, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -144,14 +144,14 @@ def _text_only(content: Any, where: str) -> str:
     return "\n\n".join(parts)
 
 
-def _no_cache_control(block: Any, where: str) -> None:
+def _no_cache_control(block: JSON, where: str) -> None:
     if isinstance(block, dict) and "cache_control" in block:
         kind = block.get("type") or "tool"
         msg = f"{where}: 'cache_control' on a {kind} block is not served (only on text blocks)"
         raise _bad(msg, where.split(".", 1)[0])
 
 
-def _system(system: Any) -> Any:
+def _system(system: JSON) -> JSON:
     """The system prompt: a string, or text parts when a block holds a ``cache_control`` breakpoint
     (the chat shape keeps it on its part, and the route narrows to backends that honour it)."""
     if not isinstance(system, list) or not any(isinstance(b, dict) and "cache_control" in b for b in system):
@@ -159,16 +159,16 @@ def _system(system: Any) -> Any:
     return [_text_part(b, "system") for b in system]
 
 
-def _text_part(b: Any, where: str) -> dict[str, Any]:
+def _text_part(b: JSON, where: str) -> JSONObject:
     if not isinstance(b, dict) or b.get("type") != "text":
         raise _bad(f"{where}: only text blocks are allowed here", where)
-    part: dict[str, Any] = {"type": "text", "text": str(b.get("text", ""))}
+    part: JSONObject = {"type": "text", "text": str(b.get("text", ""))}
     if "cache_control" in b:
         part["cache_control"] = b["cache_control"]
     return part
 
 
-def _message(m: Any, i: int) -> list[dict[str, Any]]:
+def _message(m: JSON, i: int) -> list[JSONObject]:
     where = f"messages.{i}"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise _bad(f"{where}.role: Input should be 'user' or 'assistant'", "messages")
@@ -177,10 +177,10 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         return [{"role": m["role"], "content": content}]
     if not isinstance(content, list):
         raise _bad(f"{where}.content: Field required", "messages")
-    tool_results: list[dict[str, Any]] = []
-    parts: list[dict[str, Any]] = []
-    calls: list[dict[str, Any]] = []
-    thinking: list[dict[str, Any]] = []
+    tool_results: list[JSONObject] = []
+    parts: list[JSONObject] = []
+    calls: list[JSONObject] = []
+    thinking: list[JSONObject] = []
     for b in content:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind != "text":
@@ -209,9 +209,9 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
             tool_results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
         else:
             raise _bad(f"{where}: content blocks of type '{kind}' are not served on /v1/messages", "messages")
-    out: list[dict[str, Any]] = list(tool_results)
+    out: list[JSONObject] = list(tool_results)
     if m["role"] == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": _joined(parts) if parts else None}
+        msg: JSONObject = {"role": "assistant", "content": _joined(parts) if parts else None}
         if calls:
             msg["tool_calls"] = calls
         if thinking:
@@ -222,13 +222,13 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _joined(parts: list[dict[str, Any]]) -> Any:
+def _joined(parts: list[JSONObject]) -> JSON:
     if any("cache_control" in p for p in parts):
         return parts  # a breakpoint in an assistant turn stays on its part
     return "".join(p["text"] for p in parts)
 
 
-def _image_url(b: dict[str, Any], where: str) -> str:
+def _image_url(b: JSONObject, where: str) -> str:
     src = b["source"] if isinstance(b.get("source"), dict) else {}
     if src.get("type") == "base64":
         return f"data:{src.get('media_type')};base64,{src.get('data')}"
@@ -237,22 +237,22 @@ def _image_url(b: dict[str, Any], where: str) -> str:
     raise _bad(f"{where}: image source type '{src.get('type')}' is not served", "messages")
 
 
-def _tool(t: Any, i: int) -> dict[str, Any]:
+def _tool(t: JSON, i: int) -> JSONObject:
     if not isinstance(t, dict) or t.get("type") not in (None, "custom") or "name" not in t:
         raise _bad(f"tools.{i}: only custom (client) tools are served on /v1/messages", "tools")
     _no_cache_control(t, f"tools.{i}")
-    fn: dict[str, Any] = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
+    fn: JSONObject = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
     if t.get("description"):
         fn["description"] = t["description"]
     return {"type": "function", "function": fn}
 
 
-def _tool_choice(tc: Any) -> dict[str, Any]:
+def _tool_choice(tc: JSON) -> JSONObject:
     if tc is None:
         return {}
     if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad("tool_choice: Input tag does not match any of the expected tags", "tool_choice")
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     if tc["type"] == "tool":
         out["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
     else:
@@ -262,7 +262,7 @@ def _tool_choice(tc: Any) -> dict[str, Any]:
     return out
 
 
-def usage(u: dict[str, Any] | None) -> dict[str, Any]:
+def usage(u: JSONObject | None) -> JSONObject:
     """OpenAI usage as Anthropic's: ``input_tokens`` are the prompt tokens neither read from nor
     written to a prompt cache."""
     u = u or {}
@@ -276,11 +276,11 @@ def usage(u: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
+def from_chat(resp: JSONObject, model: str) -> JSONObject:
     """A chat completion as a Messages response."""
     choice = (resp.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    content: list[dict[str, Any]] = list(msg.get("thinking_blocks") or [])
+    content: list[JSONObject] = list(msg.get("thinking_blocks") or [])
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:
@@ -300,14 +300,14 @@ def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
-def _input(fn: dict[str, Any]) -> Any:
+def _input(fn: JSONObject) -> JSON:
     try:
         return json.loads(fn.get("arguments") or "{}")
     except ValueError:
         return {}
 
 
-def error_body(status: int, openai_error: Any) -> dict[str, Any]:
+def error_body(status: int, openai_error: JSON) -> JSONObject:
     """An OpenAI error object as Anthropic's ``{"type": "error", "error": {...}}``."""
     err = openai_error.get("error") if isinstance(openai_error, dict) else None
     message = err.get("message") if isinstance(err, dict) else str(openai_error)

@@ -11,13 +11,13 @@ for a tool call's arguments, ``thinking_delta`` and ``signature_delta`` for a th
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from cluster.json_types import JSONObject
 from cluster.providers.sse import SSEDecoder
 from cluster.wire.messages_api import STOP_REASONS, usage
 
 
-def _event(name: str, data: dict[str, Any]) -> bytes:
+def _event(name: str, data: JSONObject) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
@@ -31,7 +31,7 @@ class MessagesStream:
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> our block index
         self.thinking_blocks: dict[int, int] = {}  # thinking block index -> our block index
         self.stop_reason: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: JSONObject | None = None
         self.ended = False
 
     def feed(self, data: bytes) -> bytes:
@@ -59,7 +59,7 @@ class MessagesStream:
                 self.stop_reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
         return b"".join(out)
 
-    def _start(self, obj: dict[str, Any]) -> bytes:
+    def _start(self, obj: JSONObject) -> bytes:
         self.started = True
         message: dict[str, object] = {
             "id": "msg_" + str(obj.get("id", "")).removeprefix("chatcmpl-"),
@@ -73,7 +73,7 @@ class MessagesStream:
         }
         return _event("message_start", {"type": "message_start", "message": message})
 
-    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+    def _open(self, kind: str, block: JSONObject) -> bytes:
         out = self._close()
         index = self.blocks
         self.blocks += 1
@@ -89,7 +89,7 @@ class MessagesStream:
         self.block = None
         return _event("content_block_stop", {"type": "content_block_stop", "index": index})
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
+    def _delta(self, delta: JSONObject) -> bytes:
         out: list[bytes] = [self._thinking_piece(t) for t in delta.get("thinking_blocks") or []]
         text = delta.get("content")
         if text:
@@ -106,7 +106,7 @@ class MessagesStream:
             out.append(self._tool_piece(call))
         return b"".join(out)
 
-    def _tool_piece(self, call: dict[str, Any]) -> bytes:
+    def _tool_piece(self, call: JSONObject) -> bytes:
         out = b""
         i = int(call.get("index", 0))
         fn = call.get("function") or {}
@@ -125,14 +125,14 @@ class MessagesStream:
             out += _event("content_block_delta", ev)
         return out
 
-    def _thinking_piece(self, item: dict[str, Any]) -> bytes:
+    def _thinking_piece(self, item: JSONObject) -> bytes:
         """A ``delta.thinking_blocks`` item as Anthropic's events: the block's start (a redacted
         block whole), then ``thinking_delta`` / ``signature_delta``."""
         i = int(item.get("index", 0))
         out = b""
         if i not in self.thinking_blocks:
             if item.get("type") == "redacted_thinking":
-                block: dict[str, Any] = {"type": "redacted_thinking", "data": item.get("data", "")}
+                block: JSONObject = {"type": "redacted_thinking", "data": item.get("data", "")}
             else:
                 block = {"type": "thinking", "thinking": "", "signature": ""}
             out = self._open("thinking", block)

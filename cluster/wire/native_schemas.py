@@ -9,16 +9,18 @@ has no OpenAI counterpart, ``store: true`` needs state). Fields they refuse are 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.json_types import JSONObject
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-CacheControl = dict[str, Any]
+CacheControl = JSONObject
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # the chat schema's rule, which the translated request must meet
 
 
@@ -45,7 +47,7 @@ class ToolUseBlock(_Wire):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(pattern=TOOL_NAME)
-    input: dict[str, Any]
+    input: JSONObject
 
 
 class ToolResultBlock(_Wire):
@@ -93,7 +95,7 @@ class AnthropicTool(_Wire):
     type: Literal["custom"] | None = None
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JSONObject
 
 
 class AnthropicToolChoice(_Wire):
@@ -170,7 +172,7 @@ class FunctionTool(_Wire):
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -183,7 +185,7 @@ class TextFormat(_Wire):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JSONObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 

@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonSchemaValue
 
+from cluster.json_types import JSON, JSONObject
+
 # --------------------------------------------------------------------------------------------
 # Wire (OpenAI) schemas
 # --------------------------------------------------------------------------------------------
@@ -42,11 +44,11 @@ class StreamOptions(_Wire):
 class ContentPart(_Wire):
     type: Literal["text", "image_url", "input_audio", "file", "refusal"]
     text: str | None = None
-    image_url: dict[str, Any] | None = None
-    input_audio: dict[str, Any] | None = None
-    file: dict[str, Any] | None = None
+    image_url: JSONObject | None = None
+    input_audio: JSONObject | None = None
+    file: JSONObject | None = None
     refusal: str | None = None
-    cache_control: dict[str, Any] | None = None  # Anthropic's prompt-cache breakpoint (LiteLLM's shape)
+    cache_control: JSONObject | None = None  # Anthropic's prompt-cache breakpoint (LiteLLM's shape)
 
 
 class FunctionCall(_Wire):
@@ -86,14 +88,18 @@ class ChatMessage(_Wire):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
-    audio: dict[str, Any] | None = None
-    function_call: dict[str, Any] | None = None
+    audio: JSONObject | None = None
+    function_call: JSONObject | None = None
     # Anthropic's thinking / redacted_thinking blocks of an assistant turn, exactly as the API gave
     # them (signatures included), to be sent back (LiteLLM's field): Anthropic backends only.
     thinking_blocks: list[ThinkingBlock] | None = None
 
     @classmethod
-    def __get_pydantic_json_schema__(cls, core: Any, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+    def __get_pydantic_json_schema__(
+        cls,
+        core: Any,  # Any: pydantic's core schema
+        handler: GetJsonSchemaHandler,
+    ) -> JsonSchemaValue:
         """One object per role, as OpenAI's own spec writes the message (``_tool_fields``' rules in
         the schema), so clients and the fuzzer see which fields each role may carry."""
         ref = handler(core)
@@ -133,7 +139,7 @@ class ChatMessage(_Wire):
 class FunctionDef(_Wire):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: StrictBool | None = None
 
 
@@ -154,7 +160,7 @@ class NamedToolChoice(_Wire):
 class JsonSchemaFormat(_Wire):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JSONObject | None = Field(None, alias="schema")
     strict: StrictBool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -193,7 +199,7 @@ class _SamplingFields(_Wire):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     ignore_eos: StrictBool = False  # vLLM extension: benchmarks need exact output lengths
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None  # chat: a bool; completions: an int
+    logprobs: JSON = None  # chat: a bool; completions: an int
     # vLLM's extension: each prompt token's logprob and this many alternatives (not streamed)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -218,23 +224,23 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     # Anthropic's extended-thinking config, passed as sent (LiteLLM's field): Anthropic backends only.
-    thinking: dict[str, Any] | None = None
+    thinking: JSONObject | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Passed through to OpenAI-compatible providers only (cluster.policy.capabilities says where).
-    audio: Any = None
-    function_call: Any = None
-    functions: Any = None
-    metadata: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    reasoning_effort: Any = None
-    safety_identifier: Any = None
-    service_tier: Any = None
-    store: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
+    audio: JSON = None
+    function_call: JSON = None
+    functions: JSON = None
+    metadata: JSON = None
+    modalities: JSON = None
+    prediction: JSON = None
+    prompt_cache_key: JSON = None
+    prompt_cache_retention: JSON = None
+    reasoning_effort: JSON = None
+    safety_identifier: JSON = None
+    service_tier: JSON = None
+    store: JSON = None
+    verbosity: JSON = None
+    web_search_options: JSON = None
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -275,7 +281,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     # Structured decoding on self-hosted engines: {"json": schema} or {"json_object": True}
     # (vLLM's StructuredOutputsParams fields); None for free text.
-    structured: dict[str, Any] | None = None
+    structured: JSONObject | None = None
     # Each sampled token's logprob and this many top alternatives (vLLM's ``logprobs``; None: none)
     logprobs: int | None = None
     # Choices to sample from the one prompt (OpenAI's ``n``): vLLM's ``n``, a provider's as sent
@@ -293,7 +299,7 @@ class GenerateRequest:
     kind: Literal["chat", "completion"]
     prompt_token_ids: list[int]
     sampling: Sampling
-    messages: list[dict[str, Any]] | None = None  # chat requests, for provider adapters
+    messages: list[JSONObject] | None = None  # chat requests, for provider adapters
     prompt_text: str | None = None  # completion requests (or the rendered chat prompt)
     surface: str = "chat"
     priority: int = 0  # the surface's: the engine schedules lower numbers first (vLLM's priority policy)
@@ -309,10 +315,10 @@ class GenerateRequest:
     exclude_replicas: list[str] = field(default_factory=list)  # a hedge or retry avoids these
     # The client's fields beyond the sampling ones (tools, tool_choice, response_format, suffix, ...)
     # as sent: provider adapters pass or translate them; capabilities refused the rest before here.
-    options: dict[str, Any] = field(default_factory=dict)
+    options: JSONObject = field(default_factory=dict)
     # How a self-hosted engine reads tool calls out of its text (cluster.wire.tool_schema.ToolPlan.parse:
     # mode hermes / named / list, name, max_calls, stop); None: no tools to parse.
-    tool_parse: dict[str, Any] | None = None
+    tool_parse: JSONObject | None = None
     # False: the client gave no max_tokens and sampling.max_tokens is ours (the rest of the window or
     # a configured limit), so a token budget may trim its reservation (cluster.policy.context).
     max_tokens_asked: bool = True
@@ -363,15 +369,15 @@ class Chunk:
     backend: str | None = None
     model: str | None = None  # set by the router on a request's first chunk (a bigger-window model)
     # OpenAI ``delta.tool_calls`` items (with index); last, so positional construction keeps its order
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JSONObject] | None = None
     # ``delta.thinking_blocks`` items (with index): an Anthropic thinking block's pieces
-    thinking: list[dict[str, Any]] | None = None
+    thinking: list[JSONObject] | None = None
     # an engine's sampled tokens' logprobs, chat-shape entries (cluster.wire.logprobs)
-    logprobs: list[dict[str, Any]] | None = None
+    logprobs: list[JSONObject] | None = None
     # the choice it belongs to (``n`` > 1; its ``finish_reason`` is that choice's: cluster.wire.choices)
     index: int = 0
     # an engine's first chunk: the prompt's logprobs, asked with ``prompt_logprobs`` (vLLM's shape)
-    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs: list[JSON] | None = None
 
 
 @dataclass
@@ -391,4 +397,4 @@ class BackendStats:
     requests_aborted: int = 0
     simulated: bool = False
     healthy: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JSONObject = field(default_factory=dict)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 from cluster.config import ClusterConfig, FimTemplate, ModelConfig, ToolCallsConfig
+from cluster.json_types import JSONObject
 from cluster.tokens import HFTokenizer, Tokenizer
 from cluster.wire import fim as fim_prompt
 from cluster.wire import logprobs
@@ -32,7 +32,7 @@ def prompt_ids(
     tok: Tokenizer,
     fim: FimTemplate | None = None,
     tool_calls: ToolCallsConfig | None = None,
-) -> tuple[list[int], list[dict[str, Any]] | None, str | None]:
+) -> tuple[list[int], list[JSONObject] | None, str | None]:
     """The prompt's token ids, plus what providers need: the messages (chat) or the text.
 
     A completion with ``suffix`` on a model with a FIM template is tokenized as the engine will
@@ -61,7 +61,7 @@ def prompt_ids(
     return tok.encode(req.prompt), None, req.prompt
 
 
-def _tool_ids(req: ChatCompletionRequest, messages: list[dict[str, Any]], tok: Tokenizer) -> list[int]:
+def _tool_ids(req: ChatCompletionRequest, messages: list[JSONObject], tok: Tokenizer) -> list[int]:
     """Tool definitions and earlier calls count against the window and the budgets too. Without a
     tool-aware template only providers serve tools (cluster.policy.capabilities), and each renders them
     its own way: the JSON's tokens are the estimate (OpenAI and Anthropic both put the schemas
@@ -77,7 +77,7 @@ def build_generate_request(
     req: ApiRequest,
     model: ModelConfig,
     ids: list[int],
-    messages: list[dict[str, Any]] | None,
+    messages: list[JSONObject] | None,
     text: str | None,
     *,
     request_id: str,
@@ -143,13 +143,13 @@ _CORE = frozenset(
 )  # fmt: skip
 
 
-def options(req: ApiRequest) -> dict[str, Any]:
+def options(req: ApiRequest) -> JSONObject:
     """The client's other fields, as sent (JSON), for provider adapters to pass or translate."""
     sent = req.model_fields_set - _CORE
     return req.model_dump(include=sent, by_alias=True, exclude_none=True, mode="json") if sent else {}
 
 
-def structured(req: ApiRequest) -> dict[str, Any] | None:
+def structured(req: ApiRequest) -> JSONObject | None:
     """``response_format`` as a self-hosted engine's structured decoding (vLLM's fields)."""
     rf = getattr(req, "response_format", None)
     if rf is None or rf.type == "text":

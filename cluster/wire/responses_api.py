@@ -14,8 +14,8 @@ stored, so ``store`` must be false or absent (absent is taken as false, and the 
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.errors import InvalidRequest
 from cluster.wire.messages_api import check_types
 
@@ -41,7 +41,7 @@ def _bad(message: str, param: str) -> InvalidRequest:
     return InvalidRequest(message, param=param)
 
 
-def to_chat(body: Any) -> dict[str, Any]:
+def to_chat(body: JSON) -> JSONObject:
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.", "body")
     for key in body:
@@ -52,8 +52,8 @@ def to_chat(body: Any) -> dict[str, Any]:
         raise _bad("text.format: Input should be a valid object", "text")
     if body.get("store"):
         raise _bad("'store: true' needs server-side state, which this gateway does not keep.", "store")
-    out: dict[str, Any] = {"model": body.get("model")}
-    messages: list[dict[str, Any]] = []
+    out: JSONObject = {"model": body.get("model")}
+    messages: list[JSONObject] = []
     if body.get("instructions"):
         messages.append({"role": "developer", "content": body["instructions"]})
     inp = body.get("input")
@@ -91,14 +91,14 @@ def to_chat(body: Any) -> dict[str, Any]:
     return out
 
 
-def _format(fmt: dict[str, Any]) -> dict[str, Any]:
+def _format(fmt: JSONObject) -> JSONObject:
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
     return {"type": fmt.get("type")}
 
 
-def _item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
+def _item(messages: list[JSONObject], item: JSON, i: int) -> None:
     if not isinstance(item, dict):
         raise _bad(f"input[{i}] must be an object", "input")
     kind = item.get("type") or "message"  # absent or null: a message item
@@ -136,12 +136,12 @@ def _item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
         raise _bad(f"input[{i}]: items of type '{kind}' are not served", "input")
 
 
-def _content(content: Any, i: int, role: str) -> Any:
+def _content(content: JSON, i: int, role: str) -> JSON:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(f"input[{i}].content must be a string or a list of parts", "input")
-    parts: list[dict[str, Any]] = []
+    parts: list[JSONObject] = []
     for p in content:
         kind = p.get("type") if isinstance(p, dict) else None
         if kind in ("input_text", "output_text"):
@@ -155,14 +155,14 @@ def _content(content: Any, i: int, role: str) -> Any:
     return parts
 
 
-def _tool(t: Any, i: int) -> dict[str, Any]:
+def _tool(t: JSON, i: int) -> JSONObject:
     if not isinstance(t, dict) or t.get("type") != "function":
         raise _bad(f"tools[{i}]: only function tools are served (no built-in tools)", "tools")
     fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
     return {"type": "function", "function": fn}
 
 
-def usage(u: dict[str, Any] | None) -> dict[str, Any]:
+def usage(u: JSONObject | None) -> JSONObject:
     u = u or {}
     cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     written = int(u.get("cache_creation_input_tokens") or 0)
@@ -176,14 +176,14 @@ def usage(u: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def message_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(rid: str, text: str, status: str = "completed") -> JSONObject:
     part = {"type": "output_text", "text": text, "annotations": []}
     return {"type": "message", "id": f"msg_{rid}", "status": status, "role": "assistant", "content": [part]}
 
 
 def call_item(
     rid: str, i: int, call_id: str, name: str, arguments: str, status: str = "completed"
-) -> dict[str, Any]:
+) -> JSONObject:
     return {
         "type": "function_call",
         "id": f"fc_{rid}_{i}",
@@ -195,8 +195,8 @@ def call_item(
 
 
 def response(
-    rid: str, model: str, output: list[dict[str, Any]], finish: str | None, u: Any, status: str = "completed"
-) -> dict[str, Any]:
+    rid: str, model: str, output: list[JSONObject], finish: str | None, u: JSON, status: str = "completed"
+) -> JSONObject:
     incomplete = finish == "length"
     return {
         "id": f"resp_{rid}",
@@ -215,11 +215,11 @@ def response(
     }
 
 
-def from_chat(resp: dict[str, Any], model: str) -> dict[str, Any]:
+def from_chat(resp: JSONObject, model: str) -> JSONObject:
     rid = str(resp.get("id", "")).removeprefix("chatcmpl-")
     choice = (resp.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
-    output: list[dict[str, Any]] = []
+    output: list[JSONObject] = []
     if msg.get("content"):
         output.append(message_item(rid, msg["content"]))
     for i, call in enumerate(msg.get("tool_calls") or []):

@@ -12,8 +12,8 @@ token limit, ``response.failed`` on a terminal error) with the whole response.
 from __future__ import annotations
 
 import json
-from typing import Any
 
+from cluster.json_types import JSON, JSONObject
 from cluster.providers.sse import SSEDecoder
 from cluster.wire import responses_api as R
 
@@ -25,14 +25,14 @@ class ResponsesStream:
         self.seq = 0
         self.rid = ""
         self.started = False
-        self.open: dict[str, Any] | None = None  # the output item being streamed
-        self.output: list[dict[str, Any]] = []
+        self.open: JSONObject | None = None  # the output item being streamed
+        self.output: list[JSONObject] = []
         self.calls: dict[int, int] = {}  # chat tool call index -> output index
         self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: JSONObject | None = None
         self.ended = False
 
-    def _ev(self, kind: str, **data: Any) -> bytes:
+    def _ev(self, kind: str, **data: JSON) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
@@ -95,7 +95,7 @@ class ResponsesStream:
             logprobs=[],
         )
 
-    def _call(self, call: dict[str, Any]) -> bytes:
+    def _call(self, call: JSONObject) -> bytes:
         out = b""
         i = int(call.get("index", 0))
         fn = call.get("function") or {}
@@ -114,7 +114,7 @@ class ResponsesStream:
             )
         return out
 
-    def _open(self, item: dict[str, Any]) -> bytes:
+    def _open(self, item: JSONObject) -> bytes:
         self.open = item
         return self._ev("response.output_item.added", output_index=len(self.output), item=dict(item))
 
@@ -153,7 +153,7 @@ class ResponsesStream:
         self.output.append(done)
         return out + self._ev("response.output_item.done", output_index=index, item=done)
 
-    def _end(self, status: str, error: Any = None) -> bytes:
+    def _end(self, status: str, error: JSON = None) -> bytes:
         self.ended = True
         out = self._close()
         snap = R.response(self.rid, self.model, self.output, self.finish, self.usage or {}, status=status)

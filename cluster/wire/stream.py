@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.engine_stream import Emitted, StreamEnd
 from cluster.wire.protocol import Usage
 
@@ -32,11 +33,11 @@ class Ending:
     finish_reason: str = "stop"
     usage: Usage | None = None  # as the backend reported it (None: it reported none)
     text: str = ""  # the whole text (collecting)
-    tool_calls: list[dict[str, Any]] | None = None
-    thinking: list[dict[str, Any]] | None = None  # a provider's thinking blocks
-    logprobs: dict[str, Any] | None = None
-    choices: list[dict[str, Any]] | None = None  # n > 1: each choice (cluster.wire.choices)
-    prompt_logprobs: list[Any] | None = None  # vLLM's, when asked for
+    tool_calls: list[JSONObject] | None = None
+    thinking: list[JSONObject] | None = None  # a provider's thinking blocks
+    logprobs: JSONObject | None = None
+    choices: list[JSONObject] | None = None  # n > 1: each choice (cluster.wire.choices)
+    prompt_logprobs: list[JSON] | None = None  # vLLM's, when asked for
 
 
 def ending_of(end: StreamEnd) -> Ending:

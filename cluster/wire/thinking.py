@@ -17,12 +17,12 @@ message's ``thinking_blocks``.
 
 from __future__ import annotations
 
-from typing import Any
+from cluster.json_types import JSONObject
 
 KINDS = ("thinking", "redacted_thinking")
 
 
-def _string(obj: dict[str, Any], key: str) -> str:
+def _string(obj: JSONObject, key: str) -> str:
     value = obj.get(key, "")
     if not isinstance(value, str):
         raise ValueError(f"{key} is not a string")
@@ -37,19 +37,19 @@ class ThinkingStream:
     def __init__(self) -> None:
         self._index: dict[int, int] = {}  # content block index -> thinking block index
 
-    def start(self, block_index: int, block: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def start(self, block_index: int, block: JSONObject) -> list[JSONObject] | None:
         kind = block.get("type")
         if kind not in KINDS:
             return None
         i = self._index[block_index] = len(self._index)
         if kind == "redacted_thinking":
             return [{"index": i, "type": kind, "data": _string(block, "data")}]
-        item: dict[str, Any] = {"index": i, "type": kind, "thinking": _string(block, "thinking")}
+        item: JSONObject = {"index": i, "type": kind, "thinking": _string(block, "thinking")}
         if block.get("signature"):
             item["signature"] = _string(block, "signature")
         return [item]
 
-    def delta(self, block_index: int, delta: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def delta(self, block_index: int, delta: JSONObject) -> list[JSONObject] | None:
         """A ``thinking_delta`` or ``signature_delta``. Raises ValueError outside a thinking block."""
         i = self._index.get(block_index)
         if i is None:
@@ -65,9 +65,9 @@ class ThinkingAccumulator:
     __slots__ = ("_blocks",)
 
     def __init__(self) -> None:
-        self._blocks: dict[int, dict[str, Any]] = {}
+        self._blocks: dict[int, JSONObject] = {}
 
-    def feed(self, items: list[dict[str, Any]]) -> None:
+    def feed(self, items: list[JSONObject]) -> None:
         for d in items:
             block = self._blocks.setdefault(int(d.get("index", 0)), {"type": d.get("type", "thinking")})
             if block["type"] == "redacted_thinking":
@@ -77,5 +77,5 @@ class ThinkingAccumulator:
             if d.get("signature"):
                 block["signature"] = block.get("signature", "") + str(d["signature"])
 
-    def blocks(self) -> list[dict[str, Any]] | None:
+    def blocks(self) -> list[JSONObject] | None:
         return [self._blocks[i] for i in sorted(self._blocks)] if self._blocks else None

@@ -6,7 +6,7 @@ A streamed tool call arrives in pieces keyed by ``index``: the first piece has t
 
 from __future__ import annotations
 
-from typing import Any
+from cluster.json_types import JSONObject
 
 
 class ToolCallAccumulator:
@@ -15,9 +15,9 @@ class ToolCallAccumulator:
     __slots__ = ("_calls",)
 
     def __init__(self) -> None:
-        self._calls: dict[int, dict[str, Any]] = {}
+        self._calls: dict[int, JSONObject] = {}
 
-    def feed(self, deltas: list[dict[str, Any]]) -> None:
+    def feed(self, deltas: list[JSONObject]) -> None:
         for d in deltas:
             index = int(d.get("index", 0))
             call = self._calls.setdefault(
@@ -31,5 +31,5 @@ class ToolCallAccumulator:
             if fn.get("arguments"):
                 call["function"]["arguments"] += fn["arguments"]
 
-    def calls(self) -> list[dict[str, Any]] | None:
+    def calls(self) -> list[JSONObject] | None:
         return [self._calls[i] for i in sorted(self._calls)] if self._calls else None

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
 
-Item = str | dict[str, Any]  # content text, or one ``delta.tool_calls`` item
+from cluster.json_types import JSON, JSONObject
+
+Item = str | JSONObject  # content text, or one ``delta.tool_calls`` item
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*(?=\S)')
 # What may still close a call's object and its block: whitespace, one "}", whitespace, "</tool_call>".
@@ -61,12 +62,12 @@ class _Calls:
         self.new_id = new_id
         self.count = 0
 
-    def header(self, name: str, arguments: str = "") -> dict[str, Any]:
+    def header(self, name: str, arguments: str = "") -> JSONObject:
         index, self.count = self.count, self.count + 1
         fn = {"name": name, "arguments": arguments}
         return {"index": index, "id": self.new_id(index), "type": "function", "function": fn}
 
-    def args(self, piece: str) -> dict[str, Any]:
+    def args(self, piece: str) -> JSONObject:
         return {"index": self.count - 1, "function": {"arguments": piece}}
 
 
@@ -224,7 +225,7 @@ class CallListParser:
 Parser = HermesParser | NamedParser | CallListParser
 
 
-def _dumps(value: Any) -> str:
+def _dumps(value: JSON) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -243,10 +244,10 @@ def _args(out: list[Item], calls: _Calls, piece: str) -> None:
         out.append(calls.args(piece))
 
 
-def collect(items: list[Item]) -> tuple[str, list[dict[str, Any]]]:
+def collect(items: list[Item]) -> tuple[str, list[JSONObject]]:
     """Content and whole calls (the message's ``tool_calls``) from a parser's items."""
     text: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
+    calls: dict[int, JSONObject] = {}
     for it in items:
         if isinstance(it, str):
             text.append(it)
@@ -261,7 +262,7 @@ def collect(items: list[Item]) -> tuple[str, list[dict[str, Any]]]:
     return "".join(text), [calls[i] for i in sorted(calls)]
 
 
-def make_parser(spec: dict[str, Any], request_id: str) -> Parser:
+def make_parser(spec: JSONObject, request_id: str) -> Parser:
     """The parser a request's ``tool_parse`` (:class:`cluster.wire.tool_schema.ToolPlan`) names."""
 
     def new_id(index: int) -> str:

@@ -18,13 +18,13 @@ vLLM's structured decoding holds the engine to. Pure.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from cluster.json_types import JSONObject
 from cluster.wire.errors import InvalidRequest
 from cluster.wire.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from cluster.wire.tool_parser import CLOSE
 
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+ANY_OBJECT: JSONObject = {"type": "object"}
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,15 @@ class ToolPlan:
     render_tools: bool  # the chat template shows the tool definitions
     # GenerateRequest.tool_parse: mode, name, max_calls, and stop (strings only the engine adds,
     # not the client's: a provider serving the same request never sees them)
-    parse: dict[str, Any] | None = None
-    structured: dict[str, Any] | None = None  # Sampling.structured: {"json": schema}
+    parse: JSONObject | None = None
+    structured: JSONObject | None = None  # Sampling.structured: {"json": schema}
 
 
-def parameters(tool: Tool) -> dict[str, Any]:
+def parameters(tool: Tool) -> JSONObject:
     return tool.function.parameters or ANY_OBJECT
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
+def call_schema(tool: Tool) -> JSONObject:
     """One call of ``tool`` as the engine writes it under ``tool_choice: required``."""
     return {
         "type": "object",
@@ -53,10 +53,10 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def call_list_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+def call_list_schema(tools: list[Tool], parallel: bool) -> JSONObject:
     """At least one call, each of one of ``tools``; at most one unless ``parallel``."""
     items = call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
-    schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    schema: JSONObject = {"type": "array", "items": items, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return schema

@@ -10,14 +10,13 @@ its own (a cut at ``max_tokens`` stays ``length``). A non-streaming answer takes
 
 from __future__ import annotations
 
-from typing import Any
-
+from cluster.json_types import JSONObject
 from cluster.wire.openai_format import ResponseMeta, sse, stream_chunk
 from cluster.wire.tool_parser import Item, collect, make_parser
 
 
 class ToolEvents:
-    def __init__(self, meta: ResponseMeta, spec: dict[str, Any]) -> None:
+    def __init__(self, meta: ResponseMeta, spec: JSONObject) -> None:
         self.meta = meta
         self.parser = make_parser(spec, meta.request_id)
         self.items: list[Item] = []
@@ -46,13 +45,13 @@ class ToolEvents:
     def text(self) -> str:
         return collect(self.items)[0]
 
-    def calls(self) -> list[dict[str, Any]] | None:
+    def calls(self) -> list[JSONObject] | None:
         return collect(self.items)[1] or None
 
 
-def _groups(items: list[Item]) -> list[tuple[str, list[dict[str, Any]] | None]]:
+def _groups(items: list[Item]) -> list[tuple[str, list[JSONObject] | None]]:
     """Runs of content text, or of call items: one event each."""
-    out: list[tuple[str, list[dict[str, Any]] | None]] = []
+    out: list[tuple[str, list[JSONObject] | None]] = []
     for it in items:
         if isinstance(it, str):
             if out and out[-1][1] is None:

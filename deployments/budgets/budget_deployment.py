@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from ray import serve
 
 from cluster.config import ProviderConfig, TenantConfig
+from cluster.json_types import JSONObject
 from cluster.policy.rate_budget import RateLimiter, Refusal, Reservation
 from cluster.policy.tenants import TenantBudgets
 from cluster.providers.budget import ProviderBudget
 from cluster.wire.errors import BackendUnavailable
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from cluster.config import BackendConfig, ProviderConfig
 from cluster.dataplane import budget_deployment
+from cluster.json_types import JSONObject
 from cluster.policy.rate_budget import Reservation
 from cluster.providers.budget import ProviderBudget
 from deployments.budgets.budget_deployment import Budget, LocalBudget, Reserved, ServeBudget
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

@@ -30,6 +30,7 @@ from ray import serve
 from cluster.backend_kind import BackendKind
 from cluster.config import BackendConfig, ModelConfig, TracingConfig
 from cluster.engine.warmup import plan as warmup_plan
+from cluster.json_types import JSONObject
 from cluster.observability import gc_pauses
 from cluster.observability.trace import engine_span, new_id, parse_traceparent
 from cluster.policy.migration import DRAINING_CODE
@@ -54,7 +55,6 @@ from deployments.engine.engine_warmup import WarmableBackend, WarmupReport, run_
 from deployments.engine.kv_endpoint import KVEventEndpoint, no_events
 from deployments.engine.kv_pub import KVEventPublisher
 from deployments.internal import internal_token, token_ok
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:
     from deployments.tracing import Tracer

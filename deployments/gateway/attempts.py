@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from cluster.config import ClusterConfig, SurfaceConfig
+from cluster.json_types import JSONObject
 from cluster.observability.trace import AttemptSpans, AttemptTrace, RequestTrace
 from cluster.policy.attempts import avoid_replicas, backend_of_slot, effects, error_code, expand_slots
 from cluster.policy.brownout import Brownout
@@ -34,7 +35,6 @@ from cluster.wire.protocol import GenerateRequest
 from cluster.wire.stream import AttemptStream
 from deployments import metrics
 from deployments.gateway.engine_client import EngineStream, ReplicaLease, ReplicaPicker
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:  # the adapters are imported where a provider backend is configured
     from deployments.providers.providers import ProviderBackend

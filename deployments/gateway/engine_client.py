@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from cluster.json_types import JSONObject
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.block_hash import BlockHash
 from cluster.routing.view import BackendView, Choice, ReplicaInfo
@@ -40,7 +41,6 @@ from cluster.wire.openai_format import dumps
 from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
 from deployments.gateway.request_router import listed
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

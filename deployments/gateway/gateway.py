@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster import tokens
 from cluster.config import BackendConfig, ClusterConfig
+from cluster.json_types import JSONObject
 from cluster.observability import gc_pauses
 from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
 from cluster.observability.trace import RequestTrace, new_id, parse_traceparent
@@ -66,7 +67,6 @@ from deployments.gateway.prepare import (
 )
 from deployments.gateway.relay import Relay
 from deployments.internal import internal_token, token_ok
-from deployments.json_types import JSONObject
 
 if TYPE_CHECKING:
     import aiohttp

@@ -10,20 +10,20 @@ import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire.errors import ClusterError, InvalidRequest, PayloadTooLarge, RequestTimeout
 from cluster.wire.native_schemas import MessageCountTokensRequest, MessagesRequest, ResponsesRequest
 from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest
-from deployments.json_types import JSON, JSONObject
 
 # ASGI's scope and messages (the ASGI spec): each key has its own type (str, int, bytes, header
 # pairs, nested dicts), which the spec's plain dicts cannot say, so their values stay Any.
-Scope = dict[str, Any]
-Message = dict[str, Any]
+Scope = JSONObject
+Message = JSONObject
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]  # an ASGI 3 application, or a route of ours

@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 
 from cluster.engine.kv_events import FeedCursor, KVEventPage, page_from_json
+from cluster.json_types import JSONObject
 from cluster.routing.view import BackendView
 from cluster.wire.engine_stream import INTERNAL_TOKEN_HEADER
 from deployments.gateway.kv_sub import KVSubscriber
@@ -221,7 +222,7 @@ class KVEventFeed:
         if (st := self.pushed.get(replica)) is not None:
             st.gap.set()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JSONObject:
         return {
             "followed": sorted(self.followers),
             "pushed": sorted(self.pushed),
@@ -236,7 +237,7 @@ class KVEventFeed:
         }
 
 
-def kv_index_status(view: BackendView, feed: KVEventFeed | None) -> dict[str, Any]:
+def kv_index_status(view: BackendView, feed: KVEventFeed | None) -> JSONObject:
     """Operators' and tests' view of the index: per live replica, whether its engine's events feed
     it and the blocks it holds; the feed's cursors."""
     policy = view.policy
@@ -249,7 +250,7 @@ def kv_index_status(view: BackendView, feed: KVEventFeed | None) -> dict[str, An
 
 def start_feeds(
     views: dict[str, BackendView],
-    pickers: dict[str, Any],
+    pickers: JSONObject,
     session: Callable[[], aiohttp.ClientSession],
     token: str,
     enabled: dict[str, bool],

@@ -21,12 +21,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from cluster.json_types import JSON, JSONObject
 from cluster.wire import messages_api, responses_api
 from cluster.wire.errors import ClusterError
 from cluster.wire.messages_stream import MessagesStream
 from cluster.wire.responses_stream import ResponsesStream
 from deployments.gateway import http_api as h
-from deployments.json_types import JSON, JSONObject
 
 Route = Callable[[h.Scope, h.Receive, h.Send], Awaitable[None]]
 Authorize = Callable[[h.Scope], object]  # raises the route's 401 (or 400) for a caller it refuses

@@ -13,6 +13,7 @@ from typing import Literal
 
 from cluster import tokens
 from cluster.config import ClusterConfig, ModelConfig, SurfaceConfig
+from cluster.json_types import JSONObject
 from cluster.policy import capabilities
 from cluster.policy.context import ContextDecision, fit_context
 from cluster.routing.block_hash import BlockHash
@@ -25,7 +26,6 @@ from cluster.wire.protocol import ChatCompletionRequest, CompletionRequest, Gene
 from cluster.wire.requests import build_generate_request, lookup_model, prompt_ids, requested_max_tokens
 from deployments import metrics
 from deployments.gateway import http_api as h
-from deployments.json_types import JSONObject
 
 ApiRequest = ChatCompletionRequest | CompletionRequest  # the bodies of the two routes prepare serves
 RouteKind = Literal["chat", "completion"]  # which of the two

@@ -32,6 +32,7 @@ from typing import TypeVar
 
 from cluster.config import load_config
 from cluster.dataplane import INTERNAL_TOKEN_ENV
+from cluster.json_types import JSON, JSONObject
 from cluster.k8s.lab_plan import (
     LAB,
     PEER_PREFIX,
@@ -49,7 +50,6 @@ from cluster.k8s.lab_plan import (
 )
 from cluster.k8s.rayservice import render_rayservice
 from cluster.k8s.settings import load_settings
-from deployments.json_types import JSON, JSONObject
 from deployments.launcher import lab_net
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,8 +21,8 @@ from typing import TypedDict
 
 import yaml
 
+from cluster.json_types import JSONObject
 from cluster.k8s.lab_plan import LabError, LabPlan
-from deployments.json_types import JSONObject
 from deployments.launcher import lab, lab_net
 
 GATEWAY = "Gateway"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig, ServerConfig, load_config
 from cluster.engine.tiny_model import cache_root
-from deployments.json_types import JSON, JSONObject
+from cluster.json_types import JSON, JSONObject
 from deployments.launcher import haproxy_launch, haproxy_procs
 
 if TYPE_CHECKING:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import aiohttp
 
+from cluster.json_types import JSONObject
 from cluster.providers import StreamDelta, openai_wire
 from cluster.providers.sse import SSEDecoder, SSEEvent
 from cluster.wire.protocol import Chunk, Usage
-from deployments.json_types import JSONObject
 
 
 class StreamState:

@@ -29,6 +29,7 @@ import aiohttp
 
 from cluster import tokens
 from cluster.config import BackendConfig, ModelConfig
+from cluster.json_types import JSONObject
 from cluster.policy.context import reserved_output
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
@@ -39,7 +40,6 @@ from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.wire.openai_format import dumps
 from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
 from deployments.budgets.provider_budget import Budget, get_budget
-from deployments.json_types import JSONObject
 from deployments.providers import provider_http as ph
 from deployments.providers.provider_counters import ProviderCounters
 from deployments.providers.provider_http import Aborted, Flight, Secret, aclose_shared_session, shared_session

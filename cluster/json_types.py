@@ -1,5 +1,5 @@
-"""JSON documents as this package decodes and encodes them (request bodies, status pages, the lab's
-dashboard answers, provider frames).
+"""JSON documents as the gateway, the engines and the tools decode and encode them (request bodies,
+status pages, the lab's dashboard answers, provider frames, Kubernetes manifests).
 
 ``json.loads``, ``aiohttp``'s and ``httpx``'s ``.json()`` return ``Any``, and a recursive JSON
 type would need an ``isinstance`` at every key read: these aliases keep that one foreign ``Any``
