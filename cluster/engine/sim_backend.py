@@ -253,6 +253,10 @@ class SimBackend:
     def vocab_size(self) -> int:
         return self.engine.profile.model.vocab_size
 
+    @property
+    def kv_block_size(self) -> int | None:
+        return self.engine.block_size
+
     async def after_warmup(self) -> None:
         """A warm-up (on only where the config asks: the model has no cold state) leaves no counts;
         its blocks stay in the simulated cache, whose LRU evicts them first."""

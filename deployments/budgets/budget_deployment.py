@@ -51,6 +51,10 @@ class Budget(Protocol):
 
     async def cancel(self, reservation: Reservation) -> None: ...
 
+    def snapshot_now(self) -> JSONObject:
+        """What the budget holds, read without waiting (empty where it lives in another process)."""
+        ...
+
 
 class LocalBudget:
     """A budget in this process. Waiters wake when a request ends or when the window frees room."""
@@ -87,6 +91,9 @@ class LocalBudget:
 
     def snapshot(self) -> JSONObject:
         return {**self.limiter.snapshot(self._clock()), "waiting": self.waiting}
+
+    def snapshot_now(self) -> JSONObject:
+        return self.snapshot()
 
     def changed(self) -> None:
         """Room may have freed (a request ended, the limits changed): every waiter retries now."""
@@ -133,6 +140,9 @@ class ServeBudget:
     async def snapshot(self) -> JSONObject:
         snap: JSONObject = await self._call(lambda h: h.snapshot.remote())
         return snap
+
+    def snapshot_now(self) -> JSONObject:
+        return {}  # the shared deployment's: only by a call (``snapshot``)
 
 
 def budget_of(tenants: list[JSONObject] | None = None, provider: JSONObject | None = None) -> RateLimiter:

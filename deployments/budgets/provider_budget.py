@@ -47,6 +47,9 @@ class UnlimitedBudget:
     def snapshot(self) -> JSONObject:
         return {"unlimited": True}
 
+    def snapshot_now(self) -> JSONObject:
+        return self.snapshot()
+
 
 _LOCAL: dict[str, LocalBudget] = {}
 

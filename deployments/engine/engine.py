@@ -117,8 +117,8 @@ class EngineReplica:
         self.kv_events: KVEventEndpoint | None = None  # the engine's KV events, for the gateways
         log = self.backend.kv_events
         if log is not None:
-            engine_block = getattr(getattr(self.backend, "engine", None), "block_size", None)
-            hasher = BlockHasher(self.cfg.engine.block_size or engine_block or 16, self.cfg.model)
+            block = self.cfg.engine.block_size or self.backend.kv_block_size or 16
+            hasher = BlockHasher(block, self.cfg.model)
             stride = self.cfg.affinity.claim_stride_blocks  # the gateways' anchors: no more is sent
             self.kv_events = KVEventEndpoint(log, self._token, hasher, stride)
         self.kv_pub: KVEventPublisher | None = None  # the log pushed to every gateway (kv_transport)

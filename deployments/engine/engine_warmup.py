@@ -28,6 +28,11 @@ class WarmableBackend(EngineBackend, Protocol):
     async def after_warmup(self) -> None: ...
 
     @property
+    def kv_block_size(self) -> int | None:
+        """The engine's own KV block size where the replica's config leaves it open (None: the
+        engine does not say; the router's default applies)."""
+
+    @property
     def kv_events(self) -> KVEventLog | None:
         """The engine's KV events for the gateways (None: this engine does not publish them)."""
 

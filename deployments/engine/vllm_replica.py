@@ -223,6 +223,10 @@ class VLLMBackend:
     def vocab_size(self) -> int:
         return int(self.engine.vllm_config.model_config.get_vocab_size())
 
+    @property
+    def kv_block_size(self) -> int | None:
+        return None  # the gateway hashes with the config's block size (or 16): vLLM's runs with that
+
     async def after_warmup(self) -> None:
         """The warm-up's prompts leave no cache (KV events: all blocks cleared) and no counts."""
         if not await self.engine.reset_prefix_cache():

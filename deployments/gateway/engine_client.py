@@ -40,7 +40,7 @@ from cluster.wire.errors import (
 from cluster.wire.openai_format import dumps
 from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
-from deployments.gateway.request_router import listed
+from deployments.gateway.request_router import RoutingAsk, listed
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -57,7 +57,7 @@ STARTUP_WAIT_S = 5.0  # a replica's endpoint reaches the handles with its first 
 ASK_SLICE_S = 0.5
 
 
-class _Pick:
+class _Pick(RoutingAsk):
     """The routing payload handed to Serve's request router (in this process, by reference)."""
 
     __slots__ = (

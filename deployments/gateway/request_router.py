@@ -8,16 +8,22 @@ lifecycle, health checks and autoscaling; the decision and its state live in
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ray.serve._private.common import ReplicaID
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 # Replicas Serve's routers in this process list, by deployment name: written only by the routers
 # below as Serve updates them, read through :func:`listed`.
 _LISTED: dict[str, int] = {}
-# The gateway's routing payload's decision: the replicas to try, best first.
-Decide = Callable[[list[RunningReplica]], list[list[RunningReplica]]]
+
+
+class RoutingAsk:
+    """The gateway's routing payload (:class:`deployments.gateway.engine_client` makes it): its
+    decision over the replicas Serve lists, the replicas to try, best first."""
+
+    __slots__ = ()
+
+    def decide(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        raise NotImplementedError
 
 
 def listed(deployment: str) -> int | None:
@@ -43,7 +49,6 @@ class ShimRequestRouter(RequestRouter):  # type: ignore[misc]  # Ray's types are
         if not candidate_replicas:
             return []
         payload = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        decide: Decide | None = getattr(payload, "decide", None)
-        if decide is None:  # not a gateway's attempt (a direct handle call): any replica will do
-            return [candidate_replicas]
-        return decide(candidate_replicas)
+        if not isinstance(payload, RoutingAsk):  # not a gateway's attempt (a direct handle call)
+            return [candidate_replicas]  # any replica will do
+        return payload.decide(candidate_replicas)

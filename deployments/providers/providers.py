@@ -18,7 +18,6 @@ connection at once, so the provider stops generating (and billing).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import time
@@ -314,8 +313,7 @@ class ProviderBackend:
             flight.abort()
 
     def stats(self) -> BackendStats:
-        snapshot = getattr(self.budget, "snapshot", None)
-        budget = snapshot() if snapshot is not None and not inspect.iscoroutinefunction(snapshot) else {}
+        budget = self.budget.snapshot_now()
         return BackendStats(
             replica=self.replica,
             backend=self.backend_name,
@@ -334,7 +332,7 @@ class ProviderBackend:
         """Flat numbers for metrics (plus the api and tokenizer names); absent rather than None."""
         extra: JSONObject = {
             "api": self.api,
-            "tokenizer": getattr(self.counter, "name", type(self.counter).__name__),
+            "tokenizer": self.counter.name,
             "tokenizer_exact": bool(self.counter.exact),
             **self.counts.extra(),
         }
