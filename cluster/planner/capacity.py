@@ -242,7 +242,8 @@ def _plan_route(
         warnings += _hosted_warnings(hosted, profiles[hosted_name], d)
 
     provider_names = [c for c in dict.fromkeys([primary, *candidates]) if kinds[c] == "provider"]
-    loads = [_provider_load(cfg.backend(n).provider, n, d, demand, frac) for n in provider_names]  # type: ignore[arg-type]
+    providers = [(n, p) for n in provider_names if (p := cfg.backend(n).provider) is not None]
+    loads = [_provider_load(p, n, d, demand, frac) for n, p in providers]
     for load in loads:
         if load.backend == primary and not load.fits:
             warnings.append(f"{primary}: demand exceeds its {load.binding} cap")

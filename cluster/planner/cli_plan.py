@@ -19,7 +19,7 @@ from cluster.planner.demand import load_demand
 _NUMERIC = re.compile(r"^(-|\d[\d.,]*( ?(%|k|M|G|KiB|MiB|GiB|TiB|B))?( \(.*\))?)$")  # right-aligned
 
 
-def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_plan_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "plan",
         help="capacity plan: demand vs provider RPM/TPM, KV memory, compute and bandwidth",

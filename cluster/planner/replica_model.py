@@ -364,11 +364,12 @@ class ReplicaModel:
             what = "ITL" if first == "itl" else "p95 TTFT"
             got = self.itl(1) if first == "itl" else self.ttft_p95(1)
             slo = itl_slo_s if first == "itl" else ttft_slo_s
+            assert slo is not None  # missed() names only an objective that is set
             return self._point(
                 1,
                 self._slo_binding(first, 1),
                 False,
-                f"{what} {got * 1e3:.0f} ms at batch 1 misses the {slo * 1e3:.0f} ms objective",  # type: ignore[operator]
+                f"{what} {got * 1e3:.0f} ms at batch 1 misses the {slo * 1e3:.0f} ms objective",
                 limit=first.upper(),
             )
         if not missed(b_max):

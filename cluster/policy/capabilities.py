@@ -137,9 +137,11 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name in ("best_of", "n") and getattr(api, name) == 1:
             continue
-        if name == "response_format" and api.response_format.type == "text":  # type: ignore[union-attr]
+        fmt = api.response_format if isinstance(api, ChatCompletionRequest) else None
+        if name == "response_format" and fmt is not None and fmt.type == "text":
             continue
-        if name == "thinking" and api.thinking.get("type") == "disabled":  # type: ignore[union-attr]
+        thinking = api.thinking if isinstance(api, ChatCompletionRequest) else None
+        if name == "thinking" and thinking is not None and thinking.get("type") == "disabled":
             continue
         used.append(name)
     return used

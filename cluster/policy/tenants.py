@@ -35,7 +35,7 @@ class OverBudget(RateLimited):
     budget refused this request, which a smaller one might pass)."""
 
     def __init__(self, message: str, *, all_refused_s: float = 0.0, **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]  # RateLimited's own keywords, passed on
         self.all_refused_s = all_refused_s
 
     def __reduce__(self) -> tuple[object, ...]:  # crosses the budget deployment's Ray call
@@ -60,11 +60,10 @@ class KnownOut:
             self._until[tenant] = now + wait
 
     def refusal(self, tenant: str | None, now: float) -> RateLimited | None:
-        until = self._until.get(tenant) if tenant is not None else None
-        if until is None:
+        if tenant is None or (until := self._until.get(tenant)) is None:
             return None
         if now >= until:
-            del self._until[tenant]  # type: ignore[arg-type]
+            del self._until[tenant]
             return None
         return RateLimited(
             f"tenant '{tenant}' is over its budget: its requests per minute are spent",

@@ -89,7 +89,9 @@ def build_generate_request(
     max_tokens_asked: bool = True,
 ) -> GenerateRequest:
     chat = isinstance(req, ChatCompletionRequest)
-    tools = tool_plan(req) if chat and model.tool_calls is not None else None  # type: ignore[arg-type]
+    tools = (
+        tool_plan(req) if isinstance(req, ChatCompletionRequest) and model.tool_calls is not None else None
+    )
     top = logprobs.asked("chat" if chat else "completion", req.logprobs, getattr(req, "top_logprobs", None))
     _refuse(req, top, bool(tools and tools.parse))
     return GenerateRequest(
