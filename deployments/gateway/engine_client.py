@@ -40,7 +40,7 @@ from cluster.wire.errors import (
 from cluster.wire.openai_format import dumps
 from cluster.wire.stream import Ending, Fault, ending_of
 from deployments import metrics
-from deployments.gateway.request_router import RoutingAsk, listed
+from deployments.gateway.router_state import RoutingAsk, listed
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle

@@ -18,7 +18,7 @@ import pytest
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.view import BackendView, ReplicaInfo
 from cluster.wire.errors import NoCapacity
-from deployments.gateway import engine_client, request_router
+from deployments.gateway import engine_client, router_state
 from deployments.gateway.engine_client import ReplicaPicker
 
 
@@ -44,11 +44,11 @@ class _Serve:
         self.replicas: list[_Replica] = []
         self.updated = asyncio.Event()
         self.asks = 0
-        monkeypatch.setitem(request_router._LISTED, self.deployment_name, 0)
+        monkeypatch.setitem(router_state.LISTED, self.deployment_name, 0)
 
     def update(self, *names: str) -> None:
         self.replicas = [_Replica(_Id(n), {"url": f"http://{n}:1"}) for n in names]
-        request_router._LISTED[self.deployment_name] = len(self.replicas)
+        router_state.LISTED[self.deployment_name] = len(self.replicas)
         self.updated.set()
 
     @contextlib.asynccontextmanager
@@ -127,3 +127,40 @@ async def test_listed_replicas_none_reachable_fail_over_at_once_with_somewhere_e
     with pytest.raises(NoCapacity):
         await asyncio.wait_for(picker.pick([], None, [], wait_until=time.monotonic() + 0.2), 1)
     assert time.monotonic() - t0 >= 0.2
+
+
+def test_the_router_serve_pickles_by_value_shares_the_payload_type_and_the_listing() -> None:
+    """Serve pickles a custom request router by value (``RequestRouterConfig`` registers its module
+    with ``cloudpickle.register_pickle_by_value``): in the gateway's process the router's own
+    module-level objects are copies. Serialized in another process exactly as Serve does it, the
+    router must still recognise the gateway's payload (a copied class did not: every ask spun
+    without a decision and the gateway stopped answering its health checks) and write the listing
+    the gateway reads (a copied dict never reached ``listed()``)."""
+    import base64
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from cluster.dataplane import SHIM_ROUTER
+    from deployments.gateway.engine_client import _Pick
+
+    code = (
+        "import base64, sys; from ray.serve.config import RequestRouterConfig; "
+        f"c = RequestRouterConfig(request_router_class={SHIM_ROUTER!r}); "
+        "sys.stdout.write(base64.b64encode(c.get_serialized_request_router_cls()).decode())"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=99, check=True)
+    shim = cloudpickle.loads(base64.b64decode(run.stdout))
+    assert shim.choose_replicas.__globals__["router_state"] is router_state  # by reference: shared
+
+    class _Pending:
+        def __init__(self, payload: object) -> None:
+            self.args = [payload]
+
+    view = BackendView("eng", None, ReplicaEjector(), 8, mode="least_loaded")
+    pick = _Pick(view, [], None, [])
+    replica = _Replica(_Id("r1"), {"url": "http://r1:1"})
+    chosen = asyncio.run(shim.choose_replicas(None, [replica], _Pending(pick)))
+    assert pick.asked and pick.choice is not None and chosen == [[replica]]
+    assert asyncio.run(shim.choose_replicas(None, [replica], _Pending("not ours"))) == [[replica]]
