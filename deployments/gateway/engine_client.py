@@ -175,6 +175,10 @@ class ReplicaPicker:
         """Serve's router in this process lists no replica of the deployment."""
         return listed(self.deployment) == 0
 
+    def serve_lists(self) -> int | None:
+        """How many replicas Serve's router in this process lists (None: it has not said yet)."""
+        return listed(self.deployment)
+
     def ready(self, now: float) -> bool:
         """Whether a request sent here now would start at once: Serve lists a replica and the
         view has one healthy and reachable (never while the backend is cold)."""

@@ -489,6 +489,7 @@ class Gateway:
             "routing": {
                 name: {
                     "replicas": {r: i.url for r, i in s.replicas.items()},
+                    "serve_lists": p.serve_lists() if (p := self.attempts.pickers.get(name)) else None,
                     "in_flight": dict(s.in_flight),
                     "decisions": dict(s.decisions),
                     "prefilling_tokens": dict(s.prefilling),

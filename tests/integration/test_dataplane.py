@@ -154,6 +154,15 @@ def test_no_ray_call_per_streamed_chunk(dp) -> None:
     assert c1 - c0 <= 5 and c2 - c1 <= 5, (c0, c1, c2)
 
 
+def test_the_gateway_reads_how_many_replicas_serve_lists(dp) -> None:
+    """The count Serve's router shim writes is the one the gateway reads (Serve pickles the shim by
+    value: a count kept in the shim's own module never reached the gateway, and an attempt whose
+    backend Serve lists no replica of could not go elsewhere at once)."""
+    _stream(dp, 2)  # the router has been asked, so Serve has given it its list
+    routing = dp.status()["routing"]
+    assert routing["dp-sim"]["serve_lists"] == 1, routing["dp-sim"]  # the fixture's one replica
+
+
 def test_client_disconnect_aborts_the_sim_engine_request(dp) -> None:
     before = {r: s.requests_aborted for r, s in dp.replica_stats().items()}
     body = {
