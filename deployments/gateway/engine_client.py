@@ -171,13 +171,13 @@ class ReplicaPicker:
         self._said: float | None = None  # the outage last logged
         self.deployment: str = handle.deployment_name
 
-    def unlisted(self) -> bool:
-        """Serve's router in this process lists no replica of the deployment."""
-        return listed(self.deployment) == 0
-
     def serve_lists(self) -> int | None:
         """How many replicas Serve's router in this process lists (None: it has not said yet)."""
         return listed(self.deployment)
+
+    def unlisted(self) -> bool:
+        """Serve's router in this process lists no replica of the deployment."""
+        return self.serve_lists() == 0
 
     def ready(self, now: float) -> bool:
         """Whether a request sent here now would start at once: Serve lists a replica and the
