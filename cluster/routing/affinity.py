@@ -75,7 +75,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cluster.engine.kv_events import (
     BlockRemoved,
@@ -90,6 +90,9 @@ from cluster.routing.candidates import Probe, match, roomiest
 from cluster.routing.event_hashes import RouterHashes
 from cluster.routing.placement import ContextHomes
 from cluster.routing.prefix_index import PrefixIndex, SessionTable
+
+if TYPE_CHECKING:
+    from cluster.routing.index_mirror import IndexFrame
 
 __all__ = [
     "REASONS",
@@ -107,6 +110,8 @@ Reason = Literal["session", "prefix", "new_prefix", "load", "saturated"]
 REASONS: tuple[Reason, ...] = ("session", "prefix", "new_prefix", "load", "saturated")
 NewPrefix = Literal["rendezvous", "least_loaded", "home"]
 _M64 = (1 << 64) - 1
+# a mirror's table of one indexer shard: ((index, homes generation), slot -> bit, slot -> home token)
+_MirrorTable = tuple[tuple[int, int], dict[int, int], dict[int, tuple[str, int]]]
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads (key ^ seed) over the top bits
 
 
@@ -211,6 +216,12 @@ class AffinityRouter:
         self.event_fed: set[str] = set()  # replicas whose index entries come from their engine's events
         self.homes = ContextHomes(p.index_capacity_blocks, p.home_half_life_requests, p.claim_stride_blocks)
         self._homing, self._last_homes = p.new_prefix == "home", p.new_prefix == "least_loaded"  # readers
+        self._mirror_names: dict[int, dict[int, str]] = {}  # a mirror's: indexer shard -> slot -> replica
+        self._mirrored = False  # apply_frame: every replica's entries come from the indexers
+        # shard -> ((index, homes generation), slot -> bit, slot -> home token): _mirror_table's
+        self._mirror_tables: dict[
+            int, tuple[tuple[int, int], dict[int, int], dict[int, tuple[str, int]]]
+        ] = {}
 
     def hash(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
         """The prompt's block hashes under its cache salt (:mod:`cluster.routing.cache_salt`)."""
@@ -392,7 +403,7 @@ class AffinityRouter:
         """After dispatch: ``replica`` will hold these blocks; the session now lives there. For a
         replica fed by its engine's KV events the blocks only count for ``recent_ttl_s`` (until its
         ``BlockStored`` events confirm them); for the others they stay until LRU drops them."""
-        if replica in self.event_fed:  # its BlocksQueued claims the homes, on every gateway
+        if self._mirrored or replica in self.event_fed:  # its BlocksQueued claims the homes everywhere
             self.index.note_recent(replica, hashes, now)
         else:
             self.index.record(replica, hashes)
@@ -458,6 +469,58 @@ class AffinityRouter:
         """The engine reset its prefix cache: its blocks go (the replica gets a new slot)."""
         self.index.remove_replica(replica)
         self._kv_maps.pop(replica, None)
+
+    def apply_frame(self, frame: IndexFrame, now: float) -> None:
+        """A gateway's mirror of its backend's indexer (:mod:`cluster.routing.index_mirror`): take
+        one frame, in sequence. The index and the homes hold what the indexer's do (in this
+        router's bits); this router's own sends still count as recent sends, as before."""
+        index, homes = self.index, self.homes
+        self._mirrored = True
+        names = self._mirror_names.setdefault(frame.shard, {})  # each shard numbers its own slots
+        if frame.reset:
+            names.clear()
+            index.drop_shard(frame.shard, frame.shards)
+            homes.drop_shard(frame.shard, frame.shards)
+        if frame.shard == 0:
+            self._replica_frame(frame, now)
+        if frame.names:
+            names.update(frame.names)
+            self.event_fed.update(frame.names.values())
+        bits, tokens = self._mirror_table(frame.shard, bool(frame.names or frame.reset))
+        masks = [sum(bits.get(s, 0) for s in ss) for _, ss in frame.multi]
+        index.mirror(frame.set_keys, map(bits.__getitem__, frame.set_slots), frame.drop_keys)
+        index.mirror([h for h, _ in frame.multi], masks, ())
+        homes.mirror(frame.home_keys, map(tokens.__getitem__, frame.home_slots), frame.home_drop)
+        homes.mirror_demand(frame.shard, frame.shards, frame.demand, frame.claims)
+
+    def _mirror_table(self, shard: int, renamed: bool) -> tuple[dict[int, int], dict[int, tuple[str, int]]]:
+        """The shard's slots in this router's bits and home tokens: made again only when the slots
+        were renamed or a replica's bit or token changed here (every frame would cost O(replicas))."""
+        key = (self.index.generation, self.homes.generation)
+        cached = self._mirror_tables.get(shard)
+        if cached is None or renamed or cached[0] != key:
+            names = self._mirror_names[shard]
+            bits = dict(zip(names, map(self.index.bit, names.values()), strict=True))
+            tokens = dict(zip(names, map(self.homes.token, names.values()), strict=True))
+            cached = self._mirror_tables[shard] = (
+                (self.index.generation, self.homes.generation),
+                bits,
+                tokens,
+            )
+        return cached[1], cached[2]
+
+    def _replica_frame(self, frame: IndexFrame, now: float) -> None:
+        """A replica's own state, which shard 0 speaks for: its entries cleared, its homes voided,
+        its blocks held, its sessions bound."""
+        index = self.index
+        for name in frame.cleared:
+            index.remove_replica(name)
+        for name in frame.homeless:
+            self.homes.remove_replica(name)
+        for name, held in frame.held.items():
+            index.set_held(name, held)
+        for session, replica in frame.sessions:
+            self.sessions.bind(session, replica, now)
 
     def apply_kv_page(self, replica: str, page: KVEventPage, now: float | None = None) -> int:
         """Apply one replica's page of KV events (:mod:`cluster.engine.kv_events`), in order; returns the

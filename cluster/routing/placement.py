@@ -45,7 +45,8 @@ from __future__ import annotations
 import itertools
 import random
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 from typing import Protocol
 
 from cluster.routing.block_hash import BlockHash, deepest_strided, strided
@@ -80,6 +81,9 @@ class ContextHomes:
         # a claim costs O(1), not O(replicas) (issue 42: every gateway claims every engine's requests)
         self._demand: dict[str, tuple[float, int]] = {}
         self._claims = 0
+        self.evicted: list[BlockHash] | None = None  # an indexer's: anchors the bound dropped (index_mirror)
+        self._shard_demand: dict[int, dict[str, tuple[float, int]]] = {}  # a mirror's, per indexer shard
+        self.generation = 0  # bumped whenever a replica's token changes (a mirror's slot tables)
 
     def __len__(self) -> int:
         return len(self._home)
@@ -118,10 +122,90 @@ class ContextHomes:
             home[h] = old
         deque(map(home.move_to_end, tail_first[k:]), maxlen=0)  # ... only moves to the end, in C
         while len(home) > self.capacity:
-            home.popitem(last=False)
+            gone = home.popitem(last=False)[0]
+            if self.evicted is not None:
+                self.evicted.append(gone)
         self._claims += 1  # everyone's demand decays by one request; the claimer's adds its new blocks
         self._demand[replica] = (self.demand(replica) + new, self._claims)
         return new
+
+    # The mirror: a gateway's copy of an indexer's homes (issue 42, cluster/routing/index_mirror.py)
+    def token(self, replica: str) -> tuple[str, int]:
+        """The replica's live token (made on first sight): a home's value."""
+        t = self._tokens.get(replica)
+        if t is None:
+            t = self._tokens[replica] = (replica, next(self._generation))
+        return t
+
+    def tokens(self) -> dict[str, tuple[str, int]]:
+        """Each replica's live token (a copy): the indexer's builder sees a voided one change."""
+        return dict(self._tokens)
+
+    def items(self) -> list[tuple[BlockHash, tuple[str, int]]]:
+        return list(self._home.items())
+
+    def is_live(self, token: tuple[str, int]) -> bool:
+        """The token is its replica's current one (not voided by :meth:`remove_replica`)."""
+        return self._tokens.get(token[0]) is token
+
+    def homes_of(self, hashes: Sequence[BlockHash]) -> list[tuple[str, int] | None]:
+        """Each anchor's home token, None where it has none."""
+        return list(map(self._home.get, hashes))
+
+    def decays_to(self, old: tuple[float, int], new: tuple[float, int]) -> bool:
+        """Whether demand ``new`` is ``old`` decayed to its clock: claims that homed nothing new
+        (a mirror that has ``old`` computes ``new`` itself)."""
+        d, at = old
+        expect: float = d * self._keep ** (new[1] - at)
+        return abs(new[0] - expect) <= 1e-9 * max(1.0, abs(expect))
+
+    def demand_state(self) -> tuple[dict[str, tuple[float, int]], int]:
+        """(replica -> (decayed demand, as of claim number), claims so far): a copy."""
+        return dict(self._demand), self._claims
+
+    def mirror(
+        self,
+        keys: Sequence[BlockHash],
+        homes: Iterable[tuple[str, int]],
+        gone: Iterable[BlockHash],
+    ) -> None:
+        """Set these anchors' homes (tokens of :meth:`token`) and drop those gone, as an indexer's
+        frame says. The indexer owns the bound."""
+        home = self._home
+        home.update(zip(keys, homes, strict=True))
+        deque(map(home.pop, gone, repeat(None)), maxlen=0)
+
+    def mirror_demand(
+        self, shard: int, shards: int, demand: Mapping[str, tuple[float, int]], claims: int
+    ) -> None:
+        """The claimers' demand as indexer ``shard`` of ``shards`` has it. Each shard homes its own
+        anchors and counts every request (the same clock), so a replica's demand is the sum of
+        the shards' (each decayed to the latest clock)."""
+        self._claims = max(self._claims, claims) if shards > 1 else claims
+        if shards == 1:
+            self._demand.update(demand)
+            return
+        parts = self._shard_demand.setdefault(shard, {})
+        keep, now = self._keep, self._claims
+        for name, (d, at) in demand.items():  # the total less this shard's part, plus its new part
+            was_d, was_at = parts.get(name, (0.0, now))
+            total = self.demand(name) - was_d * keep ** (now - was_at) + d * keep ** (now - at)
+            self._demand[name] = (max(0.0, total), now)
+        parts.update(demand)
+
+    def drop_shard(self, shard: int, shards: int) -> None:
+        """Forget what indexer ``shard`` of ``shards`` said (its snapshot follows); all of it for one."""
+        if shards == 1:
+            self.generation += 1
+            self._home.clear()
+            self._tokens.clear()
+            self._demand.clear()
+            self._shard_demand.clear()
+            self._claims = 0
+            return
+        home = self._home
+        deque(map(home.pop, [h for h in home if h % shards == shard]), maxlen=0)
+        self._shard_demand.pop(shard, None)
 
     def place(self, eligible: Sequence[_Load], rng: random.Random) -> int:
         """The index in ``eligible`` (non-empty) of a new context's home: the least demand per KV
@@ -138,3 +222,6 @@ class ContextHomes:
         request); if it comes back, it is home only to what is sent to it from then on."""
         self._demand.pop(replica, None)
         self._tokens.pop(replica, None)
+        for parts in self._shard_demand.values():  # every shard's part of it went too
+            parts.pop(replica, None)
+        self.generation += 1

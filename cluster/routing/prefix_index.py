@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from operator import or_
 
 from cluster.routing.block_hash import BlockHash, strided
 
@@ -39,7 +40,7 @@ class PrefixIndex:
         self.capacity = capacity_blocks
         self.stride = max(1, stride)  # prompts looked up by their anchors (module docstring)
         self._purge_after = purge_after
-        self._map: OrderedDict[int, int] = OrderedDict()
+        self._map: OrderedDict[BlockHash, int] = OrderedDict()
         self._bits: dict[str, int] = {}  # live replica -> its bit
         self._names: dict[int, str] = {}  # slot number -> live replica
         self._free: list[int] = []  # slot numbers whose stale bits are purged
@@ -47,10 +48,15 @@ class PrefixIndex:
         self._retired = 0  # bits of removed replicas still present in some entries
         self._retired_count = 0
         self._held: dict[int, int] = {}  # bit -> blocks held
-        self._recent: dict[int, int] = {}  # block hash -> replicas a request was just sent to with it
-        self._recent_log: deque[tuple[float, int, Sequence[int]]] = deque()  # (sent, bit, hashes)
+        self._recent: dict[BlockHash, int] = {}  # block hash -> replicas a request was just sent to with it
+        self._recent_log: deque[tuple[float, int, Sequence[BlockHash]]] = deque()  # (sent, bit, hashes)
         self.evictions = 0
         self.purges = 0
+        # an indexer's (issue 42): the anchors its bound evicted and the bits purges freed since its
+        # frame builder last read them (cluster/routing/index_mirror.py); None: nobody reads them
+        self.evicted: list[BlockHash] | None = None
+        self.freed = 0
+        self.generation = 0  # bumped whenever a replica's bit may change (a mirror's slot tables)
 
     def __len__(self) -> int:
         return len(self._map)
@@ -86,7 +92,7 @@ class PrefixIndex:
             mask ^= low
         return out
 
-    def holders(self, block_hash: int) -> list[str]:
+    def holders(self, block_hash: BlockHash) -> list[str]:
         return self.replicas(self._map.get(block_hash, 0))
 
     def record(self, replica: str, hashes: Sequence[BlockHash], blocks: int | None = None) -> None:
@@ -102,10 +108,18 @@ class PrefixIndex:
             added += not old & bit
         self._held[bit] = self._held.get(bit, 0) + (added if blocks is None else blocks)
         over = len(m) - self.capacity
-        for _ in range(max(0, over)):
-            self._uncount(m.popitem(last=False)[1])
         if over > 0:
-            self.evictions += over
+            self._evict(over)
+
+    def _evict(self, over: int) -> None:
+        """The bound: the ``over`` least recent entries go (noted for an indexer's frames)."""
+        m, noted = self._map, self.evicted
+        for _ in range(over):
+            h, mask = m.popitem(last=False)
+            self._uncount(mask)
+            if noted is not None:
+                noted.append(h)
+        self.evictions += over
 
     on_block_stored = record
 
@@ -160,10 +174,14 @@ class PrefixIndex:
             rec.update(zip(hashes, [old | bit for old in olds], strict=True))
         self._recent_log.append((now, bit, hashes))
 
-    def expire_recent(self, before: float) -> None:
+    def expire_recent(self, before: float, touched: list[BlockHash] | None = None) -> None:
+        """The recent sends older than ``before`` stop counting; ``touched`` (an indexer's frame
+        builder) gets their anchors."""
         log, rec = self._recent_log, self._recent
         while log and log[0][0] < before:
             _, bit, hashes = log.popleft()
+            if touched is not None:
+                touched.extend(hashes)
             if list(map(rec.get, hashes, repeat(0))).count(bit) == len(hashes):  # only this replica's
                 deque(map(rec.pop, hashes, repeat(None)), maxlen=0)
                 continue
@@ -179,6 +197,7 @@ class PrefixIndex:
         bit = self._bits.pop(replica, None)
         if bit is None:
             return
+        self.generation += 1
         del self._names[bit.bit_length() - 1]
         self._held.pop(bit, None)
         self._retired |= bit
@@ -190,7 +209,7 @@ class PrefixIndex:
         """Drop retired bits from every entry and free their slots: one O(entries) pass."""
         if not self._retired:
             return
-        live = ~self._retired
+        live, retired_bits = ~self._retired, self._retired
         self._map = OrderedDict((h, v & live) for h, v in self._map.items() if v & live)
         self._recent = {h: v & live for h, v in self._recent.items() if v & live}
         self._recent_log = deque((t, b, hs) for t, b, hs in self._recent_log if b & live)
@@ -204,6 +223,61 @@ class PrefixIndex:
         self._retired = 0
         self._retired_count = 0
         self.purges += 1
+        self.generation += 1
+        self.freed |= retired_bits
+
+    # The mirror: a gateway's copy of an indexer's index (issue 42, cluster/routing/index_mirror.py) --
+    def live_masks(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The live replicas holding each anchor, index and recent sends together (an indexer's
+        frame builder: what a decision would see)."""
+        zeros = repeat(0)
+        masks = list(map(or_, map(self._map.get, hashes, zeros), map(self._recent.get, hashes, zeros)))
+        if not self._retired:
+            return masks
+        live = ~self._retired
+        return [m & live for m in masks]
+
+    def keys(self) -> list[BlockHash]:
+        return list(self._map)
+
+    def recent_keys(self) -> list[BlockHash]:
+        return list(self._recent)
+
+    def slots(self) -> dict[str, int]:
+        """Each live replica's bit (a copy)."""
+        return dict(self._bits)
+
+    def mirror(self, keys: Iterable[BlockHash], masks: Iterable[int], gone: Iterable[BlockHash]) -> None:
+        """Set these anchors' holders (masks of this index's bits) and drop those no replica
+        holds: an indexer's frame, applied in C loops. The indexer owns the bound, so nothing is
+        evicted or counted here."""
+        m = self._map
+        m.update(zip(keys, masks, strict=True))
+        deque(map(m.pop, gone, repeat(None)), maxlen=0)
+
+    def set_held(self, replica: str, blocks: int) -> None:
+        self._held[self.bit(replica)] = blocks
+
+    def drop_shard(self, shard: int, shards: int) -> None:
+        """Forget the anchors of indexer ``shard`` of ``shards`` (its snapshot follows); with one
+        shard, everything."""
+        if shards == 1:
+            self.clear()
+            return
+        m = self._map
+        deque(map(m.pop, [h for h in m if h % shards == shard]), maxlen=0)
+
+    def clear(self) -> None:
+        """Forget everything (a mirror about to take a snapshot)."""
+        self.generation += 1
+        self._map.clear()
+        self._bits.clear()
+        self._names.clear()
+        self._free.clear()
+        self._next_slot = self._retired = self._retired_count = 0
+        self._held.clear()
+        self._recent.clear()
+        self._recent_log.clear()
 
     def longest_match(self, hashes: Sequence[BlockHash], mask: int) -> tuple[int, int]:
         """``(blocks, holders)``: the longest prefix of ``hashes`` some replica in ``mask`` holds, and
@@ -243,6 +317,10 @@ class SessionTable:
             del self._map[session_id]
             return None
         return entry[0]
+
+    def bound(self) -> list[tuple[str, str]]:
+        """Every ``(session id, replica)``, least recent first (an indexer's snapshot)."""
+        return [(s, r) for s, (r, _) in self._map.items()]
 
     def bind(self, session_id: str, replica: str, now: float) -> None:
         self._map[session_id] = (replica, now)

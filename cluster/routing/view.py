@@ -32,6 +32,7 @@ from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityRouter, ReplicaLoad, RouteDecision
 from cluster.routing.block_hash import BlockHash
 from cluster.routing.candidates import bounded_pool
+from cluster.routing.index_mirror import IndexFrame
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +187,12 @@ class BackendView:
         if self.policy is None or replica not in self.live:
             return 0
         return self.policy.apply_kv_page(replica, page, now)
+
+    def apply_index_frame(self, frame: IndexFrame, now: float) -> None:
+        """A frame of the backend's indexer (:mod:`cluster.routing.index_mirror`), in sequence: the
+        mirror's alternative to applying every replica's pages here."""
+        if self.policy is not None:
+            self.policy.apply_frame(frame, now)
 
     def replica_lost(self, replica: str) -> None:
         """The feed lost the replica's connection (its process died, or is dying): its index entries
