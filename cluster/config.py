@@ -197,6 +197,18 @@ class AffinityConfig(Strict):
             "gateway long-polls every engine's log (N x M HTTP asks; control_plane.json)."
         ),
     )
+    kv_index: Literal["gateway", "indexer"] = Field(
+        "gateway",
+        description=(
+            "Where the engines' KV events are applied: gateway, by every gateway replica (each holds "
+            "the whole index); indexer, once by indexer deployments (indexer_shards of them, each the "
+            "anchors h % shards), whose frames of what changed every gateway mirrors "
+            "(cluster/routing/index_mirror.py; control_plane.json's indexer rows). Needs kv_events."
+        ),
+    )
+    indexer_shards: int = Field(
+        1, ge=1, le=64, description="kv_index indexer: how many indexers share the anchors (h % shards)."
+    )
     recent_ttl_s: float = Field(
         5.0,
         gt=0,
@@ -238,9 +250,20 @@ class AffinityConfig(Strict):
         ),
     )
 
+    @model_validator(mode="after")
+    def _indexer_needs_events(self) -> AffinityConfig:
+        if self.kv_index == "indexer" and not self.kv_events:
+            raise ValueError("kv_index 'indexer' applies the engines' KV events: it needs kv_events true")
+        if self.kv_index == "indexer" and self.new_prefix == "least_loaded":
+            raise ValueError(
+                "kv_index 'indexer' mirrors the index and the homes, not the last-stored map that "
+                "new_prefix 'least_loaded' reads: use 'home' or 'rendezvous'"
+            )
+        return self
+
     def params(self) -> JSONObject:
         """The fields :class:`cluster.routing.affinity.AffinityParams` takes."""
-        return self.model_dump(exclude={"kv_events", "kv_transport"})
+        return self.model_dump(exclude={"kv_events", "kv_transport", "kv_index", "indexer_shards"})
 
 
 class HostCpuConfig(Strict):

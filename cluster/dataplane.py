@@ -104,6 +104,16 @@ def deployment_options(b: BackendConfig) -> JSONObject:
 TENANT_BUDGETS = "tenant-budgets"
 
 
+def indexer_deployments(b: BackendConfig) -> list[str]:
+    """The Serve deployments of a backend's KV indexers (``affinity.kv_index: indexer``: one per
+    shard, one replica each; :mod:`deployments.indexer.indexer`), none when its gateways apply the
+    engines' events themselves."""
+    a = b.affinity
+    if not b.kind.caps.engine_replicas or b.routing != "cache_aware" or a.kv_index != "indexer":
+        return []
+    return [f"indexer-{b.name}-{s}" for s in range(a.indexer_shards)]
+
+
 def tenant_budget_deployment(cfg: ClusterConfig) -> str | None:
     """The Serve deployment that holds the tenants' request and token budgets for its app (one
     replica; every gateway replica asks it), or None when no tenant has a budget."""

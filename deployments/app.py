@@ -6,8 +6,10 @@ as a plain dict (from a config file or the CLI's ``key=value`` pairs): they are 
 into :class:`AppArgs`, and a bad one fails the deploy with a message naming the field.
 
 Deployments: ``Gateway`` (the app's ingress, serving HTTP itself behind HAProxy),
-``backend-<name>`` per self-hosted engine backend, and ``budget-<name>`` per provider backend
-with an RPM / TPM / in-flight limit (its shared budget). Provider adapters run inside the gateway.
+``backend-<name>`` per self-hosted engine backend, ``budget-<name>`` per provider backend
+with an RPM / TPM / in-flight limit (its shared budget), and ``indexer-<name>-<shard>`` per
+shard of a backend whose KV events indexers apply (``affinity.kv_index: indexer``). Provider
+adapters run inside the gateway.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from cluster.dataplane import (
     SERVE_ENV,
     budget_deployment,
     deployment_options,
+    indexer_deployments,
     tenant_budget_deployment,
 )
 from deployments.budgets.budget_deployment import BudgetDeployment
 from deployments.engine.engine import EngineReplica
 from deployments.gateway.gateway import Gateway
+from deployments.indexer.indexer import KVIndexer
 
 __all__ = ["SERVE_ENV", "AppArgs", "build_app", "build_graph", "engine_options"]
 log = logging.getLogger(__name__)
@@ -93,11 +97,23 @@ def build_graph(cfg: ClusterConfig) -> Application:
                 cfg.server.gc_freeze,
             )
         )
+    indexers = {b.name: _indexers(b, engines[b.name]) for b in cfg.backends if indexer_deployments(b)}
     return (
         _served(Gateway)
         .options(**gateway_options(cfg))
-        .bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg))
+        .bind(cfg.model_dump(mode="json"), engines, budgets, _tenant_budgets(cfg), indexers)
     )
+
+
+def _indexers(b: BackendConfig, engines: Application) -> list[Application]:
+    """A backend's KV indexers (``affinity.kv_index: indexer``), one per shard: one replica each."""
+    names = indexer_deployments(b)
+    return [
+        _served(KVIndexer)
+        .options(name=name, num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .bind(b.model_dump(mode="json"), engines, shard, len(names))
+        for shard, name in enumerate(names)
+    ]
 
 
 def gateway_options(cfg: ClusterConfig) -> dict[str, object]:

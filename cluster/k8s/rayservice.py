@@ -39,6 +39,7 @@ from cluster.dataplane import (
     SERVE_ENV,
     budget_deployment,
     deployment_options,
+    indexer_deployments,
     tenant_budget_deployment,
 )
 from cluster.json_types import JSON, JSONObject
@@ -136,6 +137,7 @@ def serve_config(cfg: ClusterConfig, s: K8sSettings) -> JSONObject:
         *(backend_deployment(b, s) for b in cfg.backends if b.kind.caps.engine_replicas),
         *(_budget_deployment(name, s) for b in cfg.backends if (name := budget_deployment(b)) is not None),
         *([_budget_deployment(name, s)] if (name := tenant_budget_deployment(cfg)) is not None else []),
+        *(_budget_deployment(name, s) for b in cfg.backends for name in indexer_deployments(b)),  # alike
     ]
     return {
         "proxy_location": "EveryNode",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from cluster.config import BackendConfig
 from cluster.json_types import JSONObject
 from cluster.policy.migration import DRAINING_CODE
 from cluster.routing.block_hash import BlockHash
@@ -154,6 +155,18 @@ class ReplicaLease:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def block_size(b: BackendConfig) -> int:
+    """The engine's KV block size: routing hashes prompts in the same blocks the engine caches."""
+    if b.engine.block_size:
+        return b.engine.block_size
+    if b.kind.caps.profiled:
+        from cluster.engine.profiles import get_profile
+        from cluster.engine.sim_backend import DEFAULT_PROFILE
+
+        return get_profile(b.sim_profile or DEFAULT_PROFILE).engine.block_size
+    return 16  # vLLM's GPU default
 
 
 class ReplicaPicker:

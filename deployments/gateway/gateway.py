@@ -24,7 +24,7 @@ import ray
 from ray import serve
 
 from cluster import tokens
-from cluster.config import BackendConfig, ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.json_types import JSONObject
 from cluster.observability import gc_pauses
 from cluster.observability.loop_lag import LoopLagWindow, SampleWindow
@@ -56,7 +56,8 @@ from deployments.gateway import native_api
 from deployments.gateway.attempts import AttemptRunner
 from deployments.gateway.callers import Callers
 from deployments.gateway.context import RequestContext
-from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker
+from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker, block_size
+from deployments.gateway.index_sub import start_followers
 from deployments.gateway.kv_feed import kv_index_status, start_feeds
 from deployments.gateway.prepare import (
     INLINE_PREPARE_BYTES,
@@ -78,18 +79,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ray.serve")
 
 
-def block_size(b: BackendConfig) -> int:
-    """The engine's KV block size: routing hashes prompts in the same blocks the engine caches."""
-    if b.engine.block_size:
-        return b.engine.block_size
-    if b.kind.caps.profiled:
-        from cluster.engine.profiles import get_profile
-        from cluster.engine.sim_backend import DEFAULT_PROFILE
-
-        return get_profile(b.sim_profile or DEFAULT_PROFILE).engine.block_size
-    return 16  # vLLM's GPU default
-
-
 @serve.deployment(max_ongoing_requests=4096)
 @serve.ingress()
 class Gateway:
@@ -99,6 +88,7 @@ class Gateway:
         engines: dict[str, DeploymentHandle],
         budgets: dict[str, DeploymentHandle] | None = None,
         tenant_budgets: DeploymentHandle | None = None,
+        indexers: dict[str, list[DeploymentHandle]] | None = None,
     ) -> None:
         self.cfg = cfg = ClusterConfig.model_validate(config)
         self._token = internal_token()
@@ -114,10 +104,15 @@ class Gateway:
         self.providers = providers
         self._session: aiohttp.ClientSession | None = None
         self.attempts = AttemptRunner(cfg, pickers, providers, self._client_session, self._token, self.board)
-        kv_wanted = {b.name: b.routing == "cache_aware" and b.affinity.kv_events for b in cfg.backends}
+        indexers = indexers or {}  # backends whose events their indexers apply (index_sub.py)
+        kv_wanted = {
+            b.name: b.routing == "cache_aware" and b.affinity.kv_events and b.name not in indexers
+            for b in cfg.backends
+        }
         self.kv_feeds, self._kv_tasks = start_feeds(
             self.views, pickers, self._client_session, self._token, kv_wanted
         )
+        self.index_feeds, self._index_tasks = start_followers(self.views, indexers, self._token)
         self.prices = {b.name: Prices.from_config(b.provider) for b in cfg.backends if b.provider is not None}
         self.relay = Relay.build(cfg, self.attempts, self.guard, self.prices, self.views, replica)
         self.tracer: Tracer | None = None  # when an OTLP endpoint is configured
@@ -494,7 +489,7 @@ class Gateway:
                     "decisions": dict(s.decisions),
                     "prefilling_tokens": dict(s.prefilling),
                     "avoided_prefill": s.avoided_prefill,
-                    "kv_index": kv_index_status(v, self.kv_feeds.get(name)),
+                    "kv_index": kv_index_status(v, self.kv_feeds.get(name) or self.index_feeds.get(name)),
                 }
                 for name, v in self.views.items()
                 for s in (v.snapshot(),)

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -55,9 +55,17 @@ class _Pushed:
 
 class KVEventFeed:
     def __init__(
-        self, view: BackendView, picker: Any, session: Callable[[], aiohttp.ClientSession], token: str
+        self,
+        view: BackendView,
+        picker: Any,
+        session: Callable[[], aiohttp.ClientSession],
+        token: str,
+        sink: Callable[[str, KVEventPage, float], object] | None = None,
     ) -> None:
+        """``sink``: where a replica's pages go (default: the view's ``apply_kv_page``; an indexer's
+        frame builder, :mod:`deployments.indexer.indexer`)."""
         self.view, self.picker, self._session, self._token = view, picker, session, token
+        self._apply = sink or view.apply_kv_page
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.cursors: dict[str, FeedCursor] = {}
         self.errors = 0
@@ -147,7 +155,7 @@ class KVEventFeed:
             self.errors += 1
             log.debug("KV-event feed of %s: %s", replica, exc)
             return False
-        self.view.apply_kv_page(replica, page, time.monotonic())  # the clock decisions use
+        self._apply(replica, page, time.monotonic())  # the clock decisions use
         self.cursors[replica].advance(page)
         return True
 
@@ -213,7 +221,7 @@ class KVEventFeed:
             st.gap.set()  # missed some: the follower asks the log
             return
         if fresh.batches:
-            self.view.apply_kv_page(replica, fresh, time.monotonic())
+            self._apply(replica, fresh, time.monotonic())
         cursor.advance(fresh)
 
     def _on_lost(self, replica: str) -> None:
@@ -237,9 +245,13 @@ class KVEventFeed:
         }
 
 
-def kv_index_status(view: BackendView, feed: KVEventFeed | None) -> JSONObject:
+class _Fed(Protocol):
+    def status(self) -> JSONObject: ...
+
+
+def kv_index_status(view: BackendView, feed: _Fed | None) -> JSONObject:
     """Operators' and tests' view of the index: per live replica, whether its engine's events feed
-    it and the blocks it holds; the feed's cursors."""
+    it and the blocks it holds; the feed's cursors (or the indexers' follower's, index_sub.py)."""
     policy = view.policy
     replicas = {}
     if policy is not None:

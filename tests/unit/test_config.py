@@ -153,3 +153,17 @@ def test_kv_bytes_per_token_llama_8b() -> None:
 
     # Llama-3.1-8B bf16: 2 (K and V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 128 KiB.
     assert KVGeometry(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2).bytes_per_token() == 128 * 1024
+
+
+def test_kv_indexers_need_the_events_and_a_placement_they_mirror() -> None:
+    """Issue 42's indexer (affinity.kv_index: indexer) applies the engines' KV events and mirrors
+    the index and the homes: without events, or with least_loaded's last-stored map, a clear error."""
+    from cluster.config import AffinityConfig
+
+    assert AffinityConfig(kv_index="indexer", indexer_shards=4).params().get("kv_index") is None
+    with pytest.raises(ValueError, match="needs kv_events"):
+        AffinityConfig(kv_index="indexer", kv_events=False)
+    with pytest.raises(ValueError, match="least_loaded"):
+        AffinityConfig(kv_index="indexer", new_prefix="least_loaded")
+    with pytest.raises(ValueError):
+        AffinityConfig(kv_index="indexer", indexer_shards=0)

@@ -778,3 +778,24 @@ def test_the_internal_credential_reaches_pods_from_the_secret_never_through_the_
     for manifest in (rs, render_rayservice(*cpu_dev())):
         assert INTERNAL_TOKEN_ENV not in manifest["spec"]["serveConfigV2"]
     assert INTERNAL_TOKEN_ENV not in json.dumps(render_rayservice(*cpu_dev()))
+
+
+def test_a_backend_with_kv_indexers_gets_their_deployments_on_the_cpu_side() -> None:
+    """Issue 42: ``affinity.kv_index: indexer`` adds one deployment per shard to the app, as the
+    app builder does (deployments/app.py), on the CPU side with the budgets' sliver."""
+    cfg, s = gpu()
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    b = next(b for b in data["backends"] if b["kind"] == "vllm")
+    b["affinity"] = {**b.get("affinity", {}), "kv_index": "indexer", "indexer_shards": 3}
+    app = serve_config(ClusterConfig.model_validate(data), s)["applications"][0]
+    deps = {d["name"]: d for d in app["deployments"]}
+    names = [f"indexer-{b['name']}-{i}" for i in range(3)]
+    assert all(deps[n]["num_replicas"] == 1 for n in names), deps.keys()
+    assert deps[names[0]]["ray_actor_options"] == deps_budget_like(s)
+    assert not any(n.startswith("indexer-") for n in deployments_of(base_manifest()))  # the default: none
+
+
+def deps_budget_like(s: K8sSettings) -> dict[str, Any]:
+    from cluster.k8s.rayservice import _cpu_side
+
+    return _cpu_side({"num_cpus": 0})

@@ -1,0 +1,1 @@
+"""A cache-aware backend's KV indexers (``affinity.kv_index: indexer``, issue 42)."""
