@@ -541,8 +541,9 @@ class _AffinityChoice:
         specs: Sequence[RequestSpec],
         token_ids: Sequence[list[int]],
         logs: Sequence[Any] | None = None,
+        indexer: _IndexerFeed | None = None,
     ) -> None:
-        self.policy, self.specs, self.logs = policy, specs, logs
+        self.policy, self.specs, self.logs, self.indexer = policy, specs, logs, indexer
         self.hashes = [policy.hash(t) for t in token_ids]
         self.rng = random.Random(0)
         self.cursors = [(None, 0)] * len(logs or ())
@@ -550,7 +551,9 @@ class _AffinityChoice:
     def __call__(self, i: int, engines: Sequence[Any], now: float) -> int:
         from cluster.routing.affinity import ReplicaLoad
 
-        for k, log in enumerate(self.logs or ()):
+        if self.indexer is not None:
+            self.indexer.catch_up(self.policy, now)
+        for k, log in enumerate(self.logs or () if self.indexer is None else ()):
             epoch, after = self.cursors[k]
             page = log.since(after, epoch, limit=1 << 30)
             self.policy.apply_kv_page(f"r{k}", page, now)
@@ -576,6 +579,36 @@ class _AffinityChoice:
 
             self.logs[k].append([BlocksQueued(self.hashes[i], sid)], now)
         return k, self.policy.cache_rank(d)  # one surface: the engine's key is the cache rank
+
+
+class _IndexerFeed:
+    """Issue 42's indexer design on the virtual clock (cluster/routing/index_mirror.py): ``shards``
+    indexers take every engine's pages; before each decision a gateway applies the frames it has
+    not applied yet (as the feed does, without its lag). The gateways' routers only mirror."""
+
+    def __init__(self, make_router: Callable[[], Any], logs: Sequence[Any], shards: int) -> None:
+        from cluster.routing.index_mirror import FrameBuilder
+
+        self.builders = [FrameBuilder(make_router(), s, shards) for s in range(shards)]
+        self.logs = logs
+        self.cursors: list[tuple[int | None, int]] = [(None, 0)] * len(logs)
+        self.frames: list[Any] = []
+        self.applied: dict[int, int] = {}  # id(a gateway's router) -> frames it applied
+
+    def catch_up(self, policy: Any, now: float) -> None:
+        for k, log in enumerate(self.logs):
+            epoch, after = self.cursors[k]
+            page = log.since(after, epoch, limit=1 << 30)
+            for b in self.builders:
+                b.take(f"r{k}", page, now)
+            self.cursors[k] = (page.epoch, page.last_seq)
+        for b in self.builders:
+            frame = b.flush(now)
+            if frame is not None:
+                self.frames.append(frame)
+        for frame in self.frames[self.applied.get(id(policy), 0) :]:
+            policy.apply_frame(frame, now)
+        self.applied[id(policy)] = len(self.frames)
 
 
 class _Gateways:
@@ -680,9 +713,12 @@ def _replay_ours(
     affinity: dict[str, Any],
     events: bool,
     gateways: int,
+    indexer_shards: int = 0,
 ) -> dict[str, Any]:
     """Ours on the virtual clock, once per tie-break seed: the first seed's figures, plus every
-    seed's hit rate and TTFT p90 and their means (single seeds swing by a few points here)."""
+    seed's hit rate and TTFT p90 and their means (single seeds swing by a few points here).
+    ``indexer_shards`` > 0: the gateways mirror that many indexers (issue 42) instead of applying
+    the engines' pages themselves."""
     from cluster.routing.affinity import AffinityRouter
     from cluster.routing.event_hashes import RouterHashes
 
@@ -691,9 +727,16 @@ def _replay_ours(
     for seed in range(TIE_SEEDS):
         engines, logs = _engines(profile, args.replicas, events)
         choices = []
+
+        def router() -> AffinityRouter:
+            return AffinityRouter(profile.engine.block_size, MODEL, affinity_params(affinity))
+
+        feed = _IndexerFeed(router, logs, indexer_shards) if indexer_shards and logs else None
         for g in range(gateways):
-            policy = AffinityRouter(profile.engine.block_size, MODEL, affinity_params(affinity))
-            choices.append(_AffinityChoice(policy, specs, token_ids, logs))
+            policy = router()
+            if feed is not None:  # every replica's entries come from the indexer's events
+                policy.event_fed.update(f"r{k}" for k in range(args.replicas))
+            choices.append(_AffinityChoice(policy, specs, token_ids, logs, feed))
             choices[-1].rng = random.Random(seed * 100 + g)
         for log in logs or ():  # what the engine replica publishes: its anchors in the router's hashes
             stride = choices[0].policy.params.claim_stride_blocks
@@ -719,6 +762,8 @@ def whatif(specs: Sequence[RequestSpec], token_ids: Sequence[list[int]], args: a
         out[name] = _replay_ours(specs, token_ids, args, affinity, events, 1)
     for name, affinity in TWO_GATEWAYS.items():
         out[f"{name} (kv events, 2 gateways)"] = _replay_ours(specs, token_ids, args, affinity, True, 2)
+    # issue 42's indexer design: the same two gateways mirroring two indexer shards
+    out["cache_aware (kv events, 2 gateways, indexer)"] = _replay_ours(specs, token_ids, args, {}, True, 2, 2)
     engines, _ = _engines(sim_profile(args), args.replicas, False, RAY_ENGINE_POLICY)
     out["ray_prefix (emulated)"] = simulate(
         specs, token_ids, engines, _RayPrefixEmulation(specs, args.replicas), args.speedup

@@ -45,9 +45,11 @@ import os
 import random
 import sys
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,7 @@ from cluster.engine.profiles import BatchShape, Profile, get_profile
 from cluster.policy.failover import ReplicaEjector
 from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.block_hash import BlockHasher
+from cluster.routing.index_mirror import FrameBuilder, decode_frame, encode_frame
 from cluster.routing.view import BackendView, ReplicaInfo
 from deployments.engine.kv_endpoint import KVEventEndpoint
 from deployments.gateway.kv_feed import MIN_POLL_S
@@ -156,6 +159,11 @@ class EngineSource:
         simulated seconds are too short to reach): one page announcing them, applied untimed."""
         queued = tuple(BlocksQueued(c[: self.keep], f"s{i}") for i, c in enumerate(self.contexts))
         view.apply_kv_page(self.name, KVEventPage(0, [KVEventBatch(1, 0.0, queued)], 0, True), 0.0)
+
+    def warm_router(self, builder: FrameBuilder) -> None:
+        """``warm`` for the indexer design: the indexer's router sees each context once."""
+        queued = tuple(BlocksQueued(c[: self.keep], f"s{i}") for i, c in enumerate(self.contexts))
+        builder.take(self.name, KVEventPage(0, [KVEventBatch(1, 0.0, queued)], 0, True), 0.0)
 
     def step(self, now: float) -> float:
         """One engine step ending at ``now``: its events appended to the log. Returns the CPU
@@ -254,6 +262,8 @@ def simulate(
     seed: int,
     applying: int = 2,
     push: bool = False,
+    indexer: bool = False,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """N engines and M gateways for ``seconds`` of virtual time; per-role CPU and lag. Polled: every
     gateway polls every engine (the engine serves all M); pushed (``push``): each engine encodes
@@ -263,6 +273,8 @@ def simulate(
     engines = [EngineSource(i, rates, cache_blocks, 32, seed * 1000 + i) for i in range(n)]
     names = [e.name for e in engines]
     gws = [Gateway(gateway_view(names, 1_000_000), {r: FeedCursor() for r in names}) for _ in range(m)]
+    if indexer:
+        return _simulate_indexed(engines, gws, rates, seconds, applying, shards)
     for gw in gws[:applying]:
         for e in engines:
             e.warm(gw.view)
@@ -348,6 +360,166 @@ def _run_pushed(
                 gw.polls += 1
                 _gateway_takes(gw, e.name, body, t + FLUSH_S)
     return engine_cpu, t, pages
+
+
+@dataclass
+class Indexer:
+    """One indexer shard (``--design indexer``, cluster/routing/index_mirror.py): a router that
+    takes every engine's pages (its own anchors of them), a single-server queue like a gateway's
+    event loop."""
+
+    builder: FrameBuilder
+    cpu_s: float = 0.0
+    busy_until: float = 0.0
+    pages: int = 0
+    frames: int = 0
+    frame_bytes: int = 0
+    anchors: int = 0
+    pending: list[tuple[str, int, float]] = field(default_factory=list)  # taken batches: replica, seq, ts
+
+
+def _simulate_indexed(
+    engines: list[EngineSource], gws: list[Gateway], rates: Rates, seconds: float, applying: int, shards: int
+) -> dict[str, Any]:
+    """Each engine pushes its step's page once, ``FLUSH_S`` after the step (as ``_run_pushed``), to
+    each of the ``shards`` indexers (each parses it whole: ZMQ topics could split it at the engine,
+    not modelled); an indexer takes it when its loop is free; every ``FLUSH_S`` each publishes a
+    frame of what changed, which the applying gateways decode and apply. Lag: a batch's step end
+    -> the last of the shards' frames that carry it applied on a gateway."""
+    from deployments.engine.kv_pub import FLUSH_S
+
+    names = [e.name for e in engines]
+    ixs = [Indexer(FrameBuilder(_policy(gateway_view(names, 1_000_000)), s, shards)) for s in range(shards)]
+    for ix in ixs:  # the steady state, as in simulate(): the indexer has seen each context once
+        for e in engines:
+            e.warm_router(ix.builder)
+        first = ix.builder.flush(0.0)  # its first frame carries them, applied untimed
+        warm = encode_frame(first) if first is not None else b""
+        for gw in gws[:applying] if warm else ():
+            gw.view.apply_index_frame(decode_frame(warm), 0.0)
+    pushed, engine_cpu, clock, t, next_flush = [0] * len(engines), 0.0, time.thread_time, 0.0, FLUSH_S
+    done: list[dict[tuple[str, int, float], float]] = [{} for _ in gws[:applying]]  # batch -> applied
+    while t < seconds:
+        t += rates.step_s
+        for i, e in enumerate(engines):
+            engine_cpu += e.step(t)
+            if e.log.last_seq == pushed[i]:
+                continue
+            c0 = clock()
+            page = e.log.since(pushed[i], e.log.epoch)
+            body = e.endpoint.encoder.encode(page)
+            engine_cpu += clock() - c0
+            pushed[i] = page.last_seq
+            for ix in ixs:
+                _indexer_takes(ix, e.name, body, t + FLUSH_S)
+        while next_flush <= t + FLUSH_S:
+            for ix in ixs:
+                _indexer_flushes(ix, gws[:applying], done, next_flush)
+            next_flush += FLUSH_S
+    for gw, applied in zip(gws, done, strict=False):
+        gw.events = len(applied)
+        gw.lags = [at - ts for (_, _, ts), at in applied.items()]
+    size = len(_policy(gws[0].view).index)
+    return _indexed_row(engines, gws, gws[:applying], ixs, (t, engine_cpu), floor_size=size)
+
+
+def _policy(view: BackendView) -> AffinityRouter:
+    assert view.policy is not None
+    return view.policy
+
+
+def _indexed_row(
+    engines: Sequence[EngineSource],
+    gws: Sequence[Gateway],
+    applying: Sequence[Gateway],
+    ixs: Sequence[Indexer],
+    clocks: tuple[float, float],
+    floor_size: int,
+) -> dict[str, Any]:
+    """The sweep point's row; ``clocks``: (virtual seconds, the engines' CPU seconds)."""
+    t, engine_cpu = clocks
+    out = summarise(len(engines), len(gws), t, engines, applying, engine_cpu)
+    floor_ns = mirror_floor_ns(floor_size)
+    frames, anchors = sum(ix.frames for ix in ixs), sum(ix.anchors for ix in ixs)
+    out.update(
+        transport="push",
+        design="indexer",
+        indexer_shards=len(ixs),
+        indexer_cpu_share=round(max(ix.cpu_s for ix in ixs) / t, 5),  # the busiest shard's
+        indexer_cpu_share_all_shards=round(sum(ix.cpu_s for ix in ixs) / t, 5),
+        indexer_pages_per_s=round(max(ix.pages for ix in ixs) / t, 1),
+        frames_per_s=round(frames / t, 1),
+        frame_kb_mean=round(sum(ix.frame_bytes for ix in ixs) / max(1, frames) / 1024, 2),
+        frame_anchors_per_s=round(anchors / t, 1),
+        mirror_floor_ns_per_anchor=round(floor_ns, 1),
+        mirror_floor_cpu_share=round(anchors / t * floor_ns / 1e9, 5),
+        polls_per_gateway_per_s=round(frames / t, 1),
+        polls_per_engine_per_s=round(max(ix.pages for ix in ixs) / len(engines) / t, 1),  # one PUB send
+        connections_per_gateway=len(ixs),
+        connections_per_engine=len(ixs),
+        connections_total=(len(engines) + len(gws)) * len(ixs),
+    )
+    return out
+
+
+def mirror_floor_ns(size: int, batch: int = 20_000, rounds: int = 10) -> float:
+    """The box's floor for a mirror: nanoseconds per anchor of the bare C-level operations a frame
+    needs (``dict.update`` of new anchors from packed arrays, then ``pop`` of as many) on a plain
+    dict of the mirror's size, no code of ours around them."""
+    rng = random.Random(5)
+    d = {rng.getrandbits(63): 1 for _ in range(max(size, 1))}
+    bits = {s: 1 << s for s in range(256)}
+    total = 0.0
+    for _ in range(rounds):
+        keys = array("q", [rng.getrandbits(63) for _ in range(batch)])
+        slots = array("H", [rng.randrange(256) for _ in range(batch)])
+        t0 = time.perf_counter()
+        d.update(zip(keys, map(bits.__getitem__, slots), strict=True))
+        deque(map(d.pop, keys, repeat(None)), maxlen=0)
+        total += time.perf_counter() - t0
+    return total / rounds / (2 * batch) * 1e9
+
+
+def _indexer_takes(ix: Indexer, replica: str, body: bytes, due: float) -> None:
+    """One engine page at ``due`` on an indexer: parsed and applied (``FrameBuilder.take``)."""
+    c0 = time.thread_time()
+    page = kv_events.page_from_json(body)
+    ix.builder.take(replica, page, due)
+    cost = time.thread_time() - c0
+    ix.cpu_s += cost
+    ix.busy_until = max(due, ix.busy_until) + cost
+    ix.pages += 1
+    ix.pending.extend((replica, b.seq, b.ts) for b in page.batches)
+
+
+def _indexer_flushes(
+    ix: Indexer, gws: Sequence[Gateway], done: list[dict[tuple[str, int, float], float]], due: float
+) -> None:
+    """The frame at ``due`` (or when the indexer's loop is free): built, encoded, applied; each
+    gateway notes when each batch it carries was applied (the last shard's counts)."""
+    c0 = time.thread_time()
+    frame = ix.builder.flush(due)
+    body = encode_frame(frame) if frame is not None else b""
+    cost = time.thread_time() - c0
+    ix.cpu_s += cost
+    stamps, ix.pending = ix.pending, []
+    sent = max(due, ix.busy_until) + cost
+    ix.busy_until = sent
+    if frame is not None:
+        ix.frames += 1
+        ix.frame_bytes += len(body)
+        ix.anchors += frame.anchors()
+    for gw, applied in zip(gws, done, strict=True):
+        took = 0.0
+        if frame is not None:
+            c1 = time.thread_time()
+            gw.view.apply_index_frame(decode_frame(body), sent)
+            took = time.thread_time() - c1
+            gw.cpu_s += took
+            gw.polls += 1
+        gw.busy_until = max(sent, gw.busy_until) + took
+        for key in stamps:
+            applied[key] = max(applied.get(key, 0.0), gw.busy_until)
 
 
 def pct(xs: Sequence[float], q: float) -> float:
@@ -767,8 +939,17 @@ def run_sweep(
         state = None
         for m in args.m:
             t0 = time.monotonic()
+            push, indexer = args.transport == "push", args.design == "indexer"
             r = simulate(
-                n, m, rates, args.seconds, args.sim_cache_blocks, args.seed, push=args.transport == "push"
+                n,
+                m,
+                rates,
+                args.seconds,
+                args.sim_cache_blocks,
+                args.seed,
+                push=push,
+                indexer=indexer,
+                shards=args.shards,
             )
             if state is None:
                 kv_bytes = r["kv_map_bytes_per_entry"]
@@ -777,8 +958,17 @@ def run_sweep(
             r["gateway_apply_cpu_share"] = r["gateway_cpu_share"]
             r["gateway_http_cpu_share"] = round(r["polls_per_gateway_per_s"] * http["client_us"] / 1e6, 5)
             r["gateway_cpu_share"] = round(r["gateway_apply_cpu_share"] + r["gateway_http_cpu_share"], 5)
-            per_poll = http["server_us"] + http.get("server_us_per_m", 0.0) * m
+            per_m = http.get("server_us_per_m", 0.0)
+            per_poll = http["server_us"] + per_m * (args.shards if indexer else m)  # indexer: its shards
             r["engine_http_cpu_share"] = round(r["polls_per_engine_per_s"] * per_poll / 1e6, 6)
+            if indexer:  # its SUB takes every engine's pages; its PUB sends each frame to M gateways
+                took = r["indexer_pages_per_s"] * http["client_us"]
+                sent = r["frames_per_s"] / args.shards * (http["server_us"] + per_m * m)  # one shard's
+                r["indexer_apply_cpu_share"] = r["indexer_cpu_share"]
+                r["indexer_http_cpu_share"] = round((took + sent) / 1e6, 5)
+                r["indexer_cpu_share"] = round(r["indexer_apply_cpu_share"] + r["indexer_http_cpu_share"], 5)
+                all_http = r["indexer_http_cpu_share"] * args.shards  # each shard takes every page
+                r["indexer_cpu_share_all_shards"] = round(r["indexer_cpu_share_all_shards"] + all_http, 5)
             r["engine_cpu_share"] = round(r["engine_serialize_cpu_share"] + r["engine_http_cpu_share"], 6)
             r["gateway_saturated"] = r["gateway_cpu_share"] >= 1.0
             r["wall_s"] = round(time.monotonic() - t0, 1)
@@ -829,7 +1019,8 @@ def http_overhead(args: argparse.Namespace, rates: Rates) -> tuple[list[dict[str
 
 def flat_keys(prefix: str, row: dict[str, Any]) -> dict[str, Any]:
     keys = ("gateway_cpu_share", "engine_cpu_share", "lag_p99_ms", "decision_p99_us", "index_mb")
-    return {f"{prefix}_{k}": row[k] for k in keys}
+    extra = ("indexer_cpu_share", "mirror_floor_cpu_share")  # the indexer design's
+    return {f"{prefix}_{k}": row[k] for k in keys} | {f"{prefix}_{k}": row[k] for k in extra if k in row}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -859,7 +1050,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--http-seconds", type=float, default=8.0)
     ap.add_argument("--port", type=int, default=18642)
     ap.add_argument(
-        "--design", default="before", help="the key prefix the N-max, M-max point is written under"
+        "--design",
+        default="before",
+        help="the key prefix the N-max, M-max point is written under; 'indexer' also runs that design"
+        " (one indexer per backend, gateways mirror it: cluster/routing/index_mirror.py)",
+    )
+    ap.add_argument(
+        "--shards", type=int, default=1, help="--design indexer: indexers, each owning anchors h % shards"
     )
     ap.add_argument(
         "--transport",
@@ -911,7 +1108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report[f"{args.design}_provenance"] = provenance(argv or sys.argv[1:], git, load, started)
     if args.code_note:
         report[f"{args.design}_provenance"]["code"] = args.code_note
-    report["provenance"] = report[f"{args.design}_provenance"]  # the last run's (RESULTS.md's source)
+    if args.design != "indexer":  # RESULTS.md's row is the shipped design's: an opt-in one leaves it
+        report["provenance"] = report[f"{args.design}_provenance"]  # the last such run's
     report["workload"] = {
         "profile": args.profile,
         "kv_blocks_per_engine": profile.num_kv_blocks(),

@@ -1,12 +1,13 @@
 """BENCHMARKS.md's control-plane tables (issue 42): ``control_plane.json``, the design before the
 issue (``before_``), the changed index on the long poll (``poll_``) and pushed (``after_``), side by
-side."""
+side; and the indexer design measured in the simulation (``indexer_``, not wired into the gateway:
+cluster/routing/index_mirror.py), whose own process has a column of its own."""
 
 from __future__ import annotations
 
 from loadtest.tables.table_format import Results, fixed, num, pct, table
 
-_DESIGNS = {"before": "before", "poll": "after, polled", "after": "after, pushed"}
+_DESIGNS = {"before": "before", "poll": "after, polled", "after": "after, pushed", "indexer": "indexer"}
 
 
 def control_plane(r: Results) -> str:
@@ -19,13 +20,14 @@ def control_plane(r: Results) -> str:
         sweep = d.get(f"{key}_sweep", [])
         n_max, m_max = max((p["n"] for p in sweep), default=0), max((p["m"] for p in sweep), default=0)
         for p in sweep:  # growth in N at the most gateways, in M at the most engines (the file has all)
-            if p["n"] != n_max and p["m"] != m_max:
+            if (p["n"] != n_max or key == "indexer") and p["m"] != m_max:
                 continue
             rows.append(
                 [
                     f"{label}, N {p['n']}, M {p['m']}",
                     fixed(p["gateway_cpu_share"], 2),
                     fixed(p["gateway_http_cpu_share"], 2),
+                    fixed(p["indexer_cpu_share"], 2) if "indexer_cpu_share" in p else "",
                     pct(p["engine_cpu_share"], 2),
                     f"{fixed(p['lag_p50_ms'], 1)} / {fixed(p['lag_p99_ms'], 1)}",
                     f"{fixed(p['decision_p50_us'], 1)} / {fixed(p['decision_p99_us'], 1)}",
@@ -37,13 +39,14 @@ def control_plane(r: Results) -> str:
         "design, engines N, gateways M",
         "gateway CPU (cores)",
         "of it transport",
+        "indexer CPU",
         "engine CPU",
         "lag p50 / p99 ms",
         "decision p50 / p99 µs",
         "index MB",
         "connections",
     ]
-    return table(header, "lrrrrrrr", rows)
+    return table(header, "lrrrrrrrr", rows)
 
 
 def control_plane_fits(r: Results) -> str:
