@@ -133,18 +133,23 @@ def _top_level(api: ChatCompletionRequest | CompletionRequest) -> list[str]:
             continue
         if name == "temperature" and (api.temperature or 0) <= 1:
             continue
-        if name == "modalities" and isinstance(api, ChatCompletionRequest) and api.modalities == ["text"]:
-            continue
         if name in ("best_of", "n") and getattr(api, name) == 1:
             continue
-        fmt = api.response_format if isinstance(api, ChatCompletionRequest) else None
-        if name == "response_format" and fmt is not None and fmt.type == "text":
-            continue
-        thinking = api.thinking if isinstance(api, ChatCompletionRequest) else None
-        if name == "thinking" and thinking is not None and thinking.get("type") == "disabled":
+        if isinstance(api, ChatCompletionRequest) and _chat_default(name, api):
             continue
         used.append(name)
     return used
+
+
+def _chat_default(name: str, api: ChatCompletionRequest) -> bool:
+    """A chat-only field set to what asking nothing means: text out, plain text, no thinking."""
+    if name == "modalities":
+        return bool(api.modalities == ["text"])
+    if name == "response_format":
+        return api.response_format is not None and api.response_format.type == "text"
+    if name == "thinking":
+        return api.thinking is not None and api.thinking.get("type") == "disabled"
+    return False
 
 
 def _in_messages(api: ChatCompletionRequest) -> list[str]:
