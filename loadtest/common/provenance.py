@@ -38,7 +38,12 @@ def _version(dist: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
-    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain"))}
+    """The commit, and whether the code differs from it: result files and the pages rendered from
+    them are the runs' output, not code (a plan's later steps would all read dirty otherwise)."""
+    out = ("loadtest/results/", "BENCHMARKS.md", "RESULTS.md")
+    status = _git("status", "--porcelain")  # "XY path" a line (the first's leading space stripped)
+    changed = [line.split(None, 1)[-1] for line in (status or "").splitlines() if line.strip()]
+    return {"git_commit": _git("rev-parse", "HEAD"), "git_dirty": any(not p.startswith(out) for p in changed)}
 
 
 def provenance(

@@ -23,6 +23,7 @@ NOT_STEPS = {
     "benchmarks/cli_bench.py": "cluster bench's ad-hoc reports (named per run), on no table of the page",
     "benchmarks/gpu_check.py": "the GPU run (scripts/gpu-check.sh)",
     "benchmarks/bench_all.py": "this runner",
+    "common/provenance.py": "writes what each script hands it (write_report), no result file of its own",
     "tables/bench_tables.py": "writes BENCHMARKS.md from the results, no result file",
     "locustfile.py": "Locust's CSVs and summary where its caller says, on no table of the page",
     "calibration/calibrate_host.py": (
