@@ -20,7 +20,8 @@ engine side runs ``KVEventLog.since`` + ``page_to_wire`` + ``json.dumps`` (what
 ``kv_endpoint``'s ``web.json_response`` does), the gateway side ``page_from_json``
 + ``BackendView.apply_kv_page`` + ``FeedCursor.advance`` (what ``kv_feed`` does after
 ``resp.read()``) on the gateway's own ``BackendView``/``AffinityRouter`` (the classes and config
-defaults the gateway builds). Both sides' CPU is ``time.thread_time`` of that work, divided by the
+defaults the gateway builds). Both sides' CPU is ``time.thread_time`` of that work (less the
+collector's pauses within it: ``work_time``), divided by the
 virtual seconds simulated: CPU seconds per wall second at the real rates. A gateway is one event
 loop: a single-server queue whose service times are the measured CPU times, which gives the event
 -> index lag (event's step end -> its page applied). The HTTP layer itself (aiohttp's request
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import heapq
 import inspect
 import json
@@ -82,6 +84,35 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 TOKEN = "bench-token"
 BLOCK = 16
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+# -- the clock of the simulated work --------------------------------------------------------------
+
+
+class _Collector:
+    """The garbage collector's pauses in this thread, summed (``gc.callbacks``). This one process
+    holds every simulated engine, indexer and gateway, a heap no real process has: a full
+    collection of it, landing in whichever gateway's work triggered it, is the simulation's cost,
+    not that gateway's. ``work_time`` leaves it out; each row reports it apart (``sim_gc_s``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._started
+
+
+COLLECTOR = _Collector()
+
+
+def work_time() -> float:
+    """This thread's CPU seconds less the collector's pauses so far (see :class:`_Collector`)."""
+    return time.thread_time() - COLLECTOR.seconds
 
 
 # -- what one engine publishes -------------------------------------------------------------------
@@ -190,9 +221,9 @@ class EngineSource:
         over = len(self._held) - self.cache_blocks
         if over > 0:  # KV pressure: one BlockRemoved for the step's evictions, oldest first
             ev.append(BlockRemoved([self._held.popleft() for _ in range(over)]))
-        c0 = time.thread_time()
+        c0 = work_time()
         self.log.append(ev, now)
-        return time.thread_time() - c0
+        return work_time() - c0
 
 
 # -- a gateway's side ----------------------------------------------------------------------------
@@ -244,10 +275,10 @@ def expire_recent(view: BackendView, now: float) -> float:
     control-plane work too, since the events' ``BlocksQueued`` filled it. Returns its CPU seconds."""
     policy = view.policy
     assert policy is not None
-    c0 = time.thread_time()
+    c0 = work_time()
     if policy.index._recent_log:
         policy.index.expire_recent(now - policy.params.recent_ttl_s)
-    return time.thread_time() - c0
+    return work_time() - c0
 
 
 # -- the simulation ------------------------------------------------------------------------------
@@ -270,6 +301,24 @@ def simulate(
     each page once, ``FLUSH_S`` after its step, and every gateway takes it (ZMQ copies it to each:
     measured apart, see ``transport_overhead``). The first ``applying`` gateways also apply the
     pages (every gateway applies the same pages, so the others would only repeat it)."""
+    gc0 = COLLECTOR.seconds
+    out = _simulate(n, m, rates, seconds, cache_blocks, seed, applying, push, indexer, shards)
+    out["sim_gc_s"] = round(COLLECTOR.seconds - gc0, 3)  # left out of every role's CPU (_Collector)
+    return out
+
+
+def _simulate(
+    n: int,
+    m: int,
+    rates: Rates,
+    seconds: float,
+    cache_blocks: int,
+    seed: int,
+    applying: int,
+    push: bool,
+    indexer: bool,
+    shards: int,
+) -> dict[str, Any]:
     engines = [EngineSource(i, rates, cache_blocks, 32, seed * 1000 + i) for i in range(n)]
     names = [e.name for e in engines]
     gws = [Gateway(gateway_view(names, 1_000_000), {r: FeedCursor() for r in names}) for _ in range(m)]
@@ -290,9 +339,9 @@ def simulate(
 
 def _gateway_takes(gw: Gateway, replica: str, body: bytes, due: float) -> None:
     """One gateway applying one page at ``due``: its CPU, and the lag of the page's batches."""
-    c1 = time.thread_time()
+    c1 = work_time()
     page = apply_page(gw, replica, body, due)
-    c2 = time.thread_time()
+    c2 = work_time()
     gw.cpu_s += c2 - c1
     gw.events += sum(len(b.events) for b in page.batches)
     gw.cpu_s += expire_recent(gw.view, due)
@@ -311,7 +360,7 @@ def _run_polled(
     """Every (gateway, engine) pair polls every MIN_POLL_S at its own phase."""
     polls = [(rng.uniform(0, MIN_POLL_S), g, e) for g in range(len(gws)) for e in range(len(engines))]
     heapq.heapify(polls)
-    engine_cpu, clock, t = 0.0, time.thread_time, 0.0
+    engine_cpu, clock, t = 0.0, work_time, 0.0
     while t < seconds:
         t += rates.step_s
         while polls[0][0] < t:  # the polls before this step's end see the events until the last one
@@ -344,7 +393,7 @@ def _run_pushed(
     from deployments.engine.kv_pub import FLUSH_S
 
     pushed = [0] * len(engines)
-    engine_cpu, clock, t, pages = 0.0, time.thread_time, 0.0, 0
+    engine_cpu, clock, t, pages = 0.0, work_time, 0.0, 0
     while t < seconds:
         t += rates.step_s
         for i, e in enumerate(engines):
@@ -397,7 +446,7 @@ def _simulate_indexed(
         warm = encode_frame(first) if first is not None else b""
         for gw in gws[:applying] if warm else ():
             gw.view.apply_index_frame(decode_frame(warm), 0.0)
-    pushed, engine_cpu, clock, t, next_flush = [0] * len(engines), 0.0, time.thread_time, 0.0, FLUSH_S
+    pushed, engine_cpu, clock, t, next_flush = [0] * len(engines), 0.0, work_time, 0.0, FLUSH_S
     done: list[dict[tuple[str, int, float], float]] = [{} for _ in gws[:applying]]  # batch -> applied
     while t < seconds:
         t += rates.step_s
@@ -482,10 +531,10 @@ def mirror_floor_ns(size: int, batch: int = 20_000, rounds: int = 10) -> float:
 
 def _indexer_takes(ix: Indexer, replica: str, body: bytes, due: float) -> None:
     """One engine page at ``due`` on an indexer: parsed and applied (``FrameBuilder.take``)."""
-    c0 = time.thread_time()
+    c0 = work_time()
     page = kv_events.page_from_json(body)
     ix.builder.take(replica, page, due)
-    cost = time.thread_time() - c0
+    cost = work_time() - c0
     ix.cpu_s += cost
     ix.busy_until = max(due, ix.busy_until) + cost
     ix.pages += 1
@@ -497,10 +546,10 @@ def _indexer_flushes(
 ) -> None:
     """The frame at ``due`` (or when the indexer's loop is free): built, encoded, applied; each
     gateway notes when each batch it carries was applied (the last shard's counts)."""
-    c0 = time.thread_time()
+    c0 = work_time()
     frame = ix.builder.flush(due)
     body = encode_frame(frame) if frame is not None else b""
-    cost = time.thread_time() - c0
+    cost = work_time() - c0
     ix.cpu_s += cost
     stamps, ix.pending = ix.pending, []
     sent = max(due, ix.busy_until) + cost
@@ -512,9 +561,9 @@ def _indexer_flushes(
     for gw, applied in zip(gws, done, strict=True):
         took = 0.0
         if frame is not None:
-            c1 = time.thread_time()
+            c1 = work_time()
             gw.view.apply_index_frame(decode_frame(body), sent)
-            took = time.thread_time() - c1
+            took = work_time() - c1
             gw.cpu_s += took
             gw.polls += 1
         gw.busy_until = max(sent, gw.busy_until) + took
