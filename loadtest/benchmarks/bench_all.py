@@ -236,6 +236,9 @@ NOT_RERUN = {
     "gpu_overhead.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "gpu_affinity.json": "scripts/gpu-check.sh, on a machine with an NVIDIA GPU",
     "bench_all.json": "this command's own record of what it ran",
+    "rehearsal_indexer.json": (
+        "by hand, as root: rehearsal --kv-index indexer --events (all but kv_feed_cut) --out ... (issue 42)"
+    ),
     "rehearsal.json": (
         "by hand, as root: python -m loadtest.benchmarks.rehearsal (the multi-node lab, 15 min)"
     ),

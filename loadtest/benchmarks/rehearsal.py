@@ -99,10 +99,12 @@ class Timing:
 
 
 # The lab's config -----------------------------------------------------------------------------
-def rehearsal_config(provider_url: str, vllm: bool = False) -> dict[str, Any]:
+def rehearsal_config(provider_url: str, vllm: bool = False, kv_index: str = "gateway") -> dict[str, Any]:
     """configs/sim-local.yaml with two gateway replicas and a loopback OpenAI provider on the same
     route: provider first for Tab (hedged) and Chat, the engines first for Agent. ``vllm``: with
-    configs/local.yaml's vLLM-CPU backend (one replica) too, the sim engines serving its model."""
+    configs/local.yaml's vLLM-CPU backend (one replica) too, the sim engines serving its model.
+    ``kv_index`` ``indexer``: the sim backend's KV events applied by two indexer shards that the
+    gateways mirror (issue 42), instead of by every gateway."""
     from loadtest.common.reliability import provider_backend
 
     cfg = yaml.safe_load((ROOT / "configs/sim-local.yaml").read_text())
@@ -110,6 +112,9 @@ def rehearsal_config(provider_url: str, vllm: bool = False) -> dict[str, Any]:
         _with_vllm(cfg)
     cfg["name"] = "llm-cluster-rehearsal"
     cfg["server"]["gateway_replicas"] = 2
+    if kv_index == "indexer":
+        sim = next(b for b in cfg["backends"] if b["name"] == SIM)
+        sim["affinity"] = {**sim.get("affinity", {}), "kv_index": "indexer", "indexer_shards": 2}
     model = cfg["models"][0]["name"]
     prov = provider_backend(PROVIDER, "openai", provider_url, model, key_env=KEY_ENV)
     prov["provider"] |= {"connect_timeout_s": 2, "first_token_timeout_s": 5, "between_tokens_timeout_s": 3}
@@ -147,10 +152,10 @@ def _model(plan: LabPlan) -> str:
     return str(doc["applications"][0]["args"]["config"]["models"][0]["name"])
 
 
-def write_inputs(plan_client_ip: str, vllm: bool = False) -> tuple[str, str]:
+def write_inputs(plan_client_ip: str, vllm: bool = False, kv_index: str = "gateway") -> tuple[str, str]:
     """The config and deploy settings files (two cpu pods: one may be lost while the other serves)."""
     WORK.mkdir(parents=True, exist_ok=True)
-    cfg = rehearsal_config(f"http://{plan_client_ip}:{PROVIDER_PORT}/v1", vllm)
+    cfg = rehearsal_config(f"http://{plan_client_ip}:{PROVIDER_PORT}/v1", vllm, kv_index)
     settings = yaml.safe_load((ROOT / "k8s/settings/lab.yaml").read_text())
     settings["cpu"] |= {"min_replicas": 2, "max_replicas": 2}
     (WORK / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -491,7 +496,7 @@ def rehearse(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
     os.environ[KEY_ENV] = f"sk-rehearsal-{secrets.token_hex(16)}"  # the Secret's provider key
     with contextlib.suppress(FileNotFoundError):
         (WORK / "records.jsonl").unlink()
-    config, settings = write_inputs(str(ipaddress.ip_network(SUBNET)[2]), args.vllm_node)
+    config, settings = write_inputs(str(ipaddress.ip_network(SUBNET)[2]), args.vllm_node, args.kv_index)
     t0 = time.monotonic()
     run: dict[str, Any] = {}
     try:
@@ -524,6 +529,7 @@ def report(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         "books_exact": books_exact,
         "leftovers": run["leftovers"],
         "engines": VLLM_NOTE if args.vllm_node else ENGINES_NOTE,
+        "kv_index": args.kv_index,
         "events_run": list(events),
         "events_left_out": LEFT_OUT,
         "quick": args.quick,
@@ -544,11 +550,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="vLLM-CPU (configs/local.yaml's tiny model) on one engine node, sim on the other, one route",
     )
+    p.add_argument(
+        "--kv-index",
+        choices=["gateway", "indexer"],
+        default="gateway",
+        help="indexer: the sim backend's KV events applied by two indexer shards the gateways mirror",
+    )
     p.add_argument("--out", default=str(ROOT / "loadtest/results/rehearsal.json"))
     args = p.parse_args(argv)
     args.events = [e for e in args.events.split(",") if e]
     if bad := set(args.events) - set(EVENTS):
         p.error(f"unknown events {sorted(bad)}")
+    if args.kv_index == "indexer" and "kv_feed_cut" in args.events:
+        p.error("kv_feed_cut checks the gateways' own KV-event feeds: with --kv-index indexer leave it out")
     started, load_before, git = time.monotonic(), os.getloadavg(), git_state()
     run = rehearse(args)
     prov = provenance(sys.argv[1:] if argv is None else argv, git, load_before, started)

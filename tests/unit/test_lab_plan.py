@@ -255,3 +255,20 @@ def test_the_rehearsals_vllm_node_config_pins_one_engine_kind_per_pod(tmp_path: 
     manifest = render_rayservice(config, load_settings(ROOT / "k8s/settings/lab.yaml"))
     plan = pinned(make_plan(manifest, SECRET | {rehearsal.KEY_ENV: "k"}, ROOT), rehearsal.VLLM_PINS)
     assert not unplaceable(plan) and rehearsal._model(plan) == model
+
+
+def test_the_rehearsals_indexer_config_deploys_the_indexers_on_the_cpu_pods(tmp_path: Path) -> None:
+    """``rehearsal --kv-index indexer`` (issue 42): the sim backend's events applied by two indexer
+    shards; the lab's manifest lists them, and the plan places every replica."""
+    from loadtest.benchmarks import rehearsal
+
+    cfg = rehearsal.rehearsal_config("http://10.213.0.2:18101/v1", kv_index="indexer")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = load_config(path)
+    sim = next(b for b in config.backends if b.name == rehearsal.SIM)
+    assert (sim.affinity.kv_index, sim.affinity.indexer_shards) == ("indexer", 2)
+    manifest = render_rayservice(config, load_settings(ROOT / "k8s/settings/lab.yaml"))
+    deployments = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]["deployments"]
+    assert {f"indexer-{rehearsal.SIM}-0", f"indexer-{rehearsal.SIM}-1"} <= {d["name"] for d in deployments}
+    assert not unplaceable(make_plan(manifest, SECRET | {rehearsal.KEY_ENV: "k"}, ROOT))
