@@ -1,25 +1,35 @@
 """The KV index held once per backend and mirrored by every gateway (issue 42's indexer design).
 
-Today every gateway replica applies every engine's KV-event pages to its own
+By default every gateway replica applies every engine's KV-event pages to its own
 :class:`cluster.routing.affinity.AffinityRouter`: at 256 engines that is ~2,200 pages and ~500k
 anchors a second on every gateway, most of them claims of contexts already where they are. Here
-one *indexer* applies them (the same ``apply_kv_page``, once per backend) and every ``flush``
-publishes an :class:`IndexFrame`: only what a gateway's decision would now see differently,
+an *indexer* applies them (the same ``apply_kv_page``, once per backend) and every ``flush``
+yields an :class:`IndexFrame`: only what a gateway's decision would now see differently,
 coalesced over the frame's pages — the anchors whose holders (index and recent sends together)
-or home changed, the replicas whose slot, cache fill or demand changed, the sessions bound. A
-gateway applies a frame with C-level bulk dict operations (:meth:`AffinityRouter.apply_frame`)
-and decides on its mirror with the same code as before.
+or home changed, the replicas whose slot, cache fill or demand changed, the sessions bound, the
+claims' clock. A gateway applies a frame with C-level bulk dict operations
+(:meth:`AffinityRouter.apply_frame`) and decides on its mirror with the same code as before.
 
 Slots. A frame names replicas by the indexer's bit positions (``names`` says which replica a slot
 now is, when that changed); a gateway maps them onto its own index's bits. ``cleared``: replicas
 whose index entries went (a reset page, a cleared cache, a lost feed); ``homeless``: replicas
 whose homes went void (``replica_lost``). A gateway applies those first, then the entries.
 
-The builder compares against what it last published (its own copy of the masks and homes: the
-indexer holds the index twice, the gateways once), so a claim of an anchor already homed there,
-or a store of one already held, publishes nothing. Raw ``BlockStored``/``BlockRemoved`` (engine
+Shards. ``shards`` indexers each own the anchors ``h % shards == shard`` (an anchor's holders and
+home are then whole in one shard, and a gateway's one map takes every shard's frames without
+merging); each takes every page and keeps its own anchors. A replica's block count and its
+sessions are shard 0's alone; its placement demand is the sum of the shards' (each homes its own
+anchors, all count the same requests). Shard 0 also speaks for the replicas' resets: entries
+another shard sends for a replica within the frame before shard 0's reset may stay hidden until
+touched again (the mirror's exactness bound).
+
+The builder compares against what it last published (its own copy of the masks and homes: an
+indexer holds its anchors twice, a gateway once), so a claim of an anchor already homed there, or
+a store of one already held, publishes nothing. Raw ``BlockStored``/``BlockRemoved`` (engine
 hashes, which only the indexer's per-replica maps turn into anchors) make the next frame a
-snapshot. ``snapshot()`` is the whole state (a gateway that starts, or missed a frame).
+``reset`` of the whole state, for everyone. :meth:`FrameBuilder.snapshot` is what the gateways hold
+as of the last frame, with its number, for a gateway that starts or missed one; it changes nothing.
+:class:`ShardCursor` is a gateway's place in a shard's frames.
 
 Plain Python, no I/O; the frame's wire form is :func:`encode_frame` / :func:`decode_frame`.
 """
@@ -104,7 +114,7 @@ def _slots_of(mask: int) -> list[int]:
 class FrameBuilder:
     """The indexer's side: applies engine pages to ``router`` and builds the frames (module
     docstring). The router is the indexer's own; nothing else writes it. ``shard`` of ``shards``:
-    this indexer owns the anchors ``h % shards == shard`` (module docstring, "Shards")."""
+    this indexer owns the anchors ``h % shards == shard`` (the module docstring's "Shards")."""
 
     def __init__(self, router: AffinityRouter, shard: int = 0, shards: int = 1) -> None:
         if not 0 <= shard < shards:

@@ -33,6 +33,7 @@ WHATIF_LABELS = {
     ),
     "cache_aware, no cache priority (kv events)": "ours now without the cache rank (`cache_priority: false`)",
     "cache_aware (kv events, 2 gateways)": "ours now, 2 gateway replicas on the same events",
+    "cache_aware (kv events, 2 gateways, indexer)": "the same 2 mirroring 2 indexers (`kv_index: indexer`)",
     "cache_aware (routed records)": "ours now without KV events (`affinity.kv_events: false`)",
     "ray_prefix (emulated)": "Ray's prefix router (emulated)",
 }
