@@ -37,6 +37,21 @@ HEARTBEAT_S = 1.0  # an empty page with the log's head, when nothing else went o
 SNDHWM = 1000  # pages queued per subscriber before ZMQ drops (that subscriber then asks the log)
 
 
+def publisher_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], host: str, token: str
+) -> tuple[zmq.Socket[bytes], str]:
+    """A CURVE PUB socket (key pair from the internal credential) bound on ``host``, a free port,
+    dropping for a subscriber past ``SNDHWM``; and its address."""
+    sock = ctx.socket(zmq.PUB)
+    public, secret = curve_keys(token)
+    sock.curve_secretkey, sock.curve_publickey = secret, public
+    sock.curve_server = True
+    sock.setsockopt(zmq.SNDHWM, SNDHWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://{host}:*")
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
 class KVEventPublisher:
     """``endpoint``'s log, pushed: each new batch once, in pages of what was appended since the
     last push (at most every ``flush_s``), the first frame the replica's id (a gateway's one
@@ -55,14 +70,7 @@ class KVEventPublisher:
         self.endpoint, self.flush_s, self.heartbeat_s = endpoint, flush_s, heartbeat_s
         self._topic = replica_id.encode()
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PUB)
-        public, secret = curve_keys(token)
-        self._sock.curve_secretkey, self._sock.curve_publickey = secret, public
-        self._sock.curve_server = True
-        self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://{host}:*")
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock, self.address = publisher_socket(self._ctx, host, token)
         self._pushed = endpoint.log.last_seq  # what was appended before anyone could subscribe
         self._epoch = endpoint.log.epoch
         self._due: asyncio.TimerHandle | None = None

@@ -23,8 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.json_types import JSONObject
 from cluster.routing.index_mirror import IndexFrame, ShardCursor, decode_frame
 from cluster.routing.view import BackendView
-from deployments.gateway.kv_sub import HEARTBEAT_MS, HEARTBEAT_TIMEOUT_MS, RCVHWM
-from deployments.internal import curve_keys
+from deployments.gateway.kv_sub import subscriber_socket
 
 log = logging.getLogger("ray.serve")
 SILENT_S = 3.0  # a shard heard nothing from this long: its address asked again
@@ -44,20 +43,7 @@ class IndexFollower:
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context(io_threads=1)
-        sock = ctx.socket(zmq.SUB)
-        server_public, _ = curve_keys(self._token)
-        public, secret = zmq.curve_keypair()
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
-        for opt, value in (
-            (zmq.RCVHWM, RCVHWM),
-            (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
-            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-            (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 2000),
-            (zmq.LINGER, 0),
-        ):
-            sock.setsockopt(opt, value)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock = subscriber_socket(ctx, self._token)
         try:
             await asyncio.gather(self._receive(sock), self._watch(sock))
         finally:

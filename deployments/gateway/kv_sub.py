@@ -29,25 +29,32 @@ RCVHWM = 10_000  # pages queued per publisher before ZMQ drops (the feed then as
 DRAIN = 256  # messages taken at once before the event loop gets its turn again
 
 
+def subscriber_socket(ctx: zmq.asyncio.Context, token: str) -> zmq.asyncio.Socket:
+    """A SUB socket to the cluster's CURVE publishers (their key from the internal credential),
+    with ZMQ's heartbeat, reconnects and queue bound, subscribed to everything."""
+    sock = ctx.socket(zmq.SUB)
+    server_public, _ = curve_keys(token)
+    public, secret = zmq.curve_keypair()
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+    for opt, value in (
+        (zmq.RCVHWM, RCVHWM),
+        (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
+        (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        (zmq.RECONNECT_IVL, 100),
+        (zmq.RECONNECT_IVL_MAX, 2000),
+        (zmq.LINGER, 0),
+    ):
+        sock.setsockopt(opt, value)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    return sock
+
+
 class KVSubscriber:
     """One SUB socket: ``follow`` a replica's publisher, hear its pages and its losses."""
 
     def __init__(self, token: str) -> None:
         self._ctx = zmq.asyncio.Context(io_threads=1)
-        sock = self._sock = self._ctx.socket(zmq.SUB)
-        server_public, _ = curve_keys(token)
-        public, secret = zmq.curve_keypair()
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
-        for opt, value in (
-            (zmq.RCVHWM, RCVHWM),
-            (zmq.HEARTBEAT_IVL, HEARTBEAT_MS),
-            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-            (zmq.RECONNECT_IVL, 100),
-            (zmq.RECONNECT_IVL_MAX, 2000),
-            (zmq.LINGER, 0),
-        ):
-            sock.setsockopt(opt, value)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock = self._sock = subscriber_socket(self._ctx, token)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._pages: dict[bytes, Callable[[bytes], None]] = {}
         self._losses: dict[str, Callable[[], None]] = {}  # by the publisher's address

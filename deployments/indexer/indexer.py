@@ -37,10 +37,10 @@ from cluster.routing.affinity import AffinityParams, AffinityRouter
 from cluster.routing.index_mirror import FrameBuilder, IndexFrame, encode_frame
 from cluster.routing.view import BackendView
 from deployments.engine.engine import node_host
-from deployments.engine.kv_pub import FLUSH_S, HEARTBEAT_S, SNDHWM
+from deployments.engine.kv_pub import FLUSH_S, HEARTBEAT_S, publisher_socket
 from deployments.gateway.engine_client import TYPICAL_START_S, ReplicaPicker, block_size
 from deployments.gateway.kv_feed import KVEventFeed
-from deployments.internal import curve_keys, internal_token
+from deployments.internal import internal_token
 
 log = logging.getLogger("ray.serve")
 
@@ -52,14 +52,7 @@ class FramePublisher:
     def __init__(self, topic: str, host: str, token: str) -> None:
         self._topic = topic.encode()
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.PUB)
-        public, secret = curve_keys(token)
-        self._sock.curve_secretkey, self._sock.curve_publickey = secret, public
-        self._sock.curve_server = True
-        self._sock.setsockopt(zmq.SNDHWM, SNDHWM)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://{host}:*")
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock, self.address = publisher_socket(self._ctx, host, token)
         self.sent = 0
 
     def send(self, body: bytes) -> None:
