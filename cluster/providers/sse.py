@@ -104,6 +104,10 @@ class SSEDecoder:
         self._buf = bytearray(rest)
         return out
 
+    def idle(self) -> bool:
+        """Nothing held between reads: no partial line, event or CR; the next read starts clean."""
+        return not (self._buf or self._pending_cr or self._data or self._event or self._retry is not None)
+
     def flush(self) -> list[SSEEvent]:
         """End of stream: a partial last line is discarded, as the spec says."""
         self._buf.clear()

@@ -5,13 +5,14 @@ Pure: no I/O of its own."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 
+from cluster.providers.plain_events import joined_text, literal_text
 from cluster.wire.choices import ChoiceEvents
 from cluster.wire.engine_stream import Emitted
 from cluster.wire.logprobs import LogprobsFraming
 from cluster.wire.openai_format import ResponseMeta, TextEvents, sse, stream_chunk
-from cluster.wire.protocol import Chunk, Usage
+from cluster.wire.protocol import Chunk, Piece, Usage
 from cluster.wire.stream import Ending, Fault
 from cluster.wire.thinking import ThinkingAccumulator
 from cluster.wire.tool_calls import ToolCallAccumulator
@@ -26,7 +27,7 @@ class ChunkFramer:
         self.text_events = TextEvents(meta)
         self.sent_first = False
         self.finished = False  # the finish event is framed: only the stream's tail comes after it
-        self.parts: list[str] = []
+        self.parts: list[str | bytes] = []  # texts, or their JSON strings as a provider sent them
         self.usage: Usage | None = None
         self.finish = "stop"
         self.tokens = 0
@@ -35,14 +36,21 @@ class ChunkFramer:
         self.logprobs = LogprobsFraming(meta.kind, collect=True)  # a provider's, if it sent any
         self.choices = ChoiceEvents(meta, n, collect=True) if n > 1 else None
 
-    def frame(self, batch: list[Chunk | str]) -> bytes:
+    def frame(self, batch: list[Piece]) -> bytes:
         if len(batch) == 1:
             return self.frame_one(batch[0])
         return b"".join([self.frame_one(c) for c in batch])
 
-    def frame_one(self, chunk: Chunk | str) -> bytes:
+    def frame_one(self, chunk: Piece) -> bytes:
         """One chunk's event (b"": none). A ``str`` is a plain text delta, the common chunk: past
-        the first event it is framed straight from its text, no object built or read."""
+        the first event it is framed straight from its text, no object built or read; ``bytes``
+        is such a text's JSON string as the provider sent it, framed as it is."""
+        if type(chunk) is bytes:
+            if self.sent_first and self.choices is None and not self.logprobs.pending:
+                self.tokens += 1
+                self.parts.append(chunk)
+                return self.text_events.literal(chunk)
+            chunk = literal_text(chunk)
         if type(chunk) is str:
             if self.sent_first and self.choices is None and not self.logprobs.pending:
                 self.tokens += 1
@@ -86,15 +94,28 @@ class ChunkFramer:
         return data
 
 
+async def framed(
+    batches: AsyncGenerator[list[Piece], None], framer: ChunkFramer
+) -> AsyncGenerator[bytes, None]:
+    """Each batch of ``batches`` as ``framer`` frames it, for a source that cannot frame its own (a
+    provider adapter frames as it reads: ``ProviderBackend.generate_framed``)."""
+    try:
+        async for batch in batches:
+            yield framer.frame(batch)
+    finally:
+        await batches.aclose()
+
+
 class FramedStream:
     """One attempt on a backend that streams typed chunks, a batch per network read (a provider
-    adapter): each batch leaves as the client's SSE bytes, in one write. Closing it closes the
-    adapter's stream (which aborts the provider's HTTP stream)."""
+    adapter): ``frames`` is each batch as ``framer`` framed it, the client's SSE bytes, one write
+    each. Iterating it iterates ``frames`` itself: no frame of its own per chunk. Closing it closes
+    the adapter's stream (which aborts the provider's HTTP stream)."""
 
-    __slots__ = ("_batches", "framer")
+    __slots__ = ("_frames", "framer")
 
-    def __init__(self, batches: AsyncGenerator[list[Chunk | str], None], framer: ChunkFramer) -> None:
-        self._batches, self.framer = batches, framer
+    def __init__(self, frames: AsyncGenerator[bytes, None], framer: ChunkFramer) -> None:
+        self._frames, self.framer = frames, framer
 
     @property
     def replica(self) -> str | None:
@@ -117,7 +138,7 @@ class FramedStream:
         f = self.framer
         choices = f.choices.whole() if f.choices is not None else None
         calls, thinking, logprobs = f.tool_calls.calls(), f.thinking.blocks(), f.logprobs.whole()
-        return Ending(f.finish, f.usage, "".join(f.parts), calls, thinking, logprobs, choices)
+        return Ending(f.finish, f.usage, joined_text(f.parts), calls, thinking, logprobs, choices)
 
     @property
     def placed_at(self) -> float | None:
@@ -132,11 +153,11 @@ class FramedStream:
     def finished(self) -> None:
         pass
 
-    def __aiter__(self) -> FramedStream:
-        return self
+    def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        return self._frames
 
-    async def __anext__(self) -> bytes:
-        return self.framer.frame(await self._batches.__anext__())
+    def __anext__(self) -> Awaitable[bytes]:
+        return self._frames.__anext__()
 
     async def aclose(self) -> None:
-        await self._batches.aclose()
+        await self._frames.aclose()

@@ -145,5 +145,9 @@ class TextEvents:
     def event(self, text: str) -> bytes:
         return self.prefix + dumps(text) + self.suffix
 
+    def literal(self, string: bytes) -> bytes:
+        """The event of a text already a JSON string (as a provider sent it)."""
+        return self.prefix + string + self.suffix
+
 
 SSE_DONE = sse("[DONE]")

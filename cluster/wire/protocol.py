@@ -380,6 +380,12 @@ class Chunk:
     prompt_logprobs: list[JSON] | None = None
 
 
+# An item of a provider stream's batch (deployments/providers/provider_stream.py): a chunk; a plain text
+# delta's text alone; or, read by its bytes (cluster.providers.plain_events), that text's JSON
+# string exactly as the provider sent it (printable ASCII, no escapes).
+Piece = Chunk | str | bytes
+
+
 @dataclass
 class BackendStats:
     """A cheap load/health snapshot, the same for every kind of backend (vLLM's own counters)."""

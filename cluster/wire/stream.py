@@ -14,7 +14,7 @@ Pure: no I/O here, only the shapes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -108,6 +108,6 @@ class AttemptStream(TokenStream, Protocol):
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 
-    async def __anext__(self) -> bytes: ...
+    def __anext__(self) -> Awaitable[bytes]: ...
 
     async def aclose(self) -> None: ...

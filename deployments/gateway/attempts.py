@@ -239,8 +239,8 @@ class AttemptRunner:
 
     def _provider_stream(self, backend: str, req: GenerateRequest, meta: ResponseMeta) -> FramedStream:
         """An attempt on a provider adapter: its typed chunks, framed as the client's events."""
-        batches = self.providers[backend].generate_batches(req)
-        return FramedStream(batches, ChunkFramer(meta, req.sampling.n))
+        framer = ChunkFramer(meta, req.sampling.n)
+        return FramedStream(self.providers[backend].generate_framed(req, framer.frame), framer)
 
     def _engine_stream(
         self,

@@ -15,8 +15,11 @@ import aiohttp
 
 from cluster.json_types import JSONObject
 from cluster.providers import StreamDelta, openai_wire
+from cluster.providers.plain_events import PlainShape, literal_text
 from cluster.providers.sse import SSEDecoder, SSEEvent
-from cluster.wire.protocol import Chunk, Usage
+from cluster.wire.protocol import Chunk, Piece, Usage
+
+LEARNS = 8  # a stream's tries at its plain text events' shape (each costs a parse)
 
 
 class StreamState:
@@ -39,7 +42,8 @@ class StreamState:
     def __init__(self, input_est: int) -> None:
         self.input_est = input_est
         self.charged = 0  # tokens to charge the budget if the provider never reports usage
-        self.out_parts: list[str] = []  # what came back, counted once, only where no usage is reported
+        # what came back (a str, or a plain text's JSON string), counted once where no usage is reported
+        self.out_parts: list[str | bytes] = []
         self.reserved = self.settled = False
         self.started = False  # content has been yielded
         self.done = False  # the provider said the stream is over
@@ -53,9 +57,21 @@ class ChunkReader:
     """One stream's network reads as batches of chunks. ``parse``: the API's event parser (fresh
     per stream: it may hold state); ``fail``: a mid-stream error object (and whether content had
     started) as the exception to raise; ``openai_data``: the events are OpenAI's plain ``data:``
-    lines, so the fast path may read them."""
+    lines, so the fast path may read them, and a read that is one whole plain text event of the
+    stream's learned shape (:class:`PlainShape`) is its text's JSON string alone, never parsed."""
 
-    __slots__ = ("backend", "decoder", "fail", "openai_data", "parse", "replica", "s")
+    __slots__ = (
+        "backend",
+        "clean",
+        "decoder",
+        "fail",
+        "learns",
+        "openai_data",
+        "parse",
+        "replica",
+        "s",
+        "shape",
+    )
 
     def __init__(
         self,
@@ -70,13 +86,29 @@ class ChunkReader:
         self.replica, self.backend = replica, backend
         self.openai_data = openai_data
         self.decoder = SSEDecoder()
+        self.shape: PlainShape | None = None
+        self.learns = LEARNS if openai_data else 0
+        self.clean = True  # the decoder holds nothing: a read may be a whole event
 
-    def read(self, data: bytes) -> tuple[list[Chunk | str], Exception | None]:
+    def read(self, data: bytes) -> tuple[list[Piece], Exception | None]:
         """One network read's content as chunks, and the failure to raise once they are out. A
-        plain text delta is its text alone (a ``str``: no object built; :func:`as_chunk`)."""
+        plain text delta is its text alone (a ``str``: no object built; :func:`as_chunk`), or, read
+        by its shape, its text's JSON string as sent (``bytes``)."""
+        shape = self.shape
+        if shape is not None and self.clean and (lit := shape.literal(data)) is not None:
+            s = self.s
+            s.started = True
+            s.out_parts.append(lit)
+            return [lit], None
+        try:
+            return self._read(data)
+        finally:
+            self.clean = self.decoder.idle()
+
+    def _read(self, data: bytes) -> tuple[list[Piece], Exception | None]:
         if self.openai_data and (payloads := self.decoder.feed_data(data)) is not None:
             return self._read_openai(payloads)
-        batch: list[Chunk | str] = []
+        batch: list[Piece] = []
         for ev in self.decoder.feed(data):
             try:
                 delta = self.parse(ev)
@@ -87,8 +119,8 @@ class ChunkReader:
                 return batch, failure
         return batch, None
 
-    def _read_openai(self, payloads: list[bytes]) -> tuple[list[Chunk | str], Exception | None]:
-        s, batch = self.s, list[Chunk | str]()
+    def _read_openai(self, payloads: list[bytes]) -> tuple[list[Piece], Exception | None]:
+        s, batch = self.s, list[Piece]()
         for raw in payloads:
             try:
                 got = openai_wire.plain_text(raw)
@@ -96,6 +128,8 @@ class ChunkReader:
                     s.started = True
                     s.out_parts.append(got)
                     batch.append(got)
+                    if self.learns:
+                        self._learn(raw, got)
                     continue
                 delta = StreamDelta(done=True) if got is None else openai_wire.parse_stream_obj(got)
             except ValueError as exc:
@@ -105,7 +139,14 @@ class ChunkReader:
                 return batch, failure
         return batch, None
 
-    def _take(self, delta: StreamDelta, batch: list[Chunk | str]) -> Exception | None:
+    def _learn(self, raw: bytes, text: str) -> None:
+        """A plain text event the learned shape did not match (or the first): its shape, maybe."""
+        self.learns -= 1
+        shape = PlainShape.learn(raw, text, openai_wire.plain_text)
+        if shape is not None:
+            self.shape = shape
+
+    def _take(self, delta: StreamDelta, batch: list[Piece]) -> Exception | None:
         s = self.s
         if delta.error is not None:
             return self.fail(delta.error, s.started)
@@ -133,6 +174,9 @@ class ChunkReader:
         return None
 
 
-def as_chunk(item: Chunk | str, replica: str | None = None, backend: str | None = None) -> Chunk:
-    """A batch's item as a :class:`Chunk` (a plain text delta travels as its text alone)."""
+def as_chunk(item: Piece, replica: str | None = None, backend: str | None = None) -> Chunk:
+    """A batch's item as a :class:`Chunk` (a plain text delta travels as its text alone, or as its
+    JSON string)."""
+    if isinstance(item, bytes):
+        item = literal_text(item)
     return Chunk(text=item, replica=replica, backend=backend) if isinstance(item, str) else item

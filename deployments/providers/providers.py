@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import aiohttp
 
@@ -33,11 +33,12 @@ from cluster.policy.context import reserved_output
 from cluster.providers import StreamDelta, anthropic_wire, openai_wire
 from cluster.providers import errors as perrors
 from cluster.providers.budget import Prices, Refusal, Reservation, cost_usd
+from cluster.providers.plain_events import joined_text
 from cluster.providers.sse import SSEEvent
 from cluster.tokens.images import image_tokens
 from cluster.wire.errors import ClusterError, ProviderAuthError, RateLimited
 from cluster.wire.openai_format import dumps
-from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Usage
+from cluster.wire.protocol import BackendStats, Chunk, GenerateRequest, Piece, Usage
 from deployments.budgets.provider_budget import Budget, get_budget
 from deployments.providers import provider_http as ph
 from deployments.providers.provider_counters import ProviderCounters
@@ -52,6 +53,13 @@ __all__ = [
     "build_provider_backend",
     "shared_session",
 ]
+
+T = TypeVar("T")
+
+
+def _as_is(batch: list[Piece]) -> list[Piece]:
+    return batch
+
 
 log = logging.getLogger(__name__)
 Parser = Callable[[SSEEvent], StreamDelta]  # one SSE event of the provider's -> what it says
@@ -139,10 +147,21 @@ class ProviderBackend:
         finally:
             await gen.aclose()
 
-    async def generate_batches(self, req: GenerateRequest) -> AsyncGenerator[list[Chunk | str], None]:
+    def generate_batches(self, req: GenerateRequest) -> AsyncGenerator[list[Piece], None]:
         """The stream, one list of chunks per network read: what arrived together leaves together
-        (the gateway writes each list to its client in one send), then its usage (settled). One
-        generator from the budget's seat to the settle: a read passes through no other frame."""
+        (the gateway writes each list to its client in one send), then its usage (settled)."""
+        return self._stream(req, _as_is)
+
+    def generate_framed(
+        self, req: GenerateRequest, frame: Callable[[list[Piece]], bytes]
+    ) -> AsyncGenerator[bytes, None]:
+        """:meth:`generate_batches` with each list framed as it leaves (the gateway's
+        :class:`cluster.wire.framing.ChunkFramer`): a chunk passes through no other frame."""
+        return self._stream(req, frame)
+
+    async def _stream(self, req: GenerateRequest, out: Callable[[list[Piece]], T]) -> AsyncGenerator[T, None]:
+        """The stream, each network read's chunks as ``out`` makes them. One generator from the
+        budget's seat to the settle: a read passes through no other frame."""
         loop = asyncio.get_running_loop()
         total_deadline = self._total_deadline(req, loop.time())
         flight = Flight(loop)
@@ -167,19 +186,19 @@ class ProviderBackend:
                     s.last = loop.time()
                     batch, failure = reader.read(data)
                     if batch:
-                        yield batch
+                        yield out(batch)
                     if failure is not None:
                         raise failure
                 if not s.done and (s.finish is None or self.api == "anthropic"):
                     raise perrors.truncated(backend=self.backend_name, started=s.started)
             except Aborted:
-                yield [self._aborted(s)]
+                yield out([self._aborted(s)])
                 return
             except ClusterError:
                 raise
             except (*ph.TRANSPORT_ERRORS, ValueError) as exc:
                 raise self._broken(exc, s, loop.time() - (s.last if s.started else sent_at)) from exc
-            yield [await self._settle(s, res)]
+            yield out([await self._settle(s, res)])
         except ClusterError as err:
             self._count_error(err, req)
             raise
@@ -370,8 +389,8 @@ class ProviderBackend:
             return await asyncio.to_thread(self.counter.count, text)
         return self.counter.count(text)
 
-    def _count_out(self, parts: list[str]) -> int:
-        return self.counter.count("".join(parts)) if parts else 0
+    def _count_out(self, parts: list[str | bytes]) -> int:
+        return self.counter.count(joined_text(parts)) if parts else 0
 
     def _count_error(self, err: ClusterError, req: GenerateRequest) -> None:
         name = type(err).__name__

@@ -1,16 +1,18 @@
 """Where a gateway replica's CPU goes under relay load (issue 44: cut the per-chunk and per-request
 cost guided by a profile): py-spy samples every gateway replica while the relay benchmark's load runs.
 
-    python -m loadtest.benchmarks.profile_gateway [--path provider|engine] [--streams 256] [--chunks 200]
-        [--interval-ms 20] [--seconds 20] [--out /tmp/llmc-profile]
+    python -m loadtest.benchmarks.profile_gateway [--path provider|engine|floor] [--streams 256]
+        [--chunks 200] [--interval-ms 20] [--seconds 20] [--out /tmp/llmc-profile]
 
 Loopback only; the same processes as ``loadtest/benchmarks/bench_relay.py`` (a paced fake OpenAI upstream, our
 cluster with its provider backend and a paced sim engine), started here and stopped here. The load
 is ``--streams`` workers sending one streamed request after another for the sampled time plus a
-warm-up. py-spy (``pip install py-spy``; it needs ptrace, so run as root or with
-``kernel.yama.ptrace_scope=0``) writes collapsed stacks per replica under ``--out``; the summary
-printed is self time by function (where the CPU is spent) and inclusive time by function (what a
-whole call costs), over every replica. A diagnosis tool: it records no benchmark figure.
+warm-up; ``--path floor`` samples the benchmark's no-logic relay (its ``floor`` leg) instead, the
+same shape without our code, to hold a profile of ours against. py-spy (``pip install py-spy``; it
+needs ptrace, so run as root or with ``kernel.yama.ptrace_scope=0``) writes collapsed stacks per
+replica under ``--out``; the summary printed is self time by function (where the CPU is spent) and
+inclusive time by function (what a whole call costs), over every replica. A diagnosis tool: it
+records no benchmark figure.
 """
 
 from __future__ import annotations
@@ -95,17 +97,20 @@ def run(args: argparse.Namespace) -> int:
         up = stack.enter_context(Proc("fake-upstream", cmd, logdir))
         wait_http(f"http://{HOST}:{up_port}/health", up, 30)
         cfg = relay_config(up_port, port, args.streams)
-        ours = OursCluster("ours", cfg, port, logdir)
+        floor = args.path == "floor"  # the no-logic relay of the same shape (loadtest/common/serve_floor.py)
+        upstream = f"http://{HOST}:{up_port}/v1/chat/completions" if floor else None
+        ours = OursCluster("ours", cfg, port, logdir, floor_upstream=upstream)
         stack.callback(ours.stop)
         ours.wait_ready(180)
         engine = args.path == "engine"
         payload = body(SIM_MODEL if engine else MODEL, args.chunks, ignore_eos=engine)
-        pids = cluster_pids(ours)["gateway"]
-        print(f"gateway replicas {pids}; warming {args.warm_s:.0f} s", flush=True)
-        asyncio.run(_load(ours.url, payload, args.streams, args.warm_s))
+        pids = cluster_pids(ours)["floor" if floor else "gateway"]
+        url = (ours.floor_url if floor else None) or ours.url
+        print(f"{args.path} replicas {pids}; warming {args.warm_s:.0f} s", flush=True)
+        asyncio.run(_load(url, payload, args.streams, args.warm_s))
         spies = _record(pids, args.seconds, out, args.native)
         t0 = time.monotonic()
-        ok, failed = asyncio.run(_load(ours.url, payload, args.streams, args.seconds + 2))
+        ok, failed = asyncio.run(_load(url, payload, args.streams, args.seconds + 2))
         for spy in spies:
             _, err = spy.communicate(timeout=60)
             if spy.returncode:
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--path", choices=["provider", "engine"], default="provider")
+    ap.add_argument("--path", choices=["provider", "engine", "floor"], default="provider")
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--chunks", type=int, default=200)
     ap.add_argument("--interval-ms", type=float, default=20.0)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 
+from cluster.providers.plain_events import joined_text
 from cluster.wire.engine_stream import StreamEnd
-from cluster.wire.framing import ChunkFramer, FramedStream
+from cluster.wire.framing import ChunkFramer, FramedStream, framed
 from cluster.wire.openai_format import ResponseMeta
-from cluster.wire.protocol import Chunk, Usage
+from cluster.wire.protocol import Chunk, Piece, Usage
 from cluster.wire.stream import Ending, ending_of
 
 META = ResponseMeta(kind="chat", request_id="r", model="m", created=1)
@@ -30,7 +31,7 @@ async def test_a_providers_batches_leave_framed_and_end_in_one_shape() -> None:
         finally:
             closed.append(True)
 
-    stream = FramedStream(batches(), ChunkFramer(META))
+    stream = FramedStream(framed(batches(), framer := ChunkFramer(META)), framer)
     first = await anext(stream)
     assert [d["delta"] for d in _deltas(first)] == [
         {"role": "assistant", "content": "Hel"},
@@ -50,7 +51,7 @@ async def test_n_choices_end_with_each_choice() -> None:
         yield [Chunk("a", index=0), Chunk("b", index=1)]
         yield [Chunk("", finish_reason="stop", index=1), Chunk("", finish_reason="length", index=0)]
 
-    stream = FramedStream(batches(), ChunkFramer(META, n=2))
+    stream = FramedStream(framed(batches(), framer := ChunkFramer(META, n=2)), framer)
     items = [item async for item in stream]
     assert len(items) == 2
     end = stream.ending()
@@ -65,17 +66,20 @@ def test_an_engines_end_frame_is_the_same_ending() -> None:
 
 def test_a_plain_text_delta_frames_as_its_chunk_would() -> None:
     """A provider's plain text delta travels as its text alone (deployments/providers/provider_stream.py);
-    framed, it is the same bytes as its Chunk: the first event (role), the common one, one after
+    framed, it is the same bytes as its Chunk, and so is its JSON string as the provider sent it
+    (cluster/providers/plain_events.py): the first event (role), the common one, one after
     pending logprobs (they ride on it), and with n > 1 (each event names its choice)."""
     entry = {"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}
     for n in (1, 2):
-        plain, typed = ChunkFramer(META, n), ChunkFramer(META, n)
-        script: list[list[Chunk | str]] = [["Hel", "lo"], [Chunk("", logprobs=[entry])], [" you"]]
+        plain, typed, literal = ChunkFramer(META, n), ChunkFramer(META, n), ChunkFramer(META, n)
+        script: list[list[Piece]] = [["Hel", "lo"], [Chunk("", logprobs=[entry])], [" you"]]
         out = []
         for batch in script:
             as_typed = [Chunk(c) if isinstance(c, str) else c for c in batch]
+            as_literal = [b'"' + c.encode() + b'"' if isinstance(c, str) else c for c in batch]
             out.append(plain.frame(batch))
-            assert out[-1] == typed.frame(as_typed)
+            assert out[-1] == typed.frame(as_typed) == literal.frame(as_literal)
         parts = ["Hel", "lo", " you"] if n == 1 else []  # n > 1: the choices collect their own
         assert (plain.tokens, plain.parts) == (typed.tokens, typed.parts) == (3, parts)
+        assert (literal.tokens, joined_text(literal.parts)) == (3, "".join(parts))
         assert b'"role"' in out[0] and (n > 1 or b'"logprob"' in out[2])  # the logprobs ride on
