@@ -128,7 +128,7 @@ class ChunkReader:
                     s.started = True
                     s.out_parts.append(got)
                     batch.append(got)
-                    if self.learns:
+                    if self.learns and b'"role"' not in raw:  # (a first event's shape: never again)
                         self._learn(raw, got)
                     continue
                 delta = StreamDelta(done=True) if got is None else openai_wire.parse_stream_obj(got)
