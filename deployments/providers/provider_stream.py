@@ -128,7 +128,7 @@ class ChunkReader:
                     s.started = True
                     s.out_parts.append(got)
                     batch.append(got)
-                    if self.learns and b'"role"' not in raw:  # (a first event's shape: never again)
+                    if self.learns and b'"role"' not in raw:  # (only a first event has the role)
                         self._learn(raw, got)
                     continue
                 delta = StreamDelta(done=True) if got is None else openai_wire.parse_stream_obj(got)
@@ -140,7 +140,8 @@ class ChunkReader:
         return batch, None
 
     def _learn(self, raw: bytes, text: str) -> None:
-        """A plain text event the learned shape did not match (or the first): its shape, maybe."""
+        """A plain text event the parser read (no shape yet, or the read was not one whole event of
+        it): its shape, when it has one; a shape learned before stays otherwise."""
         self.learns -= 1
         shape = PlainShape.learn(raw, text, openai_wire.plain_text)
         if shape is not None:
