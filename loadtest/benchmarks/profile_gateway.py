@@ -73,13 +73,16 @@ async def _load(url: str, payload: bytes, streams: int, seconds: float) -> tuple
     return ok, len(batch.samples) - ok
 
 
-def _record(pids: list[int], seconds: float, out: Path, native: bool) -> list[subprocess.Popen[bytes]]:
+def _record(
+    pids: list[int], seconds: float, out: Path, native: bool, gil: bool
+) -> list[subprocess.Popen[bytes]]:
     spy = _py_spy()
     procs = []
     for pid in pids:
         cmd = [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250"]
         cmd += ["--format", "raw", "--output", str(out / f"gateway-{pid}.txt")]
         cmd += ["--native"] if native else ["--nonblocking"]  # native stacks pause the process
+        cmd += ["--gil"] if gil else []
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     return procs
 
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         url = (ours.floor_url if floor else None) or ours.url
         print(f"{args.path} replicas {pids}; warming {args.warm_s:.0f} s", flush=True)
         asyncio.run(_load(url, payload, args.streams, args.warm_s))
-        spies = _record(pids, args.seconds, out, args.native)
+        spies = _record(pids, args.seconds, out, args.native, args.gil)
         t0 = time.monotonic()
         ok, failed = asyncio.run(_load(url, payload, args.streams, args.seconds + 2))
         for spy in spies:
@@ -131,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, default=8.0)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
+    ap.add_argument(
+        "--gil",
+        action="store_true",
+        help="only samples holding the GIL (py-spy --gil): a thread waiting for it is not counted",
+    )
     ap.add_argument("--out", default="/tmp/llmc-profile")
     return run(ap.parse_args(argv))
 

@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +17,11 @@ import aiohttp
 
 from cluster.observability.server_timing import NAMES, parse_server_timing
 from loadtest.common.overhead_stats import _r, percentile, summarize
-from loadtest.common.procs import quiet_collector
+from loadtest.common.procs import cpu_s, quiet_collector
 
 HOST = "127.0.0.1"
+# A leg's relay processes, looked up as each batch starts (a replica may be replaced between batches)
+Relays = Mapping[str, Callable[[], Sequence[int]]]
 MODEL = "bench-model"
 HEADERS = {"content-type": "application/json", "x-surface": "chat"}
 PROMPT = "Write a function that reverses a string, and explain it briefly."
@@ -133,6 +135,7 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
     client_cpu_s: float = 0.0  # this process's CPU time over the batch: what the load generator costs
+    relay_cpu_s: float | None = None  # the relay's processes' CPU time over the batch, where they are known
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
@@ -179,11 +182,19 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: bytes) -> 
 
 
 async def run_jobs(
-    session: aiohttp.ClientSession, url: str, jobs: Sequence[Sequence[bytes]], concurrency: int, max_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    jobs: Sequence[Sequence[bytes]],
+    concurrency: int,
+    max_s: float,
+    relay: Callable[[], Sequence[int]] | None = None,
 ) -> Batch:
     """``concurrency`` workers take jobs (a job: bodies sent one after another, e.g. a conversation's
-    turns) until none is left or ``max_s`` has passed."""
+    turns) until none is left or ``max_s`` has passed. ``relay``: the relay's processes, whose CPU
+    time over the batch is read from ``/proc``."""
     batch = Batch()
+    pids = relay() if relay is not None else None
+    relay0 = cpu_s(pids) if pids else 0.0
     pending = iter(jobs)
     deadline = time.perf_counter() + max_s
 
@@ -198,6 +209,8 @@ async def run_jobs(
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     batch.wall_s = time.perf_counter() - t0
     batch.client_cpu_s = time.process_time() - cpu0
+    if pids:
+        batch.relay_cpu_s = cpu_s(pids) - relay0
     return batch
 
 
@@ -212,12 +225,20 @@ def leg_figures(batches: Sequence[Batch]) -> dict[str, Any]:
         "errors": dict(errors.most_common(5)),
         "rps": _r(len(ok) / wall, 1) if wall > 0 else None,
         "client_cpu_ms_per_request": _r(1000 * sum(b.client_cpu_s for b in batches) / max(1, len(samples))),
+        "relay_cpu_ms_per_request": _relay_cpu_ms(batches),
         "rps_by_round": [_r(sum(s.ok for s in b.samples) / b.wall_s, 1) for b in batches if b.wall_s > 0],
         "ttft_ms": summarize([s.ttft_ms for s in ok if s.ttft_ms is not None]),
         "ttft_p50_ms_by_round": [_r(percentile([s.ttft_ms for s in b.samples if s.ok], 50)) for b in batches],
         "e2e_ms": summarize([s.e2e_ms for s in ok if s.e2e_ms is not None]),
         **split_figures(ok),
     }
+
+
+def _relay_cpu_ms(batches: Sequence[Batch]) -> float | None:
+    """The relay's CPU per request answered (ms), over batches that read it (None: none did)."""
+    read = [b for b in batches if b.relay_cpu_s is not None]
+    answered = sum(s.ok for b in read for s in b.samples)
+    return _r(1000 * sum(b.relay_cpu_s or 0.0 for b in read) / answered) if answered else None
 
 
 def split_figures(ok: Sequence[Sample]) -> dict[str, Any]:
@@ -237,9 +258,10 @@ def split_figures(ok: Sequence[Sample]) -> dict[str, Any]:
 
 
 async def ab_level(
-    session: aiohttp.ClientSession, urls: dict[str, str], body: bytes, level: Level
+    session: aiohttp.ClientSession, urls: dict[str, str], body: bytes, level: Level, relays: Relays
 ) -> dict[str, dict[str, Any]]:
-    """Rounds of one batch per leg, the leg order rotating each round; each leg's figures over all."""
+    """Rounds of one batch per leg, the leg order rotating each round; each leg's figures over all
+    (with its relay's CPU per request where ``relays`` names its processes)."""
     names = list(urls)
     got: dict[str, list[Batch]] = {n: [] for n in names}
     warmup = [[body]] * max(2 * level.concurrency, 16)
@@ -249,20 +271,22 @@ async def ab_level(
         k = r % len(names)
         for n in names[k:] + names[:k]:
             jobs = [[body]] * level.batch
-            got[n].append(await run_jobs(session, urls[n], jobs, level.concurrency, level.max_s))
+            batch = await run_jobs(session, urls[n], jobs, level.concurrency, level.max_s, relays.get(n))
+            got[n].append(batch)
     return {n: {"concurrency": level.concurrency, **leg_figures(b)} for n, b in got.items()}
 
 
 async def measure_relay(
-    urls: dict[str, str], body: bytes, levels: Sequence[Level]
+    urls: dict[str, str], body: bytes, levels: Sequence[Level], relays: Relays | None = None
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every level through one client session: ``legs[leg]["c16"]`` = that leg's figures."""
+    """Every level through one client session: ``legs[leg]["c16"]`` = that leg's figures;
+    ``relays[leg]``: that leg's relay processes (their CPU is read over each of its batches)."""
     quiet_collector()  # no collector pause of ours inside the measurement
     legs: dict[str, dict[str, dict[str, Any]]] = {}
     async with client_session() as session:
         for level in levels:
             print(f"[relay] c{level.concurrency}: {level.rounds} rounds x {level.batch} requests per leg ...")
-            for leg, fig in (await ab_level(session, urls, body, level)).items():
+            for leg, fig in (await ab_level(session, urls, body, level, relays or {})).items():
                 legs.setdefault(leg, {})[f"c{level.concurrency}"] = fig
     return legs
 

@@ -64,6 +64,8 @@ def overhead_figures(legs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, An
         into[f"peer_added_ttft_p99_ms_c{c}"] = add("peer", c, "p99")
         into[f"floor_added_ttft_p50_ms_c{c}"] = add("floor", c, "p50")
         into[f"floor_added_ttft_p99_ms_c{c}"] = add("floor", c, "p99")
+        for leg, prefix in (("ours", ""), ("peer", "peer_"), ("floor", "floor_")):
+            into[f"{prefix}relay_cpu_ms_per_request_c{c}"] = at(leg, c).get("relay_cpu_ms_per_request")
         if c > 1:
             into[f"rps_c{c}"] = rps("ours", c)
             into[f"peer_rps_c{c}"] = rps("peer", c)
@@ -112,8 +114,8 @@ def floor_goals(fig: dict[str, Any]) -> dict[str, bool | None]:
 
 
 def ours_minus_floor(fig: dict[str, Any]) -> dict[str, float | None]:
-    """What our gateway's code costs over the floor: added TTFT (ms) ours minus floor, and ours'
-    requests/s as a share of the floor's."""
+    """What our gateway's code costs over the floor: added TTFT (ms) and relay CPU per request (ms)
+    ours minus floor, and ours' requests/s as a share of the floor's."""
 
     def minus(k: str) -> float | None:
         a, b = fig.get(k), fig.get(f"floor_{k}")
@@ -124,4 +126,5 @@ def ours_minus_floor(fig: dict[str, Any]) -> dict[str, float | None]:
         "added_ttft_p50_ms_c1": minus("added_ttft_p50_ms_c1"),
         "added_ttft_p50_ms_c16": minus("added_ttft_p50_ms_c16"),
         "rps_c16_share": None if not rps or not floor_rps else round(rps / floor_rps, 3),
+        "relay_cpu_ms_per_request_c16": minus("relay_cpu_ms_per_request_c16"),
     }

@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from deployments.cpu_sched import engine_core_stats
@@ -156,7 +157,7 @@ def wait_http(url: str, proc: Proc, timeout_s: float) -> float:
     raise LegFailed(f"{proc.name}: {url} not ready after {timeout_s:.0f} s:\n{proc.tail()}")
 
 
-# --- CPU time, for the host-CPU calibration and the planner's real leg -----------------------------
+# --- CPU time: the relay benchmarks' processes, the host-CPU calibration, the planner's real leg ----
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -166,6 +167,39 @@ def box_busy_s() -> float:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
     return (user + nice + system + irq + softirq) / TICK
+
+
+def cpu_s(pids: Sequence[int]) -> float:
+    """utime + stime of ``pids`` (every thread of each), seconds; a gone process counts 0."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+    return total / TICK
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
+def relay_pids(tag: str) -> dict[str, list[int]]:
+    """A benchmark cluster's processes by part, found by its tag: gateway replicas, HAProxy, the
+    relay benchmark's engine replica (``sim-paced``) and the no-logic floor's replicas."""
+    out: dict[str, list[int]] = {"gateway": [], "haproxy": [], "engine_replica": [], "floor": []}
+    for pid, comm in sorted(tagged_processes(tag).items()):
+        cmd = _cmdline(pid)
+        if comm == "haproxy":
+            out["haproxy"].append(pid)
+        elif b"ServeReplica" in cmd and b"Gateway" in cmd:
+            out["gateway"].append(pid)
+        elif b"ServeReplica" in cmd and b"sim-paced" in cmd:
+            out["engine_replica"].append(pid)
+        elif b"ServeReplica" in cmd and b"FloorRelay" in cmd:
+            out["floor"].append(pid)
+    return out
 
 
 def engine_cores_s() -> dict[int, float]:

@@ -120,6 +120,19 @@ def overhead_floor(r: Results) -> str:
             meets(goals[2]),
         ],
     ]
+    cpu = ("relay_cpu_ms_per_request_c16", "floor_relay_cpu_ms_per_request_c16")
+    cpu += ("peer_relay_cpu_ms_per_request_c16",)
+    if all(d.get(k) is not None for k in cpu):  # (files before it was read have none)
+        rows.append(
+            [
+                "relay CPU per request at 16 streams (ms)",
+                fixed(d["floor_relay_cpu_ms_per_request_c16"], 2),
+                fixed(d["relay_cpu_ms_per_request_c16"], 2),
+                signed(minus["relay_cpu_ms_per_request_c16"], 2),
+                f"none (the peer's {fixed(d['peer_relay_cpu_ms_per_request_c16'], 2)})",
+                "-",
+            ]
+        )
     header = ["", "the floor (no logic, same shape)", "ours", "ours over the floor", "goal"]
     header.append("the floor meets it")
     return table(header, "lrrrll", rows)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -19,6 +20,7 @@ from loadtest.benchmarks import bench_overhead as bo
 from loadtest.common import fake_upstream as fu
 from loadtest.common import overhead_client as oc
 from loadtest.common import overhead_stats as ostats
+from loadtest.common.procs import Proc, cpu_s
 
 # --- statistics --------------------------------------------------------------------------------------
 
@@ -93,7 +95,11 @@ def test_goals_are_booleans_and_none_where_unmeasured() -> None:
 
 def test_the_floor_legs_figures_goals_and_what_ours_costs_over_it() -> None:
     floor = {"c1": _leg(2.2, 3.5, 600), "c16": _leg(11.0, 30.0, 700), "c64": _leg(60.0, 90.0, 800)}
-    fig = bo.overhead_figures({**LEGS, "floor": floor})
+    floor["c16"]["relay_cpu_ms_per_request"] = 0.4
+    ours = {**LEGS["ours"], "c16": {**LEGS["ours"]["c16"], "relay_cpu_ms_per_request": 1.0}}
+    fig = bo.overhead_figures({**LEGS, "ours": ours, "floor": floor})
+    assert (fig["relay_cpu_ms_per_request_c16"], fig["floor_relay_cpu_ms_per_request_c16"]) == (1.0, 0.4)
+    assert fig["peer_relay_cpu_ms_per_request_c16"] is None  # not read: no processes named for it
     assert fig["floor_added_ttft_p50_ms_c1"] == pytest.approx(1.2)
     assert fig["floor_added_ttft_p50_ms_c16"] == pytest.approx(1.0)
     assert fig["floor_rps_c16"] == 700 and fig["stress"]["floor_rps_c64"] == 800
@@ -107,10 +113,27 @@ def test_the_floor_legs_figures_goals_and_what_ours_costs_over_it() -> None:
         "added_ttft_p50_ms_c1": pytest.approx(-0.3),  # 0.9 - 1.2
         "added_ttft_p50_ms_c16": pytest.approx(2.5),  # 3.5 - 1.0
         "rps_c16_share": pytest.approx(0.714),  # 500 / 700
+        "relay_cpu_ms_per_request_c16": pytest.approx(0.6),  # 1.0 - 0.4
     }
     without = bo.overhead_figures(LEGS)  # an earlier file: no floor leg
     assert set(bo.floor_goals(without).values()) == {None}
     assert set(bo.ours_minus_floor(without).values()) == {None}
+
+
+def test_a_legs_relay_cpu_is_per_request_answered_over_the_batches_that_read_it() -> None:
+    ok, failed = oc.Sample(True, 1.0, 2.0), oc.Sample(False, error="x")
+    read = oc.Batch([ok, ok, failed], wall_s=1.0, relay_cpu_s=0.004)  # 4 ms for 2 answered
+    unread = oc.Batch([ok], wall_s=1.0)  # a batch whose processes were not found
+    assert oc.leg_figures([read, unread])["relay_cpu_ms_per_request"] == pytest.approx(2.0)
+    assert oc.leg_figures([unread])["relay_cpu_ms_per_request"] is None
+
+
+def test_the_peers_relay_process_is_read_and_a_leg_without_one_is_not(tmp_path: Path) -> None:
+    with Proc("peer-router", ["sleep", "30"], tmp_path) as router:
+        legs = bo.relay_processes({"direct": "u", "peer": "u", "ours": "u"}, [router])
+        assert set(legs) == {"peer"}  # direct relays nothing; no cluster was started for ours
+        assert legs["peer"]() == [router.p.pid]
+        assert cpu_s(legs["peer"]()) >= 0.0 and cpu_s([]) == 0.0
 
 
 def test_error_rate_problems_flag_over_one_percent() -> None:
