@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cluster.providers import StreamDelta, openai_wire
+from cluster.providers.plain_events import literal_text
 from cluster.providers.sse import SSEEvent
 from deployments.providers.provider_stream import ChunkReader, StreamState, as_chunk
 
@@ -90,8 +91,9 @@ def _stream(payloads: list[bytes], cuts: list[int]) -> list[bytes]:
     return [body[a:b] for a, b in itertools.pairwise(points) if b > a]
 
 
-def _read_all(reads: list[bytes], fast: bool) -> tuple[list[Any], Any]:
-    s = StreamState(10)
+def openai_reader(s: StreamState, fast: bool) -> ChunkReader:
+    """A reader of an OpenAI-wire stream into ``s`` (``fast``: the plain ``data:`` fast path and
+    the plain text events' shape; else the general parser alone)."""
 
     def parse(ev: SSEEvent) -> StreamDelta:
         return openai_wire.parse_stream_data(ev.data)
@@ -99,7 +101,12 @@ def _read_all(reads: list[bytes], fast: bool) -> tuple[list[Any], Any]:
     def fail(error: dict[str, Any], started: bool) -> Exception:
         return RuntimeError(f"{error.get('message')} started={started}")
 
-    reader = ChunkReader(s, parse, fail, "r0", "b0", openai_data=fast)
+    return ChunkReader(s, parse, fail, "r0", "b0", openai_data=fast)
+
+
+def _read_all(reads: list[bytes], fast: bool) -> tuple[list[Any], Any]:
+    s = StreamState(10)
+    reader = openai_reader(s, fast)
     out: list[Any] = []
     for data in reads:
         batch, failure = reader.read(data)
@@ -110,7 +117,9 @@ def _read_all(reads: list[bytes], fast: bool) -> tuple[list[Any], Any]:
             break
         if s.done:
             break
-    state = (s.started, s.done, s.finish, s.usage, s.out_parts)
+    # a part read by its shape is kept as its JSON string: compared as the text it is
+    texts = [p if isinstance(p, str) else literal_text(p) for p in s.out_parts]
+    state = (s.started, s.done, s.finish, s.usage, texts)
     return out, state
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
-from cluster.providers import StreamDelta, openai_wire
+from cluster.providers import openai_wire
 from cluster.providers.plain_events import PlainShape, joined_text, literal_text
-from cluster.providers.sse import SSEEvent
-from deployments.providers.provider_stream import ChunkReader, StreamState, as_chunk
+from deployments.providers.provider_stream import StreamState, as_chunk
+from tests.unit.test_openai_fast_read import openai_reader
 
 HEAD = {"id": "chatcmpl-up1", "object": "chat.completion.chunk", "created": 7, "model": "up-model"}
 
@@ -81,14 +81,7 @@ def test_a_completions_event_has_its_shape_too() -> None:
 
 def _read(reads: list[bytes], shapes: bool) -> tuple[list[list[tuple[str, Any]]], Any, int]:
     s = StreamState(10)
-
-    def parse(ev: SSEEvent) -> StreamDelta:
-        return openai_wire.parse_stream_data(ev.data)
-
-    def fail(error: dict[str, Any], started: bool) -> Exception:
-        return RuntimeError(f"{error.get('message')} started={started}")
-
-    reader = ChunkReader(s, parse, fail, "r0", "b0", openai_data=True)
+    reader = openai_reader(s, fast=True)
     if not shapes:
         reader.learns = 0
     out, literals = [], 0
