@@ -52,9 +52,11 @@ class PlainShape:
         """The shape of the event whose ``data`` is ``payload``, which ``read`` (the API's plain-text
         reader, :func:`cluster.providers.openai_wire.plain_text`) read as the plain text ``text``;
         None when its text's string cannot be found exactly once where a text goes."""
-        lit = b'"' + text.encode("ascii", errors="replace") + b'"'
-        if not text.isascii() or _LITERAL.fullmatch(lit) is None:
-            return None  # the text needs escapes (or is not ASCII): its bytes on the wire may vary
+        if not text.isascii():
+            return None  # its bytes on the wire may be escaped or not
+        lit = b'"' + text.encode("ascii") + b'"'
+        if _LITERAL.fullmatch(lit) is None:
+            return None  # the text needs escapes: its bytes on the wire may vary
         at = payload.find(lit)
         if at < 0 or payload.find(lit, at + 1) >= 0:
             return None

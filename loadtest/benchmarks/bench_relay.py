@@ -142,11 +142,6 @@ def body(model: str, chunks: int, ignore_eos: bool = False) -> bytes:
     return json.dumps(req | ({"ignore_eos": True} if ignore_eos else {})).encode()
 
 
-def cluster_pids(ours: OursCluster) -> dict[str, list[int]]:
-    """Our cluster's relay processes (gateway replicas, HAProxy) and its engine replica, by tag."""
-    return relay_pids(ours.tag)
-
-
 # --- the client ------------------------------------------------------------------------------------
 
 
@@ -308,17 +303,17 @@ def start_legs(
     ours = stack.enter_context(OursCluster("ours", cfg, port, logdir, floor_upstream=up_url))
     out["clusters"].append(ours)
     out["startup_s"]["ours"] = _r(ours.wait_ready(300), 1)
-    pids = cluster_pids(ours)
+    pids = relay_pids(ours.tag)
     out["processes"] = {k: len(v) for k, v in pids.items()}
     if not all(pids.values()):
         raise LegFailed(f"ours: relay processes not found by tag: {pids}")
     relay = ("gateway", "haproxy")
-    legs["ours"] = Leg(ours.url, provider_body, up, relay, lambda: cluster_pids(ours))
+    legs["ours"] = Leg(ours.url, provider_body, up, relay, lambda: relay_pids(ours.tag))
     legs["engine"] = Leg(
-        ours.url, body(SIM_MODEL, chunks, ignore_eos=True), {}, relay, lambda: cluster_pids(ours)
+        ours.url, body(SIM_MODEL, chunks, ignore_eos=True), {}, relay, lambda: relay_pids(ours.tag)
     )
     floor = ("floor", "haproxy")
-    legs["floor"] = Leg(ours.floor_url or "", provider_body, up, floor, lambda: cluster_pids(ours))
+    legs["floor"] = Leg(ours.floor_url or "", provider_body, up, floor, lambda: relay_pids(ours.tag))
     return legs
 
 

@@ -31,10 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deployments.launcher.local import free_port
-from loadtest.benchmarks.bench_relay import SIM_MODEL, body, cluster_pids, relay_config
+from loadtest.benchmarks.bench_relay import SIM_MODEL, body, relay_config
 from loadtest.common.overhead_client import HOST, MODEL, client_session, run_jobs
 from loadtest.common.overhead_cluster import OursCluster
-from loadtest.common.procs import Proc, wait_http
+from loadtest.common.procs import Proc, relay_pids, wait_http
 
 
 def _py_spy() -> str:
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         ours.wait_ready(180)
         engine = args.path == "engine"
         payload = body(SIM_MODEL if engine else MODEL, args.chunks, ignore_eos=engine)
-        pids = cluster_pids(ours)["floor" if floor else "gateway"]
+        pids = relay_pids(ours.tag)["floor" if floor else "gateway"]
         url = (ours.floor_url if floor else None) or ours.url
         print(f"{args.path} replicas {pids}; warming {args.warm_s:.0f} s", flush=True)
         asyncio.run(_load(url, payload, args.streams, args.warm_s))
