@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.config import ClusterConfig, load_config
 from deployments.launcher.local import ENGINE_ENV, free_port
+from loadtest.common.cold_path import prepare_cold_and_hot
 from loadtest.common.fake_upstream import CHUNKS
 from loadtest.common.overhead_client import (
     HOST,
@@ -167,6 +168,8 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
     """Start the fake upstream and each leg in front of it, check one answer each, run every level."""
     out: dict[str, Any] = {"legs": {}, "startup_s": {}, "stop": {}, "problems": []}
     body = relay_body()
+    if "ours" in legs:  # our preparation of this request, hot and cold, before any process starts
+        out["cold_path"] = prepare_cold_and_hot(provider_config(0, 0), body)
     procs: list[Proc] = []
     with contextlib.ExitStack() as stack:
         upstream, up_port = start_fake_upstream(logdir)
@@ -444,6 +447,7 @@ def assemble(relay: dict | None, vllm: dict | None, levels: Sequence[Level], pro
     out: dict[str, Any] = {k: x for k, x in fig.items() if k != "stress"}
     out.update(stress=fig["stress"], **v, goals=evaluate_goals(fig, v))
     out.update(floor_goals=floor_goals(fig), ours_minus_floor=ours_minus_floor(fig), problems=problems)
+    out["cold_path"] = (relay or {}).get("cold_path")
     if relay is not None:
         out["legs"] = relay.get("legs", {})
         out["relay"] = {k: relay.get(k, {}) for k in ("startup_s", "stop")}
@@ -484,6 +488,11 @@ def print_summary(result: dict[str, Any]) -> None:
     for goal, ok in result.get("floor_goals", {}).items():
         print(f"the floor leg, goal {goal}: {ok}")
     print(f"ours minus the floor: {result.get('ours_minus_floor')}")
+    if cold := result.get("cold_path"):
+        print(
+            f"our preparation of the request, hot / after {cold['idle_ms']} ms idle: "
+            f"{cold['hot_us']} / {cold['cold_us']} us ({cold['cold_factor']}x)"
+        )
     for p in result["problems"]:
         print(f"problem: {p.splitlines()[0]}")
 

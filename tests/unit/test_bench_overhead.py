@@ -348,7 +348,8 @@ async def test_the_floor_relay_passes_the_upstreams_bytes_through_unchanged() ->
 
 
 def test_assemble_puts_headline_keys_goals_and_provenance_in_the_results() -> None:
-    relay = {"legs": LEGS, "startup_s": {"ours": 20.0}, "stop": {}, "problems": []}
+    cold = {"what": "prepare", "idle_ms": 2.0, "hot_us": 40.0, "cold_us": 120.0, "cold_factor": 3.0}
+    relay = {"legs": LEGS, "startup_s": {"ours": 20.0}, "stop": {}, "problems": [], "cold_path": cold}
     vllm = {"vllm_e2e_p50_ms": 105.0, "peer_vllm_e2e_p50_ms": 100.0, "legs": {}, "problems": ["x"]}
     prov = bo.provenance(["--quick"], bo.git_state(), (1.0, 2.0, 3.0), 0.0)
     out = bo.assemble(relay, vllm, bo.QUICK, prov)
@@ -356,7 +357,7 @@ def test_assemble_puts_headline_keys_goals_and_provenance_in_the_results() -> No
     assert out["rps_c16"] == 500 and out["stress"]["rps_c64"] == 520
     assert (out["vllm_e2e_p50_ms"], out["peer_vllm_e2e_p50_ms"]) == (105.0, 100.0)
     assert all(isinstance(v, bool) for v in out["goals"].values())
-    assert out["problems"] == ["x"] and out["legs"] is LEGS
+    assert out["problems"] == ["x"] and out["legs"] is LEGS and out["cold_path"] == cold
     assert out["relay"]["levels"][0] == {"concurrency": 1, "rounds": 4, "batch": 25, "max_s": 5.0}
     p = out["provenance"]
     assert {
