@@ -169,7 +169,7 @@ def relay_phase(legs: Sequence[str], levels: Sequence[Level], logdir: Path, runn
     out: dict[str, Any] = {"legs": {}, "startup_s": {}, "stop": {}, "problems": []}
     body = relay_body()
     if "ours" in legs:  # our preparation of this request, hot and cold, before any process starts
-        out["cold_path"] = prepare_cold_and_hot(provider_config(0, 0), body)
+        out["cold_path"] = prepare_cold_and_hot(provider_config(1, 2), body)  # ports unused: no I/O
     procs: list[Proc] = []
     with contextlib.ExitStack() as stack:
         upstream, up_port = start_fake_upstream(logdir)
